@@ -1,0 +1,9 @@
+"""mgk: Transformer-MGK attention (mixture of Gaussian keys, Nguyen et al., ICML 2022) and its experiment harness.
+
+Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
+Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention`; the math is in :mod:`mgk.functional`.
+"""
+from .attention import MGKAttention, MultiheadAttention, attention_kinds, build_attention
+
+__version__ = "0.1.0"
+__all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]

@@ -1,0 +1,7 @@
+"""Attention modules (thin nn.Modules over :mod:`mgk.functional`) and the registry of attention kinds."""
+from .base import AttentionBase
+from .mgk import MGKAttention
+from .registry import attention_kinds, build_attention, register
+from .softmax import MultiheadAttention
+
+__all__ = ["AttentionBase", "MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "register"]

@@ -1,0 +1,90 @@
+"""Command line: argument parsing and dispatch only (``mgk ...`` or ``python -m mgk ...``)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from . import config as config_mod
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model on a task (default: generated ListOps, small CPU preset)",
+                       description="Train on a task. Without --data, ListOps is generated (the embedded default).")
+    p.add_argument("--task", default=None, help="task name (default: the preset's task, listops)")
+    p.add_argument("--preset", default=None, choices=sorted(config_mod.PRESETS),
+                   help="starting configuration (default: <task>-small)")
+    p.add_argument("--data", default=None, help="folder with the release files (default: generate)")
+    p.add_argument("--attention", default=None, help="softmax, mgk, smgk, linear, mlk or smlk")
+    p.add_argument("--heads", type=int, default=None, help="number of attention heads")
+    p.add_argument("--pi", default=None, choices=["learned", "soft_e", "hard_e"], help="MGK mixture-weight mode")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field (repeatable), e.g. --set batch_size=16 --set lr=3e-4")
+
+
+def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
+    if args.resume:
+        from .train.records import read_config
+
+        run_dir = Path(args.resume)
+        cfg = config_mod.from_dict(read_config(run_dir))
+        flags = [n for n in ("task", "preset", "data", "attention", "heads", "pi", "seed", "out")
+                 if getattr(args, n) is not None]
+        if flags:
+            raise SystemExit(f"mgk train --resume takes its config from {run_dir}/config.yaml; "
+                             f"drop --{', --'.join(flags)} (use --set for steps or bookkeeping fields)")
+        changes = {k: v for k, v in (("steps", args.steps), ("precision", args.precision)) if v is not None}
+        cfg = config_mod.apply_overrides(dataclasses.replace(cfg, **changes), args.overrides)
+        return cfg, run_dir, True
+    task = args.task or "listops"
+    preset = args.preset or f"{task}-small"
+    if preset not in config_mod.PRESETS:
+        raise SystemExit(f"no preset {preset!r}; choose --preset from {sorted(config_mod.PRESETS)}")
+    cfg = dataclasses.replace(config_mod.PRESETS[preset], task=task)
+    flags = {"data": args.data, "attention": args.attention, "num_heads": args.heads, "pi": args.pi,
+             "steps": args.steps, "seed": args.seed, "precision": args.precision}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
+    cfg = config_mod.apply_overrides(cfg, args.overrides)
+    out = Path(args.out) if args.out else Path("runs") / f"{cfg.task}-{cfg.attention}{cfg.num_heads}-" \
+                                                          f"{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, out, False
+
+
+def _run_train(args) -> int:
+    from .train.loop import fit
+
+    try:
+        cfg, run_dir, resume = _resolve_train_config(args)
+        config_mod.validate(cfg)
+    except ValueError as e:
+        raise SystemExit(f"mgk train: {e}") from None
+    fit(cfg, run_dir, resume=resume, device=args.device)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mgk`` argument parser with its sub-commands."""
+    parser = argparse.ArgumentParser(prog="mgk", description="Transformer-MGK: attention with a mixture of "
+                                                              "Gaussian keys, and the paper's experiments.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mgk`` console script."""
+    args = build_parser().parse_args(argv)
+    handlers = {"train": _run_train}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

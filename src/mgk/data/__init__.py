@@ -1,0 +1,1 @@
+"""Dataset readers, encoders and synthetic generators for the Transformer-MGK experiments."""

@@ -1,0 +1,20 @@
+"""Pure tensor math of every attention family (no nn.Module). The single source of truth for the formulas."""
+from .linear import LinearAttentionState, elu_feature_map, linear_attention, linear_attention_step, mlk_attention
+from .masks import MaskError, causal_mask
+from .mgk import gaussian_log_kernel, mgk_attention, mgk_responsibilities
+from .softmax import softmax_attention, softmax_attention_reference
+
+__all__ = [
+    "LinearAttentionState",
+    "MaskError",
+    "causal_mask",
+    "elu_feature_map",
+    "gaussian_log_kernel",
+    "linear_attention",
+    "linear_attention_step",
+    "mgk_attention",
+    "mgk_responsibilities",
+    "mlk_attention",
+    "softmax_attention",
+    "softmax_attention_reference",
+]

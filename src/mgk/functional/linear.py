@@ -1,0 +1,352 @@
+"""Linear attention (Katharopoulos et al. 2020) and attention with a mixture of linear keys (MLK, paper eq. 14).
+
+With a feature map ``phi`` (default ``elu(x) + 1``, positive), query i, and key features ``phi~(k_j)``::
+
+    o_i = phi(q_i)^T sum_j phi~(k_j) v_j^T / (phi(q_i)^T sum_j phi~(k_j) + eps)
+
+Linear attention uses ``phi~(k_j) = phi(k_j)``; MLK mixes the *features* of the M key components,
+``phi~(k_j) = sum_r pi_jr phi(k_jr)`` (not the raw keys before phi, which collapses to one key projection).
+The sums are taken over the keys query i may see: all unpadded keys, and in causal mode only ``j <= i + S - L``
+(bottom-right alignment, :mod:`mgk.functional.masks`).
+
+Masks: prefix sums cannot express an arbitrary (L, S) mask, so ``attn_mask`` may only mark padded keys (shape
+broadcastable to (B, H, 1, S), True = real key); causality is ``is_causal``. Padded keys are removed with
+``torch.where`` on the raw keys and again on the features and values (``elu(0) + 1 = 1``, so zeroing a key is not
+enough, and NaN/1e30 padding must never meet a multiplication). Query rows that can see no key are exactly zero.
+
+Three paths compute the same numbers:
+
+* non-causal: the (B, H, D', Dv) state ``sum_j phi~(k_j) v_j^T`` and the (B, H, D') normaliser, O(L + S) memory;
+* causal: chunked prefix sums. Inside a chunk of c positions an explicit masked (c x c) quadratic form; across
+  chunks an exclusive cumulative sum of per-chunk states (B, H, L / c, D', Dv). Never an L x D' x Dv tensor;
+* explicit (``return_weights=True``): the (B, H, L, S) normalised weights, their product with v.
+
+Sums and denominators run in float32 (float64 for float64 inputs) with autocast off; the output has query's dtype.
+:func:`linear_attention_step` is the recurrent form for causal decoding, one position at a time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import masks as _masks
+from ._checks import check_same, check_tensor, compute_dtype, full_precision
+from .mgk import _check as _check_mixture
+from .mgk import _log_prior
+
+FeatureMap = Callable[[Tensor], Tensor]
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """``elu(x) + 1``, the positive feature map of Katharopoulos et al. (2020); shape-preserving."""
+    return F.elu(x) + 1.0
+
+
+def _options(eps, feature_map, chunk_size) -> FeatureMap:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if feature_map is None:
+        return elu_feature_map
+    if not callable(feature_map):
+        raise ValueError(f"feature_map must be a callable mapping (..., D) to (..., D'), got {type(feature_map).__name__}")
+    return feature_map
+
+
+def _key_padding(attn_mask, B: int, H: int, L: int, S: int) -> Tensor | None:
+    """Check ``attn_mask`` and return the (B?, H?, S) bool key mask (True = real key), or None."""
+    mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
+    if mask is None:
+        return None
+    if mask.shape[-2] != 1:
+        raise _masks.MaskError(
+            f"linear attention supports only key-padding masks (plus is_causal): attn_mask must broadcast to "
+            f"(B, 1, 1, S) or (B, H, 1, S) = {(B, H, 1, S)}, got shape {tuple(attn_mask.shape)} with a query "
+            f"dimension; a mask that varies over queries cannot be expressed through the key sums")
+    return mask[..., 0, :]
+
+
+def _features(fm: FeatureMap, x: Tensor, name: str) -> Tensor:
+    out = fm(x)
+    if not isinstance(out, Tensor) or out.shape[:-1] != x.shape[:-1]:
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"feature_map must map {name} of shape {tuple(x.shape)} to (..., D') keeping the leading "
+                         f"dims, got {shape}")
+    return out
+
+
+def _key_features(fm: FeatureMap, key: Tensor, log_pi: Tensor | None, keep: Tensor | None) -> Tensor:
+    """``phi~(k_j) = sum_r pi_jr phi(k_jr)`` for key (B, H, M, S, D); padded keys give exactly zero features.
+
+    ``log_pi`` is None (uniform) or broadcastable to (B, H, M, S); ``keep`` is (B?, H?, S) bool or None."""
+    zero = torch.zeros((), dtype=key.dtype, device=key.device)
+    if keep is not None:
+        key = torch.where(keep[..., None, :, None], key, zero)  # finite input to phi, zero gradient at padding
+    feats = _features(fm, key, "key")  # (B, H, M, S, D')
+    M = key.shape[2]
+    if M == 1 and log_pi is None:
+        phi = feats[:, :, 0]
+    else:
+        pi = _log_prior(log_pi, M, key.dtype, key.device).exp()  # (B?, H?, M, S?)
+        phi = (pi.unsqueeze(-1) * feats).sum(dim=2)
+    if keep is not None:
+        phi = torch.where(keep.unsqueeze(-1), phi, zero)
+    return phi
+
+
+def _empty_rows(keep: Tensor | None, is_causal: bool, L: int, S: int, device) -> Tensor | None:
+    """(B?, H?, L?, 1) bool: query rows that may attend to no key; None when every row sees a key."""
+    if is_causal:
+        limit = torch.arange(L, device=device) + (S - L)  # last key index each query may see
+        if keep is None:
+            empty = (limit < 0).view(1, 1, L, 1)
+        elif S == 0:
+            empty = torch.ones(1, 1, L, 1, dtype=torch.bool, device=device)
+        else:
+            seen = keep.to(torch.int32).cumsum(-1)[..., limit.clamp(0, S - 1)]  # real keys among 0..limit
+            empty = ((seen == 0) | (limit < 0)).unsqueeze(-1)
+    else:
+        if keep is None:
+            return None if S > 0 else torch.ones(1, 1, L, 1, dtype=torch.bool, device=device)
+        empty = ~keep.any(dim=-1)[..., None, None]
+    return empty if bool(empty.any()) else None
+
+
+def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
+    """Causal sums for aligned queries/keys (query i sees keys j <= i), starting from state (kv0, z0).
+
+    Returns numerator (B, H, N, Dv) and denominator (B, H, N)."""
+    B, H, N, Dq = phi_q.shape
+    Dv = v.shape[-1]
+    if N == 0:
+        return phi_q.new_zeros(B, H, 0, Dv), phi_q.new_zeros(B, H, 0)
+    c = min(chunk, N)
+    pad = (-N) % c
+    if pad:  # zero features contribute nothing; the padded query rows are dropped below
+        phi_q, phi_k, v = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
+    n = (N + pad) // c
+    qc = phi_q.reshape(B, H, n, c, Dq)
+    kc = phi_k.reshape(B, H, n, c, Dq)
+    vc = v.reshape(B, H, n, c, Dv)
+    kv_chunk = kc.transpose(-1, -2) @ vc  # (B, H, n, D', Dv)
+    z_chunk = kc.sum(dim=-2)  # (B, H, n, D')
+    # State before chunk m: kv0 + sum of chunks < m (exclusive cumulative sum).
+    kv_prev = torch.cat([kv0.unsqueeze(2), kv_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
+    z_prev = torch.cat([z0.unsqueeze(2), z_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
+    tri = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
+    scores = torch.where(tri, qc @ kc.transpose(-1, -2), torch.zeros((), dtype=qc.dtype, device=qc.device))
+    num = qc @ kv_prev + scores @ vc
+    den = (qc @ z_prev.unsqueeze(-1)).squeeze(-1) + scores.sum(dim=-1)
+    return num.reshape(B, H, n * c, Dv)[:, :, :N], den.reshape(B, H, n * c)[:, :, :N]
+
+
+def _causal(phi_q, phi_k, v, chunk: int):
+    """Bottom-right aligned causal sums: query i sees keys j <= i + S - L."""
+    L, S = phi_q.shape[2], phi_k.shape[2]
+    off = S - L
+    if off < 0:  # the first -off queries see no key
+        num, den = _causal(phi_q[:, :, -off:], phi_k, v, chunk)
+        return F.pad(num, (0, 0, -off, 0)), F.pad(den, (-off, 0))
+    # Keys before the aligned block are seen by every query: they form the initial state.
+    kv0 = phi_k[:, :, :off].transpose(-1, -2) @ v[:, :, :off]
+    z0 = phi_k[:, :, :off].sum(dim=-2)
+    return _chunked_prefix(phi_q, phi_k[:, :, off:], v[:, :, off:], kv0, z0, chunk)
+
+
+def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights):
+    """Shared core of linear and MLK attention; key is (B, H, M, S, D), already checked."""
+    out_dtype = query.dtype
+    L, S = query.shape[2], key.shape[3]
+    dt = compute_dtype(query, key, value)
+    q, k, v = query.to(dt), key.to(dt), value.to(dt)
+    with full_precision(query.device):
+        phi_q = _features(fm, q, "query")
+        phi_k = _key_features(fm, k, log_pi, keep)
+        check_same("feature_map(query)", phi_q.shape[-1], "feature_map(key)", phi_k.shape[-1], "feature size D'")
+        if keep is not None:
+            v = torch.where(keep.unsqueeze(-1), v, torch.zeros((), dtype=dt, device=v.device))
+        empty = _empty_rows(keep, is_causal, L, S, query.device)
+        weights = None
+        if return_weights:
+            weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, L, S); padded keys are already 0
+            if is_causal:
+                weights = torch.where(_masks.causal_mask(L, S, query.device), weights,
+                                      torch.zeros((), dtype=dt, device=query.device))
+            weights = _masks.zero_rows(weights / (weights.sum(dim=-1, keepdim=True) + eps), empty)
+            out = weights @ v
+        else:
+            if is_causal:
+                num, den = _causal(phi_q, phi_k, v, chunk_size)
+            else:
+                num = phi_q @ (phi_k.transpose(-1, -2) @ v)
+                den = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)
+                den = den.squeeze(-1)
+            out = num / (den.unsqueeze(-1) + eps)
+        out = _masks.zero_rows(out, empty).to(out_dtype)
+    return (out, weights.to(out_dtype)) if return_weights else out
+
+
+def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
+                     is_causal: bool = False, eps: float = 1e-6, feature_map: FeatureMap | None = None,
+                     chunk_size: int = 64, return_weights: bool = False):
+    """Linear attention ``o_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i)^T sum_j phi(k_j) + eps)``.
+
+    Katharopoulos et al. (2020), "Transformers are RNNs"; the linear baseline of the paper (SPEC section 1).
+
+    Args:
+        query: (B, H, L, D) floating.
+        key: (B, H, S, D).
+        value: (B, H, S, Dv).
+        attn_mask: bool key-padding mask broadcastable to (B, 1, 1, S) or (B, H, 1, S), True = real key. Masks
+            with a query dimension (L > 1) are rejected: use ``is_causal`` for causality.
+        is_causal: causal, aligned bottom-right (query i sees keys j <= i + S - L).
+        eps: added to the denominator (it biases every output toward 0 by the factor den / (den + eps)).
+        feature_map: callable (..., D) -> (..., D') applied to queries and keys; default ``elu(x) + 1``. It should
+            be non-negative so that the weights form a distribution.
+        chunk_size: positions per chunk of the causal prefix sums (speed and memory only).
+        return_weights: also return the explicit (B, H, L, S) normalised weights (O(L S) memory).
+    Returns:
+        (B, H, L, Dv) in query's dtype, and the weights when ``return_weights``. Rows that may attend to no key
+        (every key padded, or before the first visible key in causal mode) are exactly zero.
+    Raises:
+        ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for a non-bool mask or
+        a mask that is not a key-padding mask.
+    """
+    check_tensor(query, "query", 4, "(B, H, L, D)")
+    check_tensor(key, "key", 4, "(B, H, S, D)")
+    check_tensor(value, "value", 4, "(B, H, S, Dv)")
+    B, H, L, D = query.shape
+    S = key.shape[2]
+    check_same("query", B, "key", key.shape[0], "batch size")
+    check_same("query", H, "key", key.shape[1], "number of heads")
+    check_same("query", D, "key", key.shape[3], "head_dim")
+    check_same("key", S, "value", value.shape[2], "key length S")
+    check_same("key", B, "value", value.shape[0], "batch size")
+    check_same("key", H, "value", value.shape[1], "number of heads")
+    fm = _options(eps, feature_map, chunk_size)
+    keep = _key_padding(attn_mask, B, H, L, S)
+    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, eps, fm, chunk_size, return_weights)
+
+
+def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
+                  attn_mask: Tensor | None = None, is_causal: bool = False, eps: float = 1e-6,
+                  feature_map: FeatureMap | None = None, chunk_size: int = 64, return_weights: bool = False):
+    """Attention with a mixture of linear keys (MLK, paper eq. 14).
+
+    Linear attention whose key feature is ``phi~(k_j) = sum_r pi_jr phi(k_jr)``:
+    ``o_i = phi(q_i)^T sum_j phi~(k_j) v_j^T / (phi(q_i)^T sum_j phi~(k_j) + eps)``.
+
+    Args:
+        query: (B, H, L, D) floating.
+        key: (B, H, M, S, D), M mixture components per key position.
+        value: (B, H, S, Dv).
+        log_pi: log mixture weights broadcastable to (B, H, M, S); default uniform ``-log M``. Entries of -inf
+            switch a component off. Not normalised here (un-normalised weights rescale a key's mass).
+        attn_mask, is_causal, eps, feature_map, chunk_size, return_weights: as :func:`linear_attention`.
+    Returns:
+        As :func:`linear_attention`.
+    Raises:
+        ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for masks.
+    """
+    B, H, L, S, M, D, _ = _check_mixture(query, key, value, log_pi, None, "sum", None)
+    fm = _options(eps, feature_map, chunk_size)
+    keep = _key_padding(attn_mask, B, H, L, S)
+    return _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights)
+
+
+@dataclass(frozen=True)
+class LinearAttentionState:
+    """Running sums of causal linear/MLK attention, in float32 (float64 for float64 inputs).
+
+    Attributes:
+        kv: (B, H, D', Dv), ``sum_j phi~(k_j) v_j^T`` over the keys seen so far.
+        k_sum: (B, H, D'), ``sum_j phi~(k_j)``.
+    """
+
+    kv: Tensor
+    k_sum: Tensor
+
+
+def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state: LinearAttentionState | None = None,
+                          *, log_pi_t: Tensor | None = None, key_mask_t: Tensor | None = None,
+                          feature_map: FeatureMap | None = None, eps: float = 1e-6):
+    """One step of causal linear attention (key_t (B, H, D)) or MLK (key_t (B, H, M, D)), the recurrent form.
+
+    Adds position t to the running sums, then attends from ``query_t`` (the diagonal is included). Running it over
+    t = 0..L-1 gives the outputs of :func:`linear_attention` / :func:`mlk_attention` with ``is_causal=True``.
+
+    Args:
+        query_t: (B, H, D); key_t: (B, H, D) or (B, H, M, D); value_t: (B, H, Dv).
+        state: the state returned by the previous step; None at t = 0.
+        log_pi_t: MLK log mixture weights of this key, broadcastable to (B, H, M); default uniform. Only with a
+            4-dim key_t.
+        key_mask_t: bool broadcastable to (B, H); False marks a padding step (its key and value are not added,
+            e.g. left padding in batched decoding). None: every step is real.
+        feature_map, eps: as :func:`linear_attention`.
+    Returns:
+        ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen) and the new
+        :class:`LinearAttentionState` (the old one is not modified).
+    Raises:
+        ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for key_mask_t.
+    """
+    check_tensor(query_t, "query_t", 3, "(B, H, D)")
+    mlk = isinstance(key_t, Tensor) and key_t.dim() == 4
+    check_tensor(key_t, "key_t", 4 if mlk else 3, "(B, H, D) or (B, H, M, D)")
+    check_tensor(value_t, "value_t", 3, "(B, H, Dv)")
+    B, H, D = query_t.shape
+    key = key_t.unsqueeze(-2) if mlk else key_t.unsqueeze(2).unsqueeze(3)  # (B, H, M, 1, D)
+    M = key.shape[2]
+    check_same("query_t", B, "key_t", key_t.shape[0], "batch size")
+    check_same("query_t", H, "key_t", key_t.shape[1], "number of heads")
+    check_same("query_t", D, "key_t", key_t.shape[-1], "head_dim")
+    check_same("key_t", B, "value_t", value_t.shape[0], "batch size")
+    check_same("key_t", H, "value_t", value_t.shape[1], "number of heads")
+    fm = _options(eps, feature_map, 1)
+    log_pi = None
+    if log_pi_t is not None:
+        if not mlk:
+            raise ValueError("log_pi_t is only used with MLK keys key_t of shape (B, H, M, D); pass None")
+        if not isinstance(log_pi_t, Tensor) or not log_pi_t.is_floating_point() or log_pi_t.dim() > 3 or any(
+                a not in (1, b) for a, b in zip((1,) * (3 - log_pi_t.dim()) + tuple(log_pi_t.shape), (B, H, M))):
+            shape = tuple(log_pi_t.shape) if isinstance(log_pi_t, Tensor) else type(log_pi_t).__name__
+            raise ValueError(f"log_pi_t must be a floating tensor broadcastable to (B, H, M) = {(B, H, M)}, "
+                             f"got {shape}")
+        log_pi = log_pi_t.unsqueeze(-1)
+    keep = None
+    if key_mask_t is not None:
+        if not isinstance(key_mask_t, Tensor) or key_mask_t.dtype != torch.bool or key_mask_t.dim() > 2 or any(
+                a not in (1, b) for a, b in zip((1,) * (2 - key_mask_t.dim()) + tuple(key_mask_t.shape), (B, H))):
+            what = (f"{key_mask_t.dtype} {tuple(key_mask_t.shape)}" if isinstance(key_mask_t, Tensor)
+                    else type(key_mask_t).__name__)
+            raise _masks.MaskError(f"key_mask_t must be a bool tensor broadcastable to (B, H) = {(B, H)} "
+                                   f"(True = real key), got {what}")
+        keep = key_mask_t.reshape((1,) * (2 - key_mask_t.dim()) + tuple(key_mask_t.shape)).unsqueeze(-1)
+    dt = compute_dtype(query_t, key_t, value_t)
+    with full_precision(query_t.device):
+        q, k, v = query_t.to(dt), key.to(dt), value_t.to(dt)
+        phi_q = _features(fm, q, "query_t")
+        phi_k = _key_features(fm, k, log_pi, keep)[:, :, 0]  # (B, H, D')
+        check_same("feature_map(query_t)", phi_q.shape[-1], "feature_map(key_t)", phi_k.shape[-1], "feature size D'")
+        if keep is not None:
+            v = torch.where(keep, v, torch.zeros((), dtype=dt, device=v.device))
+        kv = phi_k.unsqueeze(-1) * v.unsqueeze(-2)
+        z = phi_k
+        if state is not None:
+            if not isinstance(state, LinearAttentionState):
+                raise ValueError(f"state must be a LinearAttentionState or None, got {type(state).__name__}")
+            want = (B, H, phi_k.shape[-1], v.shape[-1])
+            if tuple(state.kv.shape) != want or tuple(state.k_sum.shape) != want[:3]:
+                raise ValueError(f"state has kv {tuple(state.kv.shape)} and k_sum {tuple(state.k_sum.shape)}; "
+                                 f"this step needs {want} and {want[:3]}")
+            kv = state.kv.to(dt) + kv
+            z = state.k_sum.to(dt) + z
+        num = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)
+        den = (phi_q * z).sum(dim=-1, keepdim=True)
+        out = (num / (den + eps)).to(query_t.dtype)
+    return out, LinearAttentionState(kv, z)

@@ -1,0 +1,244 @@
+"""Attention with a mixture of Gaussian keys (MGK), paper eq. 9-10.
+
+For query i, key position j with M components k_{j,r}, priors pi_{j,r} and variances sigma_r^2::
+
+    s_ijr = log pi_jr - |q_i - k_jr|^2 / (2 sigma_r^2)           (Gaussian log-kernel plus log prior)
+    A_ij  = softmax_j( logsumexp_r s_ijr )     mixture="sum"  (learned pi, Soft-E)
+    A_ij  = softmax_j( max_r  s'_ijr )         mixture="max"  (Hard-E, the k-means limit; pi unused)
+
+Everything is computed in log space, so queries far from every key (every exp underflowing) still give a proper
+distribution concentrated on the nearest key. Two paths compute the same numbers:
+
+* fast (mixture="sum", default): one ``scaled_dot_product_attention`` call over the M*S concatenated keys with
+  the values repeated M times. ``|q - k|^2 = |q|^2 - 2 q.k + |k|^2``; the per-key part of the bias is folded into
+  an extra head dimension, ``q' = [q, 1]`` and ``k'_r = [k_r / sigma_r^2, log pi_jr - |k_r|^2 / (2 sigma_r^2)]``
+  with scale 1 (the ``|q|^2`` term is constant along a row and cancels). With unequal variances it does not
+  cancel across components and a third column carries it: ``q' = [q, 1, |q|^2]``, ``k'_r = [..., -1/(2 sigma_r^2)]``.
+  Memory stays O(L + S) per head when SDPA uses a fused kernel.
+* explicit: the (B, H, L, M, S) log-kernel in query chunks; used for mixture="max", for returned weights, and as
+  the twin that tests compare the fast path with.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import masks as _masks
+from ._checks import check_same, check_tensor, compute_dtype, full_precision
+
+MIXTURES = ("sum", "max")
+_LOG_PI_FLOOR = -1.0e4  # exp(-1e4) is 0 in every dtype; keeps 0 * (-inf) out of SDPA's backward
+
+
+def _check(query, key, value, log_pi, sigma2, mixture, attn_mask):
+    check_tensor(query, "query", 4, "(B, H, L, D)")
+    check_tensor(key, "key", 5, "(B, H, M, S, D)")
+    check_tensor(value, "value", 4, "(B, H, S, Dv)")
+    B, H, L, D = query.shape
+    M, S = key.shape[2], key.shape[3]
+    check_same("query", B, "key", key.shape[0], "batch size")
+    check_same("query", H, "key", key.shape[1], "number of heads")
+    check_same("query", D, "key", key.shape[4], "head_dim")
+    check_same("key", S, "value", value.shape[2], "key length S")
+    check_same("key", B, "value", value.shape[0], "batch size")
+    check_same("key", H, "value", value.shape[1], "number of heads")
+    if mixture not in MIXTURES:
+        raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
+    if M < 1:
+        raise ValueError("key must have at least one mixture component (M >= 1)")
+    if log_pi is not None:
+        if mixture == "max":
+            raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
+        if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point():
+            raise ValueError(f"log_pi must be a floating tensor broadcastable to (B, H, M, S) = {(B, H, M, S)}")
+        if log_pi.dim() > 4 or any(
+                a not in (1, b) for a, b in zip((1,) * (4 - log_pi.dim()) + tuple(log_pi.shape), (B, H, M, S))):
+            raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, S) = "
+                             f"{(B, H, M, S)}")
+    mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
+    return B, H, L, S, M, D, mask
+
+
+def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
+    """Per-component variances as a (M,) tensor; default sqrt(D) (SPEC section 1)."""
+    if sigma2 is None:
+        return torch.full((M,), math.sqrt(D), dtype=dtype, device=device)
+    if isinstance(sigma2, (int, float)):
+        if not sigma2 > 0 or not math.isfinite(sigma2):
+            raise ValueError(f"sigma2 must be a positive finite variance, got {sigma2}")
+        return torch.full((M,), float(sigma2), dtype=dtype, device=device)
+    if not isinstance(sigma2, Tensor):
+        raise ValueError(f"sigma2 must be a float or a tensor of shape (M,) = ({M},), got {type(sigma2).__name__}")
+    s = sigma2.to(device=device, dtype=dtype).reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(M)
+    if s.numel() != M:
+        raise ValueError(f"sigma2 must have one variance per mixture component, shape ({M},); got {tuple(sigma2.shape)}")
+    if not bool(torch.all(s > 0)) or not bool(torch.all(torch.isfinite(s))):
+        raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")
+    return s
+
+
+def _log_prior(log_pi, M: int, dtype, device) -> Tensor:
+    """log pi as a 4-dim tensor broadcastable to (B, H, M, S), floored away from -inf; default uniform 1/M."""
+    if log_pi is None:
+        return torch.full((1, 1, M, 1), -math.log(M), dtype=dtype, device=device)
+    lp = log_pi.to(dtype)
+    lp = lp.reshape((1,) * (4 - lp.dim()) + tuple(lp.shape))
+    return lp.clamp_min(_LOG_PI_FLOOR)
+
+
+def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:
+    """``-|q_i - k_jr|^2 / (2 sigma_r^2)`` for q (B, H, L, D), k (B, H, M, S, D), sigma2 (M,); returns (B, H, L, M, S).
+
+    The squared distance is expanded (one matmul) and clamped at 0, so rounding never makes it negative and every
+    kernel value is <= 1."""
+    qn = (q * q).sum(-1)[..., :, None, None]  # (B, H, L, 1, 1)
+    kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
+    qk = torch.einsum("bhld,bhmsd->bhlms", q, k)
+    d2 = (qn + kn - 2.0 * qk).clamp_min(0.0)
+    return d2 * (-0.5 / sigma2.view(-1, 1))
+
+
+def _scores(q, k, log_prior, sigma2, mixture) -> Tensor:
+    """(B, H, Lc, S) unnormalised log-weights for a chunk of queries."""
+    g = gaussian_log_kernel(q, k, sigma2)
+    if mixture == "max":
+        return g.amax(dim=-2)
+    return torch.logsumexp(g + log_prior.unsqueeze(2), dim=-2)
+
+
+def _chunks(L: int, chunk_size: int):
+    for start in range(0, L, chunk_size):
+        yield start, min(L, start + chunk_size)
+
+
+def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weights, chunk_size):
+    outs, weights = [], []
+    for a, b in _chunks(q.shape[2], chunk_size):
+        scores = _scores(q[:, :, a:b], k, log_prior, s2, mixture)
+        if mask is not None:
+            m = mask[..., a:b, :] if mask.shape[-2] > 1 else mask
+            scores = scores.masked_fill(~m, float("-inf"))
+        w = torch.softmax(scores, dim=-1)
+        if empty is not None:
+            w = _masks.zero_rows(w, empty[..., a:b, :] if empty.shape[-2] > 1 else empty)
+        if want_weights:
+            weights.append(w)
+        if dropout_p > 0.0:
+            w = F.dropout(w, p=dropout_p)
+        outs.append(w @ v)
+    out = torch.cat(outs, dim=2)
+    return out, (torch.cat(weights, dim=2) if want_weights else None)
+
+
+def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p):
+    """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring)."""
+    B, H, M, S, D = k.shape
+    inv = (1.0 / s2).view(M, 1, 1)
+    bias = log_prior - (k * k).sum(-1) * (0.5 * inv.view(M, 1))  # (B, H, M, S)
+    ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
+    cols_k = [k * inv, bias.unsqueeze(-1)]
+    cols_q = [q, ones]
+    if not bool(torch.all(s2 == s2[0])):
+        cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
+        cols_q.append((q * q).sum(-1, keepdim=True))
+    kp = torch.cat(cols_k, dim=-1).reshape(B, H, M * S, -1)
+    qp = torch.cat(cols_q, dim=-1)
+    vp = v.unsqueeze(2).expand(B, H, M, S, v.shape[-1]).reshape(B, H, M * S, v.shape[-1])
+    mp = None
+    if mask is not None:
+        mp = mask.unsqueeze(-2).expand(*mask.shape[:-1], M, S).reshape(*mask.shape[:-1], M * S)
+    return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, dropout_p=dropout_p, scale=1.0)
+
+
+def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
+                  sigma2: float | Tensor | None = None, mixture: str = "sum", attn_mask: Tensor | None = None,
+                  is_causal: bool = False, dropout_p: float = 0.0, return_weights: bool = False,
+                  explicit: bool = False, chunk_size: int = 1024):
+    """Mixture-of-Gaussian-keys attention (paper eq. 9-10; Hard-E ablation for mixture="max").
+
+    Args:
+        query: (B, H, L, D) floating.
+        key: (B, H, M, S, D), M mixture components per key position.
+        value: (B, H, S, Dv).
+        log_pi: log prior of each component, broadcastable to (B, H, M, S); default uniform ``-log M``. Should
+            satisfy ``logsumexp_r log_pi = 0`` (not checked: un-normalised priors only rescale a key's mass).
+            Must be None for mixture="max".
+        sigma2: per-component variance, a float or a (M,) tensor; default sqrt(D) for every component.
+        mixture: "sum" (logsumexp over components) or "max" (Hard-E).
+        attn_mask: bool broadcastable to (B, H, L, S), True = may attend.
+        is_causal: causal masking aligned bottom-right (query i sees keys j <= i + S - L).
+        dropout_p: dropout on attention weights. On the fast path each (key, component) pair is dropped
+            independently; on the explicit path each key is. Both keep the expectation.
+        return_weights: also return the (B, H, L, S) attention weights (forces the explicit path).
+        explicit: force the explicit path (the tests' twin of the fast path).
+        chunk_size: queries per chunk on the explicit path (memory O(chunk * M * S) per head).
+    Returns:
+        (B, H, L, Dv) in query's dtype, and the (B, H, L, S) weights when ``return_weights``. Rows that may attend
+        to no key are exactly zero. 16-bit inputs or autocast are computed in float32.
+    Raises:
+        ValueError naming the argument for wrong ranks, sizes, dtypes, variances or mixture; MaskError for masks.
+    """
+    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, sigma2, mixture, attn_mask)
+    out_dtype = query.dtype
+    dt = compute_dtype(query, key, value)
+    q, k, v = query.to(dt), key.to(dt), value.to(dt)
+    with full_precision(query.device):
+        s2 = _variances(sigma2, M, D, dt, query.device)
+        log_prior = _log_prior(log_pi, M, dt, query.device)
+        mask = _masks.combine(mask, is_causal, L, S, query.device)
+        mask, k, v, empty = _masks.prepare(mask, k, v)
+        if mixture == "sum" and not (return_weights or explicit):
+            out = _masks.zero_rows(_fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p), empty)
+            return out.to(out_dtype)
+        out, weights = _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, return_weights,
+                                 max(1, int(chunk_size)))
+    out = out.to(out_dtype)
+    return (out, weights.to(out_dtype)) if return_weights else out
+
+
+def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = None,
+                         sigma2: float | Tensor | None = None, attn_mask: Tensor | None = None,
+                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 256):
+    """E-step statistics for Soft-E (SPEC section 1, paper "+Soft-E" ablation), computed without gradient.
+
+    ``gamma_ijr = softmax_r(log pi_jr - |q_i - k_jr|^2 / (2 sigma_r^2))`` is the responsibility of component r for
+    the pair (i, j). Returns sums over the batch and over every query allowed to attend to j, and their counts:
+
+    Args: as :func:`mgk_attention`; ``query_mask`` bool (B, L), True = real query (padded queries contribute no
+        responsibility).
+    Returns:
+        ``(resp_sum, count)``: float32 (or float64) tensors of shapes (H, M, S) and (H, S). The Soft-E update is
+        ``pi[h, r, j] = resp_sum[h, r, j] / count[h, j]`` where ``count > 0``. Under DDP, all-reduce both first.
+    """
+    B, H, L, S, M, D, mask = _check(query, key, key[:, :, 0], log_pi, sigma2, "sum", attn_mask)
+    if query_mask is not None:
+        if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (B, L):
+            raise _masks.MaskError(f"query_mask must be bool of shape (B, L) = {(B, L)}, True = real query; "
+                                   f"got {query_mask.dtype} {tuple(query_mask.shape)}")
+    dt = compute_dtype(query, key)
+    with torch.no_grad(), full_precision(query.device):
+        q, k = query.detach().to(dt), key.detach().to(dt)
+        s2 = _variances(sigma2, M, D, dt, query.device)
+        log_prior = _log_prior(log_pi, M, dt, query.device)
+        valid = _masks.combine(mask, is_causal, L, S, query.device)
+        if query_mask is not None:
+            qm = query_mask.view(B, 1, L, 1)
+            valid = qm if valid is None else (valid & qm)
+        if valid is None:
+            valid = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device)
+        valid = valid.expand(B, H, L, S)
+        # Dead keys are zeroed so that NaN/inf padding cannot poison the sums (where, not multiply).
+        _, k, _, _ = _masks.prepare(valid, k, k[:, :, 0])
+        resp = torch.zeros(H, M, S, dtype=dt, device=query.device)
+        for a, b in _chunks(L, max(1, int(chunk_size))):
+            g = gaussian_log_kernel(q[:, :, a:b], k, s2) + log_prior.unsqueeze(2)  # (B, H, c, M, S)
+            gamma = torch.softmax(g, dim=-2)
+            gamma = torch.where(valid[:, :, a:b].unsqueeze(-2), gamma, torch.zeros((), dtype=dt, device=q.device))
+            resp += gamma.sum(dim=(0, 2))
+        count = valid.sum(dim=(0, 2)).to(dt)
+    return resp, count

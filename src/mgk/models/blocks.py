@@ -1,0 +1,49 @@
+"""Transformer blocks around any attention module (pre-LN for LRA, post-LN for the WikiText-103 decoder)."""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP ``Linear(E, F) -> activation -> dropout -> Linear(F, E)``; activation "gelu" or "relu"."""
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float, activation: str = "gelu"):
+        super().__init__()
+        acts = {"gelu": nn.GELU, "relu": nn.ReLU}
+        if activation not in acts:
+            raise ValueError(f"activation must be one of {tuple(acts)}, got {activation!r}")
+        self.net = nn.Sequential(nn.Linear(d_model, ffn_dim), acts[activation](), nn.Dropout(dropout),
+                                 nn.Linear(ffn_dim, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention + feed-forward with residuals; ``norm_first`` True is pre-LN, False post-LN.
+
+    Args:
+        d_model: width E.
+        attention: an attention module with the ``forward(x, *, key_padding_mask, is_causal)`` signature of
+            :class:`mgk.attention.base.AttentionBase`.
+        ffn_dim, dropout, activation: of the feed-forward part; dropout also applies to both residual branches.
+    Forward: x (B, L, E), key_padding_mask bool (B, L) True = padding -> (B, L, E).
+    """
+
+    def __init__(self, d_model: int, attention: nn.Module, ffn_dim: int, dropout: float, *,
+                 activation: str = "gelu", norm_first: bool = True):
+        super().__init__()
+        self.attn = attention
+        self.ffn = FeedForward(d_model, ffn_dim, dropout, activation)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.drop = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        if self.norm_first:
+            h = self.norm1(x)
+            x = x + self.drop(self.attn(h, key_padding_mask=key_padding_mask, is_causal=is_causal)[0])
+            return x + self.drop(self.ffn(self.norm2(x)))
+        x = self.norm1(x + self.drop(self.attn(x, key_padding_mask=key_padding_mask, is_causal=is_causal)[0]))
+        return self.norm2(x + self.drop(self.ffn(x)))

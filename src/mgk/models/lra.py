@@ -1,0 +1,82 @@
+"""The LRA encoder classifier of the paper (SPEC section 2, "model setting of Nystromformer")."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import build_attention
+from .blocks import TransformerBlock
+
+
+def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
+    """Mean over real positions: x (B, L, E), padding_mask bool (B, L) True = padding -> (B, E).
+
+    Uses ``where`` so that padded content (even NaN) cannot reach the result; a row with no real token gives 0."""
+    if padding_mask is None:
+        return x.mean(dim=1)
+    real = ~padding_mask
+    total = torch.where(real.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=1)
+    return total / real.sum(dim=1, keepdim=True).clamp_min(1).to(x.dtype)
+
+
+class LRAEncoder(nn.Module):
+    """Token + learned position embeddings, pre-LN blocks, final LayerNorm: tokens (B, L) -> (B, L, E).
+
+    Args:
+        vocab_size, max_len: embedding sizes; a longer input raises ValueError naming both lengths.
+        attention: attention kind for :func:`mgk.attention.build_attention` ("softmax", "mgk", "smgk", ...).
+        num_heads, head_dim: H and D (attention width H * D, independent of d_model).
+        attention_options: passed to the attention kind (num_keys, pi, pi_shape, sigma2, max_len).
+    """
+
+    def __init__(self, vocab_size: int, max_len: int, *, d_model: int = 64, num_layers: int = 2, ffn_dim: int = 128,
+                 attention: str = "softmax", num_heads: int = 2, head_dim: int = 32, dropout: float = 0.1,
+                 attn_dropout: float = 0.1, attention_options: dict | None = None):
+        super().__init__()
+        self.max_len = max_len
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(max_len, d_model)
+        opts = dict(attention_options or {})
+        opts.setdefault("max_len", max_len)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, build_attention(attention, d_model, num_heads, head_dim=head_dim,
+                                                      dropout=attn_dropout, **opts), ffn_dim, dropout)
+            for _ in range(num_layers))
+        self.drop = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer tensor of shape (B, L), got {tokens.dtype} "
+                             f"{tuple(tokens.shape)}")
+        L = tokens.shape[1]
+        if L > self.max_len:
+            raise ValueError(f"input length {L} exceeds the model's max_len={self.max_len}")
+        pos = torch.arange(L, device=tokens.device)
+        x = self.drop(self.token_embedding(tokens) + self.position_embedding(pos))
+        for block in self.blocks:
+            x = block(x, key_padding_mask=padding_mask)
+        return self.norm(x)
+
+
+class LRAClassifier(nn.Module):
+    """Encoder, pooling that ignores padding, and the MLP head ``E -> classifier_dim -> num_classes``.
+
+    Forward: tokens (B, L) int64, padding_mask bool (B, L) True = padding (taken from the data's lengths, never from
+    a token value) -> logits (B, num_classes) float. pooling "mean" (over real tokens) or "cls" (first position).
+    """
+
+    def __init__(self, vocab_size: int, num_classes: int, max_len: int, *, pooling: str = "mean",
+                 classifier_dim: int = 128, **encoder_kwargs):
+        super().__init__()
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        self.pooling = pooling
+        self.encoder = LRAEncoder(vocab_size, max_len, **encoder_kwargs)
+        d_model = self.encoder.token_embedding.embedding_dim
+        self.head = nn.Sequential(nn.Linear(d_model, classifier_dim), nn.GELU(), nn.Linear(classifier_dim, num_classes))
+
+    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        h = self.encoder(tokens, padding_mask)
+        pooled = h[:, 0] if self.pooling == "cls" else masked_mean(h, padding_mask)
+        return self.head(pooled)

@@ -1,0 +1,41 @@
+"""ListOps (LRA): the release TSV files, or our generated default when no data folder is given."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import RunConfig
+from ..data import listops as lo
+from .classification import ClassificationTask
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Path:
+    """The folder to read: ``cfg.data``, or (when it is None) a small generated ListOps written to
+    ``run_dir/data`` (sizes and shape from the ``gen_*`` fields; generator seed 0, so every run sees the same data).
+    Called on rank 0 only, before :func:`build` runs on every rank."""
+    if cfg.data is not None:
+        return Path(cfg.data)
+    out = Path(run_dir) / "data"
+    if lo.find_split_file(out, "train") is None:
+        lo.generate_listops_dir(out, num_train=cfg.gen_train, num_val=cfg.gen_val, num_test=cfg.gen_test, seed=0,
+                                max_depth=cfg.gen_max_depth, max_args=cfg.gen_max_args,
+                                min_length=cfg.gen_min_length, max_length=cfg.gen_max_length)
+    return out
+
+
+def build(cfg: RunConfig, data_dir: Path) -> ClassificationTask:
+    """Load ``basic_{train,val,test}.tsv[.gz]`` from ``data_dir`` (absent val/test splits are noted, not fatal).
+
+    Raises FileNotFoundError when there is no train split; ListOpsFormatError for malformed rows or (without
+    ``truncate``) sequences longer than ``max_len``."""
+    splits = {s: lo.load_listops_split(data_dir, s, cfg.max_len, truncate=cfg.truncate) for s in lo.SPLITS}
+    if splits["train"] is None:
+        raise FileNotFoundError(f"no ListOps train split (basic_train.tsv or basic_train.tsv.gz) in {data_dir}")
+    notes = []
+    for s, ds in splits.items():
+        if ds is None:
+            notes.append(f"data: {s}: absent in {data_dir}")
+            continue
+        notes.append(f"data: {s}: {ds.source} ({len(ds)} rows)")
+        if ds.num_truncated:
+            notes.append(f"data: {s}: {ds.num_truncated} sequences truncated to max_len={cfg.max_len}")
+    return ClassificationTask("listops", splits, vocab_size=len(lo.VOCAB), num_classes=lo.NUM_CLASSES, notes=notes)

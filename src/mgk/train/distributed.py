@@ -1,0 +1,72 @@
+"""torchrun integration: process group set-up and the few collectives the loop needs.
+
+Launch with ``torchrun --nproc_per_node=N -m mgk train ...``: gloo on CPU, NCCL on CUDA. Without torchrun's
+environment everything degrades to one process and the collectives are no-ops.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Rank, world size and device of this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that writes the run directory."""
+        return self.rank == 0
+
+
+def setup(device: str | None = None) -> Dist:
+    """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); pick the device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, world, local, dev)
+
+
+def teardown() -> None:
+    """Destroy the process group if this process created one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_sum(values: list[float], device) -> list[float]:
+    """Sum a few numbers over ranks (float64, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (a list of one item in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,27 @@
+"""Evaluation over a whole split, exact under any world size: rank r takes examples r, r+W, r+2W, ... and the
+summed statistics are all-reduced, so every example is counted once (no padding of the last batch)."""
+from __future__ import annotations
+
+import torch
+
+from . import distributed
+from .precision import autocast
+
+
+@torch.no_grad()
+def evaluate(task, model, dataset, *, batch_size: int, precision: str, dist_info) -> dict:
+    """Metrics of ``model`` on ``dataset``: ``task.summarise`` of the summed statistics (loss, acc, count)."""
+    was_training = model.training
+    model.eval()
+    index = torch.arange(dist_info.rank, len(dataset), dist_info.world_size)
+    totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+    for start in range(0, len(index), batch_size):
+        batch = task.batch(dataset, index[start:start + batch_size], dist_info.device)
+        with autocast(dist_info.device, precision):
+            _, sums = task.loss(model, batch)
+        for key in totals:
+            totals[key] += float(sums[key])
+    keys = list(totals)
+    reduced = distributed.all_sum([totals[k] for k in keys], dist_info.device)
+    model.train(was_training)
+    return task.summarise(dict(zip(keys, reduced)))

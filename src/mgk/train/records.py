@@ -1,0 +1,120 @@
+"""What a run leaves on disk: resolved config, environment, metrics (JSON lines and TensorBoard), plots, results.
+
+Layout of a run directory::
+
+    config.yaml      the resolved RunConfig
+    env.json         seed, world size, package/torch/python versions, git commit when known
+    metrics.jsonl    one JSON object per logged step: {"step": ..., "train/loss": ..., "val/acc": ...}
+    tb/              TensorBoard events
+    checkpoints/     last.pt (for --resume) and best.pt (best validation accuracy)
+    results.json     final figures (written once at the end)
+    plots/           learning_curves.png
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from .. import __version__
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout this package runs from, or None when it is not a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def write_config(run_dir: Path, cfg_dict: dict) -> None:
+    """Write config.yaml."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+
+
+def read_config(run_dir: Path) -> dict:
+    """Read config.yaml of a run directory; FileNotFoundError naming it when absent."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory made by `mgk train`?")
+    return yaml.safe_load(path.read_text())
+
+
+def write_env(run_dir: Path, *, seed: int, world_size: int, device: str) -> None:
+    """Write env.json with versions and the git commit."""
+    env = {"seed": seed, "world_size": world_size, "device": device, "mgk": __version__, "torch": torch.__version__,
+           "python": sys.version.split()[0], "platform": platform.platform(), "git_commit": git_commit(),
+           "threads": torch.get_num_threads()}
+    (run_dir / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+
+
+class MetricsLog:
+    """Appends metrics to metrics.jsonl and TensorBoard. On resume, lines after the checkpoint's step are dropped
+    so that the file reads as one uninterrupted run."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, self.path)
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
+
+        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step is not None else None)
+        self._file = open(self.path, "a")
+
+    def log(self, step: int, values: dict) -> None:
+        """Record ``values`` (name -> float) at ``step``."""
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+        for name, value in values.items():
+            if isinstance(value, (int, float)):
+                self.tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        """Flush and close both sinks."""
+        self._file.close()
+        self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """All records of metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+
+
+def plot_learning_curves(run_dir: Path) -> Path | None:
+    """Plot every logged train/ and val/ series against step into plots/learning_curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    names = sorted({k for r in records for k in r if k.startswith(("train/", "val/")) and k != "train/lr"})
+    if not names:
+        return None
+    fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        pts = [(r["step"], r[name]) for r in records if name in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimiser step")
+    fig.tight_layout()
+    out = Path(run_dir) / "plots" / "learning_curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

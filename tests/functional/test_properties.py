@@ -1,0 +1,368 @@
+"""Invariants of MGK attention (TEST_CASES general invariants 1-9, R01, R03, R25), checked on every path."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mgk.functional import mgk_attention, softmax_attention
+
+from .reference import make_inputs, padding_mask, random_mask
+
+F64 = torch.float64
+PATHS = ("fast", "explicit", "weights", "max")
+
+
+def mgk(path, q, k, v, **kw):
+    if path == "fast":
+        return mgk_attention(q, k, v, **kw)
+    if path == "explicit":
+        return mgk_attention(q, k, v, explicit=True, **kw)
+    if path == "weights":
+        return mgk_attention(q, k, v, return_weights=True, **kw)[0]
+    kw.pop("log_pi", None)
+    return mgk_attention(q, k, v, mixture="max", **kw)
+
+
+def close(a, b, tol=1e-9):
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# ---- 1. MGK reduces to softmax -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sigma2", [None, 0.5, 3.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_m1_is_softmax_with_key_norm_bias(path, sigma2, causal):
+    """M=1: A = softmax_j((q.k - |k|^2/2)/s2). Realised via softmax_attention on augmented q'=[q,1], k'=[k,-|k|^2/2]."""
+    B, H, L, S, D = 2, 2, 5, 5, 4
+    q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=1, D=D, dtype=F64, seed=1)
+    s2 = math.sqrt(D) if sigma2 is None else sigma2
+    k1 = k[:, :, 0]
+    qa = torch.cat([q, torch.ones(B, H, L, 1, dtype=F64)], -1)
+    ka = torch.cat([k1, -0.5 * (k1 * k1).sum(-1, keepdim=True)], -1)
+    expected = softmax_attention(qa, ka, v, scale=1.0 / s2, is_causal=causal)
+    # same thing directly, without the library
+    scores = (q @ k1.transpose(-1, -2) - 0.5 * (k1 * k1).sum(-1)[:, :, None, :]) / s2
+    if causal:
+        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+    direct = torch.softmax(scores, -1) @ v
+    close(expected, direct)
+    close(mgk(path, q, k, v, sigma2=sigma2, is_causal=causal), expected)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sigma2", [None, 0.8])
+def test_m1_equal_key_norms_is_plain_softmax_with_temperature(path, sigma2):
+    B, H, L, S, D = 1, 2, 4, 6, 4
+    q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=1, D=D, dtype=F64, seed=2)
+    k = 1.7 * k / k.norm(dim=-1, keepdim=True)  # every |k_j| = 1.7
+    s2 = math.sqrt(D) if sigma2 is None else sigma2
+    expected = softmax_attention(q, k[:, :, 0], v, scale=1.0 / s2)
+    close(mgk(path, q, k, v, sigma2=sigma2), expected)
+    if sigma2 is None:  # default sigma2 = sqrt(D): exactly the library's softmax default scale
+        close(mgk(path, q, k, v), softmax_attention(q, k[:, :, 0], v))
+
+
+@pytest.mark.parametrize("path", ["fast", "explicit", "weights"])
+def test_m1_unequal_key_norms_is_not_plain_softmax(path):
+    """Discriminating counterpart: with unequal key norms the |k|^2 bias matters."""
+    q, k, v = make_inputs(B=1, H=1, L=4, S=6, M=1, D=4, dtype=F64, seed=3)
+    k = k * torch.linspace(0.3, 3.0, 6, dtype=F64).view(1, 1, 1, 6, 1)
+    assert (mgk(path, q, k, v) - softmax_attention(q, k[:, :, 0], v)).abs().max() > 1e-3
+
+
+# ---- 2. identical components collapse ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("M", [2, 3])
+@pytest.mark.parametrize("pi_seed", [0, 1])
+def test_identical_components_collapse_to_m1(path, M, pi_seed):
+    q, k, v = make_inputs(B=2, H=2, L=5, S=5, M=1, D=3, dtype=F64, seed=4)
+    kM = k.expand(2, 2, M, 5, 3).clone()
+    g = torch.Generator().manual_seed(pi_seed)
+    log_pi = torch.log_softmax(torch.randn(2, M, 5, generator=g, dtype=F64) * 2, dim=-2)  # per head & position
+    mask = random_mask(2, 2, 5, 5, seed=pi_seed, empty_rows=[(0, 0, 0)])
+    close(mgk(path, q, kM, v, log_pi=log_pi, sigma2=1.3, attn_mask=mask),
+          mgk(path, q, k, v, sigma2=1.3, attn_mask=mask))
+
+
+@pytest.mark.parametrize("path", ["explicit", "weights"])
+def test_hard_e_far_second_component_is_m1(path):
+    q, k, v = make_inputs(B=1, H=2, L=4, S=5, M=1, D=3, dtype=F64, seed=5)
+    far = k + 1e3
+    k2 = torch.cat([k, far], dim=2)
+    close(mgk_attention(q, k2, v, mixture="max", explicit=True),
+          mgk_attention(q, k, v, mixture="max", explicit=True))
+
+
+# ---- 3. shift and rotation invariance ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("unequal", [False, True])
+def test_translation_invariance_mgk_not_softmax(path, M, unequal):
+    q, k, v = make_inputs(B=2, H=2, L=5, S=5, M=M, D=4, dtype=F64, seed=6)
+    c = torch.tensor([3.0, -2.0, 0.5, 4.0], dtype=F64)
+    sig = torch.tensor([0.7, 2.0][:M], dtype=F64) if unequal else None
+    close(mgk(path, q + c, k + c, v, sigma2=sig, is_causal=True), mgk(path, q, k, v, sigma2=sig, is_causal=True))
+    # dot-product softmax is not translation invariant: the same shift must move its output
+    moved = softmax_attention(q + c, k[:, :, 0] + c, v) - softmax_attention(q, k[:, :, 0], v)
+    assert moved.abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("M", [1, 3])
+def test_orthogonal_rotation_invariance(path, M):
+    D = 4
+    q, k, v = make_inputs(B=2, H=1, L=5, S=6, M=M, D=D, dtype=F64, seed=7)
+    Q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(0), dtype=F64))
+    sig = torch.tensor([0.7, 2.0, 1.2][:M], dtype=F64)
+    close(mgk(path, q @ Q, k @ Q, v, sigma2=sig), mgk(path, q, k, v, sigma2=sig))
+
+
+# ---- 4. scale <-> sigma --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("a", [0.3, 2.5])
+def test_scale_sigma_duality(path, a):
+    q, k, v = make_inputs(B=1, H=2, L=4, S=5, M=2, D=3, dtype=F64, seed=8)
+    s2 = torch.tensor([0.9, 1.6], dtype=F64)
+    close(mgk(path, a * q, a * k, v, sigma2=s2), mgk(path, q, k, v, sigma2=s2 / a ** 2))
+    assert (mgk(path, a * q, a * k, v, sigma2=s2) - mgk(path, q, k, v, sigma2=s2)).abs().max() > 1e-3
+
+
+# ---- 5. row-stochastic ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mixture", ["sum", "max"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_weights_are_row_stochastic(mixture, causal):
+    q, k, v = make_inputs(B=2, H=2, L=5, S=6, M=2, D=4, dtype=F64, seed=9, scale=2.0)
+    mask = random_mask(2, 2, 5, 6, seed=3, empty_rows=[(1, 0, 4)])
+    out, w = mgk_attention(q, k, v, mixture=mixture, attn_mask=mask, is_causal=causal, return_weights=True)
+    assert (w >= 0).all()
+    allowed = mask & torch.ones(5, 6, dtype=torch.bool).tril(1) if causal else mask
+    assert (w[~allowed] == 0).all()
+    has = allowed.any(-1)
+    close(w.sum(-1)[has], torch.ones_like(w.sum(-1)[has]))
+    assert (w.sum(-1)[~has] == 0).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_constant_values_give_constant_output(path, causal):
+    q, k, _ = make_inputs(B=2, H=2, L=5, S=5, M=2, D=4, dtype=F64, seed=10, scale=3.0)
+    v = torch.tensor([1.5, -2.0, 7.0], dtype=F64).expand(2, 2, 5, 3)
+    out = mgk(path, q, k, v, is_causal=causal, sigma2=torch.tensor([0.4, 2.0], dtype=F64))
+    close(out, v[:, :, :1].expand_as(out))
+
+
+# ---- 6. permutation equivariance ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+def test_permutation_equivariance(path):
+    q, k, v = make_inputs(B=2, H=2, L=6, S=6, M=2, D=3, dtype=F64, seed=11)
+    log_pi = torch.log_softmax(torch.randn(2, 2, 1, dtype=F64), dim=1)  # per head, constant across positions
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    kw = dict(sigma2=torch.tensor([0.8, 1.5], dtype=F64))
+    if path != "max":
+        kw["log_pi"] = log_pi
+    out = mgk(path, q, k, v, **kw)
+    outp = mgk(path, q[:, :, perm], k[:, :, :, perm], v[:, :, perm], **kw)
+    close(outp, out[:, :, perm])
+    # permuting only the keys (not the values) must change the output: equivariance is not trivial
+    assert (mgk(path, q, k[:, :, :, perm], v, **kw) - out).abs().max() > 1e-3
+
+
+def test_per_position_pi_breaks_permutation_equivariance():
+    q, k, v = make_inputs(B=1, H=1, L=6, S=6, M=2, D=3, dtype=F64, seed=12)
+    lp = torch.log_softmax(torch.randn(1, 2, 6, generator=torch.Generator().manual_seed(1), dtype=F64) * 3, dim=1)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    out = mgk_attention(q, k, v, log_pi=lp)
+    outp = mgk_attention(q[:, :, perm], k[:, :, :, perm], v[:, :, perm], log_pi=lp)
+    assert (outp - out[:, :, perm]).abs().max() > 1e-4
+    # ...but permuting pi along with the keys restores equivariance
+    close(mgk_attention(q[:, :, perm], k[:, :, :, perm], v[:, :, perm], log_pi=lp[..., perm]), out[:, :, perm])
+
+
+# ---- 7. padding invariance / masked content is inert (R01, R03) -------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("content", ["random", "1e30", "nan", "inf"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_invariance(path, dtype, content, causal):
+    """Appending 3 padded keys (any content) with a padding mask leaves all outputs unchanged (R03)."""
+    B, H, L, S, P, M = 2, 2, 4, 4, 3, 2
+    q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=4, dtype=dtype, seed=13)
+    fill = {"random": None, "1e30": 1e30, "nan": math.nan, "inf": math.inf}[content]
+    kp, vp = make_inputs(B=B, H=H, L=1, S=P, M=M, D=4, dtype=dtype, seed=99)[1:]
+    if fill is not None:
+        kp, vp = torch.full_like(kp, fill), torch.full_like(vp, fill)
+    k2, v2 = torch.cat([k, kp], dim=3), torch.cat([v, vp], dim=2)
+    mask = padding_mask([S, S], S + P)
+    # with is_causal and L < S + P the alignment is bottom-right, so the padded keys sit at the front instead
+    if causal:
+        k2, v2 = torch.cat([kp, k], dim=3), torch.cat([vp, v], dim=2)
+        mask = padding_mask([S, S], S + P, left=True)
+    base = mgk(path, q, k, v, is_causal=causal)
+    out = mgk(path, q, k2, v2, attn_mask=mask, is_causal=causal)
+    assert torch.isfinite(out).all()
+    tol = 1e-12 if dtype == F64 else 1e-6
+    torch.testing.assert_close(out, base, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_padding_invariance_batched_against_unpadded(path):
+    """R01: batch 1 has only positions 0-2 real; its real rows equal the length-3 run (atol 1e-6), all finite."""
+    q, k, v = make_inputs(B=2, H=2, L=5, S=5, M=2, D=4, dtype=torch.float32, seed=0)
+    k = k.clone()
+    v = v.clone()
+    k[1, :, :, 3:] = 1e30
+    v[1, :, 3:] = 1e30
+    mask = padding_mask([5, 3], 5)
+    out = mgk(path, q, k, v, attn_mask=mask)
+    assert torch.isfinite(out).all()
+    alone = mgk(path, q[1:], k[1:, :, :, :3], v[1:, :, :3])
+    torch.testing.assert_close(out[1:], alone, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out[:1], mgk(path, q[:1], k[:1], v[:1]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scenario", ["no_real_keys", "causal_left_padding", "causal_L_gt_S"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_fully_masked_rows_are_exactly_zero_with_finite_grads(path, scenario, dtype):
+    """R01: a row that sees no key returns exactly 0 (not the mean of the padded values = 1e3) with finite grads."""
+    B, H, M, D = 2, 2, 2, 4
+    L, S = (7, 5) if scenario == "causal_L_gt_S" else (5, 5)
+    q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=D, dtype=dtype, seed=14)
+    causal = scenario != "no_real_keys"
+    if scenario == "no_real_keys":
+        mask = padding_mask([5, 0], S)
+        empty = torch.zeros(B, L, dtype=torch.bool)
+        empty[1] = True
+    elif scenario == "causal_left_padding":
+        mask = padding_mask([5, 3], S, left=True)  # batch 1: keys 0,1 padding -> rows 0,1 see nothing
+        empty = torch.zeros(B, L, dtype=torch.bool)
+        empty[1, :2] = True
+    else:
+        mask = padding_mask([5, 5], S)
+        empty = torch.zeros(B, L, dtype=torch.bool)
+        empty[:, :2] = True  # L - S = 2 first rows see no key (bottom-right)
+    padded = ~mask.view(B, S)
+    v = v.clone()
+    v[padded.view(B, 1, S, 1).expand_as(v)] = 1e3
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = mgk(path, q, k, v, attn_mask=mask, is_causal=causal)
+    assert torch.isfinite(out).all()
+    e = empty.view(B, 1, L, 1).expand_as(out)
+    assert (out[e] == 0).all(), "fully masked row must be exactly zero"
+    real = ~e
+    (out[real].sum() + out.sum()).backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+    # real rows are unaffected by the 1e3 padded values and match their own reference
+    from .reference import mgk_reference
+    ref, _ = mgk_reference(q, k, v, mask=mask, is_causal=causal, mixture="max" if path == "max" else "sum")
+    tol = 1e-10 if dtype == F64 else 1e-5
+    torch.testing.assert_close(out.detach().to(F64), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("content", [1e30, math.nan])
+def test_fully_masked_query_rows_with_garbage_content(path, content):
+    """Self-attention with a (B,1,L,S) mask that masks padded queries and keys; padded q/k/v hold 1e30 or NaN.
+    Real rows equal the unpadded run, padded rows are exactly 0, and gradients stay finite on real tokens."""
+    B, H, L, M, D, n = 1, 1, 5, 2, 3, 3
+    q, k, v = make_inputs(B=B, H=H, L=L, S=L, M=M, D=D, dtype=torch.float32, seed=15)
+    real = torch.arange(L) < n
+    q, k, v = q.clone(), k.clone(), v.clone()
+    q[:, :, n:] = content
+    k[:, :, :, n:] = content
+    v[:, :, n:] = content
+    mask = (real[:, None] & real[None, :]).view(1, 1, L, L)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = mgk(path, q, k, v, attn_mask=mask)
+    assert (out[:, :, n:] == 0).all()
+    base = mgk(path, q[:, :, :n].detach(), k[:, :, :, :n].detach(), v[:, :, :n].detach())
+    torch.testing.assert_close(out[:, :, :n], base, atol=1e-6, rtol=1e-6)
+    out[:, :, :n].sum().backward()
+    assert torch.isfinite(q.grad[:, :, :n]).all(), "NaN gradient reaches real queries"
+    assert torch.isfinite(v.grad[:, :, :n]).all(), "NaN gradient reaches real values"
+    assert torch.isfinite(k.grad[:, :, :, :n]).all(), "NaN gradient reaches real keys from a fully masked query row"
+
+
+# ---- R25: length one, batch invariance ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L", [1, 4])
+def test_single_key_gives_v0(path, causal, L):
+    """S=1 (and L=1): the single key gets weight 1, so every query row returns v_0 exactly (up to rounding)."""
+    q, k, v = make_inputs(B=2, H=2, L=L, S=1, M=2, D=4, dtype=torch.float32, seed=16, scale=5.0)
+    out = mgk(path, q, k, v, is_causal=causal)
+    if causal:  # bottom-right alignment: only the last query sees the single key, the L-1 rows above see none
+        torch.testing.assert_close(out[:, :, -1:], v, atol=1e-6, rtol=1e-6)
+        assert (out[:, :, :-1] == 0).all()
+    else:
+        torch.testing.assert_close(out, v.expand_as(out), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_causal_length1_prefix_is_v0(path):
+    q, k, v = make_inputs(B=1, H=2, L=6, S=6, M=2, D=4, dtype=F64, seed=17)
+    out = mgk(path, q, k, v, is_causal=True)
+    close(out[:, :, 0], v[:, :, 0])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_batch_invariance(path, masked):
+    q, k, v = make_inputs(B=3, H=2, L=5, S=5, M=2, D=4, dtype=torch.float32, seed=18)
+    mask = padding_mask([5, 2, 4], 5) if masked else None
+    out = mgk(path, q, k, v, attn_mask=mask, is_causal=masked)
+    for b in range(3):
+        mb = mask[b:b + 1] if masked else None
+        alone = mgk(path, q[b:b + 1], k[b:b + 1], v[b:b + 1], attn_mask=mb, is_causal=masked)
+        assert alone.shape == (1, 2, 5, 3)
+        torch.testing.assert_close(out[b:b + 1], alone, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_single_everything_keeps_shape(path):
+    """B=H=L=S=M=D=1 keeps all dims (no squeeze without dim)."""
+    q, k, v = make_inputs(B=1, H=1, L=1, S=1, M=1, D=1, Dv=1, dtype=torch.float32, seed=19)
+    out = mgk(path, q, k, v)
+    assert out.shape == (1, 1, 1, 1)
+    torch.testing.assert_close(out, v)
+
+
+# ---- causality (R09) ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+def test_causal_future_tokens_do_not_leak(path):
+    q, k, v = make_inputs(B=1, H=2, L=8, S=8, M=2, D=8, dtype=torch.float32, seed=20)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    g = torch.Generator().manual_seed(7)
+    q2[:, :, 5] = torch.randn(1, 2, 8, generator=g)
+    k2[:, :, :, 5] = torch.randn(1, 2, 2, 8, generator=g)
+    v2[:, :, 5] = torch.randn(1, 2, 3, generator=g)
+    a = mgk(path, q, k, v, is_causal=True)
+    b = mgk(path, q2, k2, v2, is_causal=True)
+    assert torch.equal(a[:, :, :5], b[:, :, :5])
+    assert (a[:, :, 5:] - b[:, :, 5:]).abs().max() > 1e-4
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 3), H=st.integers(1, 2), L=st.sampled_from([1, 2, 5, 9]), D=st.sampled_from([1, 2, 4, 8]),
+       M=st.integers(1, 2), seed=st.integers(0, 10_000), shift=st.floats(-20, 20), a=st.floats(0.2, 4.0))
+def test_hypothesis_shift_scale_invariances(B, H, L, D, M, seed, shift, a):
+    q, k, v = make_inputs(B=B, H=H, L=L, S=L, M=M, D=D, dtype=F64, seed=seed)
+    s2 = torch.linspace(0.5, 2.0, M, dtype=F64)
+    base = mgk_attention(q, k, v, sigma2=s2, is_causal=True)
+    c = torch.full((D,), shift, dtype=F64)
+    close(mgk_attention(q + c, k + c, v, sigma2=s2, is_causal=True), base, tol=1e-7)
+    close(mgk_attention(a * q, a * k, v, sigma2=s2 * a * a, is_causal=True), base, tol=1e-7)
+    close(mgk_attention(q, k, v, sigma2=s2, is_causal=True, explicit=True), base, tol=1e-9)
