@@ -4,6 +4,8 @@ Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAtten
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention`; the math is in :mod:`mgk.functional`.
 """
 from .attention import MGKAttention, MultiheadAttention, attention_kinds, build_attention
+from .attention import LinearAttention, MLKAttention
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
+__all__ += ["LinearAttention", "MLKAttention"]

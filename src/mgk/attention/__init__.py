@@ -1,7 +1,9 @@
 """Attention modules (thin nn.Modules over :mod:`mgk.functional`) and the registry of attention kinds."""
 from .base import AttentionBase
+from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention
 from .registry import attention_kinds, build_attention, register
 from .softmax import MultiheadAttention
 
 __all__ = ["AttentionBase", "MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "register"]
+__all__ += ["LinearAttention", "MLKAttention"]

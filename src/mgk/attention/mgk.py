@@ -111,12 +111,17 @@ class MGKAttention(AttentionBase):
     def _soft_e_update(self, q, k, log_pi, mask, is_causal, query_mask):
         resp, count = mgk_responsibilities(q, k, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
                                            is_causal=is_causal, query_mask=query_mask)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            stats = torch.cat([resp.reshape(-1), count.reshape(-1)]).to(torch.float64)
-            dist.all_reduce(stats)
-            resp = stats[: resp.numel()].view_as(resp)
-            count = stats[resp.numel():].view_as(count)
         S = k.shape[3]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Ranks may hold batches of different lengths: reduce over the whole buffer so that every rank sends
+            # the same number of values, then update the positions any rank saw.
+            H, M, T = self.pi.shape
+            stats = resp.new_zeros(H, M + 1, T, dtype=torch.float64)
+            stats[:, :M, :S] = resp
+            stats[:, M, :S] = count
+            dist.all_reduce(stats)
+            resp, count = stats[:, :M], stats[:, M]
+            S = T
         current = self.pi[:, :, :S]
         seen = (count > 0).unsqueeze(1)
         new = resp / count.clamp_min(1).unsqueeze(1)

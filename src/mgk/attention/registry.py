@@ -5,6 +5,7 @@ from typing import Callable
 
 from torch import nn
 
+from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention
 from .softmax import MultiheadAttention
 
@@ -44,3 +45,9 @@ def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int 
         raise ValueError(f"unknown attention kind {kind!r}; choose one of {attention_kinds()}")
     accepted = {k: v for k, v in options.items() if k in _KIND_OPTIONS[kind]}
     return _REGISTRY[kind](embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, **accepted)
+
+
+_MLK_OPTIONS = {"num_keys", "pi", "pi_shape", "max_len"}  # "pi" so that soft_e / hard_e reach MLK and are rejected
+register("linear", LinearAttention, set())
+register("mlk", lambda e, h, **kw: MLKAttention(e, h, keys="separate", **kw), _MLK_OPTIONS)
+register("smlk", lambda e, h, **kw: MLKAttention(e, h, keys="shifted", **kw), _MLK_OPTIONS)

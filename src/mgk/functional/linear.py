@@ -139,7 +139,7 @@ def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
     # State before chunk m: kv0 + sum of chunks < m (exclusive cumulative sum).
     kv_prev = torch.cat([kv0.unsqueeze(2), kv_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
     z_prev = torch.cat([z0.unsqueeze(2), z_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
-    tri = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
+    tri = _masks.causal_mask(c, c, phi_q.device)  # (bool tril is very slow on CPU)
     scores = torch.where(tri, qc @ kc.transpose(-1, -2), torch.zeros((), dtype=qc.dtype, device=qc.device))
     num = qc @ kv_prev + scores @ vc
     den = (qc @ z_prev.unsqueeze(-1)).squeeze(-1) + scores.sum(dim=-1)

@@ -1,0 +1,227 @@
+"""MGKAttention / MultiheadAttention modules: mask plumbing, padding, causality, Soft-E semantics."""
+import math
+
+import pytest
+import torch
+
+import mgk
+from mgk.functional import MaskError
+
+KINDS = [("softmax", "learned"), ("mgk", "learned"), ("mgk", "soft_e"), ("mgk", "hard_e"), ("smgk", "learned"),
+         ("smgk", "soft_e"), ("smgk", "hard_e")]
+
+
+def make(kind, pi, E=16, H=2, D=8, max_len=16, dropout=0.0, **kw):
+    torch.manual_seed(0)
+    return mgk.build_attention(kind, E, H, head_dim=D, pi=pi, max_len=max_len, dropout=dropout, **kw)
+
+
+@pytest.mark.parametrize("kind,pi", KINDS)
+def test_padding_invariance_with_poisoned_padding(kind, pi):
+    m = make(kind, pi).eval()
+    x = torch.randn(1, 4, 16)
+    ref, _ = m(x)
+    for fill in (1e30, float("nan")):
+        padded = torch.cat([x, torch.full((1, 3, 16), fill)], dim=1)
+        kpm = torch.tensor([[False] * 4 + [True] * 3])
+        out, _ = m(padded, key_padding_mask=kpm)
+        torch.testing.assert_close(out[:, :4], ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,pi", KINDS)
+def test_causality_and_batch_invariance(kind, pi):
+    m = make(kind, pi).eval()
+    x = torch.randn(3, 8, 16)
+    out, _ = m(x, is_causal=True)
+    y = x.clone()
+    y[:, 5] = torch.randn(3, 16)
+    out2, _ = m(y, is_causal=True)
+    assert torch.equal(out[:, :5], out2[:, :5])
+    assert not torch.allclose(out[:, 5:], out2[:, 5:])
+    alone, _ = m(x[1:2], is_causal=True)
+    torch.testing.assert_close(alone, out[1:2], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,pi", KINDS)
+def test_need_weights_rows_sum_to_one_and_match_output(kind, pi):
+    m = make(kind, pi).eval()
+    x = torch.randn(2, 6, 16)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    out, w = m(x, key_padding_mask=kpm, need_weights=True)
+    out_fast, none = m(x, key_padding_mask=kpm)
+    assert none is None and w.shape == (2, 2, 6, 6)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 6), atol=1e-6, rtol=0)
+    assert torch.all(w[1, :, :, 4:] == 0)
+    torch.testing.assert_close(out, out_fast, atol=1e-5, rtol=1e-5)
+
+
+def test_mask_conventions_match_nn_multihead_attention():
+    m = make("mgk", "learned").eval()
+    x = torch.randn(2, 5, 16)
+    kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    am = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # True = not allowed (nn.MHA)
+    a, _ = m(x, key_padding_mask=kpm, attn_mask=am)
+    b, _ = m(x, key_padding_mask=kpm, is_causal=True)
+    torch.testing.assert_close(a, b)
+    per_head = am.expand(2 * 2, 5, 5)
+    c, _ = m(x, key_padding_mask=kpm, attn_mask=per_head)
+    torch.testing.assert_close(a, c)
+    for bad in (kpm.long(), kpm.float()):
+        with pytest.raises(MaskError, match="key_padding_mask"):
+            m(x, key_padding_mask=bad)
+    with pytest.raises(MaskError, match="attn_mask"):
+        m(x, attn_mask=am.float())
+    with pytest.raises(MaskError, match="attn_mask"):
+        m(x, attn_mask=am[:4])
+
+
+def test_fully_padded_sequence_gives_finite_output_and_grads():
+    m = make("mgk", "learned")
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    kpm = torch.tensor([[False] * 4, [True] * 4])
+    out, _ = m(x, key_padding_mask=kpm)
+    assert torch.isfinite(out).all()
+    out[0].sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    assert torch.isfinite(x.grad).all()
+
+
+def test_shape_errors_name_the_argument():
+    m = make("mgk", "learned")
+    with pytest.raises(ValueError, match="query"):
+        m(torch.randn(2, 5, 15))
+    with pytest.raises(ValueError, match="query"):
+        m(torch.randn(5, 16))
+    with pytest.raises(ValueError, match="num_keys"):
+        mgk.MGKAttention(16, 2, num_keys=0)
+    with pytest.raises(ValueError, match="max_len"):
+        mgk.MGKAttention(16, 2, pi="soft_e")
+    with pytest.raises(ValueError, match="pi"):
+        mgk.MGKAttention(16, 2, pi="soft")
+
+
+def test_head_dim_independent_of_embed_dim():
+    m = mgk.MGKAttention(64, 3, head_dim=32)
+    assert m.q_proj.out_features == 96 and m.k_proj.out_features == 2 * 96
+    out, _ = m(torch.randn(2, 7, 64))
+    assert out.shape == (2, 7, 64)
+
+
+def test_sequence_longer_than_max_len_is_a_clear_error():
+    m = make("mgk", "soft_e", max_len=16)
+    m(torch.randn(1, 16, 16))
+    with pytest.raises(ValueError, match=r"17.*max_len=16"):
+        m(torch.randn(1, 17, 16))
+
+
+def _hand_soft_e(q, k, sigma2, pi, valid):
+    """Float64 loops straight from SPEC section 1: gamma then the masked average over (b, i)."""
+    B, H, L, D = q.shape
+    M, S = k.shape[2], k.shape[3]
+    new = pi.clone()
+    for h in range(H):
+        for j in range(S):
+            total = torch.zeros(M, dtype=torch.float64)
+            count = 0
+            for b in range(B):
+                for i in range(L):
+                    if not valid[b, i, j]:
+                        continue
+                    w = torch.tensor([float(pi[h, r, j]) * math.exp(
+                        -float(((q[b, h, i] - k[b, h, r, j]) ** 2).sum()) / (2 * sigma2[r])) for r in range(M)],
+                        dtype=torch.float64)
+                    total += w / w.sum()
+                    count += 1
+            if count:
+                new[h, :, j] = total / count
+    return new
+
+
+@pytest.mark.parametrize("keys", ["separate", "shifted"])
+def test_soft_e_update_equals_hand_computation(keys):
+    torch.manual_seed(1)
+    m = mgk.MGKAttention(4, 1, head_dim=2, num_keys=2, keys=keys, pi="soft_e", max_len=6,
+                         sigma2=[1.5, 0.5]).double()
+    with torch.no_grad():
+        m.pi[:, :, :] = torch.tensor([0.3, 0.7], dtype=torch.float64).view(1, 2, 1)
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    kpm = torch.tensor([[False, False, False, True], [False, False, False, False]])
+    q = m._split(m.q_proj(x)).detach()
+    k = m._keys(x).detach()
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    valid = (~kpm)[:, None, :] & (~kpm)[:, :, None] & causal  # key real, query real, causal
+    expected = _hand_soft_e(q, k, [1.5, 0.5], m.pi.clone(), valid)
+    before = m.pi.clone()
+    ptr = m.pi.data_ptr()
+    m.train()
+    m(x, key_padding_mask=kpm, is_causal=True)
+    assert m.pi.data_ptr() == ptr  # updated in place, not rebound
+    torch.testing.assert_close(m.pi[:, :, :4], expected[:, :, :4], atol=1e-12, rtol=1e-10)
+    assert torch.equal(m.pi[:, :, 4:], before[:, :, 4:])  # positions beyond L untouched
+    torch.testing.assert_close(m.pi.sum(1), torch.ones(1, 6, dtype=torch.float64))
+    assert not torch.equal(m.pi, before)
+
+
+def test_soft_e_never_changes_in_eval_or_no_grad_and_is_saved():
+    m = make("mgk", "soft_e")
+    x = torch.randn(2, 5, 16)
+    before = m.pi.clone()
+    m.eval()
+    m(x)
+    m.train()
+    with torch.no_grad():
+        m(x)
+    assert torch.equal(m.pi, before)
+    assert "pi" in m.state_dict()
+    m(x)
+    assert not torch.equal(m.pi, before)
+
+
+def test_soft_e_forward_twice_backward_once():
+    m = make("mgk", "soft_e").train()
+    x = torch.randn(2, 5, 16)
+    (m(x)[0].sum() + m(x)[0].sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_learned_pi_at_the_boundary_still_learns():
+    """R12: the authors clamp pi to [0, 1], which freezes it; log-softmax logits keep a gradient."""
+    torch.manual_seed(0)
+    m = mgk.MGKAttention(8, 1, head_dim=8, num_keys=2, pi="learned")
+    with torch.no_grad():
+        m.pi_logits[:] = torch.tensor([[0.0, -12.0]])  # pi = (1, ~6e-6)
+        W = m.k_proj.weight.view(2, 8, 8)
+        W[1] = m.q_proj.weight  # component 2 aligned with the queries
+        m.k_proj.bias.view(2, 8)[1] = m.q_proj.bias
+    opt = torch.optim.SGD([m.pi_logits], lr=1.0)
+    x = torch.randn(4, 6, 8)
+
+    def loss():
+        _, w = m(x, need_weights=True)
+        eye = torch.eye(6).expand_as(w)
+        return ((w - eye) ** 2).sum()  # prefers attending to oneself: component 2 (k = q)
+
+    start = torch.softmax(m.pi_logits, 1)[0, 1].item()
+    for _ in range(10):
+        opt.zero_grad()
+        loss().backward()
+        g = m.pi_logits.grad
+        assert torch.isfinite(g).all() and g.abs().sum() > 0
+        opt.step()
+    pi = torch.softmax(m.pi_logits, 1)
+    assert pi[0, 1] > start
+    torch.testing.assert_close(pi.sum(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("kind,pi", KINDS)
+def test_dropout_is_train_only(kind, pi):
+    m = make(kind, pi, dropout=0.5).eval()
+    x = torch.randn(2, 6, 16)
+    a, _ = m(x)
+    b, _ = m(x)
+    assert torch.equal(a, b)
+    m.train()
+    torch.manual_seed(3)
+    c, _ = m(x)
+    assert not torch.allclose(a, c)

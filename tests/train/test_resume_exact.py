@@ -1,0 +1,81 @@
+"""Issue 3 / R23: a run killed with SIGKILL and resumed equals an uninterrupted run, bit for bit, on CPU."""
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from train_helpers import TINY, env, last_state, mgk_cmd, run, series, sets
+
+ARGS = ["--attention", "mgk", "--pi", "soft_e", "--steps", "30", *sets(*TINY, "checkpoint_every=3", "dropout=0.1",
+                                                                       "attn_dropout=0.1")]
+
+
+def _kill_after_checkpoint(out, min_step):
+    """Start a run, SIGKILL it once metrics show step >= min_step; return the step the checkpoint holds."""
+    proc = subprocess.Popen(mgk_cmd("train", "--out", str(out), *ARGS), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            steps = series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
+            if steps and steps[-1][0] >= min_step:
+                proc.send_signal(signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
+            time.sleep(0.02)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    return int(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["state"]["step"])
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    straight = tmp_path / "straight"
+    run(mgk_cmd("train", "--out", str(straight), *ARGS))
+
+    killed = tmp_path / "killed"
+    ckpt_step = _kill_after_checkpoint(killed, min_step=10)
+    assert 3 <= ckpt_step < 30
+    assert not (killed / "results.json").exists()
+    run(mgk_cmd("train", "--resume", str(killed)))
+
+    assert series(killed, "train/loss") == series(straight, "train/loss")  # every step, exact floats
+    assert series(killed, "train/lr") == series(straight, "train/lr")
+    assert series(killed, "val/acc") == series(straight, "val/acc")
+    a, b = last_state(straight), last_state(killed)
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert any(name.endswith(".pi") for name in a["model"])  # Soft-E buffers are part of it
+    assert a["state"] == b["state"]
+    for group_a, group_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        for key in group_a:
+            assert torch.equal(torch.as_tensor(group_a[key]), torch.as_tensor(group_b[key]))
+    ra = json.loads((straight / "results.json").read_text())
+    rb = json.loads((killed / "results.json").read_text())
+    for key in ("val", "test", "params", "steps", "best_step"):
+        assert ra[key] == rb[key], key
+
+
+def test_resume_refuses_another_model_config(tmp_path):
+    out = tmp_path / "run"
+    run(mgk_cmd("train", "--out", str(out), "--steps", "3", *sets(*TINY)))
+    p = subprocess.run(mgk_cmd("train", "--resume", str(out), "--set", "num_heads=2"), env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "num_heads: 4 != 2" in p.stderr
+
+
+def test_two_epochs_visit_different_orders():
+    from mgk.train.loop import EpochSampler
+
+    s = EpochSampler(10, 3, seed=0)  # 3 batches per epoch, one example unused per epoch
+    epoch0 = torch.cat([s.indices(i) for i in range(3)])
+    epoch1 = torch.cat([s.indices(i) for i in range(3, 6)])
+    assert len(set(epoch0.tolist())) == 9 and len(set(epoch1.tolist())) == 9
+    assert not torch.equal(epoch0, epoch1)
+    assert torch.equal(EpochSampler(10, 3, seed=0).indices(4), s.indices(4))  # pure function of (seed, step)

@@ -1,0 +1,61 @@
+"""`mgk train` end to end on the generated ListOps: run records, results.json, errors."""
+import json
+
+import pytest
+import yaml
+from train_helpers import TINY, metrics, sets
+
+from mgk.cli import main
+
+
+def test_train_writes_every_record(tmp_path):
+    out = tmp_path / "run"
+    main(["train", "--steps", "20", "--out", str(out), *sets(*TINY)])
+    results = json.loads((out / "results.json").read_text())
+    for key in ("task", "attention", "num_heads", "params", "steps", "val", "test"):
+        assert key in results
+    assert results["steps"] == 20 and results["attention"] == "mgk" and results["num_heads"] == 4
+    assert 0.0 <= results["val"]["acc"] <= 1.0 and 0.0 < results["test"]["majority_acc"] <= 1.0
+    assert results["test"]["count"] == len((out / "data" / "basic_test.tsv").read_text().splitlines()) - 1
+    recs = metrics(out)
+    assert [r["step"] for r in recs if "train/loss" in r] == list(range(1, 21))
+    assert [r["step"] for r in recs if "val/acc" in r] == [10, 20]
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["steps"] == 20 and cfg["d_model"] == 32
+    env = json.loads((out / "env.json").read_text())
+    assert env["seed"] == 0 and "torch" in env
+    assert (out / "checkpoints" / "last.pt").is_file() and (out / "checkpoints" / "best.pt").is_file()
+    assert (out / "plots" / "learning_curves.png").stat().st_size > 1000
+    assert any((out / "tb").iterdir())
+
+
+def test_missing_splits_are_reported_not_fatal(tmp_path):
+    from mgk.data.listops import generate_listops, write_listops_tsv
+
+    data = tmp_path / "data"
+    write_listops_tsv(data / "basic_train.tsv", generate_listops(64, seed=1, max_length=30))
+    out = tmp_path / "run"
+    main(["train", "--data", str(data), "--steps", "4", "--out", str(out), *sets(*TINY)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["val"] is None and results["test"] is None
+    assert results["missing_splits"] == ["val", "test"]
+    assert "test split absent" in (out / "train.log").read_text()
+
+
+def test_set_rejects_unknown_fields_and_bad_values(tmp_path):
+    with pytest.raises(SystemExit, match="unknown config field"):
+        main(["train", "--out", str(tmp_path), "--set", "batchsize=3"])
+    with pytest.raises(SystemExit, match="batch_size"):
+        main(["train", "--out", str(tmp_path), "--set", "batch_size=many"])
+    with pytest.raises(SystemExit, match="precision"):
+        main(["train", "--out", str(tmp_path), "--set", "precision=8"])
+
+
+def test_too_long_sequence_is_an_error_unless_truncated(tmp_path):
+    from mgk.data.listops import ListOpsFormatError
+
+    with pytest.raises(ListOpsFormatError, match="max_len"):
+        main(["train", "--steps", "2", "--out", str(tmp_path / "a"), *sets(*TINY, "max_len=12")])
+    out = tmp_path / "b"
+    main(["train", "--steps", "2", "--out", str(out), *sets(*TINY, "max_len=12", "truncate=true")])
+    assert "truncated to max_len=12" in (out / "train.log").read_text()

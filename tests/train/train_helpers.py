@@ -1,0 +1,57 @@
+"""Shared bits for the end-to-end training tests: a tiny config and a subprocess runner."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = ["gen_train=256", "gen_val=40", "gen_test=37", "batch_size=16", "d_model=32", "head_dim=8", "ffn_dim=32",
+        "classifier_dim=32", "max_len=64", "gen_max_length=40", "log_every=1", "eval_every=10", "warmup_steps=5",
+        "progress=false", "eval_batch_size=8"]
+
+
+def sets(*pairs):
+    """--set arguments for ``pairs`` of key=value."""
+    out = []
+    for p in pairs:
+        out += ["--set", p]
+    return out
+
+
+def env():
+    """Environment for child processes: the package importable from src, one thread each."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO / "src") + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def mgk_cmd(*args):
+    """Command line of ``python -m mgk``."""
+    return [sys.executable, "-m", "mgk", *args]
+
+
+def run(cmd, timeout=300):
+    """Run a command and fail with its output if it exits non-zero."""
+    p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def metrics(run_dir):
+    """All records of a run's metrics.jsonl."""
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def series(run_dir, key):
+    """(step, value) pairs of one metric."""
+    return [(r["step"], r[key]) for r in metrics(run_dir) if key in r]
+
+
+def last_state(run_dir):
+    """The model state dict of checkpoints/last.pt."""
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
