@@ -48,12 +48,12 @@ def _mgk_fn(path, mask, causal, with_pi, sig):
 
 
 _PATHS = ["fast", "explicit", "weights", "max"]
-_SIGS = ["default", "unequal", "unequal_grad"]
+_SIGS = ["default", "unequal", "unequal_grad", "equal_grad"]
 # every (path, mask) pair, with coincidence and variance kind rotated so that every value meets every path
-CASES = [(p, m, (i + j) % 2 == 0, _SIGS[(i + 2 * j) % 3]) for i, p in enumerate(_PATHS) for j, m in enumerate(MASKS)]
+CASES = [(p, m, (i + j) % 2 == 0, _SIGS[(i + 3 * j) % 4]) for i, p in enumerate(_PATHS) for j, m in enumerate(MASKS)]
 # a few cases in gradcheck's full (slow, element-wise) mode; the rest in fast_mode (random projections)
-FULL = {("fast", "empty_row", True, "unequal_grad"), ("explicit", "causal_left_pad", True, "unequal_grad"),
-        ("max", "empty_row", True, "unequal"), ("weights", "causal", False, "unequal_grad")}
+FULL = [("fast", "empty_row", True, "unequal_grad"), ("explicit", "causal_left_pad", True, "unequal_grad"),
+        ("max", "empty_row", True, "unequal"), ("weights", "causal", False, "unequal_grad")]
 CASES += [c for c in FULL if c not in CASES]
 
 
@@ -62,13 +62,16 @@ def _mgk_case(path, mask_kind, coincide, sig_kind):
     q, k, v = tiny(M=M, seed=1, coincide=coincide)
     mask, causal = MASKS[mask_kind]
     with_pi = path != "max"
-    sig = {"default": None, "unequal": torch.tensor([0.7, 1.9], dtype=F64), "unequal_grad": "grad"}[sig_kind]
+    sig = {"default": None, "unequal": torch.tensor([0.7, 1.9], dtype=F64), "unequal_grad": "grad",
+           "equal_grad": "grad"}[sig_kind]
     args = [q, k, v]
     if with_pi:
         args.append(torch.log_softmax(torch.randn(1, M, 3, dtype=F64, generator=torch.Generator().manual_seed(2)),
                                       dim=1))
     if sig_kind == "unequal_grad":
         args.append(torch.tensor([0.7, 1.9], dtype=F64))
+    if sig_kind == "equal_grad":  # equal variances take the two-column fast path; the gradient must still be right
+        args.append(torch.tensor([1.3, 1.3], dtype=F64))
     args = tuple(a.clone().requires_grad_(True) for a in args)
     return _mgk_fn(path, mask, causal, with_pi, sig), args
 
@@ -141,3 +144,28 @@ def test_log_pi_gradient_flows_from_boundary():
         out = _mgk_fn(path, None, False, True, None)(q, k, v, torch.log_softmax(logits, dim=1))
         (out * torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(0))).sum().backward()
         assert torch.isfinite(logits.grad).all() and logits.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("M", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sigma2_gradient_with_equal_variances(M, causal):
+    """Learnable per-component variances that happen to be equal (e.g. both initialised at sqrt(D)): the fast path
+    must give the same d out / d sigma2_r as the explicit path and as central differences. The |q|^2 / (2 sigma_r^2)
+    term is row-constant in value when the sigma_r agree, but its derivative w.r.t. one sigma_r is not."""
+    q, k, v = tiny(M=M, seed=8)
+    w = torch.randn(1, 1, 3, 2, dtype=F64, generator=torch.Generator().manual_seed(9))
+    grads = {}
+    for path in ("fast", "explicit"):
+        s2 = torch.full((M,), 1.3, dtype=F64, requires_grad=True)
+        out = mgk_attention(q, k, v, sigma2=s2, is_causal=causal, explicit=path == "explicit")
+        (out * w).sum().backward()
+        grads[path] = s2.grad
+    num = torch.zeros(M, dtype=F64)
+    for r in range(M):
+        d = torch.zeros(M, dtype=F64)
+        d[r] = 1e-6
+        f = [(mgk_attention(q, k, v, sigma2=torch.full((M,), 1.3, dtype=F64) + sgn * d, is_causal=causal,
+                            explicit=True) * w).sum() for sgn in (1, -1)]
+        num[r] = (f[0] - f[1]) / 2e-6
+    torch.testing.assert_close(grads["explicit"], num, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grads["fast"], num, atol=1e-6, rtol=1e-5)

@@ -167,13 +167,18 @@ def test_left_padding_causal_mlk(content):
     q, k, v = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 2, 8, 4), torch.randn(2, 2, 8, 3)
     k[0, :, :, :3] = 0.0 if content == "zero" else float("nan")
     v[0, :, :3] = 1e3 if content == "zero" else float("nan")
+    if content == "nan":
+        q[0, :, :3] = float("nan")  # padded queries: rows 0-2 see only padding
     keep = torch.ones(2, 8, dtype=torch.bool)
     keep[0, :3] = False
-    out = mlk_attention(q, k, v, attn_mask=key_mask(keep), is_causal=True, chunk_size=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = mlk_attention(q, k, v, attn_mask=key_mask(keep), is_causal=True, chunk_size=4)
     alone = mlk_attention(q[:1, :, 3:], k[:1, :, :, 3:], v[:1, :, 3:], is_causal=True)
     torch.testing.assert_close(out[:1, :, 3:], alone, rtol=0, atol=1e-5)
     assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
     assert torch.isfinite(out).all()
+    out.sum().backward()  # the padded query of row 2 shares a chunk with real keys 3: no NaN may reach them
+    assert torch.isfinite(k.grad[0, :, :, 3:]).all() and torch.isfinite(q.grad[0, :, 3:]).all()
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -202,20 +207,28 @@ def test_fully_padded_row_is_zero_with_finite_grads(kind, causal):
     assert q.grad[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("weights", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_rows_without_keys_are_zero_whatever_the_query(causal):
-    """Rows that see no key are set to zero, not left to 0 / eps arithmetic: even a NaN query gives 0 there."""
+def test_rows_without_keys_are_inert_whatever_the_query(causal, weights, eps):
+    """Rows that see no key are exactly 0 even for a NaN query or eps = 0, and nothing there reaches a gradient."""
     torch.manual_seed(20)
     q, k, v = torch.randn(2, 1, 6, 4), torch.randn(2, 1, 4, 4), torch.randn(2, 1, 4, 3)
     keep = torch.ones(2, 4, dtype=torch.bool)
     keep[1] = False
     q[1] = float("nan")
-    q[0, :, :2] = float("nan")  # causal with L = 6 > S = 4: rows 0 and 1 see no key
-    out = linear_attention(q, k, v, attn_mask=key_mask(keep), is_causal=causal)
+    if causal:
+        q[0, :, :2] = float("nan")  # causal with L = 6 > S = 4: rows 0 and 1 see no key
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = linear_attention(q, k, v, attn_mask=key_mask(keep), is_causal=causal, eps=eps, return_weights=weights)
+    out = out[0] if weights else out
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+    real = slice(2, 6) if causal else slice(0, 6)
     if causal:
         assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))
-        assert torch.isfinite(out[0, :, 2:]).all()
+    assert torch.isfinite(out[0, :, real]).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
 def test_per_head_key_padding():

@@ -218,3 +218,38 @@ def test_query_mask_validation_in_responsibilities():
         mgk_responsibilities(q, k, query_mask=torch.ones(2, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="query_mask"):
         mgk_responsibilities(q, k, query_mask=torch.ones(2, 5, dtype=torch.bool))
+
+
+def _bad_cases_resp():
+    q, k, _ = _base()
+    yield "query", dict(query=q[0])
+    yield "query", dict(query=q.to(torch.int64))
+    yield "key", dict(key=k[:, :, 0])                                  # rank 4
+    yield "key", dict(key=k[0, 0])                                     # rank 3
+    yield "key", dict(key=k[0, 0, 0])                                  # rank 2
+    yield "key", dict(key=k[:, :, :0])                                 # M = 0 components
+    yield "key", dict(key=k[..., :2])                                  # head_dim mismatch
+    yield "log_pi", dict(log_pi=torch.zeros(3, 2, 5))
+    yield "sigma2", dict(sigma2=torch.ones(3))
+    yield "sigma2", dict(sigma2=-1.0)
+
+
+BAD_RESP = list(_bad_cases_resp())
+
+
+@pytest.mark.parametrize("case", range(len(BAD_RESP)), ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_RESP)])
+def test_responsibilities_bad_arguments_raise_value_error_naming_argument(case):
+    name, over = BAD_RESP[case]
+    q, k, _ = _base()
+    kw = dict(query=q, key=k)
+    kw.update(over)
+    with pytest.raises(ValueError, match=name):
+        mgk_responsibilities(kw.pop("query"), kw.pop("key"), **kw)
+
+
+@pytest.mark.parametrize("path", ["fast", "explicit", "weights"])
+def test_mgk_zero_components_raise_value_error(path):
+    q, k, v = _base()
+    kw = {"explicit": dict(explicit=True), "weights": dict(return_weights=True), "fast": {}}[path]
+    with pytest.raises(ValueError, match="key"):
+        mgk_attention(q, k[:, :, :0], v, **kw)

@@ -217,26 +217,28 @@ def test_r11_q_is_k_forward_backward_finite(M, scale, path, dtype):
 
 @pytest.mark.parametrize("scale", [1.0, 100.0, 1e3])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_r11_gaussian_log_kernel_nonpositive_and_correct(scale, dtype):
-    q, k, _ = r11_inputs(2, scale)
-    q = q.to(dtype)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_r11_gaussian_log_kernel_nonpositive_and_correct(scale, dtype, seed):
+    """q is k bitwise for component 0 (16 queries, so rounding of an expanded |q|^2 + |k|^2 - 2 q.k does go
+    negative somewhere): every log-kernel value is <= 0, finite, and equals -|q - k|^2 / (2 s2)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, 1, 16, 8, generator=g, dtype=F64) * scale).to(dtype)
     k = torch.cat([q.unsqueeze(2), (q + 0.5).unsqueeze(2)], dim=2)
     s2 = torch.tensor([0.5, 2.0], dtype=dtype)
-    g = gaussian_log_kernel(q, k, s2)
-    assert g.shape == (1, 1, 4, 2, 4)
-    assert torch.isfinite(g).all()
-    assert (g <= 0).all(), "kernel value exp(g) must be <= 1: squared distance went negative"
+    out = gaussian_log_kernel(q, k, s2)
+    assert out.shape == (1, 1, 16, 2, 16)
+    assert torch.isfinite(out).all()
+    assert (out <= 0).all(), "kernel value exp(g) must be <= 1: squared distance went negative"
     ref = -squared_distances(q, k) / (2 * s2.to(F64).view(2, 1))
-    diag = torch.arange(4)
-    ref_diag = ref[0, 0, diag, 0, diag]
-    assert (ref_diag == 0).all()
+    diag = torch.arange(16)
+    assert (ref[0, 0, diag, 0, diag] == 0).all()
     if scale == 1.0:
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
-        torch.testing.assert_close(g.to(F64), ref, **tol)
-    else:  # expanded form in float32 loses absolute precision at large norms; still close relative to |q|^2 / s2
+        torch.testing.assert_close(out.to(F64), ref, **tol)
+    else:  # expanded form loses absolute precision at large norms; still close relative to |q|^2 / s2
         qn = float((q.to(F64) ** 2).sum(-1).max())
         eps = 1e-6 if dtype == torch.float32 else 1e-14
-        assert ((g.to(F64) - ref).abs() <= 8 * eps * qn / 0.5 + 1e-9).all()
+        assert ((out.to(F64) - ref).abs() <= 8 * eps * qn / 0.5 + 1e-9).all()
 
 
 @pytest.mark.parametrize("path", ["explicit", "weights"])

@@ -61,13 +61,16 @@ def test_unmasked_random_inputs(dtype, M, path, sig):
 
 @pytest.mark.parametrize("M", [1, 2, 3])
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("pi_kind", ["per_head", "per_position", "full", "flat_heads"])
+@pytest.mark.parametrize("pi_kind", ["per_head", "per_position", "full", "flat_heads", "unnormalised"])
 def test_custom_log_pi(M, path, pi_kind):
     B, H, S = 2, 2, 6
     dtype = torch.float64
     q, k, v = make_inputs(B=B, H=H, L=4, S=S, M=M, D=3, dtype=dtype, seed=10 + M)
-    shape = {"per_head": (H, M, 1), "per_position": (H, M, S), "full": (B, H, M, S), "flat_heads": (M, S)}[pi_kind]
+    shape = {"per_head": (H, M, 1), "per_position": (H, M, S), "full": (B, H, M, S), "flat_heads": (M, S),
+             "unnormalised": (H, M, S)}[pi_kind]
     log_pi = normalised_log_pi(shape, dim=-2, seed=M).to(dtype)
+    if pi_kind == "unnormalised":  # docs: an un-normalised prior only rescales a key's mass; formula still literal
+        log_pi = log_pi + torch.linspace(-1.0, 2.0, S, dtype=dtype)
     s2 = torch.tensor([0.8, 1.7, 3.0][:M], dtype=dtype)
     check(path, q, k, v, dtype, log_pi=log_pi, sigma2=s2)
 
@@ -106,11 +109,11 @@ def test_bool_masks(dtype, M, path, mask_kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("LS", [(5, 5), (3, 6), (6, 3), (1, 4), (4, 1)])
+@pytest.mark.parametrize("LS,M", [((5, 5), 2), ((3, 6), 1), ((3, 6), 3), ((6, 3), 2), ((6, 3), 1), ((1, 4), 2),
+                                  ((4, 1), 2)])
 @pytest.mark.parametrize("with_padding", [False, True])
-def test_causal_bottom_right(dtype, M, path, LS, with_padding):
+def test_causal_bottom_right(dtype, path, LS, M, with_padding):
     L, S = LS
     B, H = 2, 1
     q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=3, dtype=dtype, seed=30 + L * 7 + S)
@@ -163,7 +166,7 @@ def test_chunking_does_not_change_explicit_path():
                                    atol=1e-12, rtol=1e-10)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     B=st.integers(1, 3), H=st.integers(1, 2), L=st.sampled_from([1, 2, 5, 9]), S=st.sampled_from([1, 2, 5, 9]),
     D=st.sampled_from([1, 2, 4, 8]), M=st.integers(1, 3), causal=st.booleans(), use_mask=st.booleans(),

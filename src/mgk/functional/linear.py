@@ -12,7 +12,8 @@ The sums are taken over the keys query i may see: all unpadded keys, and in caus
 Masks: prefix sums cannot express an arbitrary (L, S) mask, so ``attn_mask`` may only mark padded keys (shape
 broadcastable to (B, H, 1, S), True = real key); causality is ``is_causal``. Padded keys are removed with
 ``torch.where`` on the raw keys and again on the features and values (``elu(0) + 1 = 1``, so zeroing a key is not
-enough, and NaN/1e30 padding must never meet a multiplication). Query rows that can see no key are exactly zero.
+enough, and NaN/1e30 padding must never meet a multiplication). Query rows that can see no key are removed the same
+way (their content cannot reach any gradient) and return exactly zero.
 
 Three paths compute the same numbers:
 
@@ -159,36 +160,43 @@ def _causal(phi_q, phi_k, v, chunk: int):
     return _chunked_prefix(phi_q, phi_k[:, :, off:], v[:, :, off:], kv0, z0, chunk)
 
 
+def _denominator(den: Tensor, eps: float, empty: Tensor | None) -> Tensor:
+    """``den + eps``, and 1 on rows that see no key (their numerators are exactly 0, so they give exactly 0 with
+    finite gradients even for eps = 0)."""
+    den = den + eps
+    return den if empty is None else torch.where(empty, torch.ones((), dtype=den.dtype, device=den.device), den)
+
+
 def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights):
     """Shared core of linear and MLK attention; key is (B, H, M, S, D), already checked."""
     out_dtype = query.dtype
     L, S = query.shape[2], key.shape[3]
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
+    zero = torch.zeros((), dtype=dt, device=query.device)
     with full_precision(query.device):
+        empty = _empty_rows(keep, is_causal, L, S, query.device)
+        if empty is not None:  # rows that see no key: inert (NaN queries there must not reach any gradient); they
+            q = torch.where(empty, zero, q)  # meet only zero key features, so their num and den are exactly 0
         phi_q = _features(fm, q, "query")
         phi_k = _key_features(fm, k, log_pi, keep)
         check_same("feature_map(query)", phi_q.shape[-1], "feature_map(key)", phi_k.shape[-1], "feature size D'")
         if keep is not None:
-            v = torch.where(keep.unsqueeze(-1), v, torch.zeros((), dtype=dt, device=v.device))
-        empty = _empty_rows(keep, is_causal, L, S, query.device)
-        weights = None
+            v = torch.where(keep.unsqueeze(-1), v, zero)
         if return_weights:
-            weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, L, S); padded keys are already 0
+            weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, L, S); padded keys and empty rows are already 0
             if is_causal:
-                weights = torch.where(_masks.causal_mask(L, S, query.device), weights,
-                                      torch.zeros((), dtype=dt, device=query.device))
-            weights = _masks.zero_rows(weights / (weights.sum(dim=-1, keepdim=True) + eps), empty)
+                weights = torch.where(_masks.causal_mask(L, S, query.device), weights, zero)
+            weights = weights / _denominator(weights.sum(dim=-1, keepdim=True), eps, empty)
             out = weights @ v
         else:
             if is_causal:
                 num, den = _causal(phi_q, phi_k, v, chunk_size)
             else:
                 num = phi_q @ (phi_k.transpose(-1, -2) @ v)
-                den = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)
-                den = den.squeeze(-1)
-            out = num / (den.unsqueeze(-1) + eps)
-        out = _masks.zero_rows(out, empty).to(out_dtype)
+                den = (phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)).squeeze(-1)
+            out = num / _denominator(den.unsqueeze(-1), eps, empty)
+    out = out.to(out_dtype)
     return (out, weights.to(out_dtype)) if return_weights else out
 
 
@@ -290,7 +298,7 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
             e.g. left padding in batched decoding). None: every step is real.
         feature_map, eps: as :func:`linear_attention`.
     Returns:
-        ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen) and the new
+        ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen, for eps > 0) and the new
         :class:`LinearAttentionState` (the old one is not modified).
     Raises:
         ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for key_mask_t.

@@ -138,8 +138,15 @@ def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weig
 def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p):
     """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring)."""
     B, H, M, S, D = k.shape
+    Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
     bias = log_prior - (k * k).sum(-1) * (0.5 * inv.view(M, 1))  # (B, H, M, S)
+    if mask is not None and mask.shape[-2] == 1:
+        # A mask that does not depend on the query (key padding) goes into the bias column: SDPA then runs without
+        # a mask and can take its fused O(L + S)-memory kernel. -1e30 is finite, so 0 * bias stays 0 in backward.
+        bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias, torch.full((), -1e30, dtype=bias.dtype,
+                                                                           device=bias.device))
+        mask = None
     ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
     cols_k = [k * inv, bias.unsqueeze(-1)]
     cols_q = [q, ones]
@@ -148,11 +155,16 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p):
         cols_q.append((q * q).sum(-1, keepdim=True))
     kp = torch.cat(cols_k, dim=-1).reshape(B, H, M * S, -1)
     qp = torch.cat(cols_q, dim=-1)
-    vp = v.unsqueeze(2).expand(B, H, M, S, v.shape[-1]).reshape(B, H, M * S, v.shape[-1])
+    vp = v.unsqueeze(2).expand(B, H, M, S, Dv).reshape(B, H, M * S, Dv)
+    # The fused CPU kernel needs one head size for q, k and v: pad with zero columns (no effect on scores; the
+    # padded output columns are dropped).
+    width = max(qp.shape[-1], Dv)
+    qp, kp, vp = (F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, vp))
     mp = None
     if mask is not None:
         mp = mask.unsqueeze(-2).expand(*mask.shape[:-1], M, S).reshape(*mask.shape[:-1], M * S)
-    return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, dropout_p=dropout_p, scale=1.0)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, dropout_p=dropout_p, scale=1.0)
+    return out[..., :Dv]
 
 
 def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,

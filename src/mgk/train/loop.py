@@ -185,7 +185,7 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
                            dist_info=d)
             metrics.update({"val/loss": val["loss"], "val/acc": val["acc"]})
             if val["acc"] > state["best_acc"]:
-                state["best_acc"], state["best_step"] = val["acc"], done
+                state["best_acc"], state["best_step"], state["best_val"] = val["acc"], done, val
                 if d.is_main:
                     checkpoint.save_atomic({"model": model.state_dict(), "step": done,
                                             "config": config_mod.to_dict(cfg)}, ckpt_dir / "best.pt")
@@ -212,7 +212,10 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
             results[name] = None
             results.setdefault("missing_splits", []).append(name)
             continue
-        m = evaluate(task, model, ds, batch_size=cfg.eval_batch_size, precision=cfg.precision, dist_info=d)
+        if name == "val" and "best_val" in state:  # measured when the best checkpoint was written
+            m = state["best_val"]
+        else:
+            m = evaluate(task, model, ds, batch_size=cfg.eval_batch_size, precision=cfg.precision, dist_info=d)
         results[name] = {"acc": m["acc"], "loss": m["loss"], "count": m["count"], "majority_acc": ds.majority_acc()}
     if d.is_main:
         for name in results.get("missing_splits", []):
