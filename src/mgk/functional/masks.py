@@ -102,7 +102,7 @@ def from_module_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None,
     return allowed
 
 
-def prepare(mask: Tensor | None, key: Tensor, value: Tensor, key_dim: int = -2):
+def prepare(mask: Tensor | None, key: Tensor, value: Tensor, query: Tensor | None = None):
     """Make masked content inert and find rows that can see no key.
 
     Keys and values that no query may attend to are replaced by zeros with ``torch.where`` (never by
@@ -110,10 +110,12 @@ def prepare(mask: Tensor | None, key: Tensor, value: Tensor, key_dim: int = -2):
     ``(safe_mask, key, value, empty_rows)`` where ``safe_mask`` has every fully masked query row switched to
     all-True (so softmax stays finite) and ``empty_rows`` (broadcastable to (B, H, L, 1), bool) marks those rows,
     whose outputs the caller sets to zero. ``key`` may carry an extra component dim before S (MGK keys are
-    (B, H, M, S, D)); ``key_dim`` is the position of S in ``key``.
+    (B, H, M, S, D)). When ``query`` is given, the queries of empty rows are zeroed too and the result is
+    ``(safe_mask, key, value, empty_rows, query)``: a NaN query there would otherwise give NaN scores whose
+    softmax backward poisons the gradients of real keys, even though the row's output is cut to zero.
     """
     if mask is None:
-        return None, key, value, None
+        return (None, key, value, None) if query is None else (None, key, value, None, query)
     dead = ~mask.any(dim=-2)  # (B?, H?, S): no query may attend to this key
     if bool(dead.any()):
         vd = dead.unsqueeze(-1)
@@ -121,9 +123,12 @@ def prepare(mask: Tensor | None, key: Tensor, value: Tensor, key_dim: int = -2):
         kd = vd if key.dim() == 4 else vd.unsqueeze(-3)
         key = torch.where(kd, torch.zeros((), dtype=key.dtype, device=key.device), key)
     empty = ~mask.any(dim=-1, keepdim=True)  # (B?, H?, L, 1)
-    if bool(empty.any()):
+    if not bool(empty.any()):
+        return (mask, key, value, None) if query is None else (mask, key, value, None, query)
+    if query is None:
         return mask | empty, key, value, empty
-    return mask, key, value, None
+    query = torch.where(empty, torch.zeros((), dtype=query.dtype, device=query.device), query)
+    return mask | empty, key, value, empty, query
 
 
 def zero_rows(out: Tensor, empty: Tensor | None) -> Tensor:

@@ -150,7 +150,8 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p):
     ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
     cols_k = [k * inv, bias.unsqueeze(-1)]
     cols_q = [q, ones]
-    if not bool(torch.all(s2 == s2[0])):
+    if s2.requires_grad or not bool(torch.all(s2 == s2[0])):
+        # With equal variances the |q|^2 column cancels in the output, but not in the gradient of each sigma_r^2.
         cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
         cols_q.append((q * q).sum(-1, keepdim=True))
     kp = torch.cat(cols_k, dim=-1).reshape(B, H, M * S, -1)
@@ -197,13 +198,16 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     """
     B, H, L, S, M, D, mask = _check(query, key, value, log_pi, sigma2, mixture, attn_mask)
     out_dtype = query.dtype
+    if L == 0 or S == 0:  # nothing to attend from, or nothing to attend to: rows with no key are zero
+        out = value.new_zeros(B, H, L, value.shape[-1], dtype=out_dtype)
+        return (out, value.new_zeros(B, H, L, S, dtype=out_dtype)) if return_weights else out
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
     with full_precision(query.device):
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
         mask = _masks.combine(mask, is_causal, L, S, query.device)
-        mask, k, v, empty = _masks.prepare(mask, k, v)
+        mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
         if mixture == "sum" and not (return_weights or explicit):
             out = _masks.zero_rows(_fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p), empty)
             return out.to(out_dtype)
@@ -227,6 +231,9 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         ``(resp_sum, count)``: float32 (or float64) tensors of shapes (H, M, S) and (H, S). The Soft-E update is
         ``pi[h, r, j] = resp_sum[h, r, j] / count[h, j]`` where ``count > 0``. Under DDP, all-reduce both first.
     """
+    check_tensor(key, "key", 5, "(B, H, M, S, D)")
+    if key.shape[2] < 1:
+        raise ValueError("key must have at least one mixture component (M >= 1)")
     B, H, L, S, M, D, mask = _check(query, key, key[:, :, 0], log_pi, sigma2, "sum", attn_mask)
     if query_mask is not None:
         if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (B, L):

@@ -53,7 +53,7 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
             return out.to(out_dtype)
         mask = _masks.combine(mask, is_causal, L, S, query.device)
-        mask, k, v, empty = _masks.prepare(mask, k, v)
+        mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         return _masks.zero_rows(out, empty).to(out_dtype)
 
@@ -71,7 +71,7 @@ def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, at
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     with full_precision(query.device):
         mask = _masks.combine(mask, is_causal, L, S, query.device)
-        mask, k, v, empty = _masks.prepare(mask, k, v)
+        mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
         scores = (q @ k.transpose(-1, -2)) * scale
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
