@@ -62,6 +62,13 @@ class ClassificationTask:
         correct = (logits.argmax(dim=-1) == labels).sum()
         return loss_sum, {"loss": loss_sum.detach(), "correct": correct, "count": labels.numel()}
 
+    best_metric = ("acc", "max")  # validation metric that selects the best checkpoint
+
+    @staticmethod
+    def describe(dataset) -> dict:
+        """Facts about a split for results.json: the majority-class accuracy (the chance level to beat)."""
+        return {"majority_acc": dataset.majority_acc()}
+
     @staticmethod
     def summarise(sums: dict) -> dict:
         """Per-example metrics from summed statistics: ``{"loss", "acc", "count"}``."""

@@ -10,20 +10,22 @@ from .precision import autocast
 
 @torch.no_grad()
 def evaluate(task, model, dataset, *, batch_size: int, precision: str, dist_info) -> dict:
-    """Metrics of ``model`` on ``dataset``: ``task.summarise`` of the summed statistics (loss, acc, count)."""
+    """Metrics of ``model`` on ``dataset``: ``task.summarise`` of the statistics that ``task.loss`` returns, summed
+    over the split and over ranks (e.g. loss, acc, count)."""
     was_training = model.training
     model.eval()
     index = torch.arange(dist_info.rank, len(dataset), dist_info.world_size)
     # Batches of similar lengths waste less work on padding; the sums do not depend on the order.
-    index = index[torch.argsort(dataset.lengths[index], stable=True)]
-    totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+    if hasattr(dataset, "lengths"):
+        index = index[torch.argsort(dataset.lengths[index], stable=True)]
+    totals: dict[str, float] = {}
     for start in range(0, len(index), batch_size):
         batch = task.batch(dataset, index[start:start + batch_size], dist_info.device)
         with autocast(dist_info.device, precision):
             _, sums = task.loss(model, batch)
-        for key in totals:
-            totals[key] += float(sums[key])
-    keys = list(totals)
+        for key, value in sums.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    keys = sorted(totals)
     reduced = distributed.all_sum([totals[k] for k in keys], dist_info.device)
     model.train(was_training)
     return task.summarise(dict(zip(keys, reduced)))

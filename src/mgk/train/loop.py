@@ -92,7 +92,9 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
         s, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, schedule=cfg.schedule))
     scaler = grad_scaler(d.device, cfg.precision)
     ckpt_dir = run_dir / "checkpoints"
-    state = {"step": 0, "best_acc": -1.0, "best_step": None, "skipped": 0}
+    # The task names the validation metric that selects the best checkpoint, e.g. ("acc", "max") or ("ppl", "min").
+    best_key, best_mode = getattr(task, "best_metric", ("acc", "max"))
+    state = {"step": 0, "best": None, "best_step": None, "skipped": 0}
 
     if resume:
         ckpt = checkpoint.load(ckpt_dir / "last.pt")
@@ -125,7 +127,8 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
                       + (f"; resuming at step {state['step']}" if resume else ""))
 
     net = DistributedDataParallel(model) if d.world_size > 1 else model
-    sampler = EpochSampler(len(train_set), cfg.batch_size, cfg.seed)
+    sampler = task.sampler(len(train_set), cfg.batch_size, cfg.seed) if hasattr(task, "sampler") else \
+        EpochSampler(len(train_set), cfg.batch_size, cfg.seed)
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not (d.is_main and cfg.progress), unit="step",
                dynamic_ncols=True)
     train_seconds, session_steps = 0.0, 0
@@ -143,7 +146,7 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
         step = state["step"]
         mine = sampler.indices(step)[d.rank * local_batch:(d.rank + 1) * local_batch]
         optimizer.zero_grad(set_to_none=True)
-        sums = [0.0, 0.0, 0.0]
+        sums: dict[str, float] = {}
         for a in range(cfg.grad_accum):
             batch = task.batch(train_set, mine[a * micro_batch:(a + 1) * micro_batch], d.device)
             last_micro = a == cfg.grad_accum - 1
@@ -153,9 +156,11 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
                     loss_sum, s = task.loss(net, batch)
                 # local mean over this rank's share; DDP averages over ranks -> mean over the global batch
                 scaler.scale(loss_sum / local_batch).backward()
-            sums = [sums[0] + float(s["loss"]), sums[1] + float(s["correct"]), sums[2] + float(s["count"])]
-        loss_total, correct, count = distributed.all_sum(sums, d.device)
-        train_loss = loss_total / count
+            for key, value in s.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        keys = sorted(sums)
+        train = task.summarise(dict(zip(keys, distributed.all_sum([sums[k] for k in keys], d.device))))
+        train_loss = train["loss"]
         if not math.isfinite(train_loss):
             if cfg.nonfinite == "stop":
                 kept = ckpt_dir / "last.pt"
@@ -177,15 +182,17 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
 
         metrics = {}
         if done % cfg.log_every == 0 or done == cfg.steps:
-            metrics.update({"train/loss": train_loss, "train/acc": correct / count,
-                            "train/lr": scheduler.get_last_lr()[0], "train/skipped": state["skipped"]})
-            bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{correct / count:.3f}")
+            metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
+            metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/skipped": state["skipped"]})
+            bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
         if val_set is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
             val = evaluate(task, model, val_set, batch_size=cfg.eval_batch_size, precision=cfg.precision,
                            dist_info=d)
-            metrics.update({"val/loss": val["loss"], "val/acc": val["acc"]})
-            if val["acc"] > state["best_acc"]:
-                state["best_acc"], state["best_step"], state["best_val"] = val["acc"], done, val
+            metrics.update({f"val/{k}": v for k, v in val.items() if k != "count"})
+            better = state["best"] is None or (val[best_key] > state["best"] if best_mode == "max"
+                                               else val[best_key] < state["best"])
+            if better:
+                state["best"], state["best_step"], state["best_val"] = val[best_key], done, val
                 if d.is_main:
                     checkpoint.save_atomic({"model": model.state_dict(), "step": done,
                                             "config": config_mod.to_dict(cfg)}, ckpt_dir / "best.pt")
@@ -216,14 +223,14 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
             m = state["best_val"]
         else:
             m = evaluate(task, model, ds, batch_size=cfg.eval_batch_size, precision=cfg.precision, dist_info=d)
-        results[name] = {"acc": m["acc"], "loss": m["loss"], "count": m["count"], "majority_acc": ds.majority_acc()}
+        results[name] = {**m, **task.describe(ds)}
     if d.is_main:
         for name in results.get("missing_splits", []):
             _say(run_dir, f"{name} split absent: results.json reports the splits that exist")
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         log.close()
         records.plot_learning_curves(run_dir)
-        summary = ", ".join(f"{n} acc {results[n]['acc']:.4f} (majority {results[n]['majority_acc']:.4f})"
+        summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[n].items())
                             for n in ("val", "test") if results[n] is not None)
         _say(run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in {run_dir}")
     distributed.teardown()
