@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
+from .tasks import all_presets
 
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model on a task (default: generated ListOps, small CPU preset)",
                        description="Train on a task. Without --data, ListOps is generated (the embedded default).")
     p.add_argument("--task", default=None, help="task name (default: the preset's task, listops)")
-    p.add_argument("--preset", default=None, choices=sorted(config_mod.PRESETS),
+    p.add_argument("--preset", default=None, choices=sorted(all_presets()),
                    help="starting configuration (default: <task>-small)")
     p.add_argument("--data", default=None, help="folder with the release files (default: generate)")
     p.add_argument("--attention", default=None, help="softmax, mgk, smgk, linear, mlk or smlk")
@@ -46,9 +47,10 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
         return cfg, run_dir, True
     task = args.task or "listops"
     preset = args.preset or f"{task}-small"
-    if preset not in config_mod.PRESETS:
-        raise SystemExit(f"no preset {preset!r}; choose --preset from {sorted(config_mod.PRESETS)}")
-    cfg = dataclasses.replace(config_mod.PRESETS[preset], task=task)
+    presets = all_presets()
+    if preset not in presets:
+        raise SystemExit(f"no preset {preset!r}; choose --preset from {sorted(presets)}")
+    cfg = presets[preset] if args.task is None else dataclasses.replace(presets[preset], task=task)
     flags = {"data": args.data, "attention": args.attention, "num_heads": args.heads, "pi": args.pi,
              "steps": args.steps, "seed": args.seed, "precision": args.precision}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})

@@ -1,7 +1,8 @@
 """Run configuration: one typed dataclass, presets as instances, ``--set key=value`` overrides.
 
-A preset that reproduces the paper cites its source (SPEC section 2, from the paper's appendix). Every field can be
-overridden from the command line; unknown keys and values that do not parse as the field's type are errors.
+Presets live beside their tasks (``mgk.tasks.<task>.PRESETS``); one that reproduces the paper cites its source.
+Every field can be overridden from the command line; unknown keys and values that do not parse as the field's
+type are errors.
 """
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ class RunConfig:
     gen_max_args: int = 5
     gen_min_length: int = 10
     gen_max_length: int = 100
+    val_fraction: float = 0.1  # share of train carved out as validation where a release has no val split
+    split_seed: int = 0  # seed of such carved splits (fixed, documented, independent of the training seed)
+    level: str = "curv_contour_length_14"  # Pathfinder difficulty folder
+    cache_dir: Optional[str] = None  # tokenised-array cache (None = <data dir>/.mgk-cache or the run dir)
+    # language modelling (SPEC section 2: WikiText-103 small setting)
+    segment_len: int = 256  # training/eval segment length in tokens
+    adaptive_cutoffs: Optional[list] = None  # adaptive input/softmax cutoffs; None = [20000, 40000, 200000]
+    eval_context: int = 0  # sliding-window context for final evaluation (0 = segment mode)
+    eval_stride: int = 0  # sliding-window stride (0 = segment mode)
     # model (SPEC section 2: LRA encoder)
     attention: str = "mgk"
     num_heads: int = 4
@@ -67,16 +77,6 @@ class RunConfig:
     eval_batch_size: int = 64
     checkpoint_every: int = 250
     progress: bool = True
-
-
-PRESETS: dict[str, RunConfig] = {
-    # Small CPU preset: generated short ListOps, the default of `mgk train` (a few minutes on 2 cores).
-    "listops-small": RunConfig(),
-    # Paper (SPEC section 2, after Nystromformer): 2 layers, d_model 64, FFN 128, head_dim 32, batch 32,
-    # AdamW lr 1e-4 eps 1e-6, 1000 warm-up steps, 5000 steps, sequences up to 2000 tokens.
-    "listops-paper": RunConfig(max_len=2000, lr=1e-4, steps=5000, warmup_steps=1000, batch_size=32,
-                               eval_every=500, checkpoint_every=500, log_every=50),
-}
 
 
 def _coerce(text: str, hint, name: str):
@@ -168,5 +168,5 @@ def model_differences(a: dict, b: dict) -> list[str]:
     return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in MODEL_FIELDS if a.get(k) != b.get(k)]
 
 
-__all__ = ["RunConfig", "PRESETS", "apply_overrides", "validate", "to_dict", "from_dict", "model_differences",
+__all__ = ["RunConfig", "apply_overrides", "validate", "to_dict", "from_dict", "model_differences",
            "MODEL_FIELDS"]

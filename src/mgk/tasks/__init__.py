@@ -1,6 +1,6 @@
 """Tasks selectable by ``mgk train --task``.
 
-A task module has ``prepare(cfg, run_dir) -> data_dir`` (rank 0 only: find or generate the files) and
+A task module has ``PRESETS`` (name -> RunConfig), ``prepare(cfg, run_dir) -> data_dir`` (rank 0 only: find or generate the files) and
 ``build(cfg, data_dir) -> task`` (every rank). The task object the training loop uses provides:
 
 - ``splits``: {"train", "val", "test"} -> dataset or None; ``len(dataset)`` examples;
@@ -19,6 +19,11 @@ from __future__ import annotations
 from . import listops
 
 TASKS = {"listops": listops}
+
+
+def all_presets() -> dict:
+    """Every task's presets by name (``mgk train --preset NAME``)."""
+    return {name: cfg for module in TASKS.values() for name, cfg in getattr(module, "PRESETS", {}).items()}
 
 
 def get_task(name: str):

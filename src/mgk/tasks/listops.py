@@ -7,6 +7,16 @@ from ..config import RunConfig
 from ..data import listops as lo
 from .classification import ClassificationTask
 
+PRESETS = {
+    # Small CPU preset: generated short ListOps, the default of `mgk train` (about 2 minutes on 2 cores).
+    "listops-small": RunConfig(task="listops"),
+    # Paper (SPEC section 2, after Nystromformer): 2 layers, d_model 64, FFN 128, head_dim 32, batch 32,
+    # AdamW lr 1e-4 eps 1e-6, 1000 warm-up steps then linear decay, 5000 steps, sequences up to 2000 tokens.
+    # On CPU, attention dropout > 0 keeps SDPA off its fused kernel (O(L*S) memory): add --set attn_dropout=0.
+    "listops-paper": RunConfig(task="listops", max_len=2000, lr=1e-4, steps=5000, warmup_steps=1000,
+                               batch_size=32, eval_every=500, checkpoint_every=500, log_every=50),
+}
+
 
 def prepare(cfg: RunConfig, run_dir: Path) -> Path:
     """The folder to read: ``cfg.data``, or (when it is None) a small generated ListOps written to
