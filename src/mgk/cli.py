@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from . import config as config_mod
+from .bench import cli as bench_cli
 from .tasks import all_presets
 
 
@@ -78,13 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "Gaussian keys, and the paper's experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mgk`` console script."""
     args = build_parser().parse_args(argv)
-    handlers = {"train": _run_train}
+    handlers = {"train": _run_train, "bench": bench_cli.run}
     return handlers[args.command](args)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _component_flash
 from . import masks as _masks
 from ._checks import check_same, check_tensor, compute_dtype, full_precision
 
@@ -135,8 +136,11 @@ def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weig
     return out, (torch.cat(weights, dim=2) if want_weights else None)
 
 
-def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p):
-    """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring)."""
+def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
+    """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring).
+
+    ``mask`` must not depend on the query when ``causal`` (then L == S and one causal flash call runs per component,
+    see :mod:`._component_flash`)."""
     B, H, M, S, D = k.shape
     Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
@@ -154,13 +158,16 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p):
         # With equal variances the |q|^2 column cancels in the output, but not in the gradient of each sigma_r^2.
         cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
         cols_q.append((q * q).sum(-1, keepdim=True))
-    kp = torch.cat(cols_k, dim=-1).reshape(B, H, M * S, -1)
+    kp = torch.cat(cols_k, dim=-1)
     qp = torch.cat(cols_q, dim=-1)
-    vp = v.unsqueeze(2).expand(B, H, M, S, Dv).reshape(B, H, M * S, Dv)
     # The fused CPU kernel needs one head size for q, k and v: pad with zero columns (no effect on scores; the
     # padded output columns are dropped).
     width = max(qp.shape[-1], Dv)
-    qp, kp, vp = (F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, vp))
+    qp, kp, v = (F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
+    if causal:
+        return _component_flash.CausalComponentAttention.apply(qp, kp, v)[..., :Dv]
+    kp = kp.reshape(B, H, M * S, width)
+    vp = v.unsqueeze(2).expand(B, H, M, S, width).reshape(B, H, M * S, width)
     mp = None
     if mask is not None:
         mp = mask.unsqueeze(-2).expand(*mask.shape[:-1], M, S).reshape(*mask.shape[:-1], M * S)
@@ -206,9 +213,20 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     with full_precision(query.device):
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
+        fast = mixture == "sum" and not (return_weights or explicit)
+        if (fast and is_causal and L == S and (mask is None or mask.shape[-2] == 1)
+                and _component_flash.available(q, dropout_p)):
+            # Causal with at most key padding: per-component causal flash calls keep block skipping.
+            keys_ok, k, v, _ = _masks.prepare(mask, k, v)
+            empty = None
+            if mask is not None:  # a row is empty when every key up to it is padding (left padding)
+                empty = (keys_ok[..., 0, :].cumsum(-1) == 0).unsqueeze(-1)
+                q = torch.where(empty, torch.zeros((), dtype=q.dtype, device=q.device), q)
+            out = _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=True)
+            return _masks.zero_rows(out, empty).to(out_dtype)
         mask = _masks.combine(mask, is_causal, L, S, query.device)
         mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
-        if mixture == "sum" and not (return_weights or explicit):
+        if fast:
             out = _masks.zero_rows(_fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p), empty)
             return out.to(out_dtype)
         out, weights = _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, return_weights,

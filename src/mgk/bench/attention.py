@@ -1,0 +1,199 @@
+"""``mgk bench attention``: time, peak memory, FLOPs and parameters of attention modules at several lengths.
+
+Each (kind, length) is measured in a fresh subprocess so that peak memory is that of one call: on CPU the increase
+of the process's peak resident set size (``ru_maxrss``) over the call, on CUDA ``torch.cuda.max_memory_allocated``.
+Time is the median over ``repeats`` calls after one warm-up call.
+
+Kinds are ``name:heads``. Names: the registered attention kinds (softmax, mgk, smgk, linear, mlk, smlk), plus
+``mgk-hard`` (pi="hard_e"), ``mgk-softe`` (pi="soft_e"; timed in training mode, so the E-step is included when
+``--backward``) and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance
+matrix per component and exponentiates it (kept as the baseline the fast paths must beat).
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+from ..attention import MGKAttention, build_attention
+
+
+class ReferenceMGK(MGKAttention):
+    """MGK computed as in the authors' code: per component, |q - k_r|^2 as an explicit (L, S) matrix, then
+    ``pi_r * exp(-d / (2 sigma^2))`` summed over r and normalised. Same parameters as MGKAttention; no masks."""
+
+    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask):
+        log_pi = self.mixture_log_weights(k.shape[3])
+        kernel = 0.0
+        for r in range(k.shape[2]):
+            kr = k[:, :, r]
+            d2 = (q * q).sum(-1, keepdim=True) + (kr * kr).sum(-1).unsqueeze(-2) - 2.0 * q @ kr.transpose(-1, -2)
+            kernel = kernel + log_pi[:, :, r].exp().unsqueeze(-2) * torch.exp(-d2 / (2.0 * self.sigma2[r]))
+        if is_causal:
+            L, S = kernel.shape[-2:]
+            kernel = kernel * torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+        weights = kernel / kernel.sum(-1, keepdim=True)
+        return weights @ v, None
+
+
+def build_kind(kind: str, heads: int, embed_dim: int, head_dim: int, max_len: int) -> nn.Module:
+    """The module benchmarked as ``kind`` with ``heads`` heads. Raises ValueError for an unknown kind."""
+    common = dict(head_dim=head_dim)
+    if kind == "reference":
+        return ReferenceMGK(embed_dim, heads, **common)
+    if kind == "mgk-hard":
+        return build_attention("mgk", embed_dim, heads, pi="hard_e", **common)
+    if kind == "mgk-softe":
+        return build_attention("mgk", embed_dim, heads, pi="soft_e", max_len=max_len, **common)
+    return build_attention(kind, embed_dim, heads, **common)
+
+
+def analytic_flops(kind: str, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, *,
+                   causal: bool, backward: bool, num_keys: int = 2) -> int:
+    """Multiply-adds x 2 of one call as our implementation computes it (backward counted as 2 x forward).
+
+    Projections: q, v and out are ``2 N E (H D)`` each; keys ``2 N E (H D)`` times M for separate keys
+    (mgk, mgk-hard, mgk-softe, mlk, reference) and once for shifted keys (smgk, smlk). Attention core per head:
+    softmax ``4 N S D`` (scores and value product); the MGK fused form runs SDPA over M*S keys with D+1 (or D+2)
+    columns, ``2 N M S (D + 1) + 2 N M S D``; Hard-E and the reference form compute M distance matrices
+    ``2 N M S D`` and one value product ``2 N S D``; linear/MLK ``4 S D D + 4 N D D`` (key-value sums and their
+    use, plus denominators), with MLK adding the mixture of M key features. Causal halves the quadratic terms.
+    """
+    N = S = length
+    H, D, E, M = heads, head_dim, embed_dim, num_keys
+    separate = kind in ("mgk", "mgk-hard", "mgk-softe", "mlk", "reference")
+    key_proj = M if separate else 1
+    proj = 2 * N * E * H * D * (3 + key_proj)
+    quad = 0.5 if causal else 1.0
+    if kind == "softmax":
+        core = 4 * N * S * D * quad
+    elif kind in ("mgk", "smgk", "mgk-softe"):
+        core = (2 * N * M * S * (D + 1) + 2 * N * M * S * D) * quad
+        if kind == "mgk-softe" and backward:
+            core += 2 * N * M * S * D * quad  # the E-step's distances, forward only
+    elif kind in ("mgk-hard", "reference"):
+        core = (2 * N * M * S * D + 2 * N * S * D) * quad
+    elif kind in ("linear", "mlk", "smlk"):
+        core = 4 * S * D * D + 4 * N * D * D + (2 * M * S * D if kind != "linear" else 0)
+    else:
+        raise ValueError(f"no FLOP count for kind {kind!r}")
+    total = batch * (proj + H * core)
+    return int(total * (3 if backward else 1))
+
+
+def _counted_flops(module, x, causal, backward) -> int | None:
+    """FLOPs that torch's FlopCounterMode sees (it counts matmuls and SDPA kernels it knows; None if it fails)."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            out, _ = module(x, is_causal=causal)
+            if backward:
+                out.sum().backward()
+        return int(counter.get_total_flops())
+    except Exception:  # noqa: BLE001 - a counter failure must not stop the benchmark
+        return None
+
+
+def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, head_dim: int, causal: bool,
+            backward: bool, dtype: str, repeats: int, device: str) -> dict:
+    """One row: time_ms (median), peak_mem_mb, flops (analytic), flops_counted, params. Runs in this process."""
+    import resource
+
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    module = build_kind(kind, heads, embed_dim, head_dim, length).to(dev, dt)
+    module.train(kind == "mgk-softe" and backward)
+    x = torch.randn(batch, length, embed_dim, device=dev, dtype=dt, requires_grad=backward)
+
+    def call():
+        if backward:
+            out, _ = module(x, is_causal=causal)
+            out.sum().backward()
+        else:
+            with torch.no_grad():
+                module(x, is_causal=causal)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        call()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        call()
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB -> MiB
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"kind": kind, "heads": heads, "length": length, "batch": batch, "causal": causal, "backward": backward,
+            "dtype": dtype, "time_ms": statistics.median(times), "peak_mem_mb": peak,
+            "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
+                                    backward=backward),
+            "flops_counted": _counted_flops(module, x, causal, backward) if length <= 1024 else None,
+            "params": sum(p.numel() for p in module.parameters())}
+
+
+def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_dim: int, head_dim: int,
+        causal: bool, backward: bool, dtype: str, repeats: int, device: str, timeout: float) -> dict:
+    """Measure every (kind, length) in its own subprocess; a failure (e.g. out of memory) becomes a row with
+    ``error`` instead of stopping the table."""
+    rows = []
+    for length in lengths:
+        for kind, heads in kinds:
+            args = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal, backward=backward,
+                        dtype=dtype, repeats=repeats, device=device)
+            code = ("import json, sys; from mgk.bench.attention import measure; "
+                    f"print(json.dumps(measure({kind!r}, {heads}, {length}, **{args!r})))")
+            try:
+                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+                if p.returncode == 0:
+                    rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+                else:
+                    err = (p.stderr.strip().splitlines() or ["exit status %d" % p.returncode])[-1]
+                    rows.append({"kind": kind, "heads": heads, "length": length, "error": err})
+            except subprocess.TimeoutExpired:
+                rows.append({"kind": kind, "heads": heads, "length": length, "error": f"timeout after {timeout} s"})
+    return {"rows": rows, "machine": machine(), "torch": torch.__version__,
+            "settings": {"batch": batch, "embed_dim": embed_dim, "head_dim": head_dim, "causal": causal,
+                         "backward": backward, "dtype": dtype, "repeats": repeats, "device": device},
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def machine() -> str:
+    """A one-line description of the machine (processor, cores, torch threads, GPU if any)."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    import os
+
+    return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, " \
+           f"torch threads {torch.get_num_threads()}, {gpu}".replace("  ", " ")
+
+
+def table(result: dict) -> str:
+    """Markdown table of a :func:`run` result, with time and memory relative to the first kind at each length."""
+    lines = ["| kind | heads | length | time ms | x first | peak MB | x first | GFLOPs | params |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    first = {}
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | error: {row['error'][:60]} "
+                         "| | | | | |")
+            continue
+        base = first.setdefault(row["length"], row)
+        rel_t = row["time_ms"] / base["time_ms"]
+        rel_m = row["peak_mem_mb"] / base["peak_mem_mb"] if base["peak_mem_mb"] > 0 else math.nan
+        lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | {row['time_ms']:.1f} | {rel_t:.2f} | "
+                     f"{row['peak_mem_mb']:.0f} | {rel_m:.2f} | {row['flops'] / 1e9:.2f} | {row['params']:,} |")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Causal MGK on CPU with one fused flash-attention call per mixture component.
+
+SDPA's ``is_causal`` cannot be used on the M*S concatenated keys (the causal pattern repeats per component), and an
+explicit (L, M*S) mask stops the fused kernel from skipping masked blocks. Instead each component r runs the CPU
+flash kernel causally and returns its output o_r and log-sum-exp lse_r; the exact result over all components is
+
+    LSE = logsumexp_r lse_r,    out = sum_r exp(lse_r - LSE) o_r.
+
+The public SDPA API returns no log-sum-exp, so this uses ``aten::_scaled_dot_product_flash_attention_for_cpu``. Its
+log-sum-exp output has no gradient, so the backward is written out: the flash backward of component r, given the
+*merged* output and log-sum-exp, computes exactly the gradient of attention over the concatenated keys restricted
+to that component's keys (its probabilities exp(s - LSE) and its row term rowsum(dO * out) are the global ones).
+"""
+from __future__ import annotations
+
+import torch
+
+_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def available(q: torch.Tensor, dropout_p: float) -> bool:
+    """The kernel exists for CPU tensors without dropout (the fused CPU kernels do not implement dropout)."""
+    return q.device.type == "cpu" and dropout_p == 0.0
+
+
+class CausalComponentAttention(torch.autograd.Function):
+    """qp (B, H, L, P), kp (B, H, M, L, P), vp (B, H, L, P) -> (B, H, L, P); causal, scale 1, L == S."""
+
+    @staticmethod
+    def forward(ctx, qp, kp, vp):
+        qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
+        outs, lses = [], []
+        for r in range(kp.shape[2]):
+            o, lse = _fwd(qp, kp[:, :, r], vp, 0.0, True, scale=1.0)
+            outs.append(o)
+            lses.append(lse)
+        lse_all = torch.stack(lses)  # (M, B, H, L)
+        lse = torch.logsumexp(lse_all, dim=0)
+        weights = torch.exp(lse_all - lse).unsqueeze(-1).to(outs[0].dtype)
+        out = sum(w * o for w, o in zip(weights, outs))
+        ctx.save_for_backward(qp, kp, vp, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(qp)
+        dv = torch.zeros_like(vp)
+        dk = []
+        for r in range(kp.shape[2]):
+            gq, gk, gv = _bwd(grad_out, qp, kp[:, :, r], vp, out, lse, 0.0, True, scale=1.0)
+            dq += gq
+            dv += gv
+            dk.append(gk)
+        return dq, torch.stack(dk, dim=2), dv
