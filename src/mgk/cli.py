@@ -73,6 +73,48 @@ def _run_train(args) -> int:
     return 0
 
 
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity of a trained language model (lm runs) on a split",
+                       description="Perplexity = exp(total NLL / predicted tokens) of RUN_DIR's best checkpoint "
+                                   "(last.pt when there is no best.pt); every token after the first is predicted "
+                                   "once. Default: non-overlapping segments of the training segment length. "
+                                   "--context C --stride S: windows of C input tokens moved by S, each scoring "
+                                   "its last S predictions (--context 256 --stride 1 is the paper's protocol).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory made by `mgk train --task lm`")
+    p.add_argument("--split", default="valid", choices=["valid", "val", "test"],
+                   help="split to score: wiki.<split>.tokens or <split>.txt (default: valid)")
+    p.add_argument("--data", default=None,
+                   help="data folder (default: the run's --data, or the corpus it generated)")
+    p.add_argument("--context", type=int, default=None, help="input tokens per window (default: segment_len)")
+    p.add_argument("--stride", type=int, default=None, help="tokens between windows (default: context)")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per model call (default: eval_batch_size)")
+    p.add_argument("--checkpoint", default="best", choices=["best", "last"], help="which checkpoint (default: best)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON to FILE")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_eval(args) -> int:
+    import json
+
+    from .train.lm_eval import evaluate_run
+
+    for name in ("context", "stride", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"mgk eval: --{name.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        result = evaluate_run(args.run_dir, split=args.split, data=args.data, context=args.context,
+                              stride=args.stride, batch_size=args.batch_size, device=args.device,
+                              which=args.checkpoint, json_path=args.json, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"mgk eval: {e}") from None
+    if result is not None:
+        print(json.dumps({k: result[k] for k in ("split", "ppl", "nll", "tokens", "protocol", "context", "stride",
+                                                 "checkpoint")}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mgk`` argument parser with its sub-commands."""
     parser = argparse.ArgumentParser(prog="mgk", description="Transformer-MGK: attention with a mixture of "
@@ -80,13 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     bench_cli.add_parser(sub)
+    _eval_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mgk`` console script."""
     args = build_parser().parse_args(argv)
-    handlers = {"train": _run_train, "bench": bench_cli.run}
+    handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval}
     return handlers[args.command](args)
 
 

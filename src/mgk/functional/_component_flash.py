@@ -1,8 +1,10 @@
-"""Causal MGK on CPU with one fused flash-attention call per mixture component.
+"""MGK on CPU with one fused flash-attention call per mixture component.
 
 SDPA's ``is_causal`` cannot be used on the M*S concatenated keys (the causal pattern repeats per component), and an
-explicit (L, M*S) mask stops the fused kernel from skipping masked blocks. Instead each component r runs the CPU
-flash kernel causally and returns its output o_r and log-sum-exp lse_r; the exact result over all components is
+explicit (L, M*S) mask stops the fused kernel from skipping masked blocks; without causality, one call over the
+concatenated keys needs the values repeated M times (a copy, and a sum in backward). Instead each component r runs
+the CPU flash kernel (causal or not) on the shared values and returns its output o_r and log-sum-exp lse_r; the
+exact result over all components is
 
     LSE = logsumexp_r lse_r,    out = sum_r exp(lse_r - LSE) o_r.
 
@@ -24,15 +26,16 @@ def available(q: torch.Tensor, dropout_p: float) -> bool:
     return q.device.type == "cpu" and dropout_p == 0.0
 
 
-class CausalComponentAttention(torch.autograd.Function):
-    """qp (B, H, L, P), kp (B, H, M, L, P), vp (B, H, L, P) -> (B, H, L, P); causal, scale 1, L == S."""
+class ComponentAttention(torch.autograd.Function):
+    """qp (B, H, L, P), kp (B, H, M, S, P), vp (B, H, S, P), is_causal (needs L == S) -> (B, H, L, P); scale 1."""
 
     @staticmethod
-    def forward(ctx, qp, kp, vp):
+    def forward(ctx, qp, kp, vp, is_causal: bool):
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
+        ctx.is_causal = is_causal
         outs, lses = [], []
         for r in range(kp.shape[2]):
-            o, lse = _fwd(qp, kp[:, :, r], vp, 0.0, True, scale=1.0)
+            o, lse = _fwd(qp, kp[:, :, r], vp, 0.0, is_causal, scale=1.0)
             outs.append(o)
             lses.append(lse)
         lse_all = torch.stack(lses)  # (M, B, H, L)
@@ -50,8 +53,8 @@ class CausalComponentAttention(torch.autograd.Function):
         dv = torch.zeros_like(vp)
         dk = []
         for r in range(kp.shape[2]):
-            gq, gk, gv = _bwd(grad_out, qp, kp[:, :, r], vp, out, lse, 0.0, True, scale=1.0)
+            gq, gk, gv = _bwd(grad_out, qp, kp[:, :, r], vp, out, lse, 0.0, ctx.is_causal, scale=1.0)
             dq += gq
             dv += gv
             dk.append(gk)
-        return dq, torch.stack(dk, dim=2), dv
+        return dq, torch.stack(dk, dim=2), dv, None

@@ -116,6 +116,8 @@ def _empty_rows(keep: Tensor | None, is_causal: bool, L: int, S: int, device) ->
         if keep is None:
             return None if S > 0 else torch.ones(1, 1, L, 1, dtype=torch.bool, device=device)
         empty = ~keep.any(dim=-1)[..., None, None]
+    if torch.compiler.is_compiling():  # no data-dependent branch (graph break) when compiled
+        return empty
     return empty if bool(empty.any()) else None
 
 

@@ -116,18 +116,15 @@ def prepare(mask: Tensor | None, key: Tensor, value: Tensor, query: Tensor | Non
     """
     if mask is None:
         return (None, key, value, None) if query is None else (None, key, value, None, query)
-    dead = ~mask.any(dim=-2)  # (B?, H?, S): no query may attend to this key
-    if bool(dead.any()):
-        vd = dead.unsqueeze(-1)
-        value = torch.where(vd, torch.zeros((), dtype=value.dtype, device=value.device), value)
-        kd = vd if key.dim() == 4 else vd.unsqueeze(-3)
-        key = torch.where(kd, torch.zeros((), dtype=key.dtype, device=key.device), key)
+    # Branch-free (no host sync, no graph break under torch.compile): the wheres are cheap next to attention.
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    dead = ~mask.any(dim=-2).unsqueeze(-1)  # (B?, H?, S, 1): no query may attend to this key
+    value = torch.where(dead, zero, value)
+    key = torch.where(dead if key.dim() == 4 else dead.unsqueeze(-3), zero.to(key.dtype), key)
     empty = ~mask.any(dim=-1, keepdim=True)  # (B?, H?, L, 1)
-    if not bool(empty.any()):
-        return (mask, key, value, None) if query is None else (mask, key, value, None, query)
     if query is None:
         return mask | empty, key, value, empty
-    query = torch.where(empty, torch.zeros((), dtype=query.dtype, device=query.device), query)
+    query = torch.where(empty, zero.to(query.dtype), query)
     return mask | empty, key, value, empty, query
 
 

@@ -78,6 +78,8 @@ def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
         s = s.expand(M)
     if s.numel() != M:
         raise ValueError(f"sigma2 must have one variance per mixture component, shape ({M},); got {tuple(sigma2.shape)}")
+    if torch.compiler.is_compiling():  # a value check would break the graph; modules check at construction
+        return s
     if not bool(torch.all(s > 0)) or not bool(torch.all(torch.isfinite(s))):
         raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")
     return s
@@ -139,8 +141,9 @@ def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weig
 def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring).
 
-    ``mask`` must not depend on the query when ``causal`` (then L == S and one causal flash call runs per component,
-    see :mod:`._component_flash`)."""
+    With ``causal`` (L == S) ``mask`` must not depend on the query and the CPU flash kernel must be available.
+    On CPU without dropout and with at most key padding, one flash call runs per component (see
+    :mod:`._component_flash`); otherwise one SDPA call runs over the concatenated keys."""
     B, H, M, S, D = k.shape
     Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
@@ -154,7 +157,7 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
     cols_k = [k * inv, bias.unsqueeze(-1)]
     cols_q = [q, ones]
-    if s2.requires_grad or not bool(torch.all(s2 == s2[0])):
+    if s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0])):
         # With equal variances the |q|^2 column cancels in the output, but not in the gradient of each sigma_r^2.
         cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
         cols_q.append((q * q).sum(-1, keepdim=True))
@@ -164,8 +167,8 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     # padded output columns are dropped).
     width = max(qp.shape[-1], Dv)
     qp, kp, v = (F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
-    if causal:
-        return _component_flash.CausalComponentAttention.apply(qp, kp, v)[..., :Dv]
+    if mask is None and _component_flash.available(q, dropout_p):
+        return _component_flash.ComponentAttention.apply(qp, kp, v, causal)[..., :Dv]
     kp = kp.reshape(B, H, M * S, width)
     vp = v.unsqueeze(2).expand(B, H, M, S, width).reshape(B, H, M * S, width)
     mp = None

@@ -1,5 +1,9 @@
 """Models of the paper's experiments built on any registered attention kind."""
+from .adaptive import TiedAdaptiveSoftmax, resolve_cutoffs
 from .blocks import FeedForward, TransformerBlock
+from .lm import IGNORE_INDEX, TransformerLM, sinusoidal_positions
 from .lra import LRAClassifier, LRAEncoder, masked_mean
+from .retrieval import RetrievalModel
 
-__all__ = ["FeedForward", "TransformerBlock", "LRAClassifier", "LRAEncoder", "masked_mean"]
+__all__ = ["FeedForward", "TransformerBlock", "LRAClassifier", "LRAEncoder", "masked_mean", "RetrievalModel"]
+__all__ += ["TiedAdaptiveSoftmax", "resolve_cutoffs", "TransformerLM", "IGNORE_INDEX", "sinusoidal_positions"]

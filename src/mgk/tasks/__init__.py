@@ -16,9 +16,9 @@ A task module has ``PRESETS`` (name -> RunConfig), ``prepare(cfg, run_dir) -> da
 """
 from __future__ import annotations
 
-from . import listops
+from . import listops, lm
 
-TASKS = {"listops": listops}
+TASKS = {"listops": listops, "lm": lm}
 
 
 def all_presets() -> dict:

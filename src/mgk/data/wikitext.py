@@ -1,0 +1,366 @@
+"""WikiText-103 / WikiText-2: word-level corpus, vocabulary from the train split, cached encoded tensors.
+
+Files (SPEC section 3): ``wiki.{train,valid,test}.tokens`` or ``{train,valid,test}.txt`` in one folder (the
+``.tokens`` name wins when both exist). The split name ``val`` / ``validation`` means ``valid``.
+
+Conventions (those of the published WikiText-103 token counts and of the Transformer-XL / fairseq / pytorch
+``word_language_model`` readers):
+
+- A line is split on whitespace (``str.split()``), case kept, and ``<eos>`` is appended to *every* line, empty
+  lines included, so an empty line is one ``<eos>`` token. Lines end at ``\\n`` (also ``\\r\\n`` and ``\\r``); a
+  last line without a newline is still a line. With this rule the full WT-103 valid split has 213,886 words + 3,760
+  lines = 217,646 tokens, the published count.
+- The vocabulary is built from the train split only: every word type of train plus ``<eos>``, ordered by
+  frequency (most frequent first), ties broken by the word itself (Unicode code point order), so the order does not
+  depend on where a word first occurs. WikiText writes rare words as the literal token ``<unk>``, which is therefore
+  an ordinary, counted word of the vocabulary.
+- A word of valid/test that is not in the vocabulary maps to ``<unk>`` when the vocabulary has it (the count of such
+  words is reported), otherwise :class:`UnknownWordError` names the file, the line and the word.
+
+Encoded splits are int32 tensors (one id per token, ``<eos>`` included), cached as ``.pt`` files that load with
+``weights_only=True``. A cache entry is keyed by the absolute path, size and mtime of the files it was made from and
+by the settings above (a format version): editing a file invalidates its entries. Entries are written atomically
+(temporary file, fsync, rename), so a crashed or concurrent writer never leaves a truncated entry.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["EOS", "UNK", "SPLITS", "CACHE_VERSION", "UnknownWordError", "split_name", "find_split_file",
+           "iter_line_words", "count_words", "Vocabulary", "encode_file", "default_cache_dir", "Corpus",
+           "load_vocabulary", "load_split", "load_corpus", "generate_corpus"]
+
+EOS = "<eos>"
+UNK = "<unk>"
+SPLITS: tuple[str, ...] = ("train", "valid", "test")
+CACHE_VERSION = 1  # bump when the tokenisation or ordering rules above change
+_ALIASES = {"train": "train", "valid": "valid", "val": "valid", "validation": "valid", "test": "test"}
+_SETTINGS = {"version": CACHE_VERSION, "eos": EOS, "unk": UNK, "eos_per_line": "every line, empty included",
+             "order": "count desc, then word"}
+
+
+class UnknownWordError(ValueError):
+    """A word of an evaluation split is missing from the vocabulary, which has no ``<unk>`` to map it to."""
+
+
+def split_name(name: str) -> str:
+    """Canonical split name: "train", "valid" or "test" ("val" and "validation" mean "valid")."""
+    if name not in _ALIASES:
+        raise ValueError(f"unknown split {name!r}; choose one of {SPLITS} (or 'val')")
+    return _ALIASES[name]
+
+
+def _candidates(data_dir: Path, split: str) -> list[Path]:
+    s = split_name(split)
+    return [data_dir / f"wiki.{s}.tokens", data_dir / f"{s}.txt"]
+
+
+def find_split_file(data_dir: str | os.PathLike, split: str) -> Path | None:
+    """``wiki.<split>.tokens`` or ``<split>.txt`` in ``data_dir`` (the first that exists), else None."""
+    for path in _candidates(Path(data_dir), split):
+        if path.is_file():
+            return path
+    return None
+
+
+def iter_line_words(path: str | os.PathLike) -> Iterator[list[str]]:
+    """The words of each line of ``path`` with ``<eos>`` appended (an empty line gives ``["<eos>"]``)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            words = line.split()
+            words.append(EOS)
+            yield words
+
+
+def count_words(path: str | os.PathLike) -> Counter:
+    """Word counts of a file, ``<eos>`` counted once per line."""
+    counts: Counter = Counter()
+    for words in iter_line_words(path):
+        counts.update(words)
+    return counts
+
+
+class Vocabulary:
+    """Words <-> ids. ``words[i]`` is the word of id i; ``counts[i]`` its train count (0 when unknown).
+
+    Build one with :meth:`from_counts` / :meth:`from_file`; ``unk_id`` is the id of ``<unk>`` or None."""
+
+    def __init__(self, words: Sequence[str], counts: Sequence[int] | None = None):
+        self.words = list(words)
+        self.counts = list(counts) if counts is not None else [0] * len(self.words)
+        self.index = {w: i for i, w in enumerate(self.words)}
+        if len(self.index) != len(self.words):
+            raise ValueError("vocabulary words must be unique")
+        if EOS not in self.index:
+            raise ValueError(f"vocabulary has no {EOS}")
+        self.eos_id = self.index[EOS]
+        self.unk_id = self.index.get(UNK)
+
+    @classmethod
+    def from_counts(cls, counts: Counter) -> "Vocabulary":
+        """Most frequent first; equal counts ordered by the word (code point order)."""
+        ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        return cls([w for w, _ in ordered], [c for _, c in ordered])
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Vocabulary":
+        """The vocabulary of a train file."""
+        return cls.from_counts(count_words(path))
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def __contains__(self, word: str) -> bool:
+        return word in self.index
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Vocabulary) and self.words == other.words
+
+    def id(self, word: str) -> int:
+        """Id of ``word`` (``<unk>``'s id when absent and the vocabulary has ``<unk>``); KeyError otherwise."""
+        i = self.index.get(word, self.unk_id)
+        if i is None:
+            raise KeyError(word)
+        return i
+
+    def decode(self, ids) -> list[str]:
+        """Words of a sequence of ids."""
+        return [self.words[int(i)] for i in ids]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``word<TAB>count`` lines (words never contain whitespace), atomically."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            for w, c in zip(self.words, self.counts):
+                f.write(f"{w}\t{c}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Vocabulary":
+        """Inverse of :meth:`save`."""
+        words, counts = [], []
+        for line in Path(path).read_text(encoding="utf-8").split("\n"):
+            if line:
+                w, c = line.rsplit("\t", 1)
+                words.append(w)
+                counts.append(int(c))
+        return cls(words, counts)
+
+
+def encode_file(path: str | os.PathLike, vocab: Vocabulary) -> tuple[Tensor, int]:
+    """Ids of every token of ``path`` as an int32 tensor, and how many words were mapped to ``<unk>``.
+
+    Raises UnknownWordError (naming file, 1-based line and word) for a word outside a vocabulary without ``<unk>``.
+    """
+    index, unk = vocab.index, vocab.unk_id
+    ids = array.array("i")
+    mapped = 0
+    for lineno, words in enumerate(iter_line_words(path), start=1):
+        try:
+            ids.extend([index[w] for w in words])
+        except KeyError:
+            if unk is None:
+                missing = next(w for w in words if w not in index)
+                raise UnknownWordError(f"{path}: line {lineno}: word {missing!r} is not in the vocabulary (built "
+                                       f"from the train split) and the vocabulary has no {UNK} to map it to") from None
+            line_ids = [index.get(w, unk) for w in words]
+            mapped += sum(1 for w in words if w not in index)
+            ids.extend(line_ids)
+    return torch.frombuffer(ids, dtype=torch.int32).clone() if len(ids) else torch.zeros(0, dtype=torch.int32), mapped
+
+
+def default_cache_dir(data_dir: str | os.PathLike) -> Path:
+    """``<data_dir>/.mgk-cache`` when ``data_dir`` is writable, else ``$XDG_CACHE_HOME/mgk/wikitext`` (default
+    ``~/.cache/mgk/wikitext``): the shared data folder of a cluster is often read-only."""
+    data_dir = Path(data_dir)
+    if os.access(data_dir, os.W_OK):
+        return data_dir / ".mgk-cache"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mgk" / "wikitext"
+
+
+def _fingerprint(path: Path) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _key(kind: str, *paths: Path) -> str:
+    blob = json.dumps({"kind": kind, "files": [_fingerprint(p) for p in paths], **_SETTINGS}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path):
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a corrupt or foreign file is rebuilt, never trusted
+        return None
+
+
+def _write_cache(path: Path, obj: dict) -> bool:
+    from ..train.checkpoint import save_atomic
+
+    try:
+        save_atomic(obj, path)
+        return True
+    except OSError:
+        return False
+
+
+def load_vocabulary(train_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Vocabulary:
+    """The vocabulary of ``train_path``, from ``cache_dir`` when an entry for this exact file exists (else built
+    and, when ``cache_dir`` is given and writable, cached)."""
+    train_path = Path(train_path)
+    entry = Path(cache_dir) / f"vocab-{_key('vocab', train_path)}.pt" if cache_dir is not None else None
+    cached = _read_cache(entry) if entry is not None else None
+    if cached is not None:
+        return Vocabulary(cached["words"], cached["counts"].tolist())
+    vocab = Vocabulary.from_file(train_path)
+    if entry is not None:
+        _write_cache(entry, {"words": vocab.words, "counts": torch.tensor(vocab.counts, dtype=torch.int64)})
+    return vocab
+
+
+def load_split(path: str | os.PathLike, vocab: Vocabulary, *, train_path: str | os.PathLike | None = None,
+               cache_dir: str | os.PathLike | None = None) -> tuple[Tensor, int]:
+    """Encoded tokens of ``path`` (int32) and the number of words mapped to ``<unk>``, cached under ``cache_dir``.
+
+    ``train_path`` (the file the vocabulary came from) keys the entry; without it the entry is keyed by the
+    vocabulary's content instead."""
+    path = Path(path)
+    entry = None
+    if cache_dir is not None:
+        if train_path is not None:
+            key = _key("split", Path(train_path), path)
+        else:
+            digest = hashlib.sha256("\n".join(vocab.words).encode()).hexdigest()[:16]
+            key = _key("split-" + digest, path)
+        entry = Path(cache_dir) / f"tokens-{key}.pt"
+        cached = _read_cache(entry)
+        if cached is not None and int(cached["vocab_size"]) == len(vocab):
+            return cached["tokens"], int(cached["unk_mapped"])
+    tokens, mapped = encode_file(path, vocab)
+    if entry is not None:
+        _write_cache(entry, {"tokens": tokens, "unk_mapped": mapped, "vocab_size": len(vocab)})
+    return tokens, mapped
+
+
+@dataclass
+class Corpus:
+    """Vocabulary and encoded splits. ``tokens[s]`` is None for a split absent from the folder."""
+
+    vocab: Vocabulary
+    tokens: dict
+    files: dict
+    unk_mapped: dict
+    cache_dir: Path | None = None
+    notes: list = field(default_factory=list)
+
+
+def load_corpus(data_dir: str | os.PathLike, *, splits: Sequence[str] = SPLITS,
+                cache_dir: str | os.PathLike | None | bool = None, vocab: Vocabulary | None = None) -> Corpus:
+    """Read a WikiText folder: the vocabulary from its train split (or ``vocab`` when given), then ``splits``.
+
+    ``cache_dir``: a folder, None for :func:`default_cache_dir`, or False for no cache. Raises FileNotFoundError
+    when the train split is needed (no ``vocab`` given) and absent, naming the file names tried."""
+    data_dir = Path(data_dir)
+    if cache_dir is False:
+        cache = None
+    else:
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(data_dir)
+    train_path = find_split_file(data_dir, "train")
+    if vocab is None:
+        if train_path is None:
+            tried = ", ".join(p.name for p in _candidates(data_dir, "train"))
+            raise FileNotFoundError(f"no train split ({tried}) in {data_dir}: the vocabulary is built from it")
+        vocab = load_vocabulary(train_path, cache)
+        key_train = train_path
+    else:
+        key_train = None
+    tokens, files, mapped, notes = {}, {}, {}, []
+    for s in splits:
+        s = split_name(s)
+        path = find_split_file(data_dir, s)
+        files[s] = path
+        if path is None:
+            tokens[s], mapped[s] = None, 0
+            notes.append(f"data: {s}: absent in {data_dir}")
+            continue
+        tokens[s], mapped[s] = load_split(path, vocab, train_path=key_train, cache_dir=cache)
+        extra = f", {mapped[s]} words not in the train vocabulary mapped to {UNK}" if mapped[s] else ""
+        notes.append(f"data: {s}: {path} ({tokens[s].numel():,} tokens{extra})")
+    notes.append(f"data: vocabulary {len(vocab):,} types (train split, {EOS} per line, by frequency)")
+    return Corpus(vocab, tokens, files, mapped, cache, notes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A small generated corpus in the WikiText layout, so that `mgk train --task lm` works without a download.
+
+_SYLLABLES = ("ka", "to", "ri", "na", "mo", "se", "lu", "vi", "de", "po", "ga", "shi", "ber", "ton", "al", "en")
+
+
+def _make_words(n: int, rng: random.Random) -> list[str]:
+    words: list[str] = []
+    seen = set()
+    while len(words) < n:
+        w = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
+def generate_corpus(out_dir: str | os.PathLike, *, train_lines: int = 2000, valid_lines: int = 200,
+                    test_lines: int = 200, num_words: int = 400, seed: int = 0) -> Path:
+    """Write ``wiki.{train,valid,test}.tokens`` of a synthetic corpus with WikiText's layout and return the folder.
+
+    Text: articles (a `` = Title = `` heading between empty lines, then paragraph lines), sentences drawn from a
+    first-order Markov chain over ``num_words`` made-up words with Zipf-like frequencies (each word has a few
+    likely successors, so context helps), ending in `` . ``; the rarest words are written as ``<unk>`` the way
+    WikiText does. ``*_lines`` count lines of each file (headings and empty lines included). Deterministic in
+    ``seed``; the splits come from one chain with disjoint random streams."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    words = _make_words(num_words, rng)
+    keep = int(num_words * 0.9)  # the rarest 10% appear as <unk>
+    zipf = [1.0 / (r + 1) for r in range(num_words)]
+    successors = [rng.choices(range(num_words), weights=zipf, k=4) for _ in range(num_words)]
+
+    def sentence(r: random.Random) -> list[str]:
+        w = r.choices(range(num_words), weights=zipf)[0]
+        out_words = []
+        for _ in range(r.randint(4, 14)):
+            out_words.append(words[w] if w < keep else UNK)
+            w = r.choice(successors[w]) if r.random() < 0.8 else r.choices(range(num_words), weights=zipf)[0]
+        return out_words + ["."]
+
+    for split, n_lines, offset in (("train", train_lines, 1), ("valid", valid_lines, 2), ("test", test_lines, 3)):
+        r = random.Random(seed * 1000 + offset)
+        lines: list[str] = []
+        while len(lines) < n_lines:
+            title = " ".join(words[i].capitalize() for i in r.sample(range(keep), r.randint(1, 3)))
+            lines += ["", f" = {title} = ", ""]
+            for _ in range(r.randint(2, 5)):
+                lines.append(" " + " ".join(w for _ in range(r.randint(1, 4)) for w in sentence(r)) + " ")
+        text = "\n".join(lines[:n_lines]) + "\n"
+        path = out / f"wiki.{split}.tokens"
+        tmp = out / f".{path.name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    return out

@@ -1,0 +1,266 @@
+"""Word-level language modelling on WikiText-103 (SPEC section 2): data, the standard LM batching, loss, perplexity.
+
+Batching (the iterator of Transformer-XL / pytorch ``word_language_model``): the train token stream is cut into
+``batch_size`` contiguous streams (the last ``T mod batch_size`` tokens are dropped); each stream into segments of
+``segment_len`` input tokens whose targets are the same tokens shifted by one; step s reads segment ``s mod n`` of
+every stream (n full segments per stream; the stream's last partial segment is not trained on). An example index is
+``stream * n + segment``; the sampler returns the indices of step s in stream order, so the training loop's rank r
+takes streams ``r * B/W .. (r+1) * B/W - 1``: disjoint slices of one global batch, and W processes see what one
+process sees. Evaluation splits are one stream cut into consecutive segments (the last one shorter), so every token
+after the first is predicted exactly once, from the tokens before it in its segment.
+
+Without ``--data`` a small synthetic corpus in the WikiText layout is generated into ``<run>/data`` (``gen_train``,
+``gen_val``, ``gen_test`` are its line counts); it exercises the pipeline, it is not a benchmark.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..config import RunConfig
+from ..data import wikitext as wt
+from ..models import IGNORE_INDEX, TransformerLM
+from ..models.adaptive import resolve_cutoffs
+
+# The paper's optimiser runs (IDSIA/lmtool-fwp, the code behind Schlag et al. 2021 that the paper's LM experiments
+# follow: example_scripts/2021_linear_transformers_are_secretly_fwps/small_standard_transformer_baseline.sh) use
+# --max_step 500000, --dropatt 0.0, Adam with its default eps 1e-8, --div_val 1 (full-width clusters).
+_PAPER = dict(task="lm", segment_len=256, max_len=256, d_model=128, num_layers=16, ffn_dim=2048, head_dim=16,
+              dropout=0.1, attn_dropout=0.0, batch_size=96, lr=2.5e-4, weight_decay=0.0, adam_eps=1e-8,
+              warmup_steps=2000, schedule="cosine", grad_clip=0.25)
+
+PRESETS = {
+    # Paper (SPEC section 2, small setting of Schlag et al. 2021): 16 post-LN layers, d_model 128, head_dim 16,
+    # FFN 2048, 256-token segments without memory, batch 96, Adam lr 2.5e-4 (AdamW with weight_decay 0 is Adam),
+    # 2000 warm-up steps then cosine to 0, clip 0.25, dropout 0.1; 500k steps as in lmtool-fwp's script (above).
+    # Heads: the paper's baseline is --attention softmax --heads 8; MGK runs use 4 or 8 heads. Final numbers:
+    # `mgk eval RUN --split test --context 256 --stride 1`.
+    "wt103-small": RunConfig(**_PAPER, steps=500_000, eval_every=4000, checkpoint_every=4000, log_every=200,
+                             eval_batch_size=32),
+    # CPU preset, about 15 minutes on 2 cores on the shared 0.5% train prefix (--data .../wikitext-103; its valid
+    # split is the full official one, test is absent): the paper's block shape with 4 layers, FFN 512, 128-token
+    # segments, batch 16, cutoffs [4000, 20000] and a shorter schedule. Without --data it trains on the generated
+    # corpus instead.
+    "lm-small": RunConfig(**{**_PAPER, "num_layers": 4, "ffn_dim": 512, "segment_len": 128, "max_len": 128,
+                             "batch_size": 16, "lr": 1e-3, "warmup_steps": 100},
+                          adaptive_cutoffs=[4000, 20000], steps=600, eval_every=200, checkpoint_every=200,
+                          log_every=10, eval_batch_size=32, gen_train=6000, gen_val=600, gen_test=600),
+}
+
+
+# -- datasets and batching ---------------------------------------------------------------------------------------
+class LMSegments:
+    """A token stream cut into ``num_streams`` contiguous streams of segments (see the module docstring).
+
+    Args:
+        tokens: 1-D integer tensor (kept as given, e.g. int32).
+        num_streams: B (the global batch size for training, 1 for evaluation).
+        segment_len: input tokens per segment.
+        drop_last: keep only full segments (training), or end each stream with a shorter one (evaluation, so every
+            token after the stream's first is predicted).
+    ``len()`` is ``num_streams * segments_per_stream``; :meth:`spans` gives (start, length) of examples, where
+    ``length`` is the number of predicted tokens.
+    """
+
+    def __init__(self, tokens: Tensor, num_streams: int, segment_len: int, *, drop_last: bool, unk_mapped: int = 0):
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if num_streams < 1 or segment_len < 1:
+            raise ValueError(f"num_streams and segment_len must be >= 1, got {num_streams}, {segment_len}")
+        self.tokens, self.num_streams, self.segment_len, self.drop_last = tokens, num_streams, segment_len, drop_last
+        self.unk_mapped = unk_mapped
+        self.stream_len = tokens.numel() // num_streams
+        predictable = self.stream_len - 1
+        n = predictable // segment_len if drop_last else -(-predictable // segment_len)
+        if n < 1:
+            need = num_streams * (segment_len + 1) if drop_last else 2
+            raise ValueError(f"{tokens.numel()} tokens are too few for {num_streams} stream(s) of segments of "
+                             f"{segment_len} tokens (need at least {need})")
+        self.segments_per_stream = n
+
+    def __len__(self) -> int:
+        return self.num_streams * self.segments_per_stream
+
+    @property
+    def num_predicted(self) -> int:
+        """Tokens predicted by one pass over every example."""
+        if self.drop_last:
+            return len(self) * self.segment_len
+        return self.num_streams * (self.stream_len - 1)
+
+    def spans(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """int64 (start, length) of examples ``index``: inputs ``tokens[start:start+length]``, targets shifted by 1."""
+        index = torch.as_tensor(index, dtype=torch.int64)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= len(self)):
+            raise IndexError(f"example index out of range [0, {len(self)})")
+        stream, seg = index // self.segments_per_stream, index % self.segments_per_stream
+        offset = seg * self.segment_len
+        length = (self.stream_len - 1 - offset).clamp(max=self.segment_len)
+        return stream * self.stream_len + offset, length
+
+
+class StreamSampler:
+    """Indices of step s: segment ``s mod n`` of streams 0..B-1 (index ``b * n + s mod n``), in stream order.
+
+    Each epoch (n steps) reads every training segment exactly once, in text order; no shuffling, as in the standard
+    LM iterator. ``seed`` is accepted for the protocol and unused."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int = 0):
+        if num_examples < batch_size or num_examples % batch_size:
+            raise ValueError(f"the LM train split has {num_examples} segments, not a multiple of batch_size="
+                             f"{batch_size}: it is laid out as batch_size streams")
+        self.batch_size, self.per_stream = batch_size, num_examples // batch_size
+        self._streams = torch.arange(batch_size, dtype=torch.int64) * self.per_stream
+
+    def indices(self, step: int) -> Tensor:
+        """int64 (batch_size,) example indices of optimiser step ``step``."""
+        return self._streams + step % self.per_stream
+
+
+def make_batch(dataset: LMSegments, index: Tensor, device) -> dict:
+    """Inputs (b, l) int64 and targets (b, l) int64 of examples ``index``; l is the longest span, shorter spans are
+    padded at the end (input 0, target IGNORE_INDEX; causal attention keeps the padding out of real positions)."""
+    starts, lengths = dataset.spans(index)
+    width = max(1, int(lengths.max())) if lengths.numel() else 1
+    offs = torch.arange(width, dtype=torch.int64)
+    pos = starts.unsqueeze(1) + offs
+    pad = offs.unsqueeze(0) >= lengths.unsqueeze(1)
+    last = dataset.tokens.numel() - 1
+    inputs = dataset.tokens[pos.clamp(max=last)].long().masked_fill(pad, 0)
+    targets = dataset.tokens[(pos + 1).clamp(max=last)].long().masked_fill(pad, IGNORE_INDEX)
+    return {"input": inputs.to(device), "target": targets.to(device)}
+
+
+# -- the task ----------------------------------------------------------------------------------------------------
+def build_lm(cfg: RunConfig, vocab_size: int) -> TransformerLM:
+    """The decoder LM of ``cfg`` (attention options num_keys, pi, pi_shape, sigma2 and max_len, which is at least
+    ``segment_len`` so that per-position pi covers a segment)."""
+    options = {"num_keys": cfg.num_keys, "pi": cfg.pi, "pi_shape": cfg.pi_shape, "sigma2": cfg.sigma2,
+               "max_len": max(cfg.max_len, cfg.segment_len)}
+    return TransformerLM(vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim,
+                         attention=cfg.attention, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                         dropout=cfg.dropout, attn_dropout=cfg.attn_dropout, attention_options=options,
+                         cutoffs=cfg.adaptive_cutoffs)
+
+
+def summarise(sums: dict) -> dict:
+    """``{"loss": NLL per predicted token (nats), "ppl": exp(loss), "count": predicted tokens}``."""
+    count = float(sums.get("count", 0.0))
+    if count <= 0:
+        return {"loss": float("nan"), "ppl": float("nan"), "count": 0}
+    loss = float(sums["loss"]) / count
+    try:
+        ppl = math.exp(loss)
+    except OverflowError:
+        ppl = float("inf")
+    return {"loss": loss, "ppl": ppl, "count": int(round(count))}
+
+
+@dataclass
+class LMTask:
+    """What ``mgk train`` needs for language modelling (the protocol of :mod:`mgk.tasks`)."""
+
+    name: str
+    splits: dict
+    vocab: wt.Vocabulary
+    notes: list = field(default_factory=list)
+    num_classes: int = 0
+    best_metric = ("ppl", "min")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def build_model(self, cfg: RunConfig) -> nn.Module:
+        return build_lm(cfg, self.vocab_size)
+
+    @staticmethod
+    def sampler(num_examples: int, global_batch: int, seed: int) -> StreamSampler:
+        return StreamSampler(num_examples, global_batch, seed)
+
+    @staticmethod
+    def batch(dataset: LMSegments, index: Tensor, device) -> dict:
+        return make_batch(dataset, index, device)
+
+    @staticmethod
+    def loss(model: nn.Module, batch: dict) -> tuple[Tensor, dict]:
+        """Summed NLL of the batch's predicted tokens and ``{"loss": summed NLL, "count": predicted tokens}``.
+
+        The first value is that sum divided by the segment width, so that the loop's division by the number of
+        sequences gives the mean NLL per token: the scale the paper's clip of 0.25 and learning rate refer to (the
+        metrics always use the exact sums)."""
+        nll = model(batch["input"], batch["target"])
+        total = nll.sum()
+        count = (batch["target"] != IGNORE_INDEX).sum()
+        return total / batch["input"].shape[1], {"loss": total.detach(), "count": count}
+
+    summarise = staticmethod(summarise)
+
+    @staticmethod
+    def describe(dataset: LMSegments) -> dict:
+        """Tokens of the split (``<eos>`` included) and words of it mapped to ``<unk>``."""
+        return {"tokens": int(dataset.tokens.numel()), "oov_to_unk": int(getattr(dataset, "unk_mapped", 0))}
+
+
+# -- prepare / build ---------------------------------------------------------------------------------------------
+def cache_dir(cfg: RunConfig, data_dir: Path) -> Path:
+    """``cfg.cache_dir``, else :func:`mgk.data.wikitext.default_cache_dir` of the data folder."""
+    return Path(cfg.cache_dir) if cfg.cache_dir else wt.default_cache_dir(data_dir)
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Path:
+    """The data folder (``cfg.data``, or a generated corpus in ``run_dir/data``); encodes and caches its splits and
+    writes ``run_dir/vocab.txt`` (``word<TAB>train count``, id order), which ``mgk eval`` uses."""
+    run_dir = Path(run_dir)
+    if cfg.data is not None:
+        data = Path(cfg.data)
+    else:
+        data = run_dir / "data"
+        if wt.find_split_file(data, "train") is None:
+            wt.generate_corpus(data, train_lines=cfg.gen_train, valid_lines=cfg.gen_val, test_lines=cfg.gen_test,
+                               seed=0)
+    corpus = wt.load_corpus(data, cache_dir=cache_dir(cfg, data))
+    if _is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        corpus.vocab.save(run_dir / "vocab.txt")
+    return data
+
+
+def build(cfg: RunConfig, data_dir: Path) -> LMTask:
+    """Vocabulary and splits from ``data_dir``: train as ``batch_size`` streams of full ``segment_len`` segments,
+    valid/test as consecutive segments (absent splits are noted, not fatal). Raises FileNotFoundError without a
+    train split, ValueError when it is too short for one batch."""
+    corpus = wt.load_corpus(data_dir, cache_dir=cache_dir(cfg, Path(data_dir)))
+    tok = corpus.tokens
+    splits = {"train": LMSegments(tok["train"], cfg.batch_size, cfg.segment_len, drop_last=True,
+                                  unk_mapped=corpus.unk_mapped["train"])}
+    notes = list(corpus.notes)
+    for ours, theirs in (("val", "valid"), ("test", "test")):
+        t = tok[theirs]
+        if t is not None and t.numel() < 2:
+            notes.append(f"data: {theirs}: fewer than 2 tokens, nothing to predict; treated as absent")
+            t = None
+        splits[ours] = None if t is None else LMSegments(t, 1, cfg.segment_len, drop_last=False,
+                                                         unk_mapped=corpus.unk_mapped[theirs])
+    train = splits["train"]
+    notes.append(f"data: train: {train.num_streams} streams x {train.segments_per_stream} segments of "
+                 f"{cfg.segment_len} tokens per epoch ({train.num_predicted:,} of {train.tokens.numel():,} tokens "
+                 f"predicted)")
+    kept, dropped = resolve_cutoffs(cfg.adaptive_cutoffs, len(corpus.vocab))
+    if dropped:
+        notes.append(f"model: adaptive cutoffs {dropped} >= vocabulary size {len(corpus.vocab)} dropped; using "
+                     f"{kept if kept else 'none (plain tied softmax)'}")
+    if corpus.cache_dir is not None:
+        notes.append(f"data: cache {corpus.cache_dir}")
+    return LMTask("lm", splits, corpus.vocab, notes)
+

@@ -1,0 +1,106 @@
+"""WikiText reader: vocabulary from train only, ordering, <eos> per line, <unk> mapping, errors, cache."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgk.data import wikitext as wt
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-103"
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_vocabulary_from_train_only_by_frequency_with_eos_per_line(tmp_path):
+    # 4 lines (one empty, the last without a newline): <eos> x4, b x3, '=' x2, c x2, A x1, a x1
+    write(tmp_path / "wiki.train.tokens", " = A = \n\n b a b c \nc b")
+    write(tmp_path / "wiki.valid.tokens", "a never_in_train\n")
+    vocab = wt.Vocabulary.from_file(tmp_path / "wiki.train.tokens")
+    # frequency first, equal counts by the word itself ('=' < 'c', 'A' < 'a'); case is kept
+    assert vocab.words == ["<eos>", "b", "=", "c", "A", "a"]
+    assert vocab.counts == [4, 3, 2, 2, 1, 1]
+    assert "never_in_train" not in vocab and vocab.unk_id is None
+    ids, mapped = wt.encode_file(tmp_path / "wiki.train.tokens", vocab)
+    assert ids.dtype == torch.int32 and mapped == 0
+    assert vocab.decode(ids) == ["=", "A", "=", "<eos>", "<eos>", "b", "a", "b", "c", "<eos>", "c", "b", "<eos>"]
+
+
+def test_missing_word_without_unk_names_file_line_and_word(tmp_path):
+    write(tmp_path / "wiki.train.tokens", "x y\n")
+    write(tmp_path / "wiki.valid.tokens", "x\n\ny zebra x\n")
+    with pytest.raises(wt.UnknownWordError, match=r"wiki\.valid\.tokens: line 3: word 'zebra'"):
+        wt.load_corpus(tmp_path, cache_dir=False)
+
+
+def test_missing_words_map_to_unk_and_are_counted(tmp_path):
+    write(tmp_path / "train.txt", "the <unk> cat\nthe dog\n")
+    write(tmp_path / "valid.txt", "the zebra\nokapi dog\n")
+    corpus = wt.load_corpus(tmp_path, cache_dir=False)
+    v = corpus.vocab
+    assert corpus.unk_mapped["valid"] == 2 and corpus.tokens["test"] is None
+    assert v.decode(corpus.tokens["valid"]) == ["the", "<unk>", "<eos>", "<unk>", "dog", "<eos>"]
+    assert any("test: absent" in n for n in corpus.notes)
+
+
+def test_split_names_and_file_name_variants(tmp_path):
+    write(tmp_path / "valid.txt", "a\n")
+    assert wt.find_split_file(tmp_path, "val") == tmp_path / "valid.txt"
+    write(tmp_path / "wiki.valid.tokens", "a\n")
+    assert wt.find_split_file(tmp_path, "validation") == tmp_path / "wiki.valid.tokens"  # .tokens wins
+    assert wt.find_split_file(tmp_path, "test") is None
+    with pytest.raises(ValueError, match="unknown split"):
+        wt.split_name("dev")
+    with pytest.raises(FileNotFoundError, match="wiki.train.tokens, train.txt"):
+        wt.load_corpus(tmp_path, cache_dir=False)
+
+
+def test_cache_is_reused_and_invalidated_by_a_changed_file(tmp_path, monkeypatch):
+    write(tmp_path / "wiki.train.tokens", "a b <unk>\nb\n")
+    valid = write(tmp_path / "wiki.valid.tokens", "b a\n")
+    first = wt.load_corpus(tmp_path)
+    cache = tmp_path / ".mgk-cache"
+    assert first.cache_dir == cache and len(list(cache.glob("*.pt"))) == 3  # vocab, train, valid
+    assert not list(cache.glob("*.tmp"))
+
+    def boom(*a, **k):
+        raise AssertionError("should have been read from the cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(wt, "encode_file", boom)
+        m.setattr(wt.Vocabulary, "from_file", boom)
+        again = wt.load_corpus(tmp_path)
+    assert again.vocab == first.vocab and torch.equal(again.tokens["valid"], first.tokens["valid"])
+
+    write(valid, "b a b q\n")  # new size and mtime: the valid entry is stale
+    changed = wt.load_corpus(tmp_path)
+    assert changed.vocab.decode(changed.tokens["valid"]) == ["b", "a", "b", "<unk>", "<eos>"]
+    assert changed.unk_mapped["valid"] == 1
+
+
+def test_vocabulary_file_round_trip(tmp_path):
+    v = wt.Vocabulary.from_counts(wt.Counter({"<eos>": 3, "x": 5, "é": 1}))
+    v.save(tmp_path / "vocab.txt")
+    assert wt.Vocabulary.load(tmp_path / "vocab.txt") == v and v.words[0] == "x"
+
+
+def test_generated_corpus_is_deterministic_and_loads(tmp_path):
+    a = wt.generate_corpus(tmp_path / "a", train_lines=60, valid_lines=20, test_lines=20, seed=3)
+    b = wt.generate_corpus(tmp_path / "b", train_lines=60, valid_lines=20, test_lines=20, seed=3)
+    for s in wt.SPLITS:
+        text = (a / f"wiki.{s}.tokens").read_text()
+        assert text == (b / f"wiki.{s}.tokens").read_text()
+        assert len(text.splitlines()) == {"train": 60, "valid": 20, "test": 20}[s]
+    corpus = wt.load_corpus(a, cache_dir=False)
+    assert "<unk>" in corpus.vocab and all(corpus.tokens[s].numel() > 20 for s in wt.SPLITS)
+
+
+@pytest.mark.skipif(not (SHARED / "wiki.valid.tokens").is_file(), reason="shared WikiText-103 copy not present")
+def test_shared_valid_split_has_the_published_token_count():
+    vocab = wt.Vocabulary.from_file(SHARED / "wiki.train.tokens")
+    tokens, mapped = wt.encode_file(SHARED / "wiki.valid.tokens", vocab)
+    assert tokens.numel() == 217_646  # 213,886 words + one <eos> for each of the 3,760 lines
+    assert vocab.words[0] == "the" and mapped > 0
