@@ -115,6 +115,70 @@ def _run_eval(args) -> int:
     return 0
 
 
+def _data_parser(sub) -> None:
+    p = sub.add_parser("data", help="inspect data files (mgk data check)",
+                       description="Inspect the data files of a task.")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    c = dsub.add_parser("check", help="validate a task's files and print counts, label balance and lengths",
+                        description="Validate the files of a task: counts per split, label balance, length "
+                                    "statistics. Every malformed or missing file is an error naming it (and the line "
+                                    "for text formats); the exit status is 1 when there is any.")
+    c.add_argument("--task", required=True, help="listops, text, retrieval, image or pathfinder")
+    c.add_argument("--data", required=True, help="the folder or archive to check (as for mgk train --data)")
+    c.add_argument("--preset", default=None, help="configuration the check assumes (max_len, level, "
+                                                  "val_fraction, ...; default: <task>-small)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set max_len=1000 --set level=curv_baseline")
+
+
+def _run_data(args) -> int:
+    from .tasks import get_task
+    from .tasks.lra_table import data_check
+
+    t0 = time.perf_counter()
+    try:
+        get_task(args.task)
+        presets = all_presets()
+        preset = args.preset or f"{args.task}-small"
+        if preset not in presets:
+            raise ValueError(f"no preset {preset!r}; choose --preset from {sorted(presets)}")
+        cfg = dataclasses.replace(presets[preset], task=args.task, data=args.data)
+        cfg = config_mod.apply_overrides(cfg, args.overrides)
+        lines, errors = data_check(args.task, cfg, args.data)
+    except ValueError as e:
+        raise SystemExit(f"mgk data check: {e}") from None
+    print(f"mgk data check: task {args.task}, data {args.data} (preset {preset}, max_len {cfg.max_len})")
+    for line in lines:
+        print(line)
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    verdict = f"{len(errors)} error(s)" if errors else "ok"
+    print(f"{verdict} ({time.perf_counter() - t0:.1f} s)")
+    return 1 if errors else 0
+
+
+def _table_parser(sub) -> None:
+    p = sub.add_parser("table", help="print the LRA results table of finished runs",
+                       description="Read results.json of each run directory (or of every run below a folder) and "
+                                   "print the LRA table (ListOps, Text, Retrieval, Image, Pathfinder, Avg) as "
+                                   "markdown: one row per (attention kind, heads), mean ± std over seeds.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or folders holding them)")
+
+
+def _run_table(args) -> int:
+    from .tasks.lra_table import lra_table, read_results
+
+    try:
+        results = read_results(args.runs)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"mgk table: {e}") from None
+    table, warnings = lra_table([r for _, r in results])
+    print(table)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mgk`` argument parser with its sub-commands."""
     parser = argparse.ArgumentParser(prog="mgk", description="Transformer-MGK: attention with a mixture of "
@@ -123,13 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     bench_cli.add_parser(sub)
     _eval_parser(sub)
+    _data_parser(sub)
+    _table_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mgk`` console script."""
     args = build_parser().parse_args(argv)
-    handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval}
+    handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "data": _run_data,
+                "table": _run_table}
     return handlers[args.command](args)
 
 

@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from . import _component_flash
 from . import masks as _masks
@@ -119,21 +120,36 @@ def _chunks(L: int, chunk_size: int):
         yield start, min(L, start + chunk_size)
 
 
+def _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture):
+    scores = _scores(qc, k, log_prior, s2, mixture)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return _masks.zero_rows(torch.softmax(scores, dim=-1), empty)
+
+
+def _chunk_output(qc, k, v, log_prior, s2, mask, empty, mixture, dropout_p):
+    w = _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture)
+    return (F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v
+
+
 def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weights, chunk_size):
+    # In training each chunk is checkpointed (recomputed in backward), so memory stays O(chunk * M * S) per head
+    # instead of keeping every chunk's (chunk, M, S) scores for the backward pass.
+    recompute = (not want_weights and torch.is_grad_enabled() and q.shape[2] > chunk_size
+                 and any(t.requires_grad for t in (q, k, v, log_prior, s2)))
     outs, weights = [], []
     for a, b in _chunks(q.shape[2], chunk_size):
-        scores = _scores(q[:, :, a:b], k, log_prior, s2, mixture)
-        if mask is not None:
-            m = mask[..., a:b, :] if mask.shape[-2] > 1 else mask
-            scores = scores.masked_fill(~m, float("-inf"))
-        w = torch.softmax(scores, dim=-1)
-        if empty is not None:
-            w = _masks.zero_rows(w, empty[..., a:b, :] if empty.shape[-2] > 1 else empty)
+        m = None if mask is None else (mask[..., a:b, :] if mask.shape[-2] > 1 else mask)
+        e = None if empty is None else (empty[..., a:b, :] if empty.shape[-2] > 1 else empty)
         if want_weights:
+            w = _chunk_weights(q[:, :, a:b], k, log_prior, s2, m, e, mixture)
             weights.append(w)
-        if dropout_p > 0.0:
-            w = F.dropout(w, p=dropout_p)
-        outs.append(w @ v)
+            outs.append((F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v)
+        elif recompute:
+            outs.append(checkpoint(_chunk_output, q[:, :, a:b], k, v, log_prior, s2, m, e, mixture, dropout_p,
+                                   use_reentrant=False))
+        else:
+            outs.append(_chunk_output(q[:, :, a:b], k, v, log_prior, s2, m, e, mixture, dropout_p))
     out = torch.cat(outs, dim=2)
     return out, (torch.cat(weights, dim=2) if want_weights else None)
 
@@ -181,7 +197,7 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
 def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
                   sigma2: float | Tensor | None = None, mixture: str = "sum", attn_mask: Tensor | None = None,
                   is_causal: bool = False, dropout_p: float = 0.0, return_weights: bool = False,
-                  explicit: bool = False, chunk_size: int = 1024):
+                  explicit: bool = False, chunk_size: int = 512):
     """Mixture-of-Gaussian-keys attention (paper eq. 9-10; Hard-E ablation for mixture="max").
 
     Args:
@@ -240,7 +256,7 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
 
 def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = None,
                          sigma2: float | Tensor | None = None, attn_mask: Tensor | None = None,
-                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 256):
+                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 512):
     """E-step statistics for Soft-E (SPEC section 1, paper "+Soft-E" ablation), computed without gradient.
 
     ``gamma_ijr = softmax_r(log pi_jr - |q_i - k_jr|^2 / (2 sigma_r^2))`` is the responsibility of component r for
@@ -274,11 +290,21 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         valid = valid.expand(B, H, L, S)
         # Dead keys are zeroed so that NaN/inf padding cannot poison the sums (where, not multiply).
         _, k, _, _ = _masks.prepare(valid, k, k[:, :, 0])
-        resp = torch.zeros(H, M, S, dtype=dt, device=query.device)
-        for a, b in _chunks(L, max(1, int(chunk_size))):
-            g = gaussian_log_kernel(q[:, :, a:b], k, s2) + log_prior.unsqueeze(2)  # (B, H, c, M, S)
-            gamma = torch.softmax(g, dim=-2)
-            gamma = torch.where(valid[:, :, a:b].unsqueeze(-2), gamma, torch.zeros((), dtype=dt, device=q.device))
-            resp += gamma.sum(dim=(0, 2))
         count = valid.sum(dim=(0, 2)).to(dt)
+        if M == 1:  # one component takes all the responsibility
+            return count.unsqueeze(1).clone(), count
+        resp = torch.zeros(H, M, S, dtype=dt, device=query.device)
+        kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
+        scale = (-0.5 / s2).view(M, 1)
+        lp = log_prior.unsqueeze(2)
+        for a, b in _chunks(L, max(1, int(chunk_size))):
+            # In place on one (B, H, c, M, S) buffer: no gradient is needed, and each pass over it costs as much
+            # as the attention itself. g = log pi - |q - k|^2 / (2 sigma^2), then a softmax over components.
+            qc = q[:, :, a:b]
+            g = torch.einsum("bhld,bhmsd->bhlms", qc, k).mul_(-2.0)
+            g.add_(kn).add_((qc * qc).sum(-1)[..., None, None]).clamp_(min=0.0).mul_(scale).add_(lp)
+            g.sub_(g.amax(dim=-2, keepdim=True)).exp_()
+            g.div_(g.sum(dim=-2, keepdim=True))
+            g.masked_fill_(~valid[:, :, a:b].unsqueeze(-2), 0.0)
+            resp += g.sum(dim=(0, 2))
     return resp, count

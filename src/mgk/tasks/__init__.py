@@ -16,9 +16,10 @@ A task module has ``PRESETS`` (name -> RunConfig), ``prepare(cfg, run_dir) -> da
 """
 from __future__ import annotations
 
-from . import listops, lm
+from . import image, listops, lm, pathfinder, retrieval, text
 
-TASKS = {"listops": listops, "lm": lm}
+TASKS = {"listops": listops, "lm": lm, "text": text, "retrieval": retrieval, "image": image,
+         "pathfinder": pathfinder}
 
 
 def all_presets() -> dict:

@@ -1,0 +1,82 @@
+"""Image (LRA): CIFAR-10 as sequences of 1,024 grey pixels (python batches or image folders, plain or archived)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import RunConfig
+from ..data import image as im
+from ..data.cache import resolve_cache_dir, seeded_split
+from .text import LRAClassificationTask, label_line, require_data
+
+PRESETS = {
+    # Small CPU preset: the paper's model on 1024-pixel sequences, a few hundred steps (needs --data).
+    "image-small": RunConfig(task="image", max_len=im.SEQ_LEN, lr=5e-4, steps=500, warmup_steps=50, batch_size=32,
+                             eval_every=250, checkpoint_every=250, log_every=25),
+    # Paper (SPEC section 2): CIFAR-10 grey, 1024 pixels, 10 classes, batch 256, AdamW lr 1e-4 eps 1e-6, 175 warm-up
+    # steps then linear decay, 35000 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
+    "image-paper": RunConfig(task="image", max_len=im.SEQ_LEN, lr=1e-4, steps=35000, warmup_steps=175,
+                             batch_size=256, eval_every=1000, checkpoint_every=1000, log_every=100),
+}
+
+_WHAT = ("cifar-10-batches-py (data_batch_1..5, test_batch), an image folder {train,test}/<class>/*.png|jpg, or a "
+         ".tar.gz of either")
+
+
+def check_max_len(cfg: RunConfig) -> None:
+    """ValueError unless ``cfg.max_len >= 1024`` (every image sequence has all 1,024 pixels)."""
+    if cfg.max_len < im.SEQ_LEN:
+        raise ValueError(f"task {cfg.task}: every sequence has {im.SEQ_LEN} pixels (32x32, no padding, no cut); "
+                         f"set max_len={im.SEQ_LEN} (got {cfg.max_len})")
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Path:
+    """``cfg.data`` (required: there is no generated CIFAR). FileNotFoundError when absent."""
+    return require_data(cfg, _WHAT)
+
+
+def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
+    """Decode to grey pixel tokens (cached); validation carved out of train with ``split_seed``/``val_fraction``
+    (never out of test); an absent test split is noted.
+
+    Raises:
+        ValueError: ``max_len < 1024``. FileNotFoundError / ImageFormatError: as
+        :func:`mgk.data.image.read_image_source`.
+    """
+    check_max_len(cfg)
+    data_dir = Path(data_dir)
+    splits, status = im.load_images(data_dir, cache_dir=resolve_cache_dir(cfg.cache_dir, data_dir))
+    full, test = splits["train"], splits["test"]
+    val_idx, train_idx = seeded_split(len(full), [cfg.val_fraction], cfg.split_seed)
+    train = full.subset(train_idx)
+    val = full.subset(val_idx) if cfg.val_fraction > 0 else None
+    notes = [f"data: image (CIFAR-10 grey, ITU-R 601-2 luma, 1024 pixel tokens, no padding) from {data_dir}; "
+             f"cache {status}",
+             f"data: classes {', '.join(full.class_names)}",
+             f"data: train {len(train)} / val {len(val) if val else 0} images: validation carved from the train split "
+             f"(split_seed={cfg.split_seed}, val_fraction={cfg.val_fraction}), never from test",
+             "data: test: " + (f"{len(test)} images" if test is not None
+                               else f"absent in {data_dir} (no test split: results report val only)")]
+    return LRAClassificationTask("image", {"train": train, "val": val, "test": test}, vocab_size=im.VOCAB_SIZE,
+                                 num_classes=len(full.class_names), notes=notes)
+
+
+def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
+    """Validate an image source: ``(report lines, errors)``; every error names the file or member."""
+    lines: list[str] = []
+    try:
+        splits = im.read_image_source(data)
+    except (FileNotFoundError, im.ImageFormatError) as exc:
+        return lines, [str(exc)]
+    for split, sp in splits.items():
+        if sp is None:
+            lines.append(f"{split}: absent")
+            continue
+        counts = [int((sp.labels == k).sum()) for k in range(len(sp.class_names))]
+        lines += [f"{split}: {len(sp)} images of 32x32 ({sp.source})", "  " + label_line(counts, sp.class_names),
+                  f"  length: {im.SEQ_LEN} pixel tokens each (grey values 0-255, none is padding); "
+                  f"pixel mean {float(sp.grey.mean()):.1f}"]
+        if split == "train":
+            val_idx, _ = seeded_split(len(sp), [cfg.val_fraction], cfg.split_seed)
+            lines.append(f"  validation: {len(val_idx)} of these carved out with split_seed={cfg.split_seed}, "
+                         f"val_fraction={cfg.val_fraction}")
+    return lines, []

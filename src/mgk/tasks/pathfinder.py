@@ -1,0 +1,91 @@
+"""Pathfinder-32 (LRA): one difficulty level of the release, or our generated images when no --data is given."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import RunConfig
+from ..data import pathfinder as pf
+from ..data.cache import resolve_cache_dir
+from .image import check_max_len
+from .text import LRAClassificationTask, label_line
+
+PRESETS = {
+    # Small CPU preset: 2,000 generated hard images (curv_contour_length_14; about a minute to generate), split
+    # 80/10/10 like the release, the paper's model, a few hundred steps.
+    "pathfinder-small": RunConfig(task="pathfinder", max_len=1024, gen_train=1600, gen_val=200, gen_test=200,
+                                  lr=5e-4, steps=400, warmup_steps=40, batch_size=32, eval_every=200,
+                                  checkpoint_every=200, log_every=20),
+    # Paper (SPEC section 2): Pathfinder-32 curv_contour_length_14, 1024 pixels, 2 classes, batch 256, AdamW lr 1e-4
+    # eps 1e-6, 312 warm-up steps then linear decay, 62400 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
+    "pathfinder-paper": RunConfig(task="pathfinder", max_len=1024, lr=1e-4, steps=62400, warmup_steps=312,
+                                  batch_size=256, eval_every=2000, checkpoint_every=2000, log_every=100),
+}
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Path:
+    """``cfg.data``, or (when None) ``gen_train + gen_val + gen_test`` images of level ``cfg.level`` made by our
+    generator (seed 0, so every run sees the same images) and written in the release layout to ``run_dir/data``
+    (kept when already there, e.g. on resume)."""
+    if cfg.data is not None:
+        return Path(cfg.data)
+    out = Path(run_dir) / "data"
+    level = pf.resolve_level(cfg.level)
+    if not (out / "pathfinder32" / level / "metadata").is_dir():
+        num = cfg.gen_train + cfg.gen_val + cfg.gen_test
+        images, labels = pf.generate_pathfinder(num, contour_length=pf.contour_length_of(level), seed=0)
+        pf.write_pathfinder_level(out, level, images, labels)
+    return out
+
+
+def _level_note(cfg: RunConfig) -> str:
+    level = pf.resolve_level(cfg.level)
+    alias = {v: k for k, v in pf.LEVEL_ALIASES.items()}.get(level)
+    default = " (the default level)" if level == pf.DEFAULT_LEVEL else ""
+    return f"data: pathfinder level {level}" + (f" = {alias}" if alias else "") + default
+
+
+def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
+    """Read only the level folder ``cfg.level`` (cached), split it with ``split_seed`` into train / val
+    (``val_fraction``) / test (10%), and record the level in the notes and in results.json.
+
+    Raises:
+        ValueError: ``max_len < 1024``. FileNotFoundError: no such level folder (the message lists those present).
+        PathfinderFormatError: malformed metadata or images (file and line named).
+    """
+    check_max_len(cfg)
+    data_dir = Path(data_dir)
+    level = pf.resolve_level(cfg.level)
+    ds, empty, level_dir, status = pf.load_pathfinder(data_dir, level,
+                                                      cache_dir=resolve_cache_dir(cfg.cache_dir, data_dir))
+    splits = pf.split_pathfinder(ds, val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
+    sizes = " / ".join(f"{k} {len(v) if v is not None else 0}" for k, v in splits.items())
+    notes = [_level_note(cfg), f"data: read only {level_dir}; cache {status}",
+             f"data: {len(ds)} images, split with split_seed={cfg.split_seed}: {sizes} (test "
+             f"{pf.TEST_FRACTION:.0%}, val val_fraction={cfg.val_fraction}, train the rest)",
+             "data: " + label_line(ds.label_counts(2), pf.CLASS_NAMES)]
+    if empty:
+        notes.append(f"data: {empty} empty (0-byte) images skipped, as the LRA pipelines do")
+    return LRAClassificationTask("pathfinder", splits, vocab_size=pf.VOCAB_SIZE, num_classes=2, notes=notes,
+                                 extra={"level": level})
+
+
+def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
+    """Validate one level folder (only ``cfg.level`` is read): ``(report lines, errors)``."""
+    level = pf.resolve_level(cfg.level)
+    try:
+        level_dir = pf.find_level_dir(data, level)
+        grey, labels, empty, _ = pf.read_pathfinder_level(level_dir)
+    except (FileNotFoundError, pf.PathfinderFormatError) as exc:
+        return [], [str(exc)]
+    counts = [int((labels == k).sum()) for k in (0, 1)]
+    from ..data.cache import seeded_split
+
+    test_idx, val_idx, train_idx = seeded_split(len(labels), [pf.TEST_FRACTION, cfg.val_fraction], cfg.split_seed)
+    lines = [_level_note(cfg)[len("data: "):] + f" ({level_dir}; no other level folder is read)",
+             f"all: {len(labels)} images of 32x32", "  " + label_line(counts, pf.CLASS_NAMES),
+             f"  length: 1024 pixel tokens each (grey values 0-255, none is padding); pixel mean "
+             f"{float(grey.mean()):.1f}",
+             f"split (split_seed={cfg.split_seed}): train {len(train_idx)} / val {len(val_idx)} / test {len(test_idx)}"]
+    if empty:
+        lines.append(f"  {empty} empty (0-byte) images skipped")
+    return lines, []

@@ -1,0 +1,147 @@
+"""Text (LRA): byte-level IMDb sentiment, from an ``aclImdb`` folder or its ``.tar.gz``.
+
+Also home of what the LRA task modules share: :class:`LRAClassificationTask` (batches of compact token arrays) and
+the data-check report helpers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import Tensor
+
+from ..config import RunConfig
+from ..data import text as tx
+from ..data.cache import length_stats, resolve_cache_dir, seeded_split
+from .classification import ClassificationTask
+
+PRESETS = {
+    # Small CPU preset: 512 bytes per review, the paper's model, a few hundred steps (needs --data).
+    "text-small": RunConfig(task="text", max_len=512, lr=5e-4, steps=600, warmup_steps=60, batch_size=32,
+                            eval_every=200, checkpoint_every=200, log_every=20),
+    # Paper (SPEC section 2, after Nystromformer): IMDb bytes, 1000 per review, batch 32, AdamW lr 1e-4 eps 1e-6,
+    # 8000 warm-up steps then linear decay, 20000 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
+    "text-paper": RunConfig(task="text", max_len=1000, lr=1e-4, steps=20000, warmup_steps=8000, batch_size=32,
+                            eval_every=1000, checkpoint_every=1000, log_every=100),
+    # The same with 4000 bytes per review (the paper's second Text setting).
+    "text-4k": RunConfig(task="text", max_len=4000, lr=1e-4, steps=20000, warmup_steps=8000, batch_size=32,
+                         eval_every=1000, checkpoint_every=1000, log_every=100),
+}
+
+
+@dataclass
+class LRAClassificationTask(ClassificationTask):
+    """:class:`ClassificationTask` over :class:`~mgk.data.cache.TokenDataset` splits, whose tokens are stored in a
+    compact dtype (uint8 / int16): batches are cast to int64. ``describe`` adds the truncation count and
+    ``extra`` (e.g. the max_len or the Pathfinder level) to each split's entry in results.json."""
+
+    extra: dict = field(default_factory=dict)
+
+    @staticmethod
+    def batch(dataset, index: Tensor, device) -> dict:
+        out = ClassificationTask.batch(dataset, index, "cpu")
+        out["tokens"] = out["tokens"].long()
+        return {k: v.to(device) for k, v in out.items()}
+
+    def describe(self, dataset) -> dict:
+        return {"majority_acc": dataset.majority_acc(), "num_truncated": int(dataset.num_truncated), **self.extra}
+
+
+# --------------------------------------------------------------------------- data-check helpers
+
+
+def label_line(counts, names) -> str:
+    """``"labels: neg 12500 (50.0%), pos 12500 (50.0%)"``."""
+    total = max(1, sum(counts))
+    names = list(names) or [str(i) for i in range(len(counts))]
+    return "labels: " + ", ".join(f"{n} {c} ({100 * c / total:.1f}%)" for n, c in zip(names, counts))
+
+
+def length_line(lengths, max_len: int | None, unit: str = "tokens") -> str:
+    """``"length (bytes): min 10 / mean 1325.1 / median 979 / max 13704; 8000 longer than max_len=1000"``."""
+    st = length_stats(lengths)
+    line = (f"length ({unit}): min {st['min']} / mean {st['mean']:.1f} / median {st['median']:g} / "
+            f"max {st['max']}")
+    if max_len is not None:
+        over = int(sum(1 for n in lengths if n > max_len))
+        line += f"; {over} longer than max_len={max_len}"
+    return line
+
+
+def require_data(cfg: RunConfig, what: str) -> Path:
+    """``Path(cfg.data)``; FileNotFoundError with the expected layout when it is None or absent."""
+    if cfg.data is None:
+        raise FileNotFoundError(f"task {cfg.task} has no embedded default data: pass --data with {what}")
+    path = Path(cfg.data)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: --data not found (task {cfg.task} expects {what})")
+    return path
+
+
+# --------------------------------------------------------------------------- protocol
+
+_WHAT = "an aclImdb folder ({train,test}/{pos,neg}/*.txt) or its .tar.gz"
+
+
+def prepare(cfg: RunConfig, run_dir: Path) -> Path:
+    """``cfg.data`` (required: there is no generated IMDb). FileNotFoundError when absent."""
+    return require_data(cfg, _WHAT)
+
+
+def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
+    """Encode the reviews (cached), carve validation out of train with ``split_seed``/``val_fraction`` (never out of
+    test), and note the source, the split sizes and how many reviews were cut to ``max_len`` bytes.
+
+    Raises:
+        FileNotFoundError / TextFormatError: as :func:`mgk.data.text.read_imdb`.
+    """
+    data_dir = Path(data_dir)
+    splits, status = tx.load_imdb(data_dir, cfg.max_len, cache_dir=resolve_cache_dir(cfg.cache_dir, data_dir))
+    full, test = splits["train"], splits["test"]
+    val_idx, train_idx = seeded_split(len(full), [cfg.val_fraction], cfg.split_seed)
+    train = full.subset(train_idx)
+    val = full.subset(val_idx) if cfg.val_fraction > 0 else None
+    notes = [f"data: text (byte-level IMDb) from {data_dir}; cache {status}",
+             f"data: train {len(train)} / val {len(val) if val else 0} reviews: validation carved from the train "
+             f"split (split_seed={cfg.split_seed}, val_fraction={cfg.val_fraction}), never from test",
+             "data: test: " + (f"{len(test)} reviews ({test.source})" if test is not None
+                               else f"absent in {data_dir} (no test split: results report val only)")]
+    cut = ", ".join(f"{n} {ds.num_truncated} of {len(ds)}" for n, ds in (("train", train), ("val", val),
+                                                                          ("test", test)) if ds is not None)
+    notes.append(f"data: reviews longer than max_len={cfg.max_len} bytes are cut to their first {cfg.max_len} bytes "
+                 f"(the LRA task definition): {cut}")
+    return LRAClassificationTask("text", {"train": train, "val": val, "test": test}, vocab_size=tx.VOCAB_SIZE,
+                                 num_classes=len(tx.CLASS_NAMES), notes=notes, extra={"max_len": cfg.max_len})
+
+
+def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
+    """Validate an IMDb source: ``(report lines, errors)``; every error names the file or member."""
+    lines: list[str] = []
+    try:
+        raw = tx.read_imdb(data)
+    except (FileNotFoundError, tx.TextFormatError) as exc:
+        return lines, [str(exc)]
+    for split, sp in raw.items():
+        if sp is None:
+            lines.append(f"{split}: absent")
+            continue
+        lens = [len(t) for t in sp.texts]
+        lines += [f"{split}: {len(sp)} reviews ({sp.source})",
+                  "  " + label_line([sp.labels.count(0), sp.labels.count(1)], tx.CLASS_NAMES),
+                  "  " + length_line(lens, cfg.max_len, "bytes") + " (cut to their first max_len bytes)"]
+        non_utf8 = sum(1 for t in sp.texts if not _is_utf8(t))
+        if non_utf8:
+            lines.append(f"  {non_utf8} reviews are not valid UTF-8 (their bytes are used as they are)")
+        if split == "train":
+            val_idx, _ = seeded_split(len(sp), [cfg.val_fraction], cfg.split_seed)
+            lines.append(f"  validation: {len(val_idx)} of these carved out with split_seed={cfg.split_seed}, "
+                         f"val_fraction={cfg.val_fraction}")
+    return lines, []
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
