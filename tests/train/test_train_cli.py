@@ -59,3 +59,14 @@ def test_too_long_sequence_is_an_error_unless_truncated(tmp_path):
     out = tmp_path / "b"
     main(["train", "--steps", "2", "--out", str(out), *sets(*TINY, "max_len=12", "truncate=true")])
     assert "truncated to max_len=12" in (out / "train.log").read_text()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    common = ["--steps", "6", *sets(*TINY, "dropout=0.0", "attn_dropout=0.0")]
+    main(["train", "--out", str(tmp_path / "one"), *common])
+    main(["train", "--out", str(tmp_path / "acc"), *common, "--set", "grad_accum=4"])
+    a = [r["train/loss"] for r in metrics(tmp_path / "one") if "train/loss" in r]
+    b = [r["train/loss"] for r in metrics(tmp_path / "acc") if "train/loss" in r]
+    assert len(a) == 6
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(x)

@@ -39,8 +39,9 @@ first target contour (label 1, "connected"), or at one end of each target contou
 the same strokes; only the markers' placement differs. Difficulty is the contour length (the release's level
 names map to 6, 9 and 14 dashes). Lines are anti-aliased from their exact distance to each pixel centre; strokes
 have grey level ``stroke`` (0.75 = 191), markers 255, background 0. Labels are balanced: ``num // 2`` positives
-(exactly 50/50 for even ``num``), their positions drawn from the seed. Everything is a pure function of ``seed``:
-image ``i`` uses ``numpy.random.default_rng([seed, i])``.
+(exactly 50/50 for even ``num``), their positions drawn from the seed. Everything is a pure function of
+``(num, seed)``: the labels come from ``numpy.random.default_rng([seed, 2**31])``, image ``i`` (given its label)
+from ``default_rng([seed, i])``.
 """
 from __future__ import annotations
 
