@@ -41,7 +41,6 @@ def test_towers_share_one_encoder_and_the_head_sees_four_vectors():
     assert model.head[0].in_features == 4 * 16
     names = [n for n, _ in model.named_parameters()]
     assert sum(n.startswith("encoder.token_embedding") for n in names) == 1
-    x0, x1 = torch.randn(3, 16), torch.randn(3, 16)
     t = torch.randint(1, 257, (3, 6))
     with torch.no_grad():
         feats = []
@@ -50,7 +49,6 @@ def test_towers_share_one_encoder_and_the_head_sees_four_vectors():
         pooled1, pooled2 = model.encode(t), model.encode(t.flip(1))
     expect = torch.cat([pooled1, pooled2, pooled1 * pooled2, pooled1 - pooled2], dim=-1)
     torch.testing.assert_close(feats[0], expect, atol=1e-6, rtol=0)
-    del x0, x1
 
 
 def test_cls_pooling_and_argument_checks():

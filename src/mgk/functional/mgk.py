@@ -185,6 +185,9 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     qp, kp, v = (F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
     if mask is None and _component_flash.available(q, dropout_p):
         return _component_flash.ComponentAttention.apply(qp, kp, v, causal)[..., :Dv]
+    if causal:
+        raise RuntimeError("internal: the causal fused path needs the CPU flash kernel; mgk_attention builds an "
+                           "explicit mask otherwise")
     kp = kp.reshape(B, H, M * S, width)
     vp = v.unsqueeze(2).expand(B, H, M, S, width).reshape(B, H, M * S, width)
     mp = None
