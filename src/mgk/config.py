@@ -35,7 +35,8 @@ class RunConfig:
     val_fraction: float = 0.1  # share of train carved out as validation where a release has no val split
     split_seed: int = 0  # seed of such carved splits (fixed, documented, independent of the training seed)
     level: str = "curv_contour_length_14"  # Pathfinder difficulty folder
-    cache_dir: Optional[str] = None  # tokenised-array cache (None = <data dir>/.mgk-cache or the run dir)
+    cache_dir: Optional[str] = None  # tokenised-array cache: None = <data dir>/.mgk-cache when writable, else
+    # $XDG_CACHE_HOME/mgk (~/.cache/mgk); "off" disables caching
     # language modelling (SPEC section 2: WikiText-103 small setting)
     segment_len: int = 256  # training/eval segment length in tokens
     adaptive_cutoffs: Optional[list] = None  # adaptive input/softmax cutoffs; None = [20000, 40000, 200000]

@@ -56,9 +56,16 @@ def test_resolve_cache_dir(tmp_path, monkeypatch):
     archive = tmp_path / "a.tar.gz"
     archive.write_bytes(b"x")
     assert c.resolve_cache_dir(None, archive) == tmp_path / ".mgk-cache"
-    monkeypatch.setattr(c, "_writable_dir", lambda folder: False)  # a read-only data folder
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert c.resolve_cache_dir(None, archive) == tmp_path / "xdg" / "mgk"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "data.tar.gz").write_bytes(b"x")
+    shared.chmod(0o555)  # a read-only shared copy: never written into, even by root
+    try:
+        assert c.resolve_cache_dir(None, shared / "data.tar.gz") == tmp_path / "xdg" / "mgk"
+        assert sorted(p.name for p in shared.iterdir()) == ["data.tar.gz"]
+    finally:
+        shared.chmod(0o755)
 
 
 def test_seeded_split_is_disjoint_complete_and_deterministic():

@@ -90,6 +90,20 @@ def test_cache_is_reused_and_invalidated_by_a_changed_file(tmp_path, monkeypatch
     assert changed.unk_mapped["valid"] == 1
 
 
+def test_read_only_data_folders_are_never_written_into(tmp_path, monkeypatch):
+    data = tmp_path / "ro"
+    write(data / "wiki.train.tokens", "a b\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    data.chmod(0o555)  # root passes os.access on this: the permission bits decide
+    try:
+        assert wt.default_cache_dir(data) == tmp_path / "xdg" / "mgk" / "wikitext"
+        wt.load_corpus(data)
+        assert sorted(p.name for p in data.iterdir()) == ["wiki.train.tokens"]
+        assert list((tmp_path / "xdg" / "mgk" / "wikitext").glob("*.pt"))
+    finally:
+        data.chmod(0o755)
+
+
 def test_vocabulary_file_round_trip(tmp_path):
     v = wt.Vocabulary.from_counts(wt.Counter({"<eos>": 3, "x": 5, "é": 1}))
     v.save(tmp_path / "vocab.txt")

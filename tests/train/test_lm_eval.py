@@ -237,8 +237,9 @@ def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp
 
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
+    V = len(wt.load_corpus(data, cache_dir=False).vocab)  # the last cluster holds the 2 rarest words
     args = ["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2", "--steps", "4",
-            *sets(*TINY_LM, "dropout=0.0", "attn_dropout=0.0")]
+            *sets(*TINY_LM, "dropout=0.0", "attn_dropout=0.0", f"adaptive_cutoffs=[20,{V - 2}]")]
     one, two = tmp_path / "one", tmp_path / "two"
     run(mgk_cmd(*args, "--out", str(one)))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -255,3 +256,18 @@ def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp
     e1, e3 = (json.loads((tmp_path / f).read_text()) for f in ("e1.json", "e3.json"))
     assert e3["world_size"] == 3 and e1["tokens"] == e3["tokens"] == r1["val"]["count"]
     assert e1["ppl"] == pytest.approx(e3["ppl"], rel=1e-6)
+
+
+def test_resumed_lm_run_equals_an_uninterrupted_one(tmp_path):
+    data = tmp_path / "wt"
+    wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
+    common = ["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2",
+              *sets(*TINY_LM, "schedule=constant")]  # the lr must not depend on --steps
+    main([*common, "--steps", "6", "--out", str(tmp_path / "a")])
+    main([*common, "--steps", "3", "--out", str(tmp_path / "b"), "--set", "checkpoint_every=3"])
+    main(["train", "--resume", str(tmp_path / "b"), "--steps", "6"])
+    from train_helpers import last_state, series
+
+    assert series(tmp_path / "a", "train/loss") == series(tmp_path / "b", "train/loss")
+    sa, sb = last_state(tmp_path / "a")["model"], last_state(tmp_path / "b")["model"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 
-import torch
 from torch import Tensor, nn
 
 from ..functional import masks as _masks

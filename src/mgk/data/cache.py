@@ -18,8 +18,9 @@ Entries are written atomically (a temporary file in the same folder, then ``os.r
 rebuilt.
 
 Where (:func:`resolve_cache_dir`): ``cfg.cache_dir`` when set (``"off"`` disables caching); otherwise
-``<data>/.mgk-cache`` next to the data (inside the data folder, or beside an archive) when that folder is writable;
-otherwise the user cache ``$XDG_CACHE_HOME/mgk`` (default ``~/.cache/mgk``), e.g. for a read-only shared copy.
+``<data>/.mgk-cache`` next to the data (inside the data folder, or beside an archive) when that folder is writable
+(a folder without write permission bits counts as read-only, also for root: a shared read-only copy is never
+written into); otherwise the user cache ``$XDG_CACHE_HOME/mgk`` (default ``~/.cache/mgk``).
 
 Splits
 ------
@@ -86,8 +87,14 @@ def cache_key(sources: Iterable[str | os.PathLike], settings: Mapping) -> str:
 
 
 def _writable_dir(folder: Path) -> bool:
+    """Whether ``folder`` exists or can be made, and files can be written in it. A folder (or, for a new one, its
+    parent) without any write permission bit counts as read-only even for root, so a read-only shared data copy is
+    never written into."""
+    probe = folder if folder.exists() else folder.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if not probe.is_dir() or not probe.stat().st_mode & 0o222 or not os.access(probe, os.W_OK):
+            return False
+        folder.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-")
         os.close(fd)
         os.unlink(tmp)

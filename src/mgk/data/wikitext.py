@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,11 +184,21 @@ def encode_file(path: str | os.PathLike, vocab: Vocabulary) -> tuple[Tensor, int
     return torch.frombuffer(ids, dtype=torch.int32).clone() if len(ids) else torch.zeros(0, dtype=torch.int32), mapped
 
 
+def _writable(folder: Path) -> bool:
+    """Writable by its permission bits too: root passes ``os.access`` even on a read-only (r-x) folder, and a
+    folder marked read-only is shared data we must not write into."""
+    try:
+        mode = folder.stat().st_mode
+    except OSError:
+        return False
+    return bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)) and os.access(folder, os.W_OK)
+
+
 def default_cache_dir(data_dir: str | os.PathLike) -> Path:
-    """``<data_dir>/.mgk-cache`` when ``data_dir`` is writable, else ``$XDG_CACHE_HOME/mgk/wikitext`` (default
-    ``~/.cache/mgk/wikitext``): the shared data folder of a cluster is often read-only."""
+    """``<data_dir>/.mgk-cache`` when ``data_dir`` is writable (by its permission bits, even for root), else
+    ``$XDG_CACHE_HOME/mgk/wikitext`` (default ``~/.cache/mgk/wikitext``): shared data folders are often read-only."""
     data_dir = Path(data_dir)
-    if os.access(data_dir, os.W_OK):
+    if _writable(data_dir):
         return data_dir / ".mgk-cache"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mgk" / "wikitext"

@@ -106,6 +106,13 @@ class TiedAdaptiveSoftmax(nn.Module):
             out = out.index_copy(0, rows, vec.to(out.dtype))
         return out.view(*tokens.shape, self.dim) * self.scale
 
+    def touch(self) -> Tensor:
+        """A zero scalar that depends on every weight of this module. Added to a training loss it gives each weight
+        a gradient (zero for clusters the batch never used) instead of none: DistributedDataParallel requires every
+        parameter to take part in each step (the training loop builds it without ``find_unused_parameters``), and
+        one process and W processes then treat rare clusters alike."""
+        return sum(p.reshape(-1)[:1].sum() for p in self.parameters()) * 0.0
+
     # -- output --------------------------------------------------------------------------------------------------
     def _nll(self, hidden: Tensor, target: Tensor) -> Tensor:
         if self.softmax is None:

@@ -41,7 +41,9 @@ class TransformerLM(nn.Module):
 
     ``forward(tokens)`` gives the hidden states (B, L, E); ``forward(tokens, targets)`` the per-position negative
     log-likelihood (B, L) float32 with 0 where ``targets == IGNORE_INDEX`` (those positions skip the softmax, so
-    scoring a few positions of a long window is cheap). Go through ``forward`` when training under DDP.
+    scoring a few positions of a long window is cheap). Go through ``forward`` when training under DDP: with
+    gradients enabled it adds :meth:`TiedAdaptiveSoftmax.touch` so that clusters absent from a rank's batch still
+    take part in the step.
     """
 
     def __init__(self, vocab_size: int, *, d_model: int = 128, num_layers: int = 16, ffn_dim: int = 2048,
@@ -94,7 +96,10 @@ class TransformerLM(nn.Module):
         h = self.out_drop(h)
         scored = targets != IGNORE_INDEX
         values = self.adaptive.nll(h[scored], targets[scored].long())
-        return torch.zeros(targets.shape, dtype=values.dtype, device=values.device).masked_scatter(scored, values)
+        out = torch.zeros(targets.shape, dtype=values.dtype, device=values.device).masked_scatter(scored, values)
+        if torch.is_grad_enabled():  # every tied weight takes part in the step, also rare clusters (DDP)
+            out = out + self.adaptive.touch()
+        return out
 
     def log_probs(self, tokens: Tensor) -> Tensor:
         """Log-probabilities of the next token at every position, (B, L, V) float32 (for analysis and tests)."""

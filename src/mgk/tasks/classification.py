@@ -48,7 +48,7 @@ class ClassificationTask:
         only saves work), with the padding mask (B, L) True = padding."""
         lengths = dataset.lengths[index]
         L = max(1, int(lengths.max()))
-        tokens = dataset.tokens[index, :L]
+        tokens = dataset.tokens[index, :L].long()  # datasets may store uint8/int16 to save memory
         padding = torch.arange(L).unsqueeze(0) >= lengths.unsqueeze(1)
         return {"tokens": tokens.to(device), "padding_mask": padding.to(device),
                 "label": dataset.labels[index].to(device)}

@@ -5,16 +5,16 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..data import pathfinder as pf
-from ..data.cache import resolve_cache_dir
+from ..data.cache import resolve_cache_dir, seeded_split
 from .image import check_max_len
 from .text import LRAClassificationTask, label_line
 
 PRESETS = {
     # Small CPU preset: 2,000 generated hard images (curv_contour_length_14; about a minute to generate), split
-    # 80/10/10 like the release, the paper's model, a few hundred steps.
+    # 80/10/10 like the release, the paper's model, a few hundred steps; no attention dropout (see image-small).
     "pathfinder-small": RunConfig(task="pathfinder", max_len=1024, gen_train=1600, gen_val=200, gen_test=200,
-                                  lr=5e-4, steps=400, warmup_steps=40, batch_size=32, eval_every=200,
-                                  checkpoint_every=200, log_every=20),
+                                  lr=5e-4, steps=300, warmup_steps=30, batch_size=32, attn_dropout=0.0,
+                                  eval_every=100, checkpoint_every=100, log_every=10),
     # Paper (SPEC section 2): Pathfinder-32 curv_contour_length_14, 1024 pixels, 2 classes, batch 256, AdamW lr 1e-4
     # eps 1e-6, 312 warm-up steps then linear decay, 62400 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
     "pathfinder-paper": RunConfig(task="pathfinder", max_len=1024, lr=1e-4, steps=62400, warmup_steps=312,
@@ -46,7 +46,7 @@ def _level_note(cfg: RunConfig) -> str:
 
 def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
     """Read only the level folder ``cfg.level`` (cached), split it with ``split_seed`` into train / val
-    (``val_fraction``) / test (10%), and record the level in the notes and in results.json.
+    (``val_fraction``) / test (10%), and log the level (it is also in the run's config.yaml).
 
     Raises:
         ValueError: ``max_len < 1024``. FileNotFoundError: no such level folder (the message lists those present).
@@ -66,7 +66,7 @@ def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
     if empty:
         notes.append(f"data: {empty} empty (0-byte) images skipped, as the LRA pipelines do")
     return LRAClassificationTask("pathfinder", splits, vocab_size=pf.VOCAB_SIZE, num_classes=2, notes=notes,
-                                 extra={"level": level})
+                                 extra={"level": cfg.level})
 
 
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
@@ -78,8 +78,6 @@ def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
     except (FileNotFoundError, pf.PathfinderFormatError) as exc:
         return [], [str(exc)]
     counts = [int((labels == k).sum()) for k in (0, 1)]
-    from ..data.cache import seeded_split
-
     test_idx, val_idx, train_idx = seeded_split(len(labels), [pf.TEST_FRACTION, cfg.val_fraction], cfg.split_seed)
     lines = [_level_note(cfg)[len("data: "):] + f" ({level_dir}; no other level folder is read)",
              f"all: {len(labels)} images of 32x32", "  " + label_line(counts, pf.CLASS_NAMES),

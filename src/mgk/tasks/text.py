@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch import Tensor
 
 from ..config import RunConfig
 from ..data import text as tx
@@ -32,16 +31,10 @@ PRESETS = {
 @dataclass
 class LRAClassificationTask(ClassificationTask):
     """:class:`ClassificationTask` over :class:`~mgk.data.cache.TokenDataset` splits, whose tokens are stored in a
-    compact dtype (uint8 / int16): batches are cast to int64. ``describe`` adds the truncation count and
+    compact dtype (uint8 / int16; the base class casts batches to int64). ``describe`` adds the truncation count and
     ``extra`` (e.g. the max_len or the Pathfinder level) to each split's entry in results.json."""
 
     extra: dict = field(default_factory=dict)
-
-    @staticmethod
-    def batch(dataset, index: Tensor, device) -> dict:
-        out = ClassificationTask.batch(dataset, index, "cpu")
-        out["tokens"] = out["tokens"].long()
-        return {k: v.to(device) for k, v in out.items()}
 
     def describe(self, dataset) -> dict:
         return {"majority_acc": dataset.majority_acc(), "num_truncated": int(dataset.num_truncated), **self.extra}

@@ -230,7 +230,8 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         log.close()
         records.plot_learning_curves(run_dir)
-        summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[n].items())
+        summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in results[n].items())
                             for n in ("val", "test") if results[n] is not None)
         _say(run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in {run_dir}")
     distributed.teardown()

@@ -1,0 +1,141 @@
+"""`mgk data check` (report and errors naming files) and `mgk table` (the LRA table from results.json files)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
+from lra_fixtures import (SHARED, cifar_pickle_files, imdb_files, make_aan_dir, make_imdb_dir,  # noqa: E402
+                          make_pathfinder_tree, write_files, write_tar)
+
+from mgk.cli import main  # noqa: E402
+from mgk.tasks.lra_table import lra_table  # noqa: E402
+
+
+def check(capsys, task, data, *extra):
+    rc = main(["data", "check", "--task", task, "--data", str(data), *extra])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ----------------------------------------------------------------- mgk data check
+
+
+def test_check_text_reports_counts_labels_lengths(tmp_path, capsys):
+    rc, out, err = check(capsys, "text", make_imdb_dir(tmp_path), "--set", "max_len=20")
+    assert rc == 0 and err == ""
+    assert "train: 12 reviews" in out and "test: 12 reviews" in out
+    assert "labels: neg 6 (50.0%), pos 6 (50.0%)" in out and "longer than max_len=20" in out
+    assert "validation: 1 of these carved out with split_seed=0" in out and out.rstrip().splitlines()[-1][:2] == "ok"
+
+
+def test_check_text_errors_name_the_file(tmp_path, capsys):
+    files = imdb_files()
+    files["aclImdb/test/pos/5_7.txt"] = b""
+    rc, out, err = check(capsys, "text", write_tar(tmp_path / "imdb.tar.gz", files))
+    assert rc == 1 and "imdb.tar.gz:aclImdb/test/pos/5_7.txt: empty review" in err and "1 error(s)" in out
+    rc, _, err = check(capsys, "text", tmp_path / "nowhere")
+    assert rc == 1 and "nowhere: not found" in err
+
+
+def test_check_retrieval_collects_an_error_per_file(tmp_path, capsys):
+    data = make_aan_dir(tmp_path, n=8)
+    rc, out, err = check(capsys, "retrieval", data, "--set", "max_len=16")
+    assert rc == 0 and "train: 8 pairs" in out and "text2 length (bytes)" in out and "cites (1) 4 (50.0%)" in out
+    (data / "new_aan_pairs.eval.tsv").write_text("1\ta\tb\tx\ty\n0\ta\tb\tonly four\n")
+    (data / "new_aan_pairs.test.tsv").write_text("3\ta\tb\tx\ty\n")
+    rc, out, err = check(capsys, "retrieval", data)
+    assert rc == 1 and "2 error(s)" in out and "train: 8 pairs" in out
+    assert "new_aan_pairs.eval.tsv: line 2: 4 tab-separated columns" in err
+    assert "new_aan_pairs.test.tsv: line 1: label '3' is not 0 or 1" in err
+    (data / "new_aan_pairs.train.tsv").unlink()
+    rc, _, err = check(capsys, "retrieval", data)
+    assert rc == 1 and "new_aan_pairs.train.tsv absent" in err
+
+
+def test_check_image_and_pathfinder(tmp_path, capsys):
+    rc, out, _ = check(capsys, "image", write_files(tmp_path / "c", cifar_pickle_files(n=2)))
+    assert rc == 0 and "train: 10 images of 32x32" in out and "test: 2 images" in out and "none is padding" in out
+    bad = cifar_pickle_files(n=2)
+    bad["cifar-10-batches-py/data_batch_2"] = b"junk"
+    rc, _, err = check(capsys, "image", write_files(tmp_path / "d", bad))
+    assert rc == 1 and "data_batch_2: not a readable CIFAR python batch" in err
+    root = make_pathfinder_tree(tmp_path, per_level=4, levels=["curv_contour_length_14", "curv_baseline"])
+    rc, out, _ = check(capsys, "pathfinder", root)
+    assert rc == 0 and "level curv_contour_length_14 = hard (the default level)" in out
+    assert "all: 4 images" in out and "train 2 / val 1 / test 1" in out
+    rc, _, err = check(capsys, "pathfinder", root, "--set", "level=intermediate")
+    assert rc == 1 and "no Pathfinder level 'curv_contour_length_9'" in err
+
+
+def test_check_listops_and_bad_arguments(tmp_path, capsys):
+    from mgk.data.listops import generate_listops_dir
+
+    data = generate_listops_dir(tmp_path / "lo", num_train=30, num_val=10, num_test=10, max_length=40)
+    rc, out, _ = check(capsys, "listops", data, "--set", "max_len=20")
+    assert rc == 0 and "train: 30 rows" in out and "would stop at the first longer row" in out
+    (data / "basic_val.tsv").write_text("Source\tTarget\n[MAX 1 2 ]\t12\n")
+    rc, _, err = check(capsys, "listops", data)
+    assert rc == 1 and "basic_val.tsv: line 2: Target 12 is outside 0-9" in err
+    with pytest.raises(SystemExit, match="unknown task"):
+        main(["data", "check", "--task", "nope", "--data", str(data)])
+    with pytest.raises(SystemExit, match="unknown config field"):
+        main(["data", "check", "--task", "text", "--data", str(data), "--set", "maxlen=3"])
+
+
+@pytest.mark.skipif(not (SHARED / "listops" / "basic_val.tsv.gz").is_file(),
+                    reason="shared ListOps copy ../shared/data/listops absent")
+def test_check_shared_listops_val_counts(tmp_path, capsys):
+    (tmp_path / "lo").mkdir()
+    (tmp_path / "lo" / "basic_train.tsv.gz").symlink_to((SHARED / "listops" / "basic_val.tsv.gz").resolve())
+    rc, out, _ = check(capsys, "listops", tmp_path / "lo", "--preset", "listops-paper")
+    assert rc == 0 and "train: 2000 rows" in out and "0 longer than max_len=2000" in out
+
+
+# ----------------------------------------------------------------- mgk table
+
+
+def _run(tmp_path, name, task, attention, heads, seed, test=None, val=None, pi="learned"):
+    d = tmp_path / name
+    d.mkdir(parents=True)
+    res = {"task": task, "attention": attention, "num_heads": heads, "seed": seed, "pi": pi,
+           "test": None if test is None else {"acc": test, "loss": 1.0, "count": 10},
+           "val": None if val is None else {"acc": val, "loss": 1.0, "count": 10}}
+    (d / "results.json").write_text(json.dumps(res))
+    return d
+
+
+def test_table_mean_std_order_dash_and_footnotes(tmp_path, capsys):
+    runs = [_run(tmp_path, "a", "listops", "mgk", 4, 0, test=0.36), _run(tmp_path, "b", "listops", "mgk", 4, 1,
+                                                                            test=0.38),
+            _run(tmp_path, "c", "text", "mgk", 4, 0, test=0.65, val=0.99),
+            _run(tmp_path, "d", "retrieval", "mgk", 4, 0, val=0.80),
+            _run(tmp_path, "e", "listops", "softmax", 8, 0, test=0.37),
+            _run(tmp_path, "f", "text", "smgk", 1, 0, test=0.60, pi="hard_e"),
+            _run(tmp_path, "g", "lm", "mgk", 4, 0, test=0.5)]
+    assert main(["table", *map(str, runs)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == "| Attention | Heads | ListOps | Text | Retrieval | Image | Pathfinder | Avg |"
+    rows = [x for x in lines[2:] if x.startswith("| ")]
+    assert [r.split(" | ")[0:2] for r in rows] == [["| softmax", "8"], ["| mgk", "4"], ["| smgk+hard_e", "1"]]
+    mgk = rows[1]
+    assert "| 37.00 ± 1.41 (n=2) | 65.00 | 80.00 † | — | — |" in mgk  # sample std of 36 and 38
+    assert mgk.endswith(f"| {(37 + 65 + 80) / 3:.2f} (3/5) |")
+    assert "† validation accuracy" in out and "mean over the columns that have values" in out
+    assert "mean ± sample std" in out and "left out (not an LRA task)" in err
+
+
+def test_table_reads_a_folder_of_runs_and_reports_missing_results(tmp_path, capsys):
+    _run(tmp_path / "sweep", "s0", "image", "linear", 8, 0, test=0.4)
+    _run(tmp_path / "sweep", "s1", "image", "linear", 8, 1, test=0.5)
+    assert main(["table", str(tmp_path / "sweep")]) == 0
+    assert "| linear | 8 | — | — | — | 45.00 ± 7.07 (n=2) | — | 45.00 (1/5) |" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty/results.json not found"):
+        main(["table", str(tmp_path / "empty")])
+    table, warnings = lra_table([])
+    assert "| — |" in table and warnings == []
