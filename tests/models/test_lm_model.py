@@ -43,6 +43,8 @@ def test_adaptive_input_is_tied_to_the_softmax_weights():
     torch.testing.assert_close(e[0, 0], sm.head.weight[3] * s)
     torch.testing.assert_close(e[0, 1], (sm.tail[0][1].weight[12 - 10] @ sm.tail[0][0].weight) * s)
     torch.testing.assert_close(e[0, 2], (sm.tail[1][1].weight[30 - 25] @ sm.tail[1][0].weight) * s)
+    with pytest.raises(IndexError, match="token ids"):
+        m.embed(torch.tensor([40]))
     e.sum().backward()  # input-side gradients reach the output weights
     assert sm.head.weight.grad[3].abs().sum() > 0 and sm.head.weight.grad[4].abs().sum() == 0
     assert sm.tail[1][1].weight.grad[5].abs().sum() > 0 and sm.tail[1][0].weight.grad.abs().sum() > 0

@@ -31,16 +31,32 @@ import os
 import random
 import stat
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["EOS", "UNK", "SPLITS", "CACHE_VERSION", "UnknownWordError", "split_name", "find_split_file",
-           "iter_line_words", "count_words", "Vocabulary", "encode_file", "default_cache_dir", "Corpus",
-           "load_vocabulary", "load_split", "load_corpus", "generate_corpus"]
+__all__ = [
+    "CACHE_VERSION",
+    "EOS",
+    "SPLITS",
+    "UNK",
+    "Corpus",
+    "UnknownWordError",
+    "Vocabulary",
+    "count_words",
+    "default_cache_dir",
+    "encode_file",
+    "find_split_file",
+    "generate_corpus",
+    "iter_line_words",
+    "load_corpus",
+    "load_split",
+    "load_vocabulary",
+    "split_name",
+]
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -109,13 +125,13 @@ class Vocabulary:
         self.unk_id = self.index.get(UNK)
 
     @classmethod
-    def from_counts(cls, counts: Counter) -> "Vocabulary":
+    def from_counts(cls, counts: Counter) -> Vocabulary:
         """Most frequent first; equal counts ordered by the word (code point order)."""
         ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         return cls([w for w, _ in ordered], [c for _, c in ordered])
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Vocabulary":
+    def from_file(cls, path: str | os.PathLike) -> Vocabulary:
         """The vocabulary of a train file."""
         return cls.from_counts(count_words(path))
 
@@ -144,14 +160,13 @@ class Vocabulary:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            for w, c in zip(self.words, self.counts):
-                f.write(f"{w}\t{c}\n")
+            f.writelines(f"{w}\t{c}\n" for w, c in zip(self.words, self.counts))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Vocabulary":
+    def load(cls, path: str | os.PathLike) -> Vocabulary:
         """Inverse of :meth:`save`."""
         words, counts = [], []
         for line in Path(path).read_text(encoding="utf-8").split("\n"):
@@ -219,7 +234,7 @@ def _read_cache(path: Path):
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a corrupt or foreign file is rebuilt, never trusted
+    except Exception:  # noqa: BLE001  a corrupt or foreign file is rebuilt, never trusted
         return None
 
 

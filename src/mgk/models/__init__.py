@@ -6,4 +6,4 @@ from .lra import LRAClassifier, LRAEncoder, masked_mean
 from .retrieval import RetrievalModel
 
 __all__ = ["FeedForward", "TransformerBlock", "LRAClassifier", "LRAEncoder", "masked_mean", "RetrievalModel"]
-__all__ += ["TiedAdaptiveSoftmax", "resolve_cutoffs", "TransformerLM", "IGNORE_INDEX", "sinusoidal_positions"]
+__all__ += ["IGNORE_INDEX", "TiedAdaptiveSoftmax", "TransformerLM", "resolve_cutoffs", "sinusoidal_positions"]

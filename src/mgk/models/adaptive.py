@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_CUTOFFS", "resolve_cutoffs", "TiedAdaptiveSoftmax"]
+__all__ = ["DEFAULT_CUTOFFS", "TiedAdaptiveSoftmax", "resolve_cutoffs"]
 
 DEFAULT_CUTOFFS = (20000, 40000, 200000)  # SPEC section 2, WikiText-103 small setting
 
@@ -89,6 +89,9 @@ class TiedAdaptiveSoftmax(nn.Module):
             return F.embedding(tokens, self.weight) * self.scale
         sm = self.softmax
         flat = tokens.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab_size):
+            raise IndexError(f"token ids must be in [0, {self.vocab_size}), got [{int(flat.min())}, "
+                             f"{int(flat.max())}]")
         head_w = sm.head.weight
         bounds = [0] + self.cutoffs + [self.vocab_size]
         out = torch.zeros(flat.numel(), self.dim, dtype=head_w.dtype, device=head_w.device)

@@ -12,7 +12,7 @@ from ..attention import build_attention
 from .adaptive import TiedAdaptiveSoftmax
 from .blocks import TransformerBlock
 
-__all__ = ["IGNORE_INDEX", "sinusoidal_positions", "TransformerLM"]
+__all__ = ["IGNORE_INDEX", "TransformerLM", "sinusoidal_positions"]
 
 IGNORE_INDEX = -100  # a target with this value is not scored
 

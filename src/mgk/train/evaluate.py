@@ -14,7 +14,7 @@ def evaluate(task, model, dataset, *, batch_size: int, precision: str, dist_info
     over the split and over ranks (e.g. loss, acc, count)."""
     was_training = model.training
     model.eval()
-    index = torch.arange(dist_info.rank, len(dataset), dist_info.world_size)
+    index = torch.arange(len(dataset))[dist_info.rank::dist_info.world_size]  # may be empty on some ranks
     # Batches of similar lengths waste less work on padding; the sums do not depend on the order.
     if hasattr(dataset, "lengths"):
         index = index[torch.argsort(dataset.lengths[index], stable=True)]

@@ -3,13 +3,14 @@
 Perplexity is ``exp(total NLL / number of predicted tokens)``; every token of the split after its first is
 predicted exactly once (the first has nothing before it). Windows of the token stream are scored as follows:
 
-- a window is ``context`` consecutive input tokens ``x[a:b]`` (b - a = context, fewer only when the split is
-  shorter); the model predicts ``x[a+1:b+1]`` from them, the token at ``x[t]`` from ``x[a:t]``;
+- a window is ``context`` consecutive input tokens ``x[a:b]`` (b - a = context, fewer only at the end of the
+  split); the model predicts ``x[a+1:b+1]`` from them, the token ``x[t]`` from ``x[a:t]``;
 - the first window starts at token 0 and scores all of its predictions; each next window starts ``stride``
   tokens later and scores only its new predictions, its last ``stride`` (the window that reaches the end of the
   split is cut there, so it scores fewer);
 - so a token is predicted from at most ``context`` previous tokens, and from exactly ``context`` once it is far
-  enough from the start when ``stride`` is 1.
+  enough from the start when ``stride`` is 1. (Counted as a window of W tokens that includes the predicted one, the
+  convention of TEST_CASES R16 and of the Hugging Face perplexity recipe, W = context + 1.)
 
 ``stride == context`` is *segment mode*: non-overlapping segments, the same numbers as the validation during
 training (``--context`` defaults to the training ``segment_len``). ``--context 256 --stride 1`` is the paper's
@@ -36,7 +37,7 @@ from ..models import IGNORE_INDEX
 from . import checkpoint, distributed
 from .records import read_config
 
-__all__ = ["window_plan", "evaluate_tokens", "evaluate_run"]
+__all__ = ["evaluate_run", "evaluate_tokens", "window_plan"]
 
 
 def window_plan(num_tokens: int, context: int, stride: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,7 +103,7 @@ def evaluate_tokens(model, tokens: Tensor, *, context: int, stride: int, batch_s
     bar.close()
     if world > 1:
         nll_sum, count = distributed.all_sum([nll_sum, float(count)], device)
-        count = int(round(count))
+        count = round(count)
     model.train(was_training)
     nll = nll_sum / count
     return {"nll_sum": nll_sum, "tokens": count, "nll": nll, "ppl": math.exp(nll) if nll < 700 else float("inf"),
