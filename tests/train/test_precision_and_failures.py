@@ -14,10 +14,14 @@ SMALL = [*TINY, "log_every=5", "eval_every=50", "checkpoint_every=50", "gen_trai
          "gen_test=16"]
 
 
-@pytest.mark.parametrize("kind", attention_kinds())
-def test_bf16_runs_50_steps_finite(tmp_path, kind):
+KINDS = [(kind, "learned") for kind in attention_kinds()] + [("mgk", "soft_e"), ("mgk", "hard_e")]
+
+
+@pytest.mark.parametrize("kind,pi", KINDS)
+def test_bf16_runs_50_steps_finite(tmp_path, kind, pi):
     out = tmp_path / kind
-    main(["train", "--attention", kind, "--precision", "bf16", "--steps", "50", "--out", str(out), *sets(*SMALL)])
+    main(["train", "--attention", kind, "--pi", pi, "--precision", "bf16", "--steps", "50", "--out", str(out),
+          *sets(*SMALL)])
     losses = [json.loads(x)["train/loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
               if "train/loss" in x]
     assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))
