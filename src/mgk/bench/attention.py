@@ -1,7 +1,8 @@
 """``mgk bench attention``: time, peak memory, FLOPs and parameters of attention modules at several lengths.
 
 Each (kind, length) is measured in a fresh subprocess so that peak memory is that of one call: on CPU the increase
-of the process's peak resident set size (``ru_maxrss``) over the call, on CUDA ``torch.cuda.max_memory_allocated``.
+of the process's peak resident set size (``ru_maxrss``) over the call, with glibc told to serve blocks over 64 KiB
+from mmap so that freed memory leaves the resident set; on CUDA ``torch.cuda.max_memory_allocated``.
 Time is the median over ``repeats`` calls after one warm-up call.
 
 Kinds are ``name:heads``. Names: the registered attention kinds (softmax, mgk, smgk, linear, mlk, smlk), plus
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -157,8 +159,12 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
                         dtype=dtype, repeats=repeats, device=device)
             code = ("import json, sys; from mgk.bench.attention import measure; "
                     f"print(json.dumps(measure({kind!r}, {heads}, {length}, **{args!r})))")
+            # Large blocks straight from mmap and back on free: the resident set then follows live memory, so
+            # the growth of its peak over one call measures that call's peak (glibc; ignored elsewhere).
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
             try:
-                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                                   env=env)
                 if p.returncode == 0:
                     rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
                 else:
@@ -175,8 +181,6 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
 def machine() -> str:
     """A one-line description of the machine (processor, cores, torch threads, GPU if any)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    import os
-
     return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, " \
            f"torch threads {torch.get_num_threads()}, {gpu}".replace("  ", " ")
 

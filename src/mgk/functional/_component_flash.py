@@ -33,15 +33,13 @@ class ComponentAttention(torch.autograd.Function):
     def forward(ctx, qp, kp, vp, is_causal: bool):
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         ctx.is_causal = is_causal
-        outs, lses = [], []
-        for r in range(kp.shape[2]):
-            o, lse = _fwd(qp, kp[:, :, r], vp, 0.0, is_causal, scale=1.0)
-            outs.append(o)
-            lses.append(lse)
-        lse_all = torch.stack(lses)  # (M, B, H, L)
-        lse = torch.logsumexp(lse_all, dim=0)
-        weights = torch.exp(lse_all - lse).unsqueeze(-1).to(outs[0].dtype)
-        out = sum(w * o for w, o in zip(weights, outs))
+        # Online merge: at most two component outputs are alive at once.
+        out, lse = _fwd(qp, kp[:, :, 0], vp, 0.0, is_causal, scale=1.0)
+        for r in range(1, kp.shape[2]):
+            o, lse_r = _fwd(qp, kp[:, :, r], vp, 0.0, is_causal, scale=1.0)
+            new = torch.logaddexp(lse, lse_r)
+            out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.mul_(torch.exp(lse_r - new).unsqueeze(-1)))
+            lse = new
         ctx.save_for_backward(qp, kp, vp, out, lse)
         return out
 
@@ -49,12 +47,11 @@ class ComponentAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         qp, kp, vp, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq = torch.zeros_like(qp)
-        dv = torch.zeros_like(vp)
-        dk = []
+        dk = torch.empty_like(kp)
+        dq, dv = None, None
         for r in range(kp.shape[2]):
             gq, gk, gv = _bwd(grad_out, qp, kp[:, :, r], vp, out, lse, 0.0, ctx.is_causal, scale=1.0)
-            dq += gq
-            dv += gv
-            dk.append(gk)
-        return dq, torch.stack(dk, dim=2), dv, None
+            dq = gq if dq is None else dq.add_(gq)
+            dv = gv if dv is None else dv.add_(gv)
+            dk[:, :, r] = gk
+        return dq, dk, dv, None

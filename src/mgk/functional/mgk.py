@@ -182,7 +182,7 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     # The fused CPU kernel needs one head size for q, k and v: pad with zero columns (no effect on scores; the
     # padded output columns are dropped).
     width = max(qp.shape[-1], Dv)
-    qp, kp, v = (F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
+    qp, kp, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
     if mask is None and _component_flash.available(q, dropout_p):
         return _component_flash.ComponentAttention.apply(qp, kp, v, causal)[..., :Dv]
     if causal:
