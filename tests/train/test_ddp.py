@@ -1,9 +1,8 @@
 """Issue 3 / R13 / R14: torchrun with 2 CPU processes (gloo) equals one process with the same global batch."""
 import json
-import sys
 
 import torch
-from train_helpers import TINY, last_state, mgk_cmd, run, series, sets
+from train_helpers import TINY, last_state, mgk_cmd, run, run_torchrun, series, sets
 
 ARGS = ["train", "--attention", "mgk", "--pi", "soft_e", "--steps", "8",
         *sets(*TINY, "dropout=0.0", "attn_dropout=0.0", "eval_every=4", "checkpoint_every=4")]
@@ -12,8 +11,7 @@ ARGS = ["train", "--attention", "mgk", "--pi", "soft_e", "--steps", "8",
 def test_two_processes_match_one(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run(mgk_cmd(*ARGS, "--out", str(one)))
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mgk", *ARGS,
-         "--out", str(two)], timeout=400)
+    run_torchrun(2, [*ARGS, "--out", str(two)])
 
     loss1, loss2 = series(one, "train/loss"), series(two, "train/loss")
     assert [s for s, _ in loss1] == [s for s, _ in loss2] == list(range(1, 9))

@@ -231,9 +231,8 @@ def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp
     """R14 for the LM harness, with real process groups (gloo): the stream slices of 2 ranks make the same global
     batch as 1 process (rare adaptive clusters missing from one rank's slice must not break DDP), and `mgk eval`
     on 3 ranks scores the same tokens with the same perplexity as on 1."""
-    import sys
 
-    from train_helpers import mgk_cmd, run, series
+    from train_helpers import mgk_cmd, run, run_torchrun, series
 
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
@@ -242,8 +241,7 @@ def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp
             *sets(*TINY_LM, "dropout=0.0", "attn_dropout=0.0", f"adaptive_cutoffs=[20,{V - 2}]")]
     one, two = tmp_path / "one", tmp_path / "two"
     run(mgk_cmd(*args, "--out", str(one)))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    run([*torchrun, "--nproc_per_node=2", "-m", "mgk", *args, "--out", str(two)], timeout=300)
+    run_torchrun(2, [*args, "--out", str(two)])
     for (s1, a), (s2, b) in zip(series(one, "train/loss"), series(two, "train/loss")):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-4)
     r1, r2 = (json.loads((d / "results.json").read_text()) for d in (one, two))
@@ -252,7 +250,7 @@ def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp
 
     ev = ["eval", str(one), "--split", "valid", "--context", "8", "--stride", "3", "--no-progress", "--device", "cpu"]
     run(mgk_cmd(*ev, "--json", str(tmp_path / "e1.json")))
-    run([*torchrun, "--nproc_per_node=3", "-m", "mgk", *ev, "--json", str(tmp_path / "e3.json")], timeout=300)
+    run_torchrun(3, [*ev, "--json", str(tmp_path / "e3.json")])
     e1, e3 = (json.loads((tmp_path / f).read_text()) for f in ("e1.json", "e3.json"))
     assert e3["world_size"] == 3 and e1["tokens"] == e3["tokens"] == r1["val"]["count"]
     assert e1["ppl"] == pytest.approx(e3["ppl"], rel=1e-6)

@@ -42,6 +42,24 @@ def run(cmd, timeout=300):
     return p
 
 
+def run_torchrun(nproc, args, timeout=400):
+    """``torchrun --standalone --nproc_per_node=nproc -m mgk ARGS``, failing with its output if it exits non-zero.
+
+    One retry, only for gloo's rare abort at process-group set-up or tear-down on this kind of VM ("terminate called
+    without an active exception", no Python error on either rank; seen about once in ten launches). Any other
+    failure, including a collective mismatch (gloo's EnforceNotMet), fails at once."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "mgk",
+           *args]
+    for attempt in range(2):
+        p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+        flaky = "terminate called without an active exception" in p.stderr + p.stdout and "Error" not in p.stderr
+        if p.returncode == 0 or not flaky or attempt == 1:
+            break
+        print(f"torchrun aborted inside gloo without a Python error; retrying once:\n{p.stderr[-2000:]}")
+    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p
+
+
 def metrics(run_dir):
     """All records of a run's metrics.jsonl."""
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x]
