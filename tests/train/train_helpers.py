@@ -52,7 +52,8 @@ def run_torchrun(nproc, args, timeout=400):
            *args]
     for attempt in range(2):
         p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
-        flaky = "terminate called without an active exception" in p.stderr + p.stdout and "Error" not in p.stderr
+        out = p.stderr + p.stdout
+        flaky = "terminate called without an active exception" in out and "]: Traceback" not in out
         if p.returncode == 0 or not flaky or attempt == 1:
             break
         print(f"torchrun aborted inside gloo without a Python error; retrying once:\n{p.stderr[-2000:]}")
