@@ -117,6 +117,8 @@ def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, h
     x = torch.randn(batch, length, embed_dim, device=dev, dtype=dt, requires_grad=backward)
 
     def call():
+        """One forward of the module on ``x`` (and a backward of ``out.sum()`` when ``backward``); waits for CUDA so
+        that timings cover the work."""
         if backward:
             out, _ = module(x, is_causal=causal)
             out.sum().backward()

@@ -35,11 +35,13 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str) -> di
     labels = torch.randint(0, cfg.num_classes, (B,), device=dev)
 
     def train_step():
+        """One training step on the fixed batch: forward, cross-entropy, backward and an AdamW step."""
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(tokens), labels).backward()
         opt.step()
 
     def infer():
+        """One forward pass on the fixed batch without gradients."""
         with torch.no_grad():
             model(tokens)
 

@@ -114,6 +114,8 @@ class _ArrayUnpickler(pickle.Unpickler):
                 ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
 
     def find_class(self, module, name):
+        """The numpy global ``module.name`` if it is in ``_ALLOWED`` (``numpy.core`` read as ``numpy._core`` under
+        numpy 2); pickle.UnpicklingError for anything else."""
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only numpy arrays are allowed)")
         if module.startswith("numpy.core.") and hasattr(np, "_core"):
@@ -348,6 +350,8 @@ def load_images(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None 
     path = Path(path)
 
     def build():
+        """Arrays to cache, per present split: ``<split>_tokens`` uint8 (N, 1024), ``_labels`` int64 (N,), ``_classes``,
+        ``_source``."""
         arrays = {}
         for split, sp in read_image_source(path).items():
             if sp is None:

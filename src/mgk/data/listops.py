@@ -208,6 +208,7 @@ def encode_rows(
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
 
     def where(i: int) -> str:
+        """Where row ``i`` came from, for error messages: ``source`` and line ``i + 2``, else ``row i``."""
         return _where(source, i + 2) if source else f"row {i}"
 
     n = len(rows)
@@ -372,6 +373,8 @@ def generate_listops(
     rng = random.Random(seed)
 
     def build(depth: int, budget: list[int]) -> tuple[str, int]:
+        """A random operator node at ``depth``: ``(source text, value)``. Adds its tokens (brackets excluded) to
+        ``budget[0]``; raises ``_TooLong`` once that exceeds ``max_length``."""
         k = rng.randint(min_args, max_args)
         op = rng.choice(OPERATORS)
         budget[0] += 2

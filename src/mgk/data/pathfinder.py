@@ -204,6 +204,7 @@ def load_pathfinder(data: str | os.PathLike, level: str = DEFAULT_LEVEL, *,
     level_dir = find_level_dir(data, level)
 
     def build():
+        """Arrays to cache: ``tokens`` uint8 (N, 1024), ``labels`` int64 (N,) 0/1, ``empty`` (0-byte PNGs skipped)."""
         grey, labels, empty, _ = read_pathfinder_level(level_dir)
         return {"tokens": grey.reshape(-1, SEQ_LEN), "labels": labels, "empty": np.array(empty)}
 

@@ -147,14 +147,17 @@ class PairDataset(Dataset):
 
     @property
     def lengths(self) -> Tensor:
+        """int64 (N,) real length of the longer document of each pair."""
         return torch.maximum(self.lengths1, self.lengths2)
 
     @property
     def num_truncated(self) -> int:
+        """Documents cut to ``L`` (each pair counts 0, 1 or 2)."""
         return int(self.truncated1.sum() + self.truncated2.sum())
 
     @property
     def max_len(self) -> int:
+        """L, the padded width of the token arrays."""
         return int(self.tokens1.shape[1])
 
     def __len__(self) -> int:
@@ -164,15 +167,18 @@ class PairDataset(Dataset):
         return {"tokens1": self.tokens1[i].long(), "tokens2": self.tokens2[i].long(), "label": self.labels[i]}
 
     def subset(self, index, *, source: str | None = None) -> "PairDataset":
+        """The pairs at ``index`` (integer positions) as a new dataset; ``source`` replaces the file name when given."""
         index = torch.as_tensor(np.asarray(index, dtype=np.int64))
         return PairDataset(self.tokens1[index], self.tokens2[index], self.lengths1[index], self.lengths2[index],
                            self.labels[index], truncated1=self.truncated1[index], truncated2=self.truncated2[index],
                            source=self.source if source is None else source)
 
     def label_counts(self, num_classes: int = NUM_CLASSES) -> list[int]:
+        """Pairs per label 0..num_classes-1 (``[unrelated, cites]`` by default)."""
         return torch.bincount(self.labels, minlength=num_classes).tolist()
 
     def majority_acc(self) -> float:
+        """Share of the most common label (the majority-class baseline). ValueError when empty."""
         if len(self) == 0:
             raise ValueError("majority_acc of an empty dataset is undefined")
         return max(self.label_counts()) / len(self)
@@ -193,6 +199,8 @@ def load_aan_split(data_dir: str | os.PathLike, split: str, max_len: int, *,
         return None, "absent"
 
     def build():
+        """Arrays to cache: ``tokens1``/``tokens2`` int16 (N, max_len), ``lengths1``/``lengths2`` int64 (N,),
+        ``truncated1``/``truncated2`` bool (N,), ``labels`` int64 (N,) 0/1."""
         labels, t1, t2, _ = read_aan_tsv(path)
         tok1, len1, cut1 = encode_texts(t1, max_len)
         tok2, len2, cut2 = encode_texts(t2, max_len)

@@ -250,6 +250,8 @@ def load_imdb(path: str | os.PathLike, max_len: int, *, cache_dir: str | os.Path
         raise FileNotFoundError(f"{path}: IMDb data not found (give the aclImdb folder or its .tar.gz)")
 
     def build():
+        """Arrays to cache, per present split: ``<split>_tokens`` int16 (N, max_len), ``_lengths`` int64 (N,),
+        ``_truncated`` bool (N,), ``_labels`` int64 (N,), ``_source``."""
         raw = read_imdb(path)
         arrays = {}
         for split, sp in raw.items():

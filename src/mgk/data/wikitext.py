@@ -369,6 +369,7 @@ def generate_corpus(out_dir: str | os.PathLike, *, train_lines: int = 2000, vali
     successors = [rng.choices(range(num_words), weights=zipf, k=4) for _ in range(num_words)]
 
     def sentence(r: random.Random) -> list[str]:
+        """One sentence from the chain: 4-14 words (the rarest written as ``<unk>``), then ``"."``."""
         w = r.choices(range(num_words), weights=zipf)[0]
         out_words = []
         for _ in range(r.randint(4, 14)):

@@ -45,6 +45,8 @@ class ComponentAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """Gradients ``(dq, dk, dv, None)`` shaped like qp (B, H, L, P), kp (B, H, M, S, P) and vp (B, H, S, P); none
+        for ``is_causal``."""
         qp, kp, vp, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         dk = torch.empty_like(kp)

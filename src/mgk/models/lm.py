@@ -69,6 +69,7 @@ class TransformerLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
+        """V, the number of token ids the model embeds and scores."""
         return self.adaptive.vocab_size
 
     def num_parameters(self, non_embedding: bool = False) -> int:

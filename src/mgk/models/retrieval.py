@@ -43,6 +43,8 @@ class RetrievalModel(nn.Module):
         B, L = tokens1.shape[0], max(tokens1.shape[1], tokens2.shape[1])
 
         def pad(tokens, mask):
+            """``tokens`` (B, l) and its padding mask (all False when None), right-padded to length L with token 0 and
+            mask True."""
             if mask is None:
                 mask = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
             extra = L - tokens.shape[1]

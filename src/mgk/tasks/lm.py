@@ -176,17 +176,23 @@ class LMTask:
 
     @property
     def vocab_size(self) -> int:
+        """V, the number of words in the vocabulary."""
         return len(self.vocab)
 
     def build_model(self, cfg: RunConfig) -> nn.Module:
+        """The decoder LM of ``cfg`` over this vocabulary (:func:`build_lm`)."""
         return build_lm(cfg, self.vocab_size)
 
     @staticmethod
     def sampler(num_examples: int, global_batch: int, seed: int) -> StreamSampler:
+        """A :class:`StreamSampler` over the train segments (``seed`` unused: no shuffling). ValueError unless
+        ``num_examples`` is a multiple of ``global_batch``."""
         return StreamSampler(num_examples, global_batch, seed)
 
     @staticmethod
     def batch(dataset: LMSegments, index: Tensor, device) -> dict:
+        """``{"input", "target"}`` (b, l) int64 on ``device`` for examples ``index`` (:func:`make_batch`).
+        IndexError for an index out of range."""
         return make_batch(dataset, index, device)
 
     @staticmethod

@@ -36,6 +36,7 @@ class RetrievalTask(ClassificationTask):
     extra: dict = field(default_factory=dict)
 
     def build_model(self, cfg: RunConfig) -> nn.Module:
+        """The two-tower :class:`~mgk.models.RetrievalModel` of SPEC section 2 with ``cfg``'s attention."""
         options = {"num_keys": cfg.num_keys, "pi": cfg.pi, "pi_shape": cfg.pi_shape, "sigma2": cfg.sigma2,
                    "max_len": cfg.max_len}
         return RetrievalModel(self.vocab_size, self.num_classes, cfg.max_len, pooling=cfg.pooling,
@@ -59,6 +60,8 @@ class RetrievalTask(ClassificationTask):
 
     @staticmethod
     def loss(model: nn.Module, batch: dict) -> tuple[Tensor, dict]:
+        """Summed cross-entropy over the batch's pairs and the sums behind the metrics:
+        ``{"loss", "correct", "count"}``."""
         logits = model(batch["tokens1"], batch["padding_mask1"], batch["tokens2"], batch["padding_mask2"])
         labels = batch["label"]
         loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
@@ -66,6 +69,8 @@ class RetrievalTask(ClassificationTask):
         return loss_sum, {"loss": loss_sum.detach(), "correct": correct, "count": labels.numel()}
 
     def describe(self, dataset) -> dict:
+        """Split facts for results.json: majority-class accuracy, documents cut to max_len (both sides counted), and
+        ``extra``. ValueError for an empty split."""
         return {"majority_acc": dataset.majority_acc(), "num_truncated": int(dataset.num_truncated), **self.extra}
 
 

@@ -37,6 +37,8 @@ class LRAClassificationTask(ClassificationTask):
     extra: dict = field(default_factory=dict)
 
     def describe(self, dataset) -> dict:
+        """Split facts for results.json: majority-class accuracy, truncated rows, and ``extra``. ValueError for an
+        empty split."""
         return {"majority_acc": dataset.majority_acc(), "num_truncated": int(dataset.num_truncated), **self.extra}
 
 

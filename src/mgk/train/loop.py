@@ -134,6 +134,8 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
     train_seconds, session_steps = 0.0, 0
 
     def save_last() -> None:
+        """Write ``last.pt`` (model, optimiser, scheduler, scaler, loop state, config, every rank's RNG state). Every
+        rank must call it (the RNG states are gathered); only the main rank writes."""
         ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "state": dict(state),
                 "config": config_mod.to_dict(cfg), "rng": distributed.gather_objects(checkpoint.rng_state())}
