@@ -67,9 +67,12 @@ def _run_train(args) -> int:
     try:
         cfg, run_dir, resume = _resolve_train_config(args)
         config_mod.validate(cfg)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"mgk train: {e}") from None
-    fit(cfg, run_dir, resume=resume, device=args.device)
+    try:
+        fit(cfg, run_dir, resume=resume, device=args.device)
+    except (ValueError, FileNotFoundError) as e:  # bad data, config or checkpoint: one line naming the cause
+        raise SystemExit(f"mgk train: {e}") from None
     return 0
 
 

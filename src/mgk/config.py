@@ -137,8 +137,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     for name in ("dropout", "attn_dropout"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ValueError(f"config field {name} must be in [0, 1), got {getattr(cfg, name)}")
-    if cfg.lr <= 0:
-        raise ValueError(f"config field lr must be > 0, got {cfg.lr}")
+    if not cfg.lr > 0 or cfg.lr == float("inf"):  # also refuses nan
+        raise ValueError(f"config field lr must be a positive finite number, got {cfg.lr}")
+    from .attention import attention_kinds  # the registry is the one list of names
+
+    if cfg.attention not in attention_kinds():
+        raise ValueError(f"config field attention must be one of {attention_kinds()}, got {cfg.attention!r}")
     choices = {"precision": ("32", "bf16", "fp16"), "schedule": ("linear", "cosine", "constant"),
                "nonfinite": ("stop", "skip"), "pooling": ("mean", "cls"), "pi_shape": ("head", "position"),
                "pi": ("learned", "soft_e", "hard_e")}

@@ -52,9 +52,7 @@ def test_set_rejects_unknown_fields_and_bad_values(tmp_path):
 
 
 def test_too_long_sequence_is_an_error_unless_truncated(tmp_path):
-    from mgk.data.listops import ListOpsFormatError
-
-    with pytest.raises(ListOpsFormatError, match="max_len"):
+    with pytest.raises(SystemExit, match=r"max_len=12.*--set truncate=true"):
         main(["train", "--steps", "2", "--out", str(tmp_path / "a"), *sets(*TINY, "max_len=12")])
     out = tmp_path / "b"
     main(["train", "--steps", "2", "--out", str(out), *sets(*TINY, "max_len=12", "truncate=true")])
@@ -70,3 +68,17 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert len(a) == 6
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(x)
+
+
+def test_cli_errors_are_one_line_and_name_the_cause(tmp_path):
+    with pytest.raises(SystemExit, match="attention must be one of"):
+        main(["train", "--attention", "nosuch", "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="lr must be a positive finite"):
+        main(["train", "--set", "lr=nan", "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match="no ListOps train split"):
+        main(["train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
+    run = tmp_path / "corrupt"
+    main(["train", "--steps", "2", "--out", str(run), *sets(*TINY)])
+    (run / "checkpoints" / "last.pt").write_bytes(b"junk")
+    with pytest.raises(SystemExit, match=r"last.pt is not a readable mgk checkpoint"):
+        main(["train", "--resume", str(run)])

@@ -8,11 +8,18 @@ DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,re
 
 
 def _kinds(text: str) -> list[tuple[str, int]]:
+    from ..attention import attention_kinds
+
+    known = (*attention_kinds(), "mgk-hard", "mgk-softe", "reference")
     out = []
     for item in text.split(","):
         name, _, heads = item.strip().partition(":")
-        if not heads.isdigit() or int(heads) < 1:
+        if not heads.isdigit():
             raise SystemExit(f"--kinds: {item!r} is not NAME:HEADS (e.g. mgk:4)")
+        if int(heads) < 1:
+            raise SystemExit(f"--kinds: {item!r}: the number of heads must be >= 1")
+        if name not in known:
+            raise SystemExit(f"--kinds: unknown kind {name!r}; choose from {', '.join(known)}")
         out.append((name, int(heads)))
     return out
 

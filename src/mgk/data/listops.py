@@ -224,7 +224,7 @@ def encode_rows(
             if not truncate:
                 raise ListOpsFormatError(
                     f"{where(i)}: sequence has {length} tokens, more than max_len={max_len}; "
-                    f"pass truncate=True to cut it to the first {max_len} tokens"
+                    f"pass truncate=True (--set truncate=true) to cut it to the first {max_len} tokens"
                 )
             ids = ids[:max_len]
             length = max_len

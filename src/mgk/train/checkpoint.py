@@ -30,11 +30,16 @@ def save_atomic(obj: dict, path: str | os.PathLike) -> None:
 
 
 def load(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Load a checkpoint with ``weights_only=True`` (no arbitrary code runs). Raises FileNotFoundError naming it."""
+    """Load a checkpoint with ``weights_only=True`` (no arbitrary code runs). Raises FileNotFoundError naming it
+    when absent, ValueError naming it when it cannot be read."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    return torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise ValueError(f"{path} is not a readable mgk checkpoint (corrupt, truncated or not made by mgk): "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def rng_state() -> dict:
