@@ -47,7 +47,7 @@ def test_text_trains_and_records_the_length_used(tmp_path):
 
 
 def test_text_without_data_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no embedded default data: pass --data"):
+    with pytest.raises(SystemExit, match="no embedded default data: pass --data"):
         main(["train", "--task", "text", "--steps", "1", "--out", str(tmp_path / "r"), *sets(*TINY)])
 
 
@@ -78,7 +78,7 @@ def test_image_trains_on_pickle_batches(tmp_path):
     data = write_files(tmp_path / "cifar", cifar_pickle_files(n=2))
     res, cfg, log = _train(tmp_path / "run", "image", *PIXELS, steps=2, data=data)
     assert res["test"]["count"] == 2 and res["val"]["count"] == 1 and "no padding" in log
-    with pytest.raises(ValueError, match="set max_len=1024"):
+    with pytest.raises(SystemExit, match="set max_len=1024"):
         _train(tmp_path / "run2", "image", "max_len=512", data=data)
 
 
