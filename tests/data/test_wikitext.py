@@ -9,13 +9,7 @@ from mgk.data import wikitext as wt
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-103"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread-pool stalls on a shared 2-core machine (about 80x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def write(path, text):

@@ -8,13 +8,7 @@ from mgk.attention import attention_kinds
 from mgk.models import IGNORE_INDEX, TiedAdaptiveSoftmax, TransformerLM, sinusoidal_positions
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread-pool stalls on a shared 2-core machine (about 80x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("cutoffs,div", [([10, 30], 1.0), ([10, 30], 2.0), ([5], 4.0), ([100], 1.0)])

@@ -12,13 +12,7 @@ from mgk.tasks.lm import LMSegments, LMTask, StreamSampler, make_batch, summaris
 from mgk.train.evaluate import evaluate
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread-pool stalls on a shared 2-core machine (about 80x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_each_training_segment_once_per_epoch_targets_shifted_by_one():

@@ -17,13 +17,7 @@ from mgk.train.evaluate import evaluate
 from mgk.train.lm_eval import evaluate_tokens, window_plan
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread-pool stalls on a shared 2-core machine (about 80x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("n,context,stride", [(50, 8, 1), (50, 8, 3), (50, 8, 8), (5, 8, 2), (2, 1, 1), (17, 4, 4)])

@@ -59,12 +59,12 @@ class LRAEncoder(nn.Module):
         return self.norm(x)
 
 
-class LRAClassifier(nn.Module):
-    """Encoder, pooling that ignores padding, and the MLP head ``E -> classifier_dim -> num_classes``.
-
-    Forward: tokens (B, L) int64, padding_mask bool (B, L) True = padding (taken from the data's lengths, never from
-    a token value) -> logits (B, num_classes) float. pooling "mean" (over real tokens) or "cls" (first position).
+class PooledEncoder(nn.Module):
+    """:class:`LRAEncoder` plus pooling that ignores padding, and an MLP head ``head_inputs * E -> classifier_dim ->
+    num_classes``; subclasses decide what the head sees. pooling "mean" (over real tokens) or "cls" (first position).
     """
+
+    head_inputs = 1
 
     def __init__(self, vocab_size: int, num_classes: int, max_len: int, *, pooling: str = "mean",
                  classifier_dim: int = 128, **encoder_kwargs):
@@ -74,9 +74,21 @@ class LRAClassifier(nn.Module):
         self.pooling = pooling
         self.encoder = LRAEncoder(vocab_size, max_len, **encoder_kwargs)
         d_model = self.encoder.token_embedding.embedding_dim
-        self.head = nn.Sequential(nn.Linear(d_model, classifier_dim), nn.GELU(), nn.Linear(classifier_dim, num_classes))
+        self.head = nn.Sequential(nn.Linear(self.head_inputs * d_model, classifier_dim), nn.GELU(),
+                                  nn.Linear(classifier_dim, num_classes))
+
+    def encode(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """Pooled vectors (B, E) of tokens (B, L) with padding_mask bool (B, L) True = padding."""
+        h = self.encoder(tokens, padding_mask)
+        return h[:, 0] if self.pooling == "cls" else masked_mean(h, padding_mask)
+
+
+class LRAClassifier(PooledEncoder):
+    """Encoder, pooling that ignores padding, and the MLP head ``E -> classifier_dim -> num_classes``.
+
+    Forward: tokens (B, L) int64, padding_mask bool (B, L) True = padding (taken from the data's lengths, never from
+    a token value) -> logits (B, num_classes) float.
+    """
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        h = self.encoder(tokens, padding_mask)
-        pooled = h[:, 0] if self.pooling == "cls" else masked_mean(h, padding_mask)
-        return self.head(pooled)
+        return self.head(self.encode(tokens, padding_mask))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .lra import LRAEncoder, masked_mean
+from .lra import PooledEncoder
 
 
-class RetrievalModel(nn.Module):
+class RetrievalModel(PooledEncoder):
     """Encode both documents with the same :class:`~mgk.models.lra.LRAEncoder` (shared weights), pool each over its
     real tokens, and classify ``[x0, x1, x0 * x1, x0 - x1]`` (4E) with the MLP ``4E -> classifier_dim -> C``.
 
@@ -19,21 +19,7 @@ class RetrievalModel(nn.Module):
     pooling: "mean" (over real tokens) or "cls" (first position).
     """
 
-    def __init__(self, vocab_size: int, num_classes: int, max_len: int, *, pooling: str = "mean",
-                 classifier_dim: int = 128, **encoder_kwargs):
-        super().__init__()
-        if pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-        self.pooling = pooling
-        self.encoder = LRAEncoder(vocab_size, max_len, **encoder_kwargs)
-        d_model = self.encoder.token_embedding.embedding_dim
-        self.head = nn.Sequential(nn.Linear(4 * d_model, classifier_dim), nn.GELU(),
-                                  nn.Linear(classifier_dim, num_classes))
-
-    def encode(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        """Pooled document vectors (B, E)."""
-        h = self.encoder(tokens, padding_mask)
-        return h[:, 0] if self.pooling == "cls" else masked_mean(h, padding_mask)
+    head_inputs = 4
 
     def forward(self, tokens1: Tensor, padding_mask1: Tensor | None, tokens2: Tensor,
                 padding_mask2: Tensor | None) -> Tensor:

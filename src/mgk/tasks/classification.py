@@ -32,15 +32,17 @@ class ClassificationTask:
     num_classes: int
     notes: list = field(default_factory=list)
 
+    model_class = LRAClassifier  # subclasses swap in another model with the same constructor
+
     def build_model(self, cfg: RunConfig) -> nn.Module:
-        """The LRA classifier of SPEC section 2 with ``cfg``'s attention."""
+        """``model_class`` (the LRA classifier of SPEC section 2) with ``cfg``'s sizes and attention."""
         options = {"num_keys": cfg.num_keys, "pi": cfg.pi, "pi_shape": cfg.pi_shape, "sigma2": cfg.sigma2,
                    "max_len": cfg.max_len}
-        return LRAClassifier(self.vocab_size, self.num_classes, cfg.max_len, pooling=cfg.pooling,
-                             classifier_dim=cfg.classifier_dim, d_model=cfg.d_model, num_layers=cfg.num_layers,
-                             ffn_dim=cfg.ffn_dim, attention=cfg.attention, num_heads=cfg.num_heads,
-                             head_dim=cfg.head_dim, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
-                             attention_options=options)
+        return self.model_class(self.vocab_size, self.num_classes, cfg.max_len, pooling=cfg.pooling,
+                                classifier_dim=cfg.classifier_dim, d_model=cfg.d_model, num_layers=cfg.num_layers,
+                                ffn_dim=cfg.ffn_dim, attention=cfg.attention, num_heads=cfg.num_heads,
+                                head_dim=cfg.head_dim, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
+                                attention_options=options)
 
     @staticmethod
     def batch(dataset, index: Tensor, device) -> dict:

@@ -35,15 +35,7 @@ class RetrievalTask(ClassificationTask):
 
     extra: dict = field(default_factory=dict)
 
-    def build_model(self, cfg: RunConfig) -> nn.Module:
-        """The two-tower :class:`~mgk.models.RetrievalModel` of SPEC section 2 with ``cfg``'s attention."""
-        options = {"num_keys": cfg.num_keys, "pi": cfg.pi, "pi_shape": cfg.pi_shape, "sigma2": cfg.sigma2,
-                   "max_len": cfg.max_len}
-        return RetrievalModel(self.vocab_size, self.num_classes, cfg.max_len, pooling=cfg.pooling,
-                              classifier_dim=cfg.classifier_dim, d_model=cfg.d_model, num_layers=cfg.num_layers,
-                              ffn_dim=cfg.ffn_dim, attention=cfg.attention, num_heads=cfg.num_heads,
-                              head_dim=cfg.head_dim, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
-                              attention_options=options)
+    model_class = RetrievalModel  # same constructor as LRAClassifier; the base class builds it
 
     @staticmethod
     def batch(dataset, index: Tensor, device) -> dict:
