@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from mgk.functional import mgk_attention, softmax_attention, softmax_attention_reference
+from mgk.functional import _mixture_flash, mgk_attention, softmax_attention, softmax_attention_reference
 
 F64 = torch.float64
 
@@ -38,6 +38,9 @@ def _mgk_fn(path, mask, causal, with_pi, sig):
             kw["log_pi"] = rest[0]
         if path == "fast":
             return mgk_attention(q, k, v, **kw)
+        if path == "fast-sdpa":  # the fast path without the C++ kernel
+            with _mixture_flash.disabled():
+                return mgk_attention(q, k, v, **kw)
         if path == "explicit":
             return mgk_attention(q, k, v, explicit=True, **kw)
         if path == "weights":
@@ -47,12 +50,13 @@ def _mgk_fn(path, mask, causal, with_pi, sig):
     return fn
 
 
-_PATHS = ["fast", "explicit", "weights", "max"]
+_PATHS = ["fast", "fast-sdpa", "explicit", "weights", "max"]
 _SIGS = ["default", "unequal", "unequal_grad", "equal_grad"]
 # every (path, mask) pair, with coincidence and variance kind rotated so that every value meets every path
 CASES = [(p, m, (i + j) % 2 == 0, _SIGS[(i + 3 * j) % 4]) for i, p in enumerate(_PATHS) for j, m in enumerate(MASKS)]
 # a few cases in gradcheck's full (slow, element-wise) mode; the rest in fast_mode (random projections)
-FULL = [("fast", "empty_row", True, "unequal_grad"), ("explicit", "causal_left_pad", True, "unequal_grad"),
+FULL = [("fast", "empty_row", True, "unequal_grad"), ("fast-sdpa", "causal_left_pad", True, "unequal_grad"),
+        ("explicit", "causal_left_pad", True, "unequal_grad"),
         ("max", "empty_row", True, "unequal"), ("weights", "causal", False, "unequal_grad")]
 CASES += [c for c in FULL if c not in CASES]
 
@@ -84,7 +88,7 @@ def test_gradcheck_mgk(path, mask_kind, coincide, sig_kind):
 
 
 @pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("path", ["fast", "explicit"])
+@pytest.mark.parametrize("path", ["fast", "fast-sdpa", "explicit"])
 def test_gradcheck_mgk_component_counts(M, path):
     q, k, v = tiny(M=M, seed=3, coincide=True)
     lp = torch.log_softmax(torch.randn(1, M, 1, dtype=F64), dim=1)  # per head

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mgk.functional import mgk_attention
+from mgk.functional import _mixture_flash, mgk_attention
 
 from .reference import (make_inputs, mgk_reference, normalised_log_pi, padding_mask, random_mask)
 
-PATHS = ("fast", "explicit", "weights")
+PATHS = ("fast", "fast-sdpa", "explicit", "weights")  # fast: C++ kernel on CPU; fast-sdpa: the SDPA form
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-9), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
 
@@ -19,6 +19,9 @@ def run(path, q, k, v, **kw):
     """Call mgk_attention on one of the three paths; returns (out, weights or None)."""
     if path == "fast":
         return mgk_attention(q, k, v, **kw), None
+    if path == "fast-sdpa":
+        with _mixture_flash.disabled():
+            return mgk_attention(q, k, v, **kw), None
     if path == "explicit":
         return mgk_attention(q, k, v, explicit=True, **kw), None
     out, w = mgk_attention(q, k, v, return_weights=True, **kw)

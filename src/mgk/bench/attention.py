@@ -7,7 +7,8 @@ Time is the median over ``repeats`` calls after one warm-up call.
 
 Kinds are ``name:heads``. Names: the registered attention kinds (softmax, mgk, smgk, linear, mlk, smlk), plus
 ``mgk-hard`` (pi="hard_e"), ``mgk-softe`` (pi="soft_e"; timed in training mode, so the E-step is included when
-``--backward``) and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance
+``--backward``), ``mgk-sdpa`` (mgk with our C++ CPU kernel switched off: the bias folded into an extra head
+dimension and SDPA's flash kernel per component) and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance
 matrix per component and exponentiates it (kept as the baseline the fast paths must beat).
 """
 from __future__ import annotations
@@ -54,38 +55,44 @@ def build_kind(kind: str, heads: int, embed_dim: int, head_dim: int, max_len: in
         return build_attention("mgk", embed_dim, heads, pi="hard_e", **common)
     if kind == "mgk-softe":
         return build_attention("mgk", embed_dim, heads, pi="soft_e", max_len=max_len, **common)
+    if kind == "mgk-sdpa":
+        return build_attention("mgk", embed_dim, heads, **common)
     return build_attention(kind, embed_dim, heads, **common)
 
 
 def analytic_flops(kind: str, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, *,
-                   causal: bool, backward: bool, num_keys: int = 2) -> int:
+                   causal: bool, backward: bool, num_keys: int = 2, mixture_kernel: bool = False) -> int:
     """Multiply-adds x 2 of one call as our implementation computes it (backward counted as 2 x forward).
 
     Projections: q, v and out are ``2 N E (H D)`` each; keys ``2 N E (H D)`` times M for separate keys
-    (mgk, mgk-hard, mgk-softe, mlk, reference) and once for shifted keys (smgk, smlk). Attention core per head:
-    softmax ``4 N S D`` (scores and value product); the MGK fused form runs SDPA over M*S keys with D+1 (or D+2)
-    columns, ``2 N M S (D + 1) + 2 N M S D``; Hard-E and the reference form compute M distance matrices
-    ``2 N M S D`` and one value product ``2 N S D``; linear/MLK ``4 S D D + 4 N D D`` (key-value sums and their
-    use, plus denominators), with MLK adding the mixture of M key features. Causal halves the quadratic terms.
+    (mgk, mgk-hard, mgk-softe, mgk-sdpa, mlk, reference) and once for shifted keys (smgk, smlk). Attention core
+    per head: softmax ``4 N S D`` (scores and value product). MGK (mgk, smgk, mgk-softe): with our CPU kernel
+    (``mixture_kernel``) M score products and one value product on the summed weights, ``2 N M S D + 2 N S D``;
+    without it (and always for mgk-sdpa) SDPA over M*S keys with D+1 columns, ``2 N M S (D + 1) + 2 N M S D``.
+    Hard-E and the reference form compute M distance matrices ``2 N M S D`` and one value product ``2 N S D``;
+    linear/MLK ``4 S D D + 4 N D D`` (key-value sums and their use, plus denominators), with MLK adding the mixture
+    of M key features. Causal halves the quadratic terms.
     """
     N = S = length
     H, D, E, M = heads, head_dim, embed_dim, num_keys
-    separate = kind in ("mgk", "mgk-hard", "mgk-softe", "mlk", "reference")
+    separate = kind in ("mgk", "mgk-hard", "mgk-softe", "mgk-sdpa", "mlk", "reference")
     key_proj = M if separate else 1
     proj = 2 * N * E * H * D * (3 + key_proj)
     quad = 0.5 if causal else 1.0
     if kind == "softmax":
         core = 4 * N * S * D * quad
-    elif kind in ("mgk", "smgk", "mgk-softe"):
+    elif kind in ("mgk", "smgk", "mgk-softe") and mixture_kernel:
+        core = (2 * N * M * S * D + 2 * N * S * D) * quad
+    elif kind in ("mgk", "smgk", "mgk-softe", "mgk-sdpa"):
         core = (2 * N * M * S * (D + 1) + 2 * N * M * S * D) * quad
-        if kind == "mgk-softe" and backward:
-            core += 2 * N * M * S * D * quad  # the E-step's distances, forward only
     elif kind in ("mgk-hard", "reference"):
         core = (2 * N * M * S * D + 2 * N * S * D) * quad
     elif kind in ("linear", "mlk", "smlk"):
         core = 4 * S * D * D + 4 * N * D * D + (2 * M * S * D if kind != "linear" else 0)
     else:
         raise ValueError(f"no FLOP count for kind {kind!r}")
+    if kind == "mgk-softe" and backward:
+        core += 2 * N * M * S * D * quad / 3  # the E-step's distances, forward only (x3 below)
     total = batch * (proj + H * core)
     return int(total * (3 if backward else 1))
 
@@ -106,14 +113,29 @@ def _counted_flops(module, x, causal, backward) -> int | None:
 
 def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, head_dim: int, causal: bool,
             backward: bool, dtype: str, repeats: int, device: str) -> dict:
-    """One row: time_ms (median), peak_mem_mb, flops (analytic), flops_counted, params. Runs in this process."""
+    """One row: time_ms (median), peak_mem_mb, flops (analytic), flops_counted, params, mgk_path. Runs in this
+    process."""
+    from ..functional import _mixture_flash
+
+    settings = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal, backward=backward,
+                    dtype=dtype, repeats=repeats, device=device)
+    if kind == "mgk-sdpa":
+        with _mixture_flash.disabled():
+            return _measure(kind, heads, length, **settings)
+    return _measure(kind, heads, length, **settings)
+
+
+def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device) -> dict:
     import resource
+
+    from ..functional import _mixture_flash
 
     torch.manual_seed(0)
     dev = torch.device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     module = build_kind(kind, heads, embed_dim, head_dim, length).to(dev, dt)
     module.train(kind == "mgk-softe" and backward)
+    kernel = dev.type == "cpu" and _mixture_flash.available(torch.zeros(1), 0.0)
     x = torch.randn(batch, length, embed_dim, device=dev, dtype=dt, requires_grad=backward)
 
     def call():
@@ -145,7 +167,9 @@ def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, h
     return {"kind": kind, "heads": heads, "length": length, "batch": batch, "causal": causal, "backward": backward,
             "dtype": dtype, "time_ms": statistics.median(times), "peak_mem_mb": peak,
             "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
-                                    backward=backward),
+                                    backward=backward, mixture_kernel=kernel),
+            "mgk_path": ("cpu-kernel" if kernel else "sdpa") if kind in ("mgk", "smgk", "mgk-softe", "mgk-sdpa")
+            else None,
             "flops_counted": _counted_flops(module, x, causal, backward) if length <= 1024 else None,
             "params": sum(p.numel() for p in module.parameters())}
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
+DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
 
 
 def _kinds(text: str) -> list[tuple[str, int]]:
     from ..attention import attention_kinds
 
-    known = (*attention_kinds(), "mgk-hard", "mgk-softe", "reference")
+    known = (*attention_kinds(), "mgk-hard", "mgk-softe", "mgk-sdpa", "reference")
     out = []
     for item in text.split(","):
         name, _, heads = item.strip().partition(":")

@@ -9,12 +9,15 @@ For query i, key position j with M components k_{j,r}, priors pi_{j,r} and varia
 Everything is computed in log space, so queries far from every key (every exp underflowing) still give a proper
 distribution concentrated on the nearest key. Two paths compute the same numbers:
 
-* fast (mixture="sum", default): one ``scaled_dot_product_attention`` call over the M*S concatenated keys with
-  the values repeated M times. ``|q - k|^2 = |q|^2 - 2 q.k + |k|^2``; the per-key part of the bias is folded into
-  an extra head dimension, ``q' = [q, 1]`` and ``k'_r = [k_r / sigma_r^2, log pi_jr - |k_r|^2 / (2 sigma_r^2)]``
-  with scale 1 (the ``|q|^2`` term is constant along a row and cancels). With unequal variances it does not
-  cancel across components and a third column carries it: ``q' = [q, 1, |q|^2]``, ``k'_r = [..., -1/(2 sigma_r^2)]``.
-  Memory stays O(L + S) per head when SDPA uses a fused kernel.
+* fast (mixture="sum", default). ``|q - k|^2 = |q|^2 - 2 q.k + |k|^2``, so the score is
+  ``q.k_r / sigma_r^2 + b_r`` with the per-key bias ``b_r = log pi_r - |k_r|^2 / (2 sigma_r^2)`` (the ``|q|^2`` term is
+  constant along a row and cancels, except with unequal or learned variances, where it is kept per component).
+  On CPU our C++ kernel (:mod:`._mixture_flash`) sums the component weights before the value product in one
+  online-softmax pass. Otherwise the bias is folded into an extra head dimension, ``q' = [q, 1]`` and
+  ``k'_r = [k_r / sigma_r^2, b_r]`` (a third column ``[|q|^2]``/``[-1/(2 sigma_r^2)]`` when needed), making MGK
+  dot-product attention over the M*S concatenated keys with scale 1: one SDPA flash call per component on CPU,
+  merged through the log-sum-exps (:mod:`._component_flash`), or one SDPA call over the concatenated keys (GPU,
+  dropout, query-dependent masks). Memory stays O(L + S) per head on the fused kernels.
 * explicit: the (B, H, L, M, S) log-kernel in query chunks; used for mixture="max", for returned weights, and as
   the twin that tests compare the fast path with.
 """
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from . import _component_flash
+from . import _component_flash, _mixture_flash
 from . import masks as _masks
 from ._checks import check_same, check_tensor, compute_dtype, full_precision
 
@@ -154,12 +157,27 @@ def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weig
     return out, (torch.cat(weights, dim=2) if want_weights else None)
 
 
+def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor | None:
+    """Rows (broadcastable to (B, H, L, 1)) that see no key under bottom-right causality and key padding
+    ``keys_ok`` (bool, broadcastable to (B, H, 1, S)); None when every row sees a key."""
+    if keys_ok is None and L <= S:
+        return None
+    last = (torch.arange(L, device=device) + (S - L + 1)).clamp(0, S)  # keys j < last[i] are visible from i
+    if keys_ok is None:
+        return (last == 0).view(L, 1)
+    ok = keys_ok[..., 0, :]
+    ok = ok.expand(*ok.shape[:-1], S)  # a mask may broadcast along S
+    seen = F.pad(ok.to(torch.int32).cumsum(-1), (1, 0))  # seen[..., n]: valid keys among j < n
+    return (seen[..., last] == 0).unsqueeze(-1)
+
+
 def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring).
 
     With ``causal`` (L == S) ``mask`` must not depend on the query and the CPU flash kernel must be available.
-    On CPU without dropout and with at most key padding, one flash call runs per component (see
-    :mod:`._component_flash`); otherwise one SDPA call runs over the concatenated keys."""
+    On CPU without dropout and with at most key padding, our C++ kernel runs (:mod:`._mixture_flash`: component
+    weights summed before the value product), or, when it could not be built, one SDPA flash call per component
+    (:mod:`._component_flash`); otherwise one SDPA call runs over the concatenated keys."""
     B, H, M, S, D = k.shape
     Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
@@ -170,11 +188,17 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
         bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias, torch.full((), -1e30, dtype=bias.dtype,
                                                                            device=bias.device))
         mask = None
+    # With equal variances the |q|^2 term cancels in the output, but not in the gradient of each sigma_r^2.
+    need_qnorm = s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0]))
+    if mask is None and _mixture_flash.available(q, dropout_p):
+        rowbias = None
+        if need_qnorm:
+            rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(M, 1))  # (B, H, M, L)
+        return _mixture_flash.MixtureFlash.apply(q, k * inv, bias.expand(B, H, M, S), v, rowbias, causal)
     ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
     cols_k = [k * inv, bias.unsqueeze(-1)]
     cols_q = [q, ones]
-    if s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0])):
-        # With equal variances the |q|^2 column cancels in the output, but not in the gradient of each sigma_r^2.
+    if need_qnorm:
         cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
         cols_q.append((q * q).sum(-1, keepdim=True))
     kp = torch.cat(cols_k, dim=-1)
@@ -183,6 +207,8 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     # padded output columns are dropped).
     width = max(qp.shape[-1], Dv)
     qp, kp, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
+    if causal and q.shape[2] != S:  # SDPA's is_causal is aligned top-left when L != S
+        raise RuntimeError("internal: causal with L != S needs the mixture kernel")
     if mask is None and _component_flash.available(q, dropout_p):
         return _component_flash.ComponentAttention.apply(qp, kp, v, causal)[..., :Dv]
     if causal:
@@ -236,13 +262,14 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
         fast = mixture == "sum" and not (return_weights or explicit)
-        if (fast and is_causal and L == S and (mask is None or mask.shape[-2] == 1)
-                and _component_flash.available(q, dropout_p)):
-            # Causal with at most key padding: per-component causal flash calls keep block skipping.
+        key_padding_only = mask is None or mask.shape[-2] == 1
+        if fast and is_causal and key_padding_only and (
+                _mixture_flash.available(q, dropout_p) or (L == S and _component_flash.available(q, dropout_p))):
+            # Causal with at most key padding: the fused kernels apply causality themselves and skip the blocks
+            # above the diagonal (an explicit (L, S) mask would make them visit every block).
             keys_ok, k, v, _ = _masks.prepare(mask, k, v)
-            empty = None
-            if mask is not None:  # a row is empty when every key up to it is padding (left padding)
-                empty = (keys_ok[..., 0, :].cumsum(-1) == 0).unsqueeze(-1)
+            empty = _causal_empty_rows(keys_ok, L, S, q.device)
+            if empty is not None:
                 q = torch.where(empty, torch.zeros((), dtype=q.dtype, device=q.device), q)
             out = _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=True)
             return _masks.zero_rows(out, empty).to(out_dtype)

@@ -1,0 +1,137 @@
+"""MGK on CPU through our C++ kernel that sums the component weights before the value product.
+
+The kernel (``csrc/mixture_flash.cpp``) runs one online-softmax pass over key blocks: per block M score GEMMs and
+a single value GEMM on ``sum_r exp(s_r - LSE)``, where attention over the M*S concatenated keys (SDPA, or one flash
+call per component) needs M value GEMMs, and its head size is D instead of D+1 because the per-key bias is added
+inside the kernel instead of riding in an extra column. See the header of the C++ file for the exact math.
+
+It is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about a
+minute, cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). When compilation fails, or with
+``MGK_CPU_KERNEL=0`` in the environment, :func:`available` is False and MGK uses the per-component SDPA flash
+path (:mod:`._component_flash`), which gives the same numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "mixture_flash.cpp"
+_module = None
+_failed: str | None = None
+_enabled = True
+
+
+def _isa_flags() -> list[str]:
+    """Compiler flags matching the vector ISA torch itself dispatches to on this CPU (at::vec needs the define)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX512", "AVX512_BF16", "AVX512_VNNI", "AVX512_FP16", "AMX"):
+        return ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
+                "-mavx512bw", "-mfma"]
+    if cap == "AVX2":
+        return ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def _load():
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    if os.environ.get("MGK_CPU_KERNEL", "1") == "0":
+        _failed = "disabled by MGK_CPU_KERNEL=0"
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        # The name carries the ISA and a hash of the source, so a changed kernel never reuses a stale build.
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+        name = f"mgk_mixture_flash_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
+        if not _built(cpp_extension, name):
+            print(f"mgk: building the CPU MGK kernel {name} (once, about 30 s; cached by torch.utils.cpp_extension)",
+                  file=sys.stderr, flush=True)
+        # -fopenmp: at::parallel_for is a header-only OpenMP loop in torch's builds; the module then uses the
+        # libgomp that torch has already loaded (same soname).
+        _module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp",
+                                                                                       *_isa_flags()],
+                                     extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the SDPA path
+        text = " ".join(str(exc).split())
+        _failed = f"{type(exc).__name__}: {text[:300]}"
+        warnings.warn(f"mgk: the fused CPU MGK kernel could not be built ({_failed}); using the SDPA path, "
+                      "which computes the same result more slowly (set MGK_CPU_KERNEL=0 to skip the build)",
+                      RuntimeWarning, stacklevel=3)
+    return _module
+
+
+def _built(cpp_extension, name: str) -> bool:
+    """Whether a build of ``name`` is already cached (only to decide whether to announce a build)."""
+    try:
+        folder = cpp_extension._get_build_directory(name, verbose=False)
+    except Exception:  # noqa: BLE001 - a private helper; without it we announce every load
+        return False
+    return any(Path(folder).glob(f"{name}*.so"))
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within this context MGK takes the SDPA path on CPU (for tests and benchmarks that compare the two)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def available(q: torch.Tensor, dropout_p: float) -> bool:
+    """True for CPU float32/float64 tensors without dropout, once the kernel has been built (builds it on the
+    first call)."""
+    if not _enabled or q.device.type != "cpu" or dropout_p != 0.0 or q.dtype not in (torch.float32, torch.float64):
+        return False
+    if torch.compiler.is_compiling():  # the extension is opaque to dynamo; the traced path uses SDPA
+        return False
+    return _load() is not None
+
+
+def build_error() -> str | None:
+    """Why the kernel is unavailable (None when it loaded or was not tried yet)."""
+    return _failed
+
+
+class MixtureFlash(torch.autograd.Function):
+    """q (B, H, L, D), k (B, H, M, S, D) (already divided by sigma_r^2), bias (B, H, M, S), v (B, H, S, Dv),
+    rowbias (B, H, M, L) or None, is_causal (bottom-right) -> (B, H, L, Dv).
+
+    ``out_i = sum_{j,r} exp(q_i.k_jr + bias_jr + rowbias_ir - LSE_i) v_j``; rows that see no key are 0."""
+
+    @staticmethod
+    def forward(ctx, q, k, bias, v, rowbias, is_causal: bool):
+        B, H, L, D = q.shape
+        M, S = k.shape[2], k.shape[3]
+        qf = q.reshape(B * H, L, D).contiguous()
+        kf = k.reshape(B * H, M, S, D).contiguous()
+        bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
+        vf = v.reshape(B * H, S, v.shape[-1]).contiguous()
+        rf = (rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None
+              else qf.new_empty(0))
+        out, lse = _module.forward(qf, kf, bf, vf, rf, bool(is_causal))
+        ctx.save_for_backward(qf, kf, bf, vf, rf, out, lse)
+        ctx.is_causal = bool(is_causal)
+        ctx.shapes = (B, H, L, S, M, D, v.shape[-1], rowbias is not None)
+        return out.view(B, H, L, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        """Gradients ``(dq, dk, dbias, dv, drowbias, None)`` shaped like the inputs of forward."""
+        qf, kf, bf, vf, rf, out, lse = ctx.saved_tensors
+        B, H, L, S, M, D, Dv, has_rb = ctx.shapes
+        g = grad_out.reshape(B * H, L, Dv).contiguous()
+        delta = (g * out).sum(-1)
+        dq, dk, dbias, dv, drb = _module.backward(g, qf, kf, bf, vf, rf, lse, delta, ctx.is_causal)
+        return (dq.view(B, H, L, D), dk.view(B, H, M, S, D), dbias.view(B, H, M, S), dv.view(B, H, S, Dv),
+                drb.view(B, H, M, L) if has_rb else None, None)

@@ -1,0 +1,386 @@
+// Fused CPU kernel for MGK with mixture="sum": the component weights are summed before the value product.
+//
+// For each (batch*head) slice, query i, key position j and mixture component r, the score is
+//
+//     s_ijr = q_i . k_jr + bias_jr + rowbias_ir        (rowbias only when the variances differ)
+//
+// with k_jr already divided by sigma_r^2 and bias_jr = log pi_jr - |k_jr|^2 / (2 sigma_r^2). The attention weight of
+// key j is A_ij = sum_r exp(s_ijr - LSE_i) with LSE_i = logsumexp_{j,r} s_ijr, and out_i = sum_j A_ij v_j. The
+// mixture's logsumexp over r and the softmax over j are the same log-sum-exp, so one online (flash) pass over key
+// blocks computes it. Per key block: M score GEMMs, then ONE value GEMM on the summed weights (softmax attention
+// over the M*S concatenated keys would do M value GEMMs). Backward: M score GEMMs (recompute), one dV GEMM on the
+// summed weights, one dP GEMM, and M GEMMs each for dQ and dK -- 3M + 2 against 5M for M flash backward passes.
+//
+// Memory is O(block) per thread; nothing of size L x S is stored. Causal masking is aligned bottom-right
+// (key j is visible from query i when j <= i + S - L); key blocks entirely above the diagonal are skipped.
+// BLAS is the sgemm_/dgemm_ that libtorch_cpu exports (MKL in the official CPU wheels).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <limits>
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
+            const double*, const int*, const double*, double*, const int*);
+// MKL (in the official CPU wheels) would start its own threads inside our parallel region; weak, so that a build
+// against another BLAS still loads.
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+}
+
+namespace {
+
+// Keeps BLAS single-threaded on this thread for the lifetime of the guard (we parallelise over blocks).
+struct SerialBlas {
+  int previous = 0;
+  SerialBlas() { if (MKL_Set_Num_Threads_Local) previous = MKL_Set_Num_Threads_Local(1); }
+  ~SerialBlas() { if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous); }
+};
+
+template <typename T>
+using V = at::vec::Vectorized<T>;
+
+// Row-major C (m x n) = alpha * op(A) op(B) + beta * C, through column-major BLAS (C^T = op(B)^T op(A)^T).
+inline void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                 int ldb, float beta, float* c, int ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  sgemm_(&tB, &tA, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+inline void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
+                 int ldb, double beta, double* c, int ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  dgemm_(&tB, &tA, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+template <typename T>
+inline V<T> vexp(const V<T>& x) { return x.exp(); }
+template <>
+inline V<float> vexp<float>(const V<float>& x) { return x.exp_u20(); }
+
+// y[j] = exp(x[j] - m) (or y[j] += exp(x[j] - m) when accumulate) for j < n; x and y may alias.
+template <typename T>
+inline void exp_shift(const T* x, T m, T* y, int n, bool accumulate) {
+  const int W = V<T>::size();
+  const V<T> vm(m);
+  int j = 0;
+  if (accumulate) {
+    for (; j + W <= n; j += W) (vexp<T>(V<T>::loadu(x + j) - vm) + V<T>::loadu(y + j)).store(y + j);
+    for (; j < n; ++j) y[j] += std::exp(x[j] - m);
+  } else {
+    for (; j + W <= n; j += W) vexp<T>(V<T>::loadu(x + j) - vm).store(y + j);
+    for (; j < n; ++j) y[j] = std::exp(x[j] - m);
+  }
+}
+
+// ds[j] *= t[j] for j < n; adds ds to colsum and returns the row sum.
+template <typename T>
+inline T mul_colsum_rowsum(T* ds, const T* t, T* colsum, int n) {
+  const int W = V<T>::size();
+  V<T> acc(T(0));
+  int j = 0;
+  for (; j + W <= n; j += W) {
+    V<T> d = V<T>::loadu(ds + j) * V<T>::loadu(t + j);
+    d.store(ds + j);
+    (V<T>::loadu(colsum + j) + d).store(colsum + j);
+    acc = acc + d;
+  }
+  T rs = at::vec::vec_reduce_all<T>([](const V<T>& a, const V<T>& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    ds[j] *= t[j];
+    colsum[j] += ds[j];
+    rs += ds[j];
+  }
+  return rs;
+}
+
+// Per-thread scratch that survives between calls: block buffers are ~1 MB, and fresh allocations of that size
+// come from mmap and page-fault on every call.
+template <typename T>
+T* scratch(int slot, size_t n) {
+  thread_local std::vector<T> buffers[6];
+  auto& b = buffers[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
+template <typename T>
+struct Shapes {
+  int64_t BH, M, L, S, D, Dv;
+  bool causal, has_rowbias;
+};
+
+constexpr int kBlockQ = 128;
+constexpr int kBlockK = 512;
+
+// Small problems run on the calling thread: waking the thread pool costs more than they do.
+template <typename T>
+inline int64_t grain_for(const Shapes<T>& sh, int64_t tasks) {
+  return sh.BH * sh.L * sh.S * sh.M < (int64_t(1) << 18) ? std::max<int64_t>(tasks, 1) : 1;
+}
+
+// Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
+// triangle with -inf, and returns the maximum of each row through rowmax (updated in place).
+template <typename T>
+inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias, int64_t q0, int64_t k0,
+                          int64_t offset, bool causal, T* rowmax) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int W = V<T>::size();
+  for (int i = 0; i < bq; ++i) {
+    T* row = sc + static_cast<int64_t>(i) * kBlockK;
+    const T rb = rowbias ? rowbias[i] : T(0);
+    int visible = bk;
+    if (causal) {
+      const int64_t last = q0 + i + offset - k0;  // last visible key index inside this block
+      visible = last < 0 ? 0 : (last + 1 < bk ? static_cast<int>(last + 1) : bk);
+    }
+    V<T> vmax(ninf), vrb(rb);
+    int j = 0;
+    for (; j + W <= visible; j += W) {
+      V<T> s = V<T>::loadu(row + j) + V<T>::loadu(bias + j) + vrb;
+      s.store(row + j);
+      vmax = at::vec::maximum(vmax, s);
+    }
+    T mx = at::vec::vec_reduce_all<T>([](const V<T>& a, const V<T>& b) { return at::vec::maximum(a, b); }, vmax);
+    for (; j < visible; ++j) {
+      row[j] += bias[j] + rb;
+      mx = std::max(mx, row[j]);
+    }
+    for (j = visible; j < bk; ++j) row[j] = ninf;
+    rowmax[i] = std::max(rowmax[i], mx);
+  }
+}
+
+template <typename T>
+void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* rowbias, T* out, T* lse,
+                  const Shapes<T>& sh) {
+  const int64_t nqb = (sh.L + kBlockQ - 1) / kBlockQ;
+  const int64_t offset = sh.S - sh.L;
+  at::parallel_for(0, sh.BH * nqb, grain_for(sh, sh.BH * nqb), [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    T* sc = scratch<T>(0, static_cast<size_t>(sh.M) * kBlockQ * kBlockK);
+    T* p = scratch<T>(1, static_cast<size_t>(kBlockQ) * kBlockK);
+    T* acc = scratch<T>(2, static_cast<size_t>(kBlockQ) * sh.Dv);
+    T* m = scratch<T>(3, kBlockQ);
+    T* l = scratch<T>(4, kBlockQ);
+    T* mnew = scratch<T>(5, kBlockQ);
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nqb, q0 = (task % nqb) * kBlockQ;
+      const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
+      const T* qb = q + (bh * sh.L + q0) * sh.D;
+      std::fill(acc, acc + static_cast<int64_t>(kBlockQ) * sh.Dv, T(0));
+      std::fill(m, m + kBlockQ, ninf);
+      std::fill(l, l + kBlockQ, T(0));
+      int64_t kend = sh.S;
+      if (sh.causal) kend = std::min<int64_t>(sh.S, q0 + bq - 1 + offset + 1);
+      for (int64_t k0 = 0; k0 < kend; k0 += kBlockK) {
+        const int bk = static_cast<int>(std::min<int64_t>(kBlockK, sh.S - k0));
+        std::copy(m, m + bq, mnew);
+        for (int64_t r = 0; r < sh.M; ++r) {
+          T* s = sc + r * kBlockQ * kBlockK;
+          const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
+          gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, kb, sh.D, T(0), s, kBlockK);
+          const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
+          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
+                           mnew);
+        }
+        for (int i = 0; i < bq; ++i) {
+          T* pi = p + static_cast<int64_t>(i) * kBlockK;
+          const T mi = mnew[i];
+          if (mi == ninf) {  // nothing visible yet in this row
+            std::fill(pi, pi + bk, T(0));
+            continue;
+          }
+          for (int64_t r = 0; r < sh.M; ++r)
+            exp_shift<T>(sc + r * kBlockQ * kBlockK + static_cast<int64_t>(i) * kBlockK, mi, pi, bk, r > 0);
+          T rowsum = at::vec::reduce_all<T>([](const V<T>& a, const V<T>& b) { return a + b; }, pi, bk);
+          const T alpha = m[i] == ninf ? T(0) : std::exp(m[i] - mi);
+          l[i] = l[i] * alpha + rowsum;
+          T* ai = acc + static_cast<int64_t>(i) * sh.Dv;
+          if (alpha != T(1))
+            for (int64_t d = 0; d < sh.Dv; ++d) ai[d] *= alpha;
+          m[i] = mi;
+        }
+        gemm(false, false, bq, sh.Dv, bk, T(1), p, kBlockK, v + (bh * sh.S + k0) * sh.Dv, sh.Dv, T(1),
+             acc, sh.Dv);
+      }
+      for (int i = 0; i < bq; ++i) {
+        T* oi = out + (bh * sh.L + q0 + i) * sh.Dv;
+        const T* ai = acc + static_cast<int64_t>(i) * sh.Dv;
+        if (l[i] > T(0)) {
+          const T inv = T(1) / l[i];
+          for (int64_t d = 0; d < sh.Dv; ++d) oi[d] = ai[d] * inv;
+          lse[bh * sh.L + q0 + i] = m[i] + std::log(l[i]);
+        } else {  // a row that sees no key: zero output, -inf log-sum-exp
+          for (int64_t d = 0; d < sh.Dv; ++d) oi[d] = T(0);
+          lse[bh * sh.L + q0 + i] = ninf;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T* v, const T* rowbias,
+                   const T* lse, const T* delta, T* dq, T* dk, T* dbias, T* dv, T* drowbias, const Shapes<T>& sh) {
+  const int64_t nkb = (sh.S + kBlockK - 1) / kBlockK;
+  const int64_t offset = sh.S - sh.L;
+  // dQ (and the row-bias gradient) of a query receives contributions from every key block, and tasks own key
+  // blocks. Each thread accumulates into its own buffer covering the (batch*head) slices of its task range; the
+  // buffers are then added in task order, so the result does not depend on thread timing.
+  struct Partial {
+    int64_t begin, bh_lo, nbh;
+    std::vector<T> dq, drb;
+  };
+  std::vector<std::unique_ptr<Partial>> partials;
+  std::mutex partials_lock;
+  at::parallel_for(0, sh.BH * nkb, grain_for(sh, sh.BH * nkb), [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    const size_t blk = static_cast<size_t>(kBlockQ) * kBlockK;
+    T* pr = scratch<T>(0, static_cast<size_t>(sh.M) * blk);
+    T* a = scratch<T>(1, blk);
+    T* dp = scratch<T>(2, blk);
+    T* rowmax_unused = scratch<T>(3, kBlockQ);
+    auto part = std::make_unique<Partial>();
+    part->begin = begin;
+    part->bh_lo = begin / nkb;
+    part->nbh = (end - 1) / nkb - part->bh_lo + 1;
+    part->dq.assign(static_cast<size_t>(part->nbh * sh.L * sh.D), T(0));
+    if (drowbias) part->drb.assign(static_cast<size_t>(part->nbh * sh.M * sh.L), T(0));
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nkb, k0 = (task % nkb) * kBlockK;
+      const int bk = static_cast<int>(std::min<int64_t>(kBlockK, sh.S - k0));
+      const T* vb = v + (bh * sh.S + k0) * sh.Dv;
+      T* dvb = dv + (bh * sh.S + k0) * sh.Dv;
+      int64_t qstart = 0;
+      if (sh.causal) qstart = std::max<int64_t>(0, k0 - offset) / kBlockQ * kBlockQ;
+      for (int64_t q0 = qstart; q0 < sh.L; q0 += kBlockQ) {
+        const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
+        const T* qb = q + (bh * sh.L + q0) * sh.D;
+        const T* dob = dout + (bh * sh.L + q0) * sh.Dv;
+        const T* lseb = lse + bh * sh.L + q0;
+        const T* delb = delta + bh * sh.L + q0;
+        // P_r = exp(s_r - LSE), A = sum_r P_r.
+        for (int64_t r = 0; r < sh.M; ++r) {
+          T* s = pr + r * blk;
+          const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
+          gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, kb, sh.D, T(0), s, kBlockK);
+          const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
+          std::fill(rowmax_unused, rowmax_unused + kBlockQ, ninf);
+          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
+                           rowmax_unused);
+          for (int i = 0; i < bq; ++i) {
+            T* row = s + static_cast<int64_t>(i) * kBlockK;
+            if (lseb[i] == ninf) std::fill(row, row + bk, T(0));
+            else exp_shift<T>(row, lseb[i], row, bk, false);
+          }
+        }
+        for (int i = 0; i < bq; ++i) {
+          T* ai = a + static_cast<int64_t>(i) * kBlockK;
+          std::copy(pr + static_cast<int64_t>(i) * kBlockK, pr + static_cast<int64_t>(i) * kBlockK + bk, ai);
+          for (int64_t r = 1; r < sh.M; ++r) {
+            const T* x = pr + r * blk + static_cast<int64_t>(i) * kBlockK;
+            for (int j = 0; j < bk; ++j) ai[j] += x[j];
+          }
+        }
+        // dV += A^T dO;  dP = dO V^T;  T = dP - delta.
+        gemm(true, false, bk, sh.Dv, bq, T(1), a, kBlockK, dob, sh.Dv, T(1), dvb, sh.Dv);
+        gemm(false, true, bq, bk, sh.Dv, T(1), dob, sh.Dv, vb, sh.Dv, T(0), dp, kBlockK);
+        for (int i = 0; i < bq; ++i) {
+          T* row = dp + static_cast<int64_t>(i) * kBlockK;
+          const T di = delb[i];
+          for (int j = 0; j < bk; ++j) row[j] -= di;
+        }
+        for (int64_t r = 0; r < sh.M; ++r) {
+          T* ds = pr + r * blk;  // becomes dS_r = P_r * (dP - delta), in place
+          T* dbias_r = dbias + (bh * sh.M + r) * sh.S + k0;
+          T* drb = drowbias ? part->drb.data() + ((bh - part->bh_lo) * sh.M + r) * sh.L + q0 : nullptr;
+          for (int i = 0; i < bq; ++i) {
+            T* row = ds + static_cast<int64_t>(i) * kBlockK;
+            const T* t = dp + static_cast<int64_t>(i) * kBlockK;
+            const T rs = mul_colsum_rowsum<T>(row, t, dbias_r, bk);
+            if (drb) drb[i] += rs;
+          }
+          const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
+          T* dkb = dk + ((bh * sh.M + r) * sh.S + k0) * sh.D;
+          gemm(true, false, bk, sh.D, bq, T(1), ds, kBlockK, qb, sh.D, T(1), dkb, sh.D);
+          gemm(false, false, bq, sh.D, bk, T(1), ds, kBlockK, kb, sh.D, T(1),
+               part->dq.data() + ((bh - part->bh_lo) * sh.L + q0) * sh.D, sh.D);
+        }
+      }
+    }
+    std::lock_guard<std::mutex> guard(partials_lock);
+    partials.push_back(std::move(part));
+  });
+  std::sort(partials.begin(), partials.end(), [](const auto& x, const auto& y) { return x->begin < y->begin; });
+  for (const auto& part : partials) {
+    T* d = dq + part->bh_lo * sh.L * sh.D;
+    for (size_t x = 0; x < part->dq.size(); ++x) d[x] += part->dq[x];
+    if (drowbias) {
+      T* e = drowbias + part->bh_lo * sh.M * sh.L;
+      for (size_t x = 0; x < part->drb.size(); ++x) e[x] += part->drb[x];
+    }
+  }
+}
+
+void check(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, name, " must be float32 or float64");
+}
+
+}  // namespace
+
+// q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), v (BH, S, Dv), rowbias (BH, M, L) or empty -> out, lse.
+std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
+                                                 torch::Tensor v, torch::Tensor rowbias, bool causal) {
+  check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
+  const bool has_rb = rowbias.numel() > 0;
+  if (has_rb) check(rowbias, "rowbias", 3);
+  auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  auto lse = torch::empty({q.size(0), q.size(1)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_forward", [&] {
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb};
+    forward_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+                           v.data_ptr<scalar_t>(), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
+                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh);
+  });
+  return {out, lse};
+}
+
+// Gradients of the forward above given dout and the forward's out/lse (delta = rowsum(dout * out)).
+std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
+                                                  torch::Tensor bias, torch::Tensor v, torch::Tensor rowbias,
+                                                  torch::Tensor lse, torch::Tensor delta, bool causal) {
+  check(dout, "dout", 3); check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
+  check(lse, "lse", 2); check(delta, "delta", 2);
+  const bool has_rb = rowbias.numel() > 0;
+  auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dbias = torch::zeros_like(bias),
+       dv = torch::zeros_like(v);
+  auto drb = has_rb ? torch::zeros_like(rowbias) : torch::empty({0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_backward", [&] {
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb};
+    backward_impl<scalar_t>(dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                            bias.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                            has_rb ? rowbias.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),
+                            delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                            dbias.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                            has_rb ? drb.data_ptr<scalar_t>() : nullptr, sh);
+  });
+  return {dq, dk, dbias, dv, drb};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &mixture_flash_forward, "MGK mixture flash forward (CPU)");
+  m.def("backward", &mixture_flash_backward, "MGK mixture flash backward (CPU)");
+}

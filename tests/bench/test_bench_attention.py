@@ -1,0 +1,87 @@
+"""`mgk bench attention`: the FLOP model, one measured row per kind, the JSON schema and argument errors.
+(No timing is asserted: speed claims live in BENCHMARKS.md.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mgk.bench.attention import analytic_flops, measure, table
+from mgk.bench.cli import _kinds
+from mgk.functional import _mixture_flash
+
+SMALL = dict(batch=1, embed_dim=32, head_dim=8, causal=False, backward=True, dtype="float32", repeats=1,
+             device="cpu")
+
+
+def core(kind, heads, N=4096, **kw):
+    """Attention-core FLOPs: the count minus its projections (embed_dim 0 removes them)."""
+    return analytic_flops(kind, heads, N, 1, 0, 32, causal=False, backward=False, **kw)
+
+
+def test_mixture_kernel_does_three_quarters_of_softmax8_in_the_core():
+    """MGK-4 with 2 keys: 4 heads x (2 score + 1 value products) against 8 heads x 2 products (the issue's 0.75)."""
+    assert core("mgk", 4, mixture_kernel=True) / core("softmax", 8) == pytest.approx(0.75)
+    # the SDPA form pays M value products and one extra column per score
+    assert core("mgk-sdpa", 4) / core("softmax", 8) == pytest.approx((2 * 2 * 33 + 2 * 2 * 32) * 4 / (4 * 32 * 8))
+    assert core("mgk", 4, mixture_kernel=False) == core("mgk-sdpa", 4)
+
+
+def test_projection_flops_of_mgk4_are_five_eighths_of_softmax8():
+    """q, v, out and two key projections for 4 heads against q, k, v, out for 8 heads: 5 * 4 / (4 * 8)."""
+    def proj(kind, heads):
+        return analytic_flops(kind, heads, 4096, 1, 256, 32, causal=False, backward=False) - \
+            core(kind, heads, mixture_kernel=False)
+    assert proj("mgk", 4) / proj("softmax", 8) == pytest.approx(5 * 4 / (4 * 8))
+
+
+def test_analytic_count_matches_torch_flop_counter_for_softmax():
+    """FlopCounterMode counts matmuls and SDPA; our formula for softmax must agree with it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mgk.bench.attention import build_kind
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    module = build_kind("softmax", 4, 64, 16, 128)
+    x = torch.randn(2, 128, 64)
+    # the math backend is plain matmuls, which the counter sees (it has no formula for the CPU flash kernel)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        module(x)
+    assert counter.get_total_flops() == analytic_flops("softmax", 4, 128, 2, 64, 16, causal=False, backward=False)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "mgk-sdpa", "mgk-hard", "mgk-softe", "mlk", "reference"])
+def test_measure_returns_a_complete_row(kind, one_thread):
+    row = measure(kind, 2, 64, **SMALL)
+    assert {"kind", "length", "time_ms", "peak_mem_mb", "flops", "params"} <= set(row)
+    assert row["time_ms"] > 0 and row["flops"] > 0 and row["params"] > 0
+    if kind in ("mgk", "mgk-softe"):
+        expected = "cpu-kernel" if _mixture_flash.available(torch.zeros(1), 0.0) else "sdpa"
+        assert row["mgk_path"] == expected
+    if kind == "mgk-sdpa":
+        assert row["mgk_path"] == "sdpa"
+    assert _mixture_flash._enabled  # the switch is restored after mgk-sdpa
+
+
+def test_cli_writes_json_rows_and_a_table(tmp_path):
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, "-m", "mgk", "bench", "attention", "--lengths", "32,48", "--kinds",
+                        "softmax:2,mgk:1,linear:2", "--embed-dim", "16", "--head-dim", "4", "--repeats", "1",
+                        "--backward", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert {"rows", "machine", "torch"} <= set(result)
+    assert [(r["kind"], r["length"]) for r in result["rows"]] == [(k, n) for n in (32, 48)
+                                                                  for k in ("softmax", "mgk", "linear")]
+    assert "| mgk | 1 | 32 |" in p.stdout
+    assert table(result).count("\n") == 1 + len(result["rows"])
+
+
+@pytest.mark.parametrize("text,message", [("mgk", "NAME:HEADS"), ("mgk:0", ">= 1"), ("flash:4", "unknown kind")])
+def test_bad_kinds_are_refused_by_name(text, message):
+    with pytest.raises(SystemExit, match=message):
+        _kinds(text)

@@ -1,0 +1,200 @@
+"""The C++ CPU kernel of MGK (component weights summed before the value product) against the formula in float64,
+against the SDPA path, and its build fallback."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mgk.functional import _mixture_flash, mgk_attention
+
+from .reference import make_inputs, mgk_reference, normalised_log_pi, padding_mask
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.skipif(not _mixture_flash.available(torch.zeros(1), 0.0),
+                                reason=f"the C++ MGK kernel could not be built: {_mixture_flash.build_error()}")
+
+
+def formula(q, k, bias, v, rowbias, causal):
+    """out_i = sum_{j,r} softmax_{(j,r)}(q_i.k_jr + bias_jr + rowbias_ir) v_j, differentiable, bottom-right causal;
+    rows that see no key are 0."""
+    s = torch.einsum("bhld,bhmsd->bhlms", q, k) + bias.unsqueeze(2)
+    if rowbias is not None:
+        s = s + rowbias.transpose(-1, -2).unsqueeze(-1)
+    B, H, L, M, S = s.shape
+    if causal:
+        allowed = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        s = s.masked_fill(~allowed[:, None, :], float("-inf"))
+    w = torch.softmax(s.reshape(B, H, L, M * S), dim=-1).reshape(B, H, L, M, S).sum(3)
+    return torch.nan_to_num(w, nan=0.0) @ v
+
+
+def inputs(B, H, L, S, M, D, Dv, rowbias, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = [torch.randn(*shape, generator=g, dtype=F64) for shape in
+         [(B, H, L, D), (B, H, M, S, D), (B, H, M, S), (B, H, S, Dv)] + ([(B, H, M, L)] if rowbias else [])]
+    t[1] = t[1] * 0.5
+    return [x.to(dtype).requires_grad_() for x in t]
+
+
+# Shapes cross the kernel's block sizes (128 queries, 512 keys) with partial last blocks.
+CASES = [
+    dict(B=2, H=3, L=130, S=700, M=2, D=8, Dv=5),
+    dict(B=1, H=2, L=300, S=300, M=3, D=16, Dv=16),
+    dict(B=2, H=1, L=7, S=9, M=1, D=4, Dv=3),
+    dict(B=1, H=1, L=600, S=1030, M=2, D=32, Dv=32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rowbias", [False, True])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_kernel_matches_formula_with_gradients(case, causal, rowbias, dtype):
+    ins = inputs(**case, rowbias=rowbias, dtype=dtype)
+    q, k, bias, v = ins[:4]
+    rb = ins[4] if rowbias else None
+    out = _mixture_flash.MixtureFlash.apply(q, k, bias, v, rb, causal)
+    ref_ins = [x.detach().to(F64).requires_grad_() for x in ins]
+    ref = formula(*ref_ins[:4], ref_ins[4] if rowbias else None, causal)
+    tol = dict(atol=1e-11, rtol=1e-10) if dtype == F64 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.to(F64), ref, **tol)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grads = torch.autograd.grad(out, ins, g.to(dtype))
+    ref_grads = torch.autograd.grad(ref, ref_ins, g)
+    for name, a, b in zip(["q", "k", "bias", "v", "rowbias"], grads, ref_grads):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.to(F64), b, **tol, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("L,S", [(5, 5), (3, 6), (6, 3)])
+def test_gradcheck(L, S):
+    ins = inputs(B=1, H=2, L=L, S=S, M=2, D=3, Dv=2, rowbias=True, dtype=F64, seed=3)
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(lambda *t: _mixture_flash.MixtureFlash.apply(*t, causal), tuple(ins))
+
+
+def test_causal_rows_without_keys_are_zero_with_finite_gradients():
+    q, k, bias, v = inputs(B=1, H=1, L=9, S=4, M=2, D=4, Dv=3, rowbias=False, dtype=torch.float32)
+    out = _mixture_flash.MixtureFlash.apply(q, k, bias, v, None, True)
+    assert torch.equal(out[0, 0, :5], torch.zeros(5, 3))  # query i sees keys j <= i - 5
+    assert out[0, 0, 5:].abs().sum() > 0
+    out.sum().backward()
+    for t in (q, k, bias, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0, 0, :5], torch.zeros(5, 4))
+
+
+def test_backward_is_deterministic():
+    """dQ collects contributions of every key block; they are added in a fixed order, not in thread order."""
+    ins = inputs(B=1, H=2, L=700, S=1500, M=2, D=16, Dv=16, rowbias=True, dtype=torch.float32, seed=5)
+    runs = []
+    for _ in range(3):
+        out = _mixture_flash.MixtureFlash.apply(*ins, False)
+        runs.append(torch.autograd.grad(out, ins, torch.ones_like(out)))
+    for grads in runs[1:]:
+        for a, b in zip(runs[0], grads):
+            assert torch.equal(a, b)
+
+
+def test_thread_count_changes_only_rounding():
+    ins = inputs(B=2, H=2, L=400, S=1100, M=2, D=8, Dv=8, rowbias=False, dtype=F64, seed=6)
+    results = []
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, n)):
+            torch.set_num_threads(threads)
+            out = _mixture_flash.MixtureFlash.apply(*ins, None, True)
+            results.append((out, *torch.autograd.grad(out, ins, torch.ones_like(out))))
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-11)
+
+
+MGK_CASES = [
+    dict(L=200, S=200, causal=False, padding=True, sigma="default", log_pi=False),
+    dict(L=200, S=200, causal=True, padding=True, sigma="unequal", log_pi=True),
+    dict(L=150, S=620, causal=True, padding=False, sigma="learned", log_pi=False),
+    dict(L=620, S=150, causal=True, padding=True, sigma="default", log_pi=True),
+    dict(L=64, S=700, causal=False, padding=True, sigma="learned", log_pi=True),
+]
+
+
+@pytest.mark.parametrize("case", MGK_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_mgk_attention_kernel_equals_sdpa_path_and_reference(case):
+    """mgk_attention's fast path with the kernel and without it (SDPA), gradients included, plus the float64
+    literal reference on the output."""
+    L, S = case["L"], case["S"]
+    q, k, v = make_inputs(B=2, H=2, L=L, S=S, M=2, D=8, Dv=6, dtype=F64, seed=7)
+    kw = dict(is_causal=case["causal"])
+    if case["padding"]:
+        kw["attn_mask"] = padding_mask([S, S // 3], S, left=case["causal"])
+    if case["sigma"] == "unequal":
+        kw["sigma2"] = torch.tensor([0.7, 2.0], dtype=F64)
+    elif case["sigma"] == "learned":
+        kw["sigma2"] = torch.tensor([1.3, 0.9], dtype=F64, requires_grad=True)
+    if case["log_pi"]:
+        kw["log_pi"] = normalised_log_pi((2, 2, 2, S), dim=2, seed=3).requires_grad_()
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [t for t in kw.values()
+                                                        if isinstance(t, torch.Tensor) and t.requires_grad]
+    g = torch.randn(2, 2, L, 6, dtype=F64, generator=torch.Generator().manual_seed(2))
+    out = mgk_attention(q, k, v, **kw)
+    grads = torch.autograd.grad(out, leaves, g)
+    with _mixture_flash.disabled():
+        assert not _mixture_flash.available(q, 0.0)
+        out_sdpa = mgk_attention(q, k, v, **kw)
+        grads_sdpa = torch.autograd.grad(out_sdpa, leaves, g)
+    torch.testing.assert_close(out, out_sdpa, atol=1e-11, rtol=1e-10)
+    for a, b in zip(grads, grads_sdpa):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+    ref_kw = {("mask" if key == "attn_mask" else key): val for key, val in kw.items()}
+    ref, _ = mgk_reference(q.detach(), k.detach(), v, **{key: (val.detach() if isinstance(val, torch.Tensor) else val)
+                                                         for key, val in ref_kw.items()}, log_space=True)
+    torch.testing.assert_close(out.detach(), ref, atol=1e-10, rtol=1e-9)
+
+
+def test_padding_poison_does_not_leak_through_the_kernel():
+    q, k, v = make_inputs(B=2, H=2, L=150, S=600, M=2, D=8, Dv=4, dtype=torch.float32, seed=9)
+    mask = padding_mask([600, 250], 600)
+    base = mgk_attention(q, k, v, attn_mask=mask)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, :, 250:] = float("nan")
+    v2[1, :, 250:] = 1e30
+    assert _mixture_flash.available(q, 0.0)
+    torch.testing.assert_close(mgk_attention(q, k2, v2, attn_mask=mask), base, atol=0, rtol=0)
+
+
+def test_build_failure_falls_back_to_sdpa_with_a_warning(monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_mixture_flash, "_module", None)
+    monkeypatch.setattr(_mixture_flash, "_failed", None)
+    monkeypatch.setattr(cpp, "load", broken)
+    q, k, v = make_inputs(B=1, H=2, L=20, S=20, M=2, D=4, Dv=3, dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert not _mixture_flash.available(q, 0.0)
+    assert "no compiler here" in _mixture_flash.build_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not on every call
+        out = mgk_attention(q, k, v, is_causal=True)
+    ref, _ = mgk_reference(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.to(F64), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_environment_variable_disables_the_kernel(monkeypatch):
+    monkeypatch.setattr(_mixture_flash, "_module", None)
+    monkeypatch.setattr(_mixture_flash, "_failed", None)
+    monkeypatch.setenv("MGK_CPU_KERNEL", "0")
+    assert not _mixture_flash.available(torch.zeros(2), 0.0)
+    assert "MGK_CPU_KERNEL" in _mixture_flash.build_error()
+
+
+def test_not_used_for_dropout_half_precision_or_under_compile():
+    assert not _mixture_flash.available(torch.zeros(2), 0.1)
+    assert not _mixture_flash.available(torch.zeros(2, dtype=torch.bfloat16), 0.0)
