@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from . import _component_flash, _mixture_flash
+from . import _component_flash, _mixture_flash, _mixture_triton
 from . import masks as _masks
 from ._checks import check_same, check_tensor, compute_dtype, full_precision
 
@@ -157,6 +157,11 @@ def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weig
     return out, (torch.cat(weights, dim=2) if want_weights else None)
 
 
+def _needs_qnorm(s2: Tensor) -> bool:
+    """With equal variances the |q|^2 term cancels in the output, but not in the gradient of each sigma_r^2."""
+    return s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0]))
+
+
 def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor | None:
     """Rows (broadcastable to (B, H, L, 1)) that see no key under bottom-right causality and key padding
     ``keys_ok`` (bool, broadcastable to (B, H, 1, S)); None when every row sees a key."""
@@ -177,7 +182,8 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     With ``causal`` (L == S) ``mask`` must not depend on the query and the CPU flash kernel must be available.
     On CPU without dropout and with at most key padding, our C++ kernel runs (:mod:`._mixture_flash`: component
     weights summed before the value product), or, when it could not be built, one SDPA flash call per component
-    (:mod:`._component_flash`); otherwise one SDPA call runs over the concatenated keys."""
+    (:mod:`._component_flash`). On CUDA with ``MGK_TRITON=1`` and equal fixed variances the Triton kernels run
+    (:mod:`._mixture_triton`). Otherwise one SDPA call runs over the concatenated keys."""
     B, H, M, S, D = k.shape
     Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
@@ -188,8 +194,9 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
         bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias, torch.full((), -1e30, dtype=bias.dtype,
                                                                            device=bias.device))
         mask = None
-    # With equal variances the |q|^2 term cancels in the output, but not in the gradient of each sigma_r^2.
-    need_qnorm = s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0]))
+    need_qnorm = _needs_qnorm(s2)
+    if mask is None and not need_qnorm and _mixture_triton.available(q, dropout_p):
+        return _mixture_triton.MixtureTriton.apply(q, k * inv, bias.expand(B, H, M, S), v, causal)
     if mask is None and _mixture_flash.available(q, dropout_p):
         rowbias = None
         if need_qnorm:
@@ -264,7 +271,8 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         fast = mixture == "sum" and not (return_weights or explicit)
         key_padding_only = mask is None or mask.shape[-2] == 1
         if fast and is_causal and key_padding_only and (
-                _mixture_flash.available(q, dropout_p) or (L == S and _component_flash.available(q, dropout_p))):
+                _mixture_flash.available(q, dropout_p) or (L == S and _component_flash.available(q, dropout_p))
+                or (_mixture_triton.available(q, dropout_p) and not _needs_qnorm(s2))):
             # Causal with at most key padding: the fused kernels apply causality themselves and skip the blocks
             # above the diagonal (an explicit (L, S) mask would make them visit every block).
             keys_ok, k, v, _ = _masks.prepare(mask, k, v)
