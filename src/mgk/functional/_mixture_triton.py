@@ -54,6 +54,20 @@ if triton is not None:
         return ok
 
     @triton.jit
+    def _tile(X, bh, offs, n_rows, offs_w, width):
+        """Rows ``offs`` of the (n_rows, width) matrix of slice bh, zero outside (rows, width)."""
+        ok = (offs[:, None] < n_rows) & (offs_w[None, :] < width)
+        return tl.load(X + (bh * n_rows + offs[:, None]) * width + offs_w[None, :], mask=ok, other=0.0)
+
+    @triton.jit
+    def _first_query(pid_n, L, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Start of the first query block that sees key block pid_n (0 without causality)."""
+        start = 0
+        if CAUSAL:
+            start = tl.maximum(0, pid_n * BLOCK_N - (S - L)) // BLOCK_M * BLOCK_M
+        return start
+
+    @triton.jit
     def _fwd_kernel(Q, K, Bias, V, Out, Lse, L, S, D, DV,
                     M: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -62,8 +76,7 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         m_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < DV
-        q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        q = _tile(Q, bh, offs_m, L, offs_d, D)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -88,8 +101,7 @@ if triton is not None:
             shift = tl.where(m_blk == float("-inf"), 0.0, m_blk)
             alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - shift))
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + bh * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            v = _tile(V, bh, offs_n, S, offs_dv, DV)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_blk
         has = l_i > 0
@@ -114,21 +126,15 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        n_ok, d_ok, dv_ok = offs_n < S, offs_d < D, offs_dv < DV
-        v = tl.load(V + bh * S * DV + offs_n[:, None] * DV + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
-                    other=0.0)
+        n_ok, d_ok = offs_n < S, offs_d < D
+        v = _tile(V, bh, offs_n, S, offs_dv, DV)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         db = tl.zeros((BLOCK_N,), tl.float32)
-        start = 0
-        if CAUSAL:
-            start = tl.maximum(0, pid_n * BLOCK_N - (S - L)) // BLOCK_M * BLOCK_M
-        for m0 in range(start, L, BLOCK_M):
+        for m0 in range(_first_query(pid_n, L, S, CAUSAL, BLOCK_M, BLOCK_N), L, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < L
-            q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            do = tl.load(DO + bh * L * DV + offs_m[:, None] * DV + offs_dv[None, :],
-                         mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+            q = _tile(Q, bh, offs_m, L, offs_d, D)
+            do = _tile(DO, bh, offs_m, L, offs_dv, DV)
             lse = tl.load(Lse + bh * L + offs_m, mask=m_ok, other=float("-inf"))
             delta = tl.load(Delta + bh * L + offs_m, mask=m_ok, other=0.0)
             p, _ = _probs(q, K + (bh * M + r) * S * D, Bias + (bh * M + r) * S, lse, offs_m, offs_n, offs_d, n_ok,
@@ -152,16 +158,11 @@ if triton is not None:
         offs_dv = tl.arange(0, BLOCK_DV)
         n_ok, d_ok, dv_ok = offs_n < S, offs_d < D, offs_dv < DV
         dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-        start = 0
-        if CAUSAL:
-            start = tl.maximum(0, pid_n * BLOCK_N - (S - L)) // BLOCK_M * BLOCK_M
-        for m0 in range(start, L, BLOCK_M):
+        for m0 in range(_first_query(pid_n, L, S, CAUSAL, BLOCK_M, BLOCK_N), L, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < L
-            q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            do = tl.load(DO + bh * L * DV + offs_m[:, None] * DV + offs_dv[None, :],
-                         mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+            q = _tile(Q, bh, offs_m, L, offs_d, D)
+            do = _tile(DO, bh, offs_m, L, offs_dv, DV)
             lse = tl.load(Lse + bh * L + offs_m, mask=m_ok, other=float("-inf"))
             a = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for r in tl.static_range(M):
@@ -181,11 +182,9 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        m_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < DV
-        q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        do = tl.load(DO + bh * L * DV + offs_m[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & dv_ok[None, :],
-                     other=0.0)
+        m_ok, d_ok = offs_m < L, offs_d < D
+        q = _tile(Q, bh, offs_m, L, offs_d, D)
+        do = _tile(DO, bh, offs_m, L, offs_dv, DV)
         lse = tl.load(Lse + bh * L + offs_m, mask=m_ok, other=float("-inf"))
         delta = tl.load(Delta + bh * L + offs_m, mask=m_ok, other=0.0)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -195,8 +194,7 @@ if triton is not None:
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < S
-            v = tl.load(V + bh * S * DV + offs_n[:, None] * DV + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            v = _tile(V, bh, offs_n, S, offs_dv, DV)
             t = tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None]
             for r in tl.static_range(M):
                 p, k = _probs(q, K + (bh * M + r) * S * D, Bias + (bh * M + r) * S, lse, offs_m, offs_n, offs_d,
