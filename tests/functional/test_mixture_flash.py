@@ -99,8 +99,10 @@ def test_backward_is_deterministic():
             assert torch.equal(a, b)
 
 
-def test_thread_count_changes_only_rounding():
-    ins = inputs(B=2, H=2, L=400, S=1100, M=2, D=8, Dv=8, rowbias=False, dtype=F64, seed=6)
+@pytest.mark.parametrize("B,H,L,S", [(2, 2, 400, 1100), (1, 1, 700, 200), (1, 1, 90, 1500)])
+def test_thread_count_changes_only_rounding(B, H, L, S):
+    """Including one head with few queries or keys, where tasks are split into smaller blocks to use the threads."""
+    ins = inputs(B=B, H=H, L=L, S=S, M=2, D=8, Dv=8, rowbias=False, dtype=F64, seed=6)
     results = []
     n = torch.get_num_threads()
     try:
@@ -198,3 +200,87 @@ def test_environment_variable_disables_the_kernel(monkeypatch):
 def test_not_used_for_dropout_half_precision_or_under_compile():
     assert not _mixture_flash.available(torch.zeros(2), 0.1)
     assert not _mixture_flash.available(torch.zeros(2, dtype=torch.bfloat16), 0.0)
+
+
+@pytest.mark.parametrize("where", ["query", "key_first_block", "log_pi", "query_inf"])
+def test_nan_and_inf_in_real_inputs_propagate_like_the_reference(where):
+    """A NaN score must not be dropped by the running maximum (the row would look empty, or a whole key block
+    would vanish): the kernel gives NaN where the explicit path does."""
+    q, k, v = make_inputs(B=1, H=1, L=4, S=600, M=2, D=4, Dv=3, dtype=F64, seed=11)
+    log_pi = normalised_log_pi((1, 1, 2, 600), dim=2, seed=1)
+    if where == "query":
+        q[0, 0, 1, 0] = float("nan")
+    elif where == "key_first_block":
+        k[0, 0, 1, 3, 0] = float("nan")
+    elif where == "log_pi":
+        log_pi[0, 0, 0, 5] = float("nan")
+    else:
+        q[0, 0, 2, 1] = float("inf")
+    assert _mixture_flash.usable(q, v, 0.0)
+    out = mgk_attention(q, k, v, log_pi=log_pi)
+    ref = mgk_attention(q, k, v, log_pi=log_pi, explicit=True)
+    assert torch.isnan(ref).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    torch.testing.assert_close(out.nan_to_num(0.0), ref.nan_to_num(0.0), atol=1e-12, rtol=1e-10)
+
+
+def test_double_backward_is_refused_not_wrong():
+    q, k, v = make_inputs(B=1, H=1, L=3, S=4, M=2, D=3, dtype=F64)
+    q.requires_grad_()
+    (g,) = torch.autograd.grad(mgk_attention(q, k, v).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad((g ** 2).sum(), q)
+
+
+@pytest.mark.parametrize("D,Dv", [(0, 3), (4, 0)])
+def test_zero_head_sizes_skip_the_kernel(D, Dv, capfd):
+    q, k, v = make_inputs(B=1, H=1, L=4, S=5, M=2, D=D, Dv=Dv, dtype=torch.float32)
+    assert not _mixture_flash.usable(q, v, 0.0)
+    torch.testing.assert_close(mgk_attention(q, k, v, sigma2=1.0), mgk_attention(q, k, v, sigma2=1.0, explicit=True))
+    assert "MKL ERROR" not in capfd.readouterr().out
+
+
+def test_padding_loses_even_to_scores_below_minus_1e30():
+    """Padded keys get -inf, not a finite sentinel: real keys whose scores are astronomically low still win."""
+    q, k, v = make_inputs(B=1, H=1, L=3, S=4, M=1, D=2, Dv=2, dtype=F64, seed=4)
+    k = k * 1e16
+    mask = padding_mask([3], 4)
+    out = mgk_attention(q, k, v, attn_mask=mask, sigma2=1.0)
+    torch.testing.assert_close(out, mgk_attention(q, k, v, attn_mask=mask, sigma2=1.0, explicit=True))
+    assert out.abs().sum() > 0
+
+
+def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    _mixture_flash._remove_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running
+    old = time.time() - 2 * _mixture_flash._STALE_LOCK_S
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        _mixture_flash._remove_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
+def test_build_failure_warning_shows_the_end_of_the_compiler_output(monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension: " + "c++ -O3 -flag " * 100 + "\nc++: not found")
+
+    monkeypatch.setattr(_mixture_flash, "_module", None)
+    monkeypatch.setattr(_mixture_flash, "_failed", None)
+    monkeypatch.setattr(cpp, "load", broken)
+    with pytest.warns(RuntimeWarning, match="c\\+\\+: not found"):
+        _mixture_flash._load()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF"])
+def test_environment_variable_spellings(monkeypatch, value):
+    monkeypatch.setattr(_mixture_flash, "_module", None)
+    monkeypatch.setattr(_mixture_flash, "_failed", None)
+    monkeypatch.setenv("MGK_CPU_KERNEL", value)
+    assert _mixture_flash._load() is None

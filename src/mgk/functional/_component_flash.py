@@ -16,6 +16,7 @@ to that component's keys (its probabilities exp(s - LSE) and its row term rowsum
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -44,6 +45,7 @@ class ComponentAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward calls kernels autograd cannot differentiate
     def backward(ctx, grad_out):
         """Gradients ``(dq, dk, dv, None)`` shaped like qp (B, H, L, P), kp (B, H, M, S, P) and vp (B, H, S, P); none
         for ``is_causal``."""

@@ -16,10 +16,12 @@ import contextlib
 import hashlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _SOURCE = Path(__file__).with_name("csrc") / "mixture_flash.cpp"
 _module = None
@@ -42,8 +44,8 @@ def _load():
     global _module, _failed
     if _module is not None or _failed is not None:
         return _module
-    if os.environ.get("MGK_CPU_KERNEL", "1") == "0":
-        _failed = "disabled by MGK_CPU_KERNEL=0"
+    if os.environ.get("MGK_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
+        _failed = "disabled by MGK_CPU_KERNEL=" + os.environ["MGK_CPU_KERNEL"]
         return None
     try:
         from torch.utils import cpp_extension
@@ -51,8 +53,12 @@ def _load():
         # The name carries the ISA and a hash of the source, so a changed kernel never reuses a stale build.
         digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
         name = f"mgk_mixture_flash_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
-        if not _built(cpp_extension, name):
-            print(f"mgk: building the CPU MGK kernel {name} (once, about 30 s; cached by torch.utils.cpp_extension)",
+        folder = _build_folder(cpp_extension, name)
+        if folder is not None:
+            _remove_stale_lock(folder)
+        if folder is None or not any(folder.glob(f"{name}*.so")):
+            print(f"mgk: building the CPU MGK kernel {name} (once, about 30 s; cached in {folder}). If this hangs, "
+                  "a killed earlier build left its 'lock' file there: delete it, or set MGK_CPU_KERNEL=0.",
                   file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for is a header-only OpenMP loop in torch's builds; the module then uses the
         # libgomp that torch has already loaded (same soname).
@@ -60,26 +66,43 @@ def _load():
                                                                                        *_isa_flags()],
                                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the SDPA path
+        # The compiler's complaint is at the end of the message, after the command line.
         text = " ".join(str(exc).split())
-        _failed = f"{type(exc).__name__}: {text[:300]}"
+        _failed = f"{type(exc).__name__}: {'...' if len(text) > 400 else ''}{text[-400:]}"
         warnings.warn(f"mgk: the fused CPU MGK kernel could not be built ({_failed}); using the SDPA path, "
                       "which computes the same result more slowly (set MGK_CPU_KERNEL=0 to skip the build)",
                       RuntimeWarning, stacklevel=3)
     return _module
 
 
-def _built(cpp_extension, name: str) -> bool:
-    """Whether a build of ``name`` is already cached (only to decide whether to announce a build)."""
+def _build_folder(cpp_extension, name: str) -> Path | None:
+    """Where torch.utils.cpp_extension builds ``name`` (None if its private helper is gone)."""
     try:
-        folder = cpp_extension._get_build_directory(name, verbose=False)
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
     except Exception:  # noqa: BLE001 - a private helper; without it we announce every load
-        return False
-    return any(Path(folder).glob(f"{name}*.so"))
+        return None
+
+
+_STALE_LOCK_S = 600  # a build takes about 30 s; a lock this old belongs to a build that was killed
+
+
+def _remove_stale_lock(folder: Path) -> None:
+    """torch's build lock waits forever for a lock file left by a killed build; remove one that is clearly stale."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > _STALE_LOCK_S:
+        warnings.warn(f"mgk: removing the stale build lock {lock} ({age:.0f} s old, left by a killed build)",
+                      RuntimeWarning, stacklevel=4)
+        lock.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def disabled():
-    """Within this context MGK takes the SDPA path on CPU (for tests and benchmarks that compare the two)."""
+    """Within this context MGK takes the SDPA path on CPU (for tests and benchmarks that compare the two). The
+    switch is process-wide: do not use it while other threads run MGK."""
     global _enabled
     before, _enabled = _enabled, False
     try:
@@ -96,6 +119,11 @@ def available(q: torch.Tensor, dropout_p: float) -> bool:
     if torch.compiler.is_compiling():  # the extension is opaque to dynamo; the traced path uses SDPA
         return False
     return _load() is not None
+
+
+def usable(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """:func:`available`, and head sizes the kernel takes (BLAS needs q's and v's last dimensions >= 1)."""
+    return q.shape[-1] > 0 and v.shape[-1] > 0 and available(q, dropout_p)
 
 
 def build_error() -> str | None:
@@ -126,6 +154,7 @@ class MixtureFlash(torch.autograd.Function):
         return out.view(B, H, L, v.shape[-1])
 
     @staticmethod
+    @once_differentiable  # the C++ backward is opaque to autograd: a second derivative must fail, not be wrong
     def backward(ctx, grad_out):
         """Gradients ``(dq, dk, dbias, dv, drowbias, None)`` shaped like the inputs of forward."""
         qf, kf, bf, vf, rf, out, lse = ctx.saved_tensors

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 try:  # Triton is optional: CPU-only installs do not have it
     import triton
@@ -104,7 +105,7 @@ if triton is not None:
             v = _tile(V, bh, offs_n, S, offs_dv, DV)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_blk
-        has = l_i > 0
+        has = (l_i > 0) | (l_i != l_i)  # NaN scores give NaN, as in the formula
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         tl.store(Out + bh * L * DV + offs_m[:, None] * DV + offs_dv[None, :], out, mask=m_ok[:, None] & dv_ok[None, :])
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -231,6 +232,7 @@ class MixtureTriton(torch.autograd.Function):
         return out.view(B, H, L, Dv)
 
     @staticmethod
+    @once_differentiable  # the backward calls kernels autograd cannot differentiate
     def backward(ctx, grad_out):
         """Gradients ``(dq, dk, dbias, dv, None)`` in float32, shaped like the inputs of forward."""
         qf, kf, bf, vf, out, lse = ctx.saved_tensors

@@ -188,16 +188,20 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
     bias = log_prior - (k * k).sum(-1) * (0.5 * inv.view(M, 1))  # (B, H, M, S)
+    need_qnorm = _needs_qnorm(s2)
+    triton_ok = not need_qnorm and _mixture_triton.available(q, dropout_p) and D > 0 and Dv > 0
+    kernel_ok = triton_ok or _mixture_flash.usable(q, v, dropout_p)
     if mask is not None and mask.shape[-2] == 1:
-        # A mask that does not depend on the query (key padding) goes into the bias column: SDPA then runs without
-        # a mask and can take its fused O(L + S)-memory kernel. -1e30 is finite, so 0 * bias stays 0 in backward.
-        bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias, torch.full((), -1e30, dtype=bias.dtype,
+        # A mask that does not depend on the query (key padding) goes into the bias: the kernels then run without
+        # a mask (SDPA can take its fused O(L + S)-memory kernel). Our kernels take -inf; SDPA's backward needs a
+        # finite value (0 * -inf would be NaN), and -1e30 is below any real score.
+        fill = float("-inf") if kernel_ok else -1e30
+        bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias, torch.full((), fill, dtype=bias.dtype,
                                                                            device=bias.device))
         mask = None
-    need_qnorm = _needs_qnorm(s2)
-    if mask is None and not need_qnorm and _mixture_triton.available(q, dropout_p):
+    if mask is None and triton_ok:
         return _mixture_triton.MixtureTriton.apply(q, k * inv, bias.expand(B, H, M, S), v, causal)
-    if mask is None and _mixture_flash.available(q, dropout_p):
+    if mask is None and kernel_ok:
         rowbias = None
         if need_qnorm:
             rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(M, 1))  # (B, H, M, L)
@@ -271,8 +275,8 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         fast = mixture == "sum" and not (return_weights or explicit)
         key_padding_only = mask is None or mask.shape[-2] == 1
         if fast and is_causal and key_padding_only and (
-                _mixture_flash.available(q, dropout_p) or (L == S and _component_flash.available(q, dropout_p))
-                or (_mixture_triton.available(q, dropout_p) and not _needs_qnorm(s2))):
+                _mixture_flash.usable(q, v, dropout_p) or (L == S and _component_flash.available(q, dropout_p))
+                or (_mixture_triton.available(q, dropout_p) and not _needs_qnorm(s2) and D > 0 and v.shape[-1] > 0)):
             # Causal with at most key padding: the fused kernels apply causality themselves and skip the blocks
             # above the diagonal (an explicit (L, S) mask would make them visit every block).
             keys_ok, k, v, _ = _masks.prepare(mask, k, v)

@@ -120,11 +120,24 @@ struct Shapes {
 constexpr int kBlockQ = 128;
 constexpr int kBlockK = 512;
 
+// Rows (or keys) per task: the largest power-of-two fraction of the maximum block that still gives every thread
+// a task (one head with few queries would otherwise run on one thread).
+inline int64_t task_block(int64_t max_block, int64_t min_block, int64_t BH, int64_t n) {
+  const int64_t threads = at::get_num_threads();
+  int64_t b = max_block;
+  while (b > min_block && BH * ((n + b - 1) / b) < threads) b /= 2;
+  return b;
+}
+
 // Small problems run on the calling thread: waking the thread pool costs more than they do.
 template <typename T>
 inline int64_t grain_for(const Shapes<T>& sh, int64_t tasks) {
   return sh.BH * sh.L * sh.S * sh.M < (int64_t(1) << 18) ? std::max<int64_t>(tasks, 1) : 1;
 }
+
+// max that returns NaN when either side is NaN (std::max would drop it and hide a NaN score).
+template <typename T>
+inline T nanmax(T a, T b) { return (a > b || std::isnan(a)) ? a : b; }
 
 // Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
 // triangle with -inf, and returns the maximum of each row through rowmax (updated in place).
@@ -151,17 +164,18 @@ inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias
     T mx = at::vec::vec_reduce_all<T>([](const V<T>& a, const V<T>& b) { return at::vec::maximum(a, b); }, vmax);
     for (; j < visible; ++j) {
       row[j] += bias[j] + rb;
-      mx = std::max(mx, row[j]);
+      mx = nanmax(mx, row[j]);
     }
     for (j = visible; j < bk; ++j) row[j] = ninf;
-    rowmax[i] = std::max(rowmax[i], mx);
+    rowmax[i] = nanmax(rowmax[i], mx);
   }
 }
 
 template <typename T>
 void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* rowbias, T* out, T* lse,
                   const Shapes<T>& sh) {
-  const int64_t nqb = (sh.L + kBlockQ - 1) / kBlockQ;
+  const int64_t qblock = task_block(kBlockQ, 16, sh.BH, sh.L);
+  const int64_t nqb = (sh.L + qblock - 1) / qblock;
   const int64_t offset = sh.S - sh.L;
   at::parallel_for(0, sh.BH * nqb, grain_for(sh, sh.BH * nqb), [&](int64_t begin, int64_t end) {
     SerialBlas serial;
@@ -173,8 +187,8 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
     T* mnew = scratch<T>(5, kBlockQ);
     const T ninf = -std::numeric_limits<T>::infinity();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nqb, q0 = (task % nqb) * kBlockQ;
-      const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
+      const int64_t bh = task / nqb, q0 = (task % nqb) * qblock;
+      const int bq = static_cast<int>(std::min<int64_t>(qblock, sh.L - q0));
       const T* qb = q + (bh * sh.L + q0) * sh.D;
       std::fill(acc, acc + static_cast<int64_t>(kBlockQ) * sh.Dv, T(0));
       std::fill(m, m + kBlockQ, ninf);
@@ -215,7 +229,7 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
       for (int i = 0; i < bq; ++i) {
         T* oi = out + (bh * sh.L + q0 + i) * sh.Dv;
         const T* ai = acc + static_cast<int64_t>(i) * sh.Dv;
-        if (l[i] > T(0)) {
+        if (l[i] > T(0) || std::isnan(l[i])) {  // NaN scores give NaN, as in the formula
           const T inv = T(1) / l[i];
           for (int64_t d = 0; d < sh.Dv; ++d) oi[d] = ai[d] * inv;
           lse[bh * sh.L + q0 + i] = m[i] + std::log(l[i]);
@@ -231,7 +245,8 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
 template <typename T>
 void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T* v, const T* rowbias,
                    const T* lse, const T* delta, T* dq, T* dk, T* dbias, T* dv, T* drowbias, const Shapes<T>& sh) {
-  const int64_t nkb = (sh.S + kBlockK - 1) / kBlockK;
+  const int64_t kblock = task_block(kBlockK, 64, sh.BH, sh.S);
+  const int64_t nkb = (sh.S + kblock - 1) / kblock;
   const int64_t offset = sh.S - sh.L;
   // dQ (and the row-bias gradient) of a query receives contributions from every key block, and tasks own key
   // blocks. Each thread accumulates into its own buffer covering the (batch*head) slices of its task range; the
@@ -257,8 +272,8 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
     if (drowbias) part->drb.assign(static_cast<size_t>(part->nbh * sh.M * sh.L), T(0));
     const T ninf = -std::numeric_limits<T>::infinity();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nkb, k0 = (task % nkb) * kBlockK;
-      const int bk = static_cast<int>(std::min<int64_t>(kBlockK, sh.S - k0));
+      const int64_t bh = task / nkb, k0 = (task % nkb) * kblock;
+      const int bk = static_cast<int>(std::min<int64_t>(kblock, sh.S - k0));
       const T* vb = v + (bh * sh.S + k0) * sh.Dv;
       T* dvb = dv + (bh * sh.S + k0) * sh.Dv;
       int64_t qstart = 0;
@@ -345,6 +360,7 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
 std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
                                                  torch::Tensor v, torch::Tensor rowbias, bool causal) {
   check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
+  TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   const bool has_rb = rowbias.numel() > 0;
   if (has_rb) check(rowbias, "rowbias", 3);
   auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
@@ -364,6 +380,7 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
                                                   torch::Tensor lse, torch::Tensor delta, bool causal) {
   check(dout, "dout", 3); check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
   check(lse, "lse", 2); check(delta, "delta", 2);
+  TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   const bool has_rb = rowbias.numel() > 0;
   auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dbias = torch::zeros_like(bias),
        dv = torch::zeros_like(v);
