@@ -284,3 +284,59 @@ def test_environment_variable_spellings(monkeypatch, value):
     monkeypatch.setattr(_mixture_flash, "_failed", None)
     monkeypatch.setenv("MGK_CPU_KERNEL", value)
     assert _mixture_flash._load() is None
+
+
+HARD_CASES = [
+    dict(L=200, S=700, causal=False, padding=True, sigma="default"),
+    dict(L=300, S=300, causal=True, padding=True, sigma="unequal"),
+    dict(L=620, S=150, causal=True, padding=False, sigma="learned"),
+]
+
+
+@pytest.mark.parametrize("case", HARD_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_hard_e_kernel_equals_explicit_path_with_gradients(case):
+    L, S = case["L"], case["S"]
+    q, k, v = make_inputs(B=2, H=2, L=L, S=S, M=3, D=8, Dv=6, dtype=F64, seed=21)
+    kw = dict(is_causal=case["causal"], mixture="max")
+    if case["padding"]:
+        kw["attn_mask"] = padding_mask([S, S // 3], S, left=case["causal"])
+    if case["sigma"] == "unequal":
+        kw["sigma2"] = torch.tensor([0.7, 2.0, 1.1], dtype=F64)
+    elif case["sigma"] == "learned":
+        kw["sigma2"] = torch.tensor([1.3, 0.9, 2.2], dtype=F64, requires_grad=True)
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [t for t in kw.values()
+                                                        if isinstance(t, torch.Tensor) and t.requires_grad]
+    assert _mixture_flash.usable(q, v, 0.0)
+    g = torch.randn(2, 2, L, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    out = mgk_attention(q, k, v, **kw)
+    ref = mgk_attention(q, k, v, explicit=True, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-11, rtol=1e-10)
+    for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+
+
+def test_hard_e_ties_split_the_gradient_like_amax():
+    """Two identical components tie everywhere: each gets half of the gradient, as torch.amax's backward gives.
+    (The reference computes each component's scores by the same ops, so its ties are exact too; the explicit path's
+    batched einsum can round the two components differently and break ties.)"""
+    q, k, v = make_inputs(B=1, H=2, L=40, S=50, M=2, D=4, Dv=3, dtype=F64, seed=5)
+    k = torch.cat([k[:, :, :1], k[:, :, :1]], dim=2).contiguous().requires_grad_()
+    q.requires_grad_()
+    s2 = 2.0
+    out = mgk_attention(q, k, v, mixture="max", sigma2=s2)
+    scores = torch.stack([q @ k[:, :, r].transpose(-1, -2) / s2 - (k[:, :, r] ** 2).sum(-1).unsqueeze(-2) / (2 * s2)
+                          for r in range(2)], dim=2)  # (B, H, M, L, S), exact ties
+    ref = torch.softmax(scores.amax(dim=2), dim=-1) @ v
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    gk, gq = torch.autograd.grad(out.sum(), (k, q))
+    rk, rq = torch.autograd.grad(ref.sum(), (k, q))
+    torch.testing.assert_close(gk, rk, atol=1e-11, rtol=1e-10)
+    torch.testing.assert_close(gq, rq, atol=1e-11, rtol=1e-10)
+    torch.testing.assert_close(gk[:, :, 0], gk[:, :, 1], atol=0, rtol=0)
+
+
+def test_hard_e_with_a_query_dependent_mask_takes_the_explicit_path():
+    q, k, v = make_inputs(B=1, H=1, L=6, S=7, M=2, D=4, Dv=3, dtype=F64, seed=6)
+    mask = torch.rand(1, 1, 6, 7, generator=torch.Generator().manual_seed(0)) < 0.6
+    ref, _ = mgk_reference(q, k, v, mask=mask, mixture="max")
+    torch.testing.assert_close(mgk_attention(q, k, v, attn_mask=mask, mixture="max"), ref, atol=1e-12, rtol=1e-10)

@@ -133,12 +133,13 @@ def build_error() -> str | None:
 
 class MixtureFlash(torch.autograd.Function):
     """q (B, H, L, D), k (B, H, M, S, D) (already divided by sigma_r^2), bias (B, H, M, S), v (B, H, S, Dv),
-    rowbias (B, H, M, L) or None, is_causal (bottom-right) -> (B, H, L, Dv).
+    rowbias (B, H, M, L) or None, is_causal (bottom-right), hard -> (B, H, L, Dv).
 
-    ``out_i = sum_{j,r} exp(q_i.k_jr + bias_jr + rowbias_ir - LSE_i) v_j``; rows that see no key are 0."""
+    With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir``: ``out_i = sum_{j,r} exp(s_ijr - LSE_i) v_j`` (mixture "sum"),
+    or with ``hard`` ``out_i = sum_j softmax_j(max_r s_ijr) v_j`` (Hard-E). Rows that see no key are 0."""
 
     @staticmethod
-    def forward(ctx, q, k, bias, v, rowbias, is_causal: bool):
+    def forward(ctx, q, k, bias, v, rowbias, is_causal: bool, hard: bool = False):
         B, H, L, D = q.shape
         M, S = k.shape[2], k.shape[3]
         qf = q.reshape(B * H, L, D).contiguous()
@@ -147,20 +148,20 @@ class MixtureFlash(torch.autograd.Function):
         vf = v.reshape(B * H, S, v.shape[-1]).contiguous()
         rf = (rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None
               else qf.new_empty(0))
-        out, lse = _module.forward(qf, kf, bf, vf, rf, bool(is_causal))
+        out, lse = _module.forward(qf, kf, bf, vf, rf, bool(is_causal), bool(hard))
         ctx.save_for_backward(qf, kf, bf, vf, rf, out, lse)
-        ctx.is_causal = bool(is_causal)
+        ctx.flags = (bool(is_causal), bool(hard))
         ctx.shapes = (B, H, L, S, M, D, v.shape[-1], rowbias is not None)
         return out.view(B, H, L, v.shape[-1])
 
     @staticmethod
     @once_differentiable  # the C++ backward is opaque to autograd: a second derivative must fail, not be wrong
     def backward(ctx, grad_out):
-        """Gradients ``(dq, dk, dbias, dv, drowbias, None)`` shaped like the inputs of forward."""
+        """Gradients ``(dq, dk, dbias, dv, drowbias, None, None)`` shaped like the inputs of forward."""
         qf, kf, bf, vf, rf, out, lse = ctx.saved_tensors
         B, H, L, S, M, D, Dv, has_rb = ctx.shapes
         g = grad_out.reshape(B * H, L, Dv).contiguous()
         delta = (g * out).sum(-1)
-        dq, dk, dbias, dv, drb = _module.backward(g, qf, kf, bf, vf, rf, lse, delta, ctx.is_causal)
+        dq, dk, dbias, dv, drb = _module.backward(g, qf, kf, bf, vf, rf, lse, delta, *ctx.flags)
         return (dq.view(B, H, L, D), dk.view(B, H, M, S, D), dbias.view(B, H, M, S), dv.view(B, H, S, Dv),
-                drb.view(B, H, M, L) if has_rb else None, None)
+                drb.view(B, H, M, L) if has_rb else None, None, None)

@@ -18,8 +18,10 @@ distribution concentrated on the nearest key. Two paths compute the same numbers
   dot-product attention over the M*S concatenated keys with scale 1: one SDPA flash call per component on CPU,
   merged through the log-sum-exps (:mod:`._component_flash`), or one SDPA call over the concatenated keys (GPU,
   dropout, query-dependent masks). Memory stays O(L + S) per head on the fused kernels.
-* explicit: the (B, H, L, M, S) log-kernel in query chunks; used for mixture="max", for returned weights, and as
-  the twin that tests compare the fast path with.
+* Hard-E (mixture="max") runs in the same CPU kernel (``max_r`` instead of the log-sum-exp over components) when
+  it is available and masks are at most key padding; otherwise it takes the explicit path.
+* explicit: the (B, H, L, M, S) log-kernel in query chunks; used for returned weights, for Hard-E without the CPU
+  kernel, and as the twin that tests compare the fast path with.
 """
 from __future__ import annotations
 
@@ -176,7 +178,7 @@ def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor
     return (seen[..., last] == 0).unsqueeze(-1)
 
 
-def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
+def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False, hard=False):
     """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring).
 
     With ``causal`` (L == S) ``mask`` must not depend on the query and the CPU flash kernel must be available.
@@ -187,9 +189,11 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
     B, H, M, S, D = k.shape
     Dv = v.shape[-1]
     inv = (1.0 / s2).view(M, 1, 1)
-    bias = log_prior - (k * k).sum(-1) * (0.5 * inv.view(M, 1))  # (B, H, M, S)
+    bias = -(k * k).sum(-1) * (0.5 * inv.view(M, 1))  # (B, H, M, S)
+    if not hard:
+        bias = bias + log_prior
     need_qnorm = _needs_qnorm(s2)
-    triton_ok = not need_qnorm and _mixture_triton.available(q, dropout_p) and D > 0 and Dv > 0
+    triton_ok = not (need_qnorm or hard) and _mixture_triton.available(q, dropout_p) and D > 0 and Dv > 0
     kernel_ok = triton_ok or _mixture_flash.usable(q, v, dropout_p)
     if mask is not None and mask.shape[-2] == 1:
         # A mask that does not depend on the query (key padding) goes into the bias: the kernels then run without
@@ -205,7 +209,9 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False):
         rowbias = None
         if need_qnorm:
             rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(M, 1))  # (B, H, M, L)
-        return _mixture_flash.MixtureFlash.apply(q, k * inv, bias.expand(B, H, M, S), v, rowbias, causal)
+        return _mixture_flash.MixtureFlash.apply(q, k * inv, bias.expand(B, H, M, S), v, rowbias, causal, hard)
+    if hard:
+        raise RuntimeError("internal: Hard-E's fused path needs the CPU kernel and at most key padding")
     ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
     cols_k = [k * inv, bias.unsqueeze(-1)]
     cols_q = [q, ones]
@@ -272,8 +278,11 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     with full_precision(query.device):
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
-        fast = mixture == "sum" and not (return_weights or explicit)
+        fast = not (return_weights or explicit)
         key_padding_only = mask is None or mask.shape[-2] == 1
+        hard = mixture == "max"
+        if hard:  # Hard-E has a fused form only in our CPU kernel
+            fast = fast and key_padding_only and _mixture_flash.usable(q, v, dropout_p)
         if fast and is_causal and key_padding_only and (
                 _mixture_flash.usable(q, v, dropout_p) or (L == S and _component_flash.available(q, dropout_p))
                 or (_mixture_triton.available(q, dropout_p) and not _needs_qnorm(s2) and D > 0 and v.shape[-1] > 0)):
@@ -283,12 +292,12 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
             empty = _causal_empty_rows(keys_ok, L, S, q.device)
             if empty is not None:
                 q = torch.where(empty, torch.zeros((), dtype=q.dtype, device=q.device), q)
-            out = _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=True)
+            out = _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=True, hard=hard)
             return _masks.zero_rows(out, empty).to(out_dtype)
         mask = _masks.combine(mask, is_causal, L, S, query.device)
         mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
         if fast:
-            out = _masks.zero_rows(_fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p), empty)
+            out = _masks.zero_rows(_fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, hard=hard), empty)
             return out.to(out_dtype)
         out, weights = _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, return_weights,
                                  max(1, int(chunk_size)))

@@ -1,4 +1,5 @@
-// Fused CPU kernel for MGK with mixture="sum": the component weights are summed before the value product.
+// Fused CPU kernel for MGK: the component weights are summed before the value product (mixture="sum"), or the
+// best component is taken (mixture="max", Hard-E: s_ij = max_r s_ijr, with bias_jr = -|k_jr|^2 / (2 sigma_r^2)).
 //
 // For each (batch*head) slice, query i, key position j and mixture component r, the score is
 //
@@ -13,7 +14,8 @@
 //
 // Memory is O(block) per thread; nothing of size L x S is stored. Causal masking is aligned bottom-right
 // (key j is visible from query i when j <= i + S - L); key blocks entirely above the diagonal are skipped.
-// BLAS is the sgemm_/dgemm_ that libtorch_cpu exports (MKL in the official CPU wheels).
+// BLAS is the sgemm_/dgemm_ that libtorch_cpu exports (MKL in the official CPU wheels). Hard-E runs the same
+// GEMMs; its backward sends each score's gradient to the maximising components, split evenly between ties.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -114,11 +116,15 @@ T* scratch(int slot, size_t n) {
 template <typename T>
 struct Shapes {
   int64_t BH, M, L, S, D, Dv;
-  bool causal, has_rowbias;
+  bool causal, has_rowbias, hard;
 };
 
 constexpr int kBlockQ = 128;
 constexpr int kBlockK = 512;
+
+// max that returns NaN when either side is NaN (std::max would drop it and hide a NaN score).
+template <typename T>
+inline T nanmax(T a, T b) { return (a > b || std::isnan(a)) ? a : b; }
 
 // Rows (or keys) per task: the largest power-of-two fraction of the maximum block that still gives every thread
 // a task (one head with few queries would otherwise run on one thread).
@@ -135,9 +141,25 @@ inline int64_t grain_for(const Shapes<T>& sh, int64_t tasks) {
   return sh.BH * sh.L * sh.S * sh.M < (int64_t(1) << 18) ? std::max<int64_t>(tasks, 1) : 1;
 }
 
-// max that returns NaN when either side is NaN (std::max would drop it and hide a NaN score).
+// dst[i][j] = max_r src_r[i][j] over the M component blocks (stride blk), NaN-propagating; dst may be src_0.
 template <typename T>
-inline T nanmax(T a, T b) { return (a > b || std::isnan(a)) ? a : b; }
+inline void max_over_components(const T* src, int64_t M, size_t blk, int bq, int bk, T* dst) {
+  const int W = V<T>::size();
+  for (int i = 0; i < bq; ++i) {
+    const int64_t o = static_cast<int64_t>(i) * kBlockK;
+    int j = 0;
+    for (; j + W <= bk; j += W) {
+      V<T> x = V<T>::loadu(src + o + j);
+      for (int64_t r = 1; r < M; ++r) x = at::vec::maximum(x, V<T>::loadu(src + r * blk + o + j));
+      x.store(dst + o + j);
+    }
+    for (; j < bk; ++j) {
+      T x = src[o + j];
+      for (int64_t r = 1; r < M; ++r) x = nanmax(x, src[r * blk + o + j]);
+      dst[o + j] = x;
+    }
+  }
+}
 
 // Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
 // triangle with -inf, and returns the maximum of each row through rowmax (updated in place).
@@ -206,6 +228,9 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
           finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
                            mnew);
         }
+        // Hard-E: the key's score is the best component's, max_r s_r, instead of their log-sum-exp.
+        const int64_t terms = sh.hard ? 1 : sh.M;
+        if (sh.hard) max_over_components<T>(sc, sh.M, static_cast<size_t>(kBlockQ) * kBlockK, bq, bk, sc);
         for (int i = 0; i < bq; ++i) {
           T* pi = p + static_cast<int64_t>(i) * kBlockK;
           const T mi = mnew[i];
@@ -213,7 +238,7 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
             std::fill(pi, pi + bk, T(0));
             continue;
           }
-          for (int64_t r = 0; r < sh.M; ++r)
+          for (int64_t r = 0; r < terms; ++r)
             exp_shift<T>(sc + r * kBlockQ * kBlockK + static_cast<int64_t>(i) * kBlockK, mi, pi, bk, r > 0);
           T rowsum = at::vec::reduce_all<T>([](const V<T>& a, const V<T>& b) { return a + b; }, pi, bk);
           const T alpha = m[i] == ninf ? T(0) : std::exp(m[i] - mi);
@@ -240,6 +265,17 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
       }
     }
   });
+}
+
+// s = exp(s - LSE_i) in place for each row i (rows whose LSE is -inf see no key: 0).
+template <typename T>
+inline void probs_from_scores(T* s, const T* lse, int bq, int bk) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int i = 0; i < bq; ++i) {
+    T* row = s + static_cast<int64_t>(i) * kBlockK;
+    if (lse[i] == ninf) std::fill(row, row + bk, T(0));
+    else exp_shift<T>(row, lse[i], row, bk, false);
+  }
 }
 
 template <typename T>
@@ -284,7 +320,7 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
         const T* dob = dout + (bh * sh.L + q0) * sh.Dv;
         const T* lseb = lse + bh * sh.L + q0;
         const T* delb = delta + bh * sh.L + q0;
-        // P_r = exp(s_r - LSE), A = sum_r P_r.
+        // Scores s_r of every component.
         for (int64_t r = 0; r < sh.M; ++r) {
           T* s = pr + r * blk;
           const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
@@ -293,30 +329,51 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
           std::fill(rowmax_unused, rowmax_unused + kBlockQ, ninf);
           finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
                            rowmax_unused);
+        }
+        if (!sh.hard) {
+          // P_r = exp(s_r - LSE) in place; A = sum_r P_r. dS_r = P_r * (dP - delta) below.
+          for (int64_t r = 0; r < sh.M; ++r) probs_from_scores<T>(pr + r * blk, lseb, bq, bk);
           for (int i = 0; i < bq; ++i) {
-            T* row = s + static_cast<int64_t>(i) * kBlockK;
-            if (lseb[i] == ninf) std::fill(row, row + bk, T(0));
-            else exp_shift<T>(row, lseb[i], row, bk, false);
+            T* ai = a + static_cast<int64_t>(i) * kBlockK;
+            std::copy(pr + static_cast<int64_t>(i) * kBlockK, pr + static_cast<int64_t>(i) * kBlockK + bk, ai);
+            for (int64_t r = 1; r < sh.M; ++r) {
+              const T* x = pr + r * blk + static_cast<int64_t>(i) * kBlockK;
+              for (int j = 0; j < bk; ++j) ai[j] += x[j];
+            }
           }
-        }
-        for (int i = 0; i < bq; ++i) {
-          T* ai = a + static_cast<int64_t>(i) * kBlockK;
-          std::copy(pr + static_cast<int64_t>(i) * kBlockK, pr + static_cast<int64_t>(i) * kBlockK + bk, ai);
-          for (int64_t r = 1; r < sh.M; ++r) {
-            const T* x = pr + r * blk + static_cast<int64_t>(i) * kBlockK;
-            for (int j = 0; j < bk; ++j) ai[j] += x[j];
+        } else {
+          // A = P = exp(max_r s_r - LSE); the gradient of the max goes to the maximising components, split evenly
+          // between ties (as torch.amax's backward does): pr[r] becomes that share w_r, and dS_r = w_r * dS below.
+          max_over_components<T>(pr, sh.M, blk, bq, bk, a);
+          for (int i = 0; i < bq; ++i) {
+            const int64_t o = static_cast<int64_t>(i) * kBlockK;
+            for (int j = 0; j < bk; ++j) {
+              T count = 0;
+              for (int64_t r = 0; r < sh.M; ++r) {
+                T& x = pr[r * blk + o + j];
+                x = x == a[o + j] ? T(1) : T(0);
+                count += x;
+              }
+              const T share = count > 0 ? T(1) / count : T(0);
+              for (int64_t r = 0; r < sh.M; ++r) pr[r * blk + o + j] *= share;
+            }
           }
+          probs_from_scores<T>(a, lseb, bq, bk);
         }
-        // dV += A^T dO;  dP = dO V^T;  T = dP - delta.
+        // dV += A^T dO;  dP = dO V^T;  T = dP - delta (times P for Hard-E).
         gemm(true, false, bk, sh.Dv, bq, T(1), a, kBlockK, dob, sh.Dv, T(1), dvb, sh.Dv);
         gemm(false, true, bq, bk, sh.Dv, T(1), dob, sh.Dv, vb, sh.Dv, T(0), dp, kBlockK);
         for (int i = 0; i < bq; ++i) {
           T* row = dp + static_cast<int64_t>(i) * kBlockK;
           const T di = delb[i];
           for (int j = 0; j < bk; ++j) row[j] -= di;
+          if (sh.hard) {
+            const T* pi = a + static_cast<int64_t>(i) * kBlockK;
+            for (int j = 0; j < bk; ++j) row[j] *= pi[j];
+          }
         }
         for (int64_t r = 0; r < sh.M; ++r) {
-          T* ds = pr + r * blk;  // becomes dS_r = P_r * (dP - delta), in place
+          T* ds = pr + r * blk;  // becomes dS_r = P_r * (dP - delta) (Hard-E: w_r * P * (dP - delta)), in place
           T* dbias_r = dbias + (bh * sh.M + r) * sh.S + k0;
           T* drb = drowbias ? part->drb.data() + ((bh - part->bh_lo) * sh.M + r) * sh.L + q0 : nullptr;
           for (int i = 0; i < bq; ++i) {
@@ -358,7 +415,7 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
 
 // q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), v (BH, S, Dv), rowbias (BH, M, L) or empty -> out, lse.
 std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
-                                                 torch::Tensor v, torch::Tensor rowbias, bool causal) {
+                                                 torch::Tensor v, torch::Tensor rowbias, bool causal, bool hard) {
   check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
   TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   const bool has_rb = rowbias.numel() > 0;
@@ -366,7 +423,7 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
   auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_forward", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb};
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb, hard};
     forward_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
                            v.data_ptr<scalar_t>(), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
                            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh);
@@ -377,7 +434,7 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
 // Gradients of the forward above given dout and the forward's out/lse (delta = rowsum(dout * out)).
 std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                   torch::Tensor bias, torch::Tensor v, torch::Tensor rowbias,
-                                                  torch::Tensor lse, torch::Tensor delta, bool causal) {
+                                                  torch::Tensor lse, torch::Tensor delta, bool causal, bool hard) {
   check(dout, "dout", 3); check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
   check(lse, "lse", 2); check(delta, "delta", 2);
   TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
@@ -386,7 +443,7 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
        dv = torch::zeros_like(v);
   auto drb = has_rb ? torch::zeros_like(rowbias) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_backward", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb};
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb, hard};
     backward_impl<scalar_t>(dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
                             bias.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                             has_rb ? rowbias.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),
