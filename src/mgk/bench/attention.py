@@ -6,10 +6,11 @@ from mmap so that freed memory leaves the resident set; on CUDA ``torch.cuda.max
 Time is the median over ``repeats`` calls after one warm-up call.
 
 Kinds are ``name:heads``. Names: the registered attention kinds (softmax, mgk, smgk, linear, mlk, smlk), plus
-``mgk-hard`` (pi="hard_e"), ``mgk-softe`` (pi="soft_e"; timed in training mode, so the E-step is included when
-``--backward``), ``mgk-sdpa`` (mgk with our C++ CPU kernel switched off: the bias folded into an extra head
-dimension and SDPA's flash kernel per component) and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance
-matrix per component and exponentiates it (kept as the baseline the fast paths must beat).
+``mgk-hard`` (pi="hard_e"; our CPU kernel with a max over components, explicit elsewhere), ``mgk-softe``
+(pi="soft_e"; timed in training mode, so the E-step is included when ``--backward``), ``mgk-sdpa`` (mgk with our
+C++ CPU kernel switched off: the bias folded into an extra head dimension and SDPA's flash kernel per component)
+and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance matrix per
+component and exponentiates it (kept as the baseline the fast paths must beat).
 """
 from __future__ import annotations
 
