@@ -26,3 +26,25 @@ def test_compiled_module_matches_eager(kind, pi):
         g_eager = torch.autograd.grad(eager[~kpm].square().sum(), x)[0]
         g_fast = torch.autograd.grad(fast[~kpm].square().sum(), x)[0]
         torch.testing.assert_close(g_fast, g_eager, atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_mgk_keeps_the_cpu_kernel_in_its_graph():
+    """The C++ kernel is a torch custom op: a compiled MGK module calls it (no graph break, no SDPA fallback)."""
+    from mgk.functional import _mixture_flash
+
+    torch.manual_seed(0)
+    m = mgk.build_attention("mgk", 32, 2, head_dim=16)
+    x = torch.randn(2, 9, 32)
+    eager, _ = m(x)  # an eager call builds or loads the kernel
+    if not _mixture_flash.available(x, 0.0):
+        pytest.skip(f"the C++ MGK kernel could not be built: {_mixture_flash.build_error()}")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out, _ = torch.compile(m, backend=backend, fullgraph=True)(x)
+    assert any("mixture_flash_forward" in code for code in graphs)
+    torch.testing.assert_close(out, eager)

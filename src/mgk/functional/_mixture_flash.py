@@ -21,7 +21,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.autograd.function import once_differentiable
 
 _SOURCE = Path(__file__).with_name("csrc") / "mixture_flash.cpp"
 _module = None
@@ -116,8 +115,9 @@ def available(q: torch.Tensor, dropout_p: float) -> bool:
     first call)."""
     if not _enabled or q.device.type != "cpu" or dropout_p != 0.0 or q.dtype not in (torch.float32, torch.float64):
         return False
-    if torch.compiler.is_compiling():  # the extension is opaque to dynamo; the traced path uses SDPA
-        return False
+    if torch.compiler.is_compiling():
+        # Building inside a trace is not possible; a kernel loaded by an eager call is used through the custom op.
+        return _module is not None
     return _load() is not None
 
 
@@ -131,37 +131,71 @@ def build_error() -> str | None:
     return _failed
 
 
-class MixtureFlash(torch.autograd.Function):
-    """q (B, H, L, D), k (B, H, M, S, D) (already divided by sigma_r^2), bias (B, H, M, S), v (B, H, S, Dv),
-    rowbias (B, H, M, L) or None, is_causal (bottom-right), hard -> (B, H, L, Dv).
+# The kernel as two torch custom ops, so that torch.compile keeps it in its graphs (as an opaque call) instead of
+# falling back to the SDPA form; autograd is registered on the forward op.
+@torch.library.custom_op("mgk::mixture_flash_forward", mutates_args=(), device_types="cpu")
+def _forward_op(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor, rowbias: torch.Tensor,
+                causal: bool, hard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _load().forward(q, k, bias, v, rowbias, causal, hard)
+    return out, lse
 
-    With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir``: ``out_i = sum_{j,r} exp(s_ijr - LSE_i) v_j`` (mixture "sum"),
-    or with ``hard`` ``out_i = sum_j softmax_j(max_r s_ijr) v_j`` (Hard-E). Rows that see no key are 0."""
 
-    @staticmethod
-    def forward(ctx, q, k, bias, v, rowbias, is_causal: bool, hard: bool = False):
-        B, H, L, D = q.shape
-        M, S = k.shape[2], k.shape[3]
-        qf = q.reshape(B * H, L, D).contiguous()
-        kf = k.reshape(B * H, M, S, D).contiguous()
-        bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
-        vf = v.reshape(B * H, S, v.shape[-1]).contiguous()
-        rf = (rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None
-              else qf.new_empty(0))
-        out, lse = _module.forward(qf, kf, bf, vf, rf, bool(is_causal), bool(hard))
-        ctx.save_for_backward(qf, kf, bf, vf, rf, out, lse)
-        ctx.flags = (bool(is_causal), bool(hard))
-        ctx.shapes = (B, H, L, S, M, D, v.shape[-1], rowbias is not None)
-        return out.view(B, H, L, v.shape[-1])
+@_forward_op.register_fake
+def _(q, k, bias, v, rowbias, causal, hard):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]))
 
-    @staticmethod
-    @once_differentiable  # the C++ backward is opaque to autograd: a second derivative must fail, not be wrong
-    def backward(ctx, grad_out):
-        """Gradients ``(dq, dk, dbias, dv, drowbias, None, None)`` shaped like the inputs of forward."""
-        qf, kf, bf, vf, rf, out, lse = ctx.saved_tensors
-        B, H, L, S, M, D, Dv, has_rb = ctx.shapes
-        g = grad_out.reshape(B * H, L, Dv).contiguous()
-        delta = (g * out).sum(-1)
-        dq, dk, dbias, dv, drb = _module.backward(g, qf, kf, bf, vf, rf, lse, delta, *ctx.flags)
-        return (dq.view(B, H, L, D), dk.view(B, H, M, S, D), dbias.view(B, H, M, S), dv.view(B, H, S, Dv),
-                drb.view(B, H, M, L) if has_rb else None, None, None)
+
+@torch.library.custom_op("mgk::mixture_flash_backward", mutates_args=(), device_types="cpu")
+def _backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
+                 rowbias: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+                 hard: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dbias, dv, drb = _load().backward(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard)
+    return dq, dk, dbias, dv, drb
+
+
+@_backward_op.register_fake
+def _(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(bias), torch.empty_like(v),
+            torch.empty_like(rowbias))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, bias, v, rowbias, causal, hard = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, bias, v, rowbias, out, lse)
+    ctx.flags = (causal, hard)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    # lse is an auxiliary output for the backward pass; nothing differentiates through it (grad_lse is ignored).
+    q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    delta = (grad_out * out).sum(-1)
+    dq, dk, dbias, dv, drb = _backward_op(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
+    return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None
+
+
+torch.library.register_autograd("mgk::mixture_flash_forward", _backward, setup_context=_setup_context)
+
+
+def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
+                  rowbias: torch.Tensor | None, is_causal: bool, hard: bool = False) -> torch.Tensor:
+    """MGK through the C++ kernel (check :func:`usable` first).
+
+    Args: q (B, H, L, D); k (B, H, M, S, D), already divided by sigma_r^2; bias (B, H, M, S); v (B, H, S, Dv);
+        rowbias (B, H, M, L) or None; is_causal (bottom-right); hard (Hard-E). One floating dtype, float32 or
+        float64, on CPU.
+    Returns:
+        (B, H, L, Dv). With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir``: ``out_i = sum_{j,r} exp(s_ijr - LSE_i) v_j``
+        (mixture "sum"), or with ``hard`` ``out_i = sum_j softmax_j(max_r s_ijr) v_j``. Rows that see no key are 0.
+        Differentiable once (a second derivative raises).
+    """
+    B, H, L, D = q.shape
+    M, S, Dv = k.shape[2], k.shape[3], v.shape[-1]
+    qf = q.reshape(B * H, L, D).contiguous()
+    kf = k.reshape(B * H, M, S, D).contiguous()
+    bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
+    vf = v.reshape(B * H, S, Dv).contiguous()
+    rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else qf.new_empty(0)
+    out, _ = _forward_op(qf, kf, bf, vf, rf, bool(is_causal), bool(hard))
+    return out.view(B, H, L, Dv)
