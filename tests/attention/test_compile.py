@@ -33,9 +33,8 @@ def test_compiled_mgk_keeps_the_cpu_kernel_in_its_graph():
     from mgk.functional import _mixture_flash
 
     torch.manual_seed(0)
-    m = mgk.build_attention("mgk", 32, 2, head_dim=16)
+    m = mgk.build_attention("mgk", 32, 2, head_dim=16)  # builds or loads the kernel (CPU-only machine)
     x = torch.randn(2, 9, 32)
-    eager, _ = m(x)  # an eager call builds or loads the kernel
     if not _mixture_flash.available(x, 0.0):
         pytest.skip(f"the C++ MGK kernel could not be built: {_mixture_flash.build_error()}")
     graphs = []
@@ -45,6 +44,17 @@ def test_compiled_mgk_keeps_the_cpu_kernel_in_its_graph():
         return gm.forward
 
     torch._dynamo.reset()
-    out, _ = torch.compile(m, backend=backend, fullgraph=True)(x)
+    out, _ = torch.compile(m, backend=backend, fullgraph=True)(x)  # compiled before any eager call
     assert any("mixture_flash_forward" in code for code in graphs)
-    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(out, m(x)[0])
+
+
+def test_dynamic_lengths_do_not_recompile_per_length():
+    """Soft-E's E-step loops over query chunks; with a symbolic length it must not pin the length (fullgraph
+    would hit the recompile limit after 8 lengths)."""
+    torch._dynamo.reset()
+    m = mgk.build_attention("mgk", 16, 2, head_dim=8, pi="soft_e", max_len=32).train()
+    compiled = torch.compile(m, backend="eager", dynamic=True, fullgraph=True)
+    for L in range(5, 16):
+        out, _ = compiled(torch.randn(2, L, 16, requires_grad=True))
+        out.sum().backward()

@@ -85,3 +85,33 @@ def test_cli_writes_json_rows_and_a_table(tmp_path):
 def test_bad_kinds_are_refused_by_name(text, message):
     with pytest.raises(SystemExit, match=message):
         _kinds(text)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--repeats", "0"], "--repeats: must be > 0"), (["--batch", "-3"], "--batch: must be > 0"),
+    (["--head-dim", "0"], "--head-dim: must be > 0"), (["--timeout", "-1"], "--timeout: must be > 0"),
+    (["--device", "bogus"], "is not a torch device"), (["--json", "/proc/nope/r.json"], "cannot write"),
+    (["--json", "/tmp"], "is a directory")])
+def test_bad_arguments_give_one_line_before_running(args, message):
+    p = subprocess.run([sys.executable, "-m", "mgk", "bench", "attention", "--lengths", "16", "--kinds", "softmax:1",
+                        *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert p.stdout == ""  # refused before any measurement
+
+
+def test_failed_rows_make_a_nonzero_exit(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "mgk", "bench", "attention", "--lengths", "16", "--kinds", "softmax:1",
+                        "--timeout", "0.001", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "1 of 1 rows failed" in p.stdout
+    assert "timeout" in json.loads(out.read_text())["rows"][0]["error"]
+
+
+def test_peak_memory_is_not_inflated_by_first_call_imports(one_thread):
+    """The first call of the kernel's custom op imports modules (tens of MB); measure() warms up first."""
+    small = dict(SMALL, embed_dim=16, head_dim=4, backward=False)
+    kernel = measure("mgk", 1, 16, **small)["peak_mem_mb"]
+    sdpa = measure("mgk-sdpa", 1, 16, **small)["peak_mem_mb"]
+    assert kernel < 5 and sdpa < 5, (kernel, sdpa)

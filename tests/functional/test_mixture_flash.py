@@ -340,3 +340,29 @@ def test_hard_e_with_a_query_dependent_mask_takes_the_explicit_path():
     mask = torch.rand(1, 1, 6, 7, generator=torch.Generator().manual_seed(0)) < 0.6
     ref, _ = mgk_reference(q, k, v, mask=mask, mixture="max")
     torch.testing.assert_close(mgk_attention(q, k, v, attn_mask=mask, mixture="max"), ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("mixture", ["sum", "max"])
+def test_forward_mode_ad_takes_a_path_that_has_tangents(mixture):
+    """The kernel has no forward-mode rule (a custom op would drop the tangent silently): jvp must be exact."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = make_inputs(B=1, H=2, L=5, S=6, M=2, D=4, Dv=3, dtype=F64, seed=8)
+    for which in range(3):
+        args = [q, k, v]
+        tangent = torch.ones_like(args[which])
+
+        def fn(x, explicit=False):
+            a = list(args)
+            a[which] = x
+            return mgk_attention(*a, mixture=mixture, explicit=explicit)
+
+        got = torch.func.jvp(fn, (args[which],), (tangent,))[1]
+        want = torch.func.jvp(lambda x: fn(x, explicit=True), (args[which],), (tangent,))[1]
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+        with fwAD.dual_level():
+            a = list(args)
+            a[which] = fwAD.make_dual(args[which], tangent)
+            dual = fwAD.unpack_dual(mgk_attention(*a, mixture=mixture)).tangent
+        torch.testing.assert_close(dual, want, atol=1e-12, rtol=1e-10)

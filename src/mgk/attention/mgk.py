@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..functional import _mixture_flash
 from ..functional.mgk import mgk_attention, mgk_responsibilities
 from .base import AttentionBase, _positive_int
 
@@ -74,6 +75,10 @@ class MGKAttention(AttentionBase):
             self.pi_logits = nn.Parameter(torch.zeros(shape))
         elif pi == "soft_e":
             self.register_buffer("pi", torch.full((H, M, self.max_len), 1.0 / M))
+        if not torch.cuda.is_available():
+            # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
+            # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
+            _mixture_flash.available(torch.empty(0), 0.0)
 
     def _keys(self, key: Tensor) -> Tensor:
         B, S, _ = key.shape

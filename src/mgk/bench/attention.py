@@ -126,6 +126,15 @@ def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, h
     return _measure(kind, heads, length, **settings)
 
 
+def _mgk_path(kind: str, kernel: bool) -> str | None:
+    """Which MGK implementation a kind ran: our CPU kernel, the SDPA form, or the explicit path (None: not MGK)."""
+    if kind == "mgk-hard":
+        return "cpu-kernel" if kernel else "explicit"
+    if kind in ("mgk", "smgk", "mgk-softe", "mgk-sdpa"):
+        return "cpu-kernel" if kernel else "sdpa"
+    return None
+
+
 def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device) -> dict:
     import resource
 
@@ -139,18 +148,22 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
     kernel = dev.type == "cpu" and _mixture_flash.available(torch.zeros(1), 0.0)
     x = torch.randn(batch, length, embed_dim, device=dev, dtype=dt, requires_grad=backward)
 
-    def call():
-        """One forward of the module on ``x`` (and a backward of ``out.sum()`` when ``backward``); waits for CUDA so
-        that timings cover the work."""
+    def call(inputs=x):
+        """One forward of the module on ``inputs`` (and a backward of ``out.sum()`` when ``backward``); waits for
+        CUDA so that timings cover the work."""
         if backward:
-            out, _ = module(x, is_causal=causal)
+            out, _ = module(inputs, is_causal=causal)
             out.sum().backward()
         else:
             with torch.no_grad():
-                module(x, is_causal=causal)
+                module(inputs, is_causal=causal)
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    # One tiny call first: the first call of a custom op or kernel imports modules and fills caches (tens of MB of
+    # resident memory once per process), which is not the call's memory.
+    call(torch.randn(batch, 8, embed_dim, device=dev, dtype=dt, requires_grad=backward))
+    module.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -169,8 +182,7 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
             "dtype": dtype, "time_ms": statistics.median(times), "peak_mem_mb": peak,
             "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
                                     backward=backward, mixture_kernel=kernel),
-            "mgk_path": ("cpu-kernel" if kernel else "sdpa") if kind in ("mgk", "smgk", "mgk-softe", "mgk-sdpa")
-            else None,
+            "mgk_path": _mgk_path(kind, kernel),
             "flops_counted": _counted_flops(module, x, causal, backward) if length <= 1024 else None,
             "params": sum(p.numel() for p in module.parameters())}
 

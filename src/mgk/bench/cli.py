@@ -1,7 +1,9 @@
 """Argument parsing of ``mgk bench attention`` and ``mgk bench model``."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
@@ -34,30 +36,67 @@ def _lengths(text: str) -> list[int]:
     return values
 
 
+def _positive(kind):
+    """argparse type: a positive int or float, named in the error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _device(text: str) -> str:
+    """--device: a torch device string that exists here."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available on this machine")
+    return text
+
+
+def _json_path(text: str) -> Path:
+    """--json: refuse a path that cannot be written before the benchmark runs, not after."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {path.parent} is not a writable folder")
+    return path
+
+
 def add_parser(sub) -> None:
     """Register ``bench`` with its two sub-commands on the ``mgk`` parser."""
     bench = sub.add_parser("bench", help="measure attention and model speed, memory and FLOPs")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     a = kinds.add_parser("attention", help="attention modules (with projections) across lengths")
     a.add_argument("--lengths", type=_lengths, default=_lengths("256,1024,4096,8192"))
-    a.add_argument("--batch", type=int, default=1)
-    a.add_argument("--embed-dim", type=int, default=256)
-    a.add_argument("--head-dim", type=int, default=32)
+    a.add_argument("--batch", type=_positive(int), default=1)
+    a.add_argument("--embed-dim", type=_positive(int), default=256)
+    a.add_argument("--head-dim", type=_positive(int), default=32)
     a.add_argument("--kinds", type=_kinds, default=_kinds(DEFAULT_KINDS), help=f"default {DEFAULT_KINDS}")
     a.add_argument("--causal", action="store_true", help="causal masking")
     a.add_argument("--backward", action="store_true", help="time forward + backward (default: forward only)")
     a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    a.add_argument("--repeats", type=int, default=5, help="timed calls per row (median reported)")
-    a.add_argument("--device", default="cpu")
-    a.add_argument("--timeout", type=float, default=600.0, help="seconds per row before it is reported as failed")
-    a.add_argument("--json", type=Path, default=None, help="write the rows and machine facts here")
+    a.add_argument("--repeats", type=_positive(int), default=5, help="timed calls per row (median reported)")
+    a.add_argument("--device", type=_device, default="cpu")
+    a.add_argument("--timeout", type=_positive(float), default=600.0,
+                   help="seconds per row before it is reported as failed")
+    a.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
     m = kinds.add_parser("model", help="training/inference tokens per second of a preset's model")
     m.add_argument("--task", default="listops")
     m.add_argument("--preset", default=None, help="default <task>-small")
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    m.add_argument("--steps", type=int, default=3)
-    m.add_argument("--device", default="cpu")
-    m.add_argument("--json", type=Path, default=None)
+    m.add_argument("--steps", type=_positive(int), default=3)
+    m.add_argument("--device", type=_device, default="cpu")
+    m.add_argument("--json", type=_json_path, default=None)
 
 
 def run(args) -> int:
@@ -70,6 +109,7 @@ def run(args) -> int:
                                dtype=args.dtype, repeats=args.repeats, device=args.device, timeout=args.timeout)
         print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
         print(table(result))
+        failed = [row for row in result["rows"] if "error" in row]
     else:
         from .model import run as run_model
 
@@ -79,4 +119,7 @@ def run(args) -> int:
             print(f"{key}: {value:,.1f}" if isinstance(value, float) else f"{key}: {value}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.bench_command == "attention" and failed:
+        print(f"mgk bench: {len(failed)} of {len(result['rows'])} rows failed (see the error column)")
+        return 1
     return 0

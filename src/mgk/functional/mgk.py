@@ -121,8 +121,24 @@ def _scores(q, k, log_prior, sigma2, mixture) -> Tensor:
 
 
 def _chunks(L: int, chunk_size: int):
+    if torch.compiler.is_compiling():
+        # A Python loop over a dynamic length would pin it (one recompile per length): one chunk when traced.
+        yield 0, L
+        return
     for start in range(0, L, chunk_size):
         yield start, min(L, start + chunk_size)
+
+
+def _transformed(*tensors: Tensor) -> bool:
+    """Whether forward-mode AD (dual tensors) or a torch.func transform sees these tensors: the fused kernels have
+    no forward-mode rule (a custom op would silently drop the tangent), so such calls take the explicit path."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return True
+    from torch.autograd import forward_ad
+
+    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture):
@@ -261,7 +277,8 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
             independently; on the explicit path each key is. Both keep the expectation.
         return_weights: also return the (B, H, L, S) attention weights (forces the explicit path).
         explicit: force the explicit path (the tests' twin of the fast path).
-        chunk_size: queries per chunk on the explicit path (memory O(chunk * M * S) per head).
+        chunk_size: queries per chunk on the explicit path (memory O(chunk * M * S) per head; one chunk inside a
+            torch.compile trace, where a loop over a dynamic length would recompile per length).
     Returns:
         (B, H, L, Dv) in query's dtype, and the (B, H, L, S) weights when ``return_weights``. Rows that may attend
         to no key are exactly zero. 16-bit inputs or autocast are computed in float32.
@@ -278,7 +295,7 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     with full_precision(query.device):
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
-        fast = not (return_weights or explicit)
+        fast = not (return_weights or explicit or _transformed(q, k, v, s2, log_prior))
         key_padding_only = mask is None or mask.shape[-2] == 1
         hard = mixture == "max"
         if hard:  # Hard-E has a fused form only in our CPU kernel
