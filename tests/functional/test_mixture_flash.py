@@ -366,3 +366,29 @@ def test_forward_mode_ad_takes_a_path_that_has_tangents(mixture):
             a[which] = fwAD.make_dual(args[which], tangent)
             dual = fwAD.unpack_dual(mgk_attention(*a, mixture=mixture)).tangent
         torch.testing.assert_close(dual, want, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal,L,S", [(False, 300, 700), (True, 600, 600), (True, 150, 620), (True, 620, 150)])
+@pytest.mark.parametrize("sigma", ["default", "unequal"])
+def test_soft_e_statistics_kernel_equals_chunked_path(causal, L, S, sigma):
+    """The E-step's responsibilities through the kernel equal the chunked explicit computation, with key padding,
+    padded queries (poisoned with NaN) and bottom-right causality."""
+    from mgk.functional import mgk_responsibilities
+
+    q, k, _ = make_inputs(B=2, H=2, L=L, S=S, M=3, D=8, Dv=1, dtype=F64, seed=31)
+    key_mask = padding_mask([S, S // 3], S, left=causal)
+    query_mask = torch.ones(2, L, dtype=torch.bool)
+    query_mask[1, L // 2:] = False
+    q[1, :, L // 2:] = float("nan")
+    k[1, :, :, S // 3:] = float("nan") if not causal else k[1, :, :, S // 3:]
+    kw = dict(attn_mask=key_mask, is_causal=causal, query_mask=query_mask,
+              log_pi=normalised_log_pi((2, 2, 3, S), dim=2, seed=2),
+              sigma2=torch.tensor([0.7, 2.0, 1.1], dtype=F64) if sigma == "unequal" else None)
+    assert _mixture_flash.usable(q, k[:, :, 0], 0.0)
+    resp, count = mgk_responsibilities(q, k, **kw)
+    with _mixture_flash.disabled():
+        ref, ref_count = mgk_responsibilities(q, k, **kw)
+    assert torch.isfinite(resp).all()
+    torch.testing.assert_close(count, ref_count)
+    torch.testing.assert_close(resp, ref, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(resp.sum(1), count, atol=1e-8, rtol=1e-10)  # responsibilities sum to 1 per pair

@@ -199,3 +199,25 @@ def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch
     rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else qf.new_empty(0)
     out, _ = _forward_op(qf, kf, bf, vf, rf, bool(is_causal), bool(hard))
     return out.view(B, H, L, Dv)
+
+
+def responsibilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, rowbias: torch.Tensor | None,
+                     query_ok: torch.Tensor | None, key_ok: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+    """Soft-E statistics through the C++ kernel (no gradient; check :func:`usable` first).
+
+    Args: q (B, H, L, D); k (B, H, M, S, D) divided by sigma_r^2; bias (B, H, M, S) finite; rowbias (B, H, M, L) or
+        None; query_ok (B, H, L) and key_ok (B, H, S) bool or None; is_causal (bottom-right).
+    Returns:
+        (B, H, M, S): for each key j and component r, the sum over the queries i that may attend to j of
+        ``softmax_r(q_i.k_jr + bias_jr + rowbias_ir)``.
+    """
+    B, H, L, D = q.shape
+    M, S = k.shape[2], k.shape[3]
+    flat = lambda t, *shape: t.expand(B, H, *shape).reshape(B * H, *shape).contiguous()  # noqa: E731
+    resp = _load().responsibilities(
+        flat(q, L, D), flat(k, M, S, D), flat(bias, M, S),
+        flat(rowbias, M, L) if rowbias is not None else q.new_empty(0),
+        flat(query_ok, L) if query_ok is not None else q.new_empty(0, dtype=torch.bool),
+        flat(key_ok, S) if key_ok is not None else q.new_empty(0, dtype=torch.bool), bool(is_causal))
+    return resp.view(B, H, M, S)
+

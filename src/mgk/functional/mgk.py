@@ -349,6 +349,9 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         q, k = query.detach().to(dt), key.detach().to(dt)
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
+        if (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
+                and _mixture_flash.usable(q, k[:, :, 0], 0.0)):
+            return _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask)
         valid = _masks.combine(mask, is_causal, L, S, query.device)
         if query_mask is not None:
             qm = query_mask.view(B, 1, L, 1)
@@ -376,3 +379,33 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
             g.masked_fill_(~valid[:, :, a:b].unsqueeze(-2), 0.0)
             resp += g.sum(dim=(0, 2))
     return resp, count
+
+
+def _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask):
+    """:func:`mgk_responsibilities` through the C++ kernel, for masks that are at most key padding: nothing of
+    size L x S is built (the counts are computed from the query and key masks)."""
+    B, H, L, D = q.shape
+    M, S = k.shape[2], k.shape[3]
+    key_ok = None if mask is None else mask[..., 0, :].expand(B, H, S)
+    if key_ok is not None:  # padded keys may hold NaN: zero them (where, not multiply)
+        k = torch.where(key_ok[:, :, None, :, None], k, torch.zeros((), dtype=k.dtype, device=k.device))
+    inv = (1.0 / s2).view(M, 1)
+    bias = log_prior - (k * k).sum(-1) * (0.5 * inv)
+    rowbias = None
+    if not bool(torch.all(s2 == s2[0])):  # unequal variances: |q|^2 does not cancel across components
+        rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv)
+    query_ok = None if query_mask is None else query_mask.view(B, 1, L).expand(B, H, L)
+    resp = _mixture_flash.responsibilities(q, k * inv.view(M, 1, 1), bias, rowbias, query_ok, key_ok, is_causal)
+    # count[h, j] = number of (b, i) with a real query i that may see key j.
+    real = (torch.ones(B, L, dtype=q.dtype, device=q.device) if query_mask is None else query_mask.to(q.dtype))
+    if is_causal:  # query i sees j when i >= j - (S - L): a suffix count of real queries
+        suffix = F.pad(real.flip(-1).cumsum(-1).flip(-1), (0, 1))  # suffix[b, t] = real queries at i >= t
+        first = (torch.arange(S, device=q.device) - (S - L)).clamp(0, L)
+        per_key = suffix[:, first]  # (B, S)
+    else:
+        per_key = real.sum(-1, keepdim=True).expand(B, S)
+    seen = per_key.unsqueeze(1).expand(B, H, S)
+    if key_ok is not None:
+        seen = seen * key_ok.to(q.dtype)
+    return resp.sum(0), seen.sum(0)
+

@@ -404,6 +404,71 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
   }
 }
 
+// Soft-E E-step: resp[r][j] = sum over queries i that may attend to j of softmax_r(s_ijr). Tasks own key blocks.
+template <typename T>
+void responsibilities_impl(const T* q, const T* k, const T* bias, const T* rowbias, const uint8_t* query_ok,
+                           const uint8_t* key_ok, T* resp, const Shapes<T>& sh) {
+  const int64_t kblock = task_block(kBlockK, 64, sh.BH, sh.S);
+  const int64_t nkb = (sh.S + kblock - 1) / kblock;
+  const int64_t offset = sh.S - sh.L;
+  const size_t blk = static_cast<size_t>(kBlockQ) * kBlockK;
+  at::parallel_for(0, sh.BH * nkb, grain_for(sh, sh.BH * nkb), [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    T* sc = scratch<T>(0, static_cast<size_t>(sh.M) * blk);
+    T* keep = scratch<T>(1, kBlockK);
+    T* rowmax_unused = scratch<T>(3, kBlockQ);
+    const int W = V<T>::size();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nkb, k0 = (task % nkb) * kblock;
+      const int bk = static_cast<int>(std::min<int64_t>(kblock, sh.S - k0));
+      for (int j = 0; j < bk; ++j) keep[j] = (key_ok == nullptr || key_ok[bh * sh.S + k0 + j]) ? T(1) : T(0);
+      int64_t qstart = 0;
+      if (sh.causal) qstart = std::max<int64_t>(0, k0 - offset) / kBlockQ * kBlockQ;
+      for (int64_t q0 = qstart; q0 < sh.L; q0 += kBlockQ) {
+        const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
+        const T* qb = q + (bh * sh.L + q0) * sh.D;
+        for (int64_t r = 0; r < sh.M; ++r) {
+          T* s = sc + r * blk;
+          gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, k + ((bh * sh.M + r) * sh.S + k0) * sh.D, sh.D, T(0), s,
+               kBlockK);
+          const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
+          std::fill(rowmax_unused, rowmax_unused + kBlockQ, -std::numeric_limits<T>::infinity());
+          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, false, rowmax_unused);
+        }
+        for (int i = 0; i < bq; ++i) {
+          if (query_ok != nullptr && !query_ok[bh * sh.L + q0 + i]) continue;
+          int visible = bk;
+          if (sh.causal) {
+            const int64_t last = q0 + i + offset - k0;
+            visible = last < 0 ? 0 : (last + 1 < bk ? static_cast<int>(last + 1) : bk);
+          }
+          const int64_t o = static_cast<int64_t>(i) * kBlockK;
+          int j = 0;
+          for (; j + W <= visible; j += W) {
+            V<T> m = V<T>::loadu(sc + o + j);
+            for (int64_t r = 1; r < sh.M; ++r) m = at::vec::maximum(m, V<T>::loadu(sc + r * blk + o + j));
+            V<T> total(T(0));
+            for (int64_t r = 0; r < sh.M; ++r) total = total + vexp<T>(V<T>::loadu(sc + r * blk + o + j) - m);
+            const V<T> w = V<T>::loadu(keep + j) / total;
+            for (int64_t r = 0; r < sh.M; ++r) {
+              T* out = resp + (bh * sh.M + r) * sh.S + k0 + j;
+              (V<T>::loadu(out) + vexp<T>(V<T>::loadu(sc + r * blk + o + j) - m) * w).store(out);
+            }
+          }
+          for (; j < visible; ++j) {
+            T m = sc[o + j];
+            for (int64_t r = 1; r < sh.M; ++r) m = nanmax(m, sc[r * blk + o + j]);
+            T total = 0;
+            for (int64_t r = 0; r < sh.M; ++r) total += std::exp(sc[r * blk + o + j] - m);
+            for (int64_t r = 0; r < sh.M; ++r)
+              resp[(bh * sh.M + r) * sh.S + k0 + j] += keep[j] * std::exp(sc[r * blk + o + j] - m) / total;
+          }
+        }
+      }
+    }
+  });
+}
+
 void check(const torch::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -454,7 +519,32 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
   return {dq, dk, dbias, dv, drb};
 }
 
+// Soft-E statistics: q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), rowbias (BH, M, L) or empty, query_ok
+// (BH, L) and key_ok (BH, S) bool or empty -> resp (BH, M, S).
+torch::Tensor mixture_responsibilities(torch::Tensor q, torch::Tensor k, torch::Tensor bias, torch::Tensor rowbias,
+                                       torch::Tensor query_ok, torch::Tensor key_ok, bool causal) {
+  check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3);
+  TORCH_CHECK(q.size(2) > 0, "head size must be positive");
+  const bool has_rb = rowbias.numel() > 0;
+  if (has_rb) check(rowbias, "rowbias", 3);
+  for (const auto* t : {&query_ok, &key_ok})
+    TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == at::kBool && t->is_contiguous() && t->dim() == 2),
+                "query_ok/key_ok must be contiguous bool (BH, L)/(BH, S)");
+  auto resp = torch::zeros({k.size(0), k.size(1), k.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_responsibilities", [&] {
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), q.size(2), causal, has_rb, false};
+    responsibilities_impl<scalar_t>(
+        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+        has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
+        query_ok.numel() ? reinterpret_cast<const uint8_t*>(query_ok.data_ptr<bool>()) : nullptr,
+        key_ok.numel() ? reinterpret_cast<const uint8_t*>(key_ok.data_ptr<bool>()) : nullptr,
+        resp.data_ptr<scalar_t>(), sh);
+  });
+  return resp;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mixture_flash_forward, "MGK mixture flash forward (CPU)");
   m.def("backward", &mixture_flash_backward, "MGK mixture flash backward (CPU)");
+  m.def("responsibilities", &mixture_responsibilities, "Soft-E E-step statistics (CPU)");
 }
