@@ -335,6 +335,9 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
     Returns:
         ``(resp_sum, count)``: float32 (or float64) tensors of shapes (H, M, S) and (H, S). The Soft-E update is
         ``pi[h, r, j] = resp_sum[h, r, j] / count[h, j]`` where ``count > 0``. Under DDP, all-reduce both first.
+
+    On CPU with at most key padding the C++ kernel computes the sums block by block (no L x S tensor); otherwise
+    the (B, H, chunk, M, S) scores are built in query chunks.
     """
     check_tensor(key, "key", 5, "(B, H, M, S, D)")
     if key.shape[2] < 1:
