@@ -39,6 +39,7 @@ def _lengths(text: str) -> list[int]:
 def _positive(kind):
     """argparse type: a positive int or float, named in the error."""
     def parse(text: str):
+        """``text`` as ``kind``; raises argparse.ArgumentTypeError unless it is a number > 0."""
         try:
             value = kind(text)
         except ValueError:

@@ -180,6 +180,12 @@ def _needs_qnorm(s2: Tensor) -> bool:
     return s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0]))
 
 
+def _triton_usable(q: Tensor, v: Tensor, s2: Tensor, dropout_p: float, hard: bool) -> bool:
+    """The Triton kernels take the sum mixture with equal fixed variances and positive head sizes."""
+    return (not hard and _mixture_triton.available(q, dropout_p) and q.shape[-1] > 0 and v.shape[-1] > 0
+            and not _needs_qnorm(s2))
+
+
 def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor | None:
     """Rows (broadcastable to (B, H, L, 1)) that see no key under bottom-right causality and key padding
     ``keys_ok`` (bool, broadcastable to (B, H, 1, S)); None when every row sees a key."""
@@ -209,7 +215,7 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False, hard=Fals
     if not hard:
         bias = bias + log_prior
     need_qnorm = _needs_qnorm(s2)
-    triton_ok = not (need_qnorm or hard) and _mixture_triton.available(q, dropout_p) and D > 0 and Dv > 0
+    triton_ok = _triton_usable(q, v, s2, dropout_p, hard)
     kernel_ok = triton_ok or _mixture_flash.usable(q, v, dropout_p)
     if mask is not None and mask.shape[-2] == 1:
         # A mask that does not depend on the query (key padding) goes into the bias: the kernels then run without
@@ -302,7 +308,7 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
             fast = fast and key_padding_only and _mixture_flash.usable(q, v, dropout_p)
         if fast and is_causal and key_padding_only and (
                 _mixture_flash.usable(q, v, dropout_p) or (L == S and _component_flash.available(q, dropout_p))
-                or (_mixture_triton.available(q, dropout_p) and not _needs_qnorm(s2) and D > 0 and v.shape[-1] > 0)):
+                or _triton_usable(q, v, s2, dropout_p, hard)):
             # Causal with at most key padding: the fused kernels apply causality themselves and skip the blocks
             # above the diagonal (an explicit (L, S) mask would make them visit every block).
             keys_ok, k, v, _ = _masks.prepare(mask, k, v)
@@ -395,7 +401,7 @@ def _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask):
     inv = (1.0 / s2).view(M, 1)
     bias = log_prior - (k * k).sum(-1) * (0.5 * inv)
     rowbias = None
-    if not bool(torch.all(s2 == s2[0])):  # unequal variances: |q|^2 does not cancel across components
+    if _needs_qnorm(s2):  # unequal variances: |q|^2 does not cancel across components
         rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv)
     query_ok = None if query_mask is None else query_mask.view(B, 1, L).expand(B, H, L)
     resp = _mixture_flash.responsibilities(q, k * inv.view(M, 1, 1), bias, rowbias, query_ok, key_ok, is_causal)

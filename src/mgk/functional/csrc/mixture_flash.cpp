@@ -116,7 +116,7 @@ T* scratch(int slot, size_t n) {
 template <typename T>
 struct Shapes {
   int64_t BH, M, L, S, D, Dv;
-  bool causal, has_rowbias, hard;
+  bool causal, hard;
 };
 
 constexpr int kBlockQ = 128;
@@ -162,7 +162,7 @@ inline void max_over_components(const T* src, int64_t M, size_t blk, int bq, int
 }
 
 // Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
-// triangle with -inf, and returns the maximum of each row through rowmax (updated in place).
+// triangle with -inf, and, when rowmax is given, raises it to the maximum of each row.
 template <typename T>
 inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias, int64_t q0, int64_t k0,
                           int64_t offset, bool causal, T* rowmax) {
@@ -189,7 +189,7 @@ inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias
       mx = nanmax(mx, row[j]);
     }
     for (j = visible; j < bk; ++j) row[j] = ninf;
-    rowmax[i] = nanmax(rowmax[i], mx);
+    if (rowmax) rowmax[i] = nanmax(rowmax[i], mx);
   }
 }
 
@@ -299,7 +299,6 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
     T* pr = scratch<T>(0, static_cast<size_t>(sh.M) * blk);
     T* a = scratch<T>(1, blk);
     T* dp = scratch<T>(2, blk);
-    T* rowmax_unused = scratch<T>(3, kBlockQ);
     auto part = std::make_unique<Partial>();
     part->begin = begin;
     part->bh_lo = begin / nkb;
@@ -326,9 +325,7 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
           const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
           gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, kb, sh.D, T(0), s, kBlockK);
           const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
-          std::fill(rowmax_unused, rowmax_unused + kBlockQ, ninf);
-          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
-                           rowmax_unused);
+          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal, nullptr);
         }
         if (!sh.hard) {
           // P_r = exp(s_r - LSE) in place; A = sum_r P_r. dS_r = P_r * (dP - delta) below.
@@ -416,7 +413,6 @@ void responsibilities_impl(const T* q, const T* k, const T* bias, const T* rowbi
     SerialBlas serial;
     T* sc = scratch<T>(0, static_cast<size_t>(sh.M) * blk);
     T* keep = scratch<T>(1, kBlockK);
-    T* rowmax_unused = scratch<T>(3, kBlockQ);
     const int W = V<T>::size();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nkb, k0 = (task % nkb) * kblock;
@@ -432,8 +428,7 @@ void responsibilities_impl(const T* q, const T* k, const T* bias, const T* rowbi
           gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, k + ((bh * sh.M + r) * sh.S + k0) * sh.D, sh.D, T(0), s,
                kBlockK);
           const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
-          std::fill(rowmax_unused, rowmax_unused + kBlockQ, -std::numeric_limits<T>::infinity());
-          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, false, rowmax_unused);
+          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, false, nullptr);
         }
         for (int i = 0; i < bq; ++i) {
           if (query_ok != nullptr && !query_ok[bh * sh.L + q0 + i]) continue;
@@ -488,7 +483,7 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
   auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_forward", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb, hard};
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, hard};
     forward_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
                            v.data_ptr<scalar_t>(), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
                            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh);
@@ -508,7 +503,7 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
        dv = torch::zeros_like(v);
   auto drb = has_rb ? torch::zeros_like(rowbias) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_backward", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, has_rb, hard};
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, hard};
     backward_impl<scalar_t>(dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
                             bias.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                             has_rb ? rowbias.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),
@@ -532,7 +527,7 @@ torch::Tensor mixture_responsibilities(torch::Tensor q, torch::Tensor k, torch::
                 "query_ok/key_ok must be contiguous bool (BH, L)/(BH, S)");
   auto resp = torch::zeros({k.size(0), k.size(1), k.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_responsibilities", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), q.size(2), causal, has_rb, false};
+    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), q.size(2), causal, false};
     responsibilities_impl<scalar_t>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
         has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
