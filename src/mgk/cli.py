@@ -21,7 +21,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--data", default=None, help="folder with the release files (default: generate)")
     p.add_argument("--attention", default=None, help="softmax, mgk, smgk, linear, mlk or smlk")
     p.add_argument("--heads", type=int, default=None, help="number of attention heads")
-    p.add_argument("--pi", default=None, choices=["learned", "soft_e", "hard_e"], help="MGK mixture-weight mode")
+    p.add_argument("--pi", default=None, choices=["learned", "soft_e", "hard_e"],
+                   help="mixture-weight mode of mgk / smgk (mlk / smlk: learned only); an error for other kinds")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
@@ -45,6 +46,7 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
                              f"drop --{', --'.join(flags)} (use --set for steps or bookkeeping fields)")
         changes = {k: v for k, v in (("steps", args.steps), ("precision", args.precision)) if v is not None}
         cfg = config_mod.apply_overrides(dataclasses.replace(cfg, **changes), args.overrides)
+        config_mod.check_attention_options(cfg, config_mod.override_keys(args.overrides))
         return cfg, run_dir, True
     task = args.task or "listops"
     preset = args.preset or f"{task}-small"
@@ -54,8 +56,14 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
     cfg = presets[preset] if args.task is None else dataclasses.replace(presets[preset], task=task)
     flags = {"data": args.data, "attention": args.attention, "num_heads": args.heads, "pi": args.pi,
              "steps": args.steps, "seed": args.seed, "precision": args.precision}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
+    given = {k for k, v in flags.items() if v is not None}
+    cfg = dataclasses.replace(cfg, **{k: flags[k] for k in given})
     cfg = config_mod.apply_overrides(cfg, args.overrides)
+    # Only options set on purpose (flag, --set, preset) are refused for a kind that does not take them; defaults
+    # of such options are simply not passed to the model.
+    config_mod.validate(cfg)
+    config_mod.check_attention_options(cfg, config_mod.explicit_fields(cfg, given | config_mod.override_keys(
+        args.overrides)))
     out = Path(args.out) if args.out else Path("runs") / f"{cfg.task}-{cfg.attention}{cfg.num_heads}-" \
                                                           f"{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, out, False

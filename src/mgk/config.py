@@ -1,19 +1,27 @@
-"""Run configuration: one typed dataclass, presets as instances, ``--set key=value`` overrides.
+"""Run configuration: one typed dataclass, presets as instances, ``--set key=value`` overrides, and the one place
+where the model configuration is derived from it (:func:`encoder_config`, :func:`lm_config`).
 
 Presets live beside their tasks (``mgk.tasks.<task>.PRESETS``); one that reproduces the paper cites its source.
-Every field can be overridden from the command line; unknown keys and values that do not parse as the field's
-type are errors.
+Every field can be overridden from the command line by its flat name (``--set pi=soft_e``, the keys of 0.1.0 run
+directories); unknown keys and values that do not parse as the field's type are errors. Each field belongs to one
+group (:func:`fields_of`): "data", "lm", "model", "attention", "attention_option", "optim" or "run". The
+"attention_option" fields reach only the attention kinds that take them (:mod:`mgk.attention.registry`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, Optional, get_args, get_origin, get_type_hints
 
-# Fields that define the model's shape: a checkpoint whose values differ is refused on resume.
-MODEL_FIELDS = ("task", "attention", "num_heads", "head_dim", "d_model", "num_layers", "ffn_dim", "num_keys", "pi",
-                "pi_shape", "sigma2", "max_len", "pooling", "classifier_dim", "vocab_size", "num_classes")
+from .models.config import AttentionConfig, EncoderConfig, LMConfig
+
+GROUPS = ("data", "lm", "model", "attention", "attention_option", "optim", "run")
+
+
+def _f(default, group: str):
+    """A field with ``default`` in ``group`` (kept in the field's metadata)."""
+    return dataclasses.field(default=default, metadata={"group": group})
 
 
 @dataclass
@@ -21,63 +29,63 @@ class RunConfig:
     """Everything a run needs. Lengths are in tokens, learning rates per optimiser step, steps are optimiser steps."""
 
     # task and data
-    task: str = "listops"
-    data: Optional[str] = None  # folder with the release files; None = generate the embedded default
-    max_len: int = 128  # longest input in tokens (a longer one is an error unless truncate)
-    truncate: bool = False
-    gen_train: int = 6000  # sizes of the generated default data (used when data is None)
-    gen_val: int = 1000
-    gen_test: int = 1000
-    gen_max_depth: int = 3
-    gen_max_args: int = 5
-    gen_min_length: int = 10
-    gen_max_length: int = 100
-    val_fraction: float = 0.1  # share of train carved out as validation where a release has no val split
-    split_seed: int = 0  # seed of such carved splits (fixed, documented, independent of the training seed)
-    level: str = "curv_contour_length_14"  # Pathfinder difficulty folder
-    cache_dir: Optional[str] = None  # tokenised-array cache: None = <data dir>/.mgk-cache when writable, else
+    task: str = _f("listops", "data")
+    data: Optional[str] = _f(None, "data")  # folder with the release files; None = generate the embedded default
+    max_len: int = _f(128, "data")  # longest input in tokens (a longer one is an error unless truncate)
+    truncate: bool = _f(False, "data")
+    gen_train: int = _f(6000, "data")  # sizes of the generated default data (used when data is None)
+    gen_val: int = _f(1000, "data")
+    gen_test: int = _f(1000, "data")
+    gen_max_depth: int = _f(3, "data")
+    gen_max_args: int = _f(5, "data")
+    gen_min_length: int = _f(10, "data")
+    gen_max_length: int = _f(100, "data")
+    val_fraction: float = _f(0.1, "data")  # share of train carved out as validation where a release has no val split
+    split_seed: int = _f(0, "data")  # seed of such carved splits (fixed, documented, independent of the training seed)
+    level: str = _f("curv_contour_length_14", "data")  # Pathfinder difficulty folder
+    cache_dir: Optional[str] = _f(None, "data")  # tokenised-array cache: None = <data dir>/.mgk-cache when writable, else
     # $XDG_CACHE_HOME/mgk (~/.cache/mgk); "off" disables caching
-    # language modelling (SPEC section 2: WikiText-103 small setting)
-    segment_len: int = 256  # training/eval segment length in tokens
-    adaptive_cutoffs: Optional[list] = None  # adaptive input/softmax cutoffs; None = [20000, 40000, 200000]
-    eval_context: int = 0  # sliding-window context for final evaluation (0 = segment mode)
-    eval_stride: int = 0  # sliding-window stride (0 = segment mode)
-    # model (SPEC section 2: LRA encoder)
-    attention: str = "mgk"
-    num_heads: int = 4
-    head_dim: int = 32
-    d_model: int = 64
-    num_layers: int = 2
-    ffn_dim: int = 128
-    dropout: float = 0.1
-    attn_dropout: float = 0.1
-    num_keys: int = 2
-    pi: str = "learned"
-    pi_shape: str = "head"
-    sigma2: Optional[list] = None  # per-component variances; None = sqrt(head_dim)
-    pooling: str = "mean"
-    classifier_dim: int = 128
-    vocab_size: int = 0  # filled in by the task
-    num_classes: int = 0  # filled in by the task
+    # language modelling (Nguyen et al. 2022, Section 4.2: WikiText-103, small setting of Schlag et al. 2021)
+    segment_len: int = _f(256, "lm")  # training/eval segment length in tokens
+    adaptive_cutoffs: Optional[list] = _f(None, "lm")  # adaptive input/softmax cutoffs; None = [20000, 40000, 200000]
+    eval_context: int = _f(0, "lm")  # sliding-window context for final evaluation (0 = segment mode)
+    eval_stride: int = _f(0, "lm")  # sliding-window stride (0 = segment mode)
+    # model (Nguyen et al. 2022, Section 4.1: the LRA encoder of Nystromformer, Xiong et al. 2021)
+    attention: str = _f("mgk", "attention")
+    num_heads: int = _f(4, "attention")
+    head_dim: int = _f(32, "attention")
+    d_model: int = _f(64, "model")
+    num_layers: int = _f(2, "model")
+    ffn_dim: int = _f(128, "model")
+    dropout: float = _f(0.1, "model")
+    attn_dropout: float = _f(0.1, "attention")
+    num_keys: int = _f(2, "attention_option")
+    pi: str = _f("learned", "attention_option")
+    pi_shape: str = _f("head", "attention_option")
+    sigma2: Optional[list] = _f(None, "attention_option")  # per-component variances; None = sqrt(head_dim)
+    pooling: str = _f("mean", "model")
+    classifier_dim: int = _f(128, "model")
+    vocab_size: int = _f(0, "model")  # filled in by the task
+    num_classes: int = _f(0, "model")  # filled in by the task
     # optimisation
-    steps: int = 1500
-    batch_size: int = 32  # global batch (split across ranks)
-    grad_accum: int = 1
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-6
-    warmup_steps: int = 100
-    schedule: str = "linear"  # linear warm-up then "linear" decay, "cosine" decay or "constant"
-    grad_clip: float = 0.0  # 0 = off
-    precision: str = "32"  # "32", "bf16" or "fp16"
-    nonfinite: str = "stop"  # "stop" the run, or "skip" the step and count it
-    seed: int = 0
+    steps: int = _f(1500, "optim")
+    batch_size: int = _f(32, "optim")  # global batch (split across ranks)
+    grad_accum: int = _f(1, "optim")
+    lr: float = _f(1e-3, "optim")
+    weight_decay: float = _f(0.0, "optim")
+    adam_eps: float = _f(1e-6, "optim")
+    warmup_steps: int = _f(100, "optim")
+    schedule: str = _f("linear", "optim")  # linear warm-up then "linear" decay, "cosine" decay or "constant"
+    grad_clip: float = _f(0.0, "optim")  # 0 = off
+    precision: str = _f("32", "optim")  # "32", "bf16" or "fp16"
+    nonfinite: str = _f("stop", "optim")  # "stop" the run, or "skip" the step and count it
+    seed: int = _f(0, "run")
     # bookkeeping
-    log_every: int = 25
-    eval_every: int = 250
-    eval_batch_size: int = 64
-    checkpoint_every: int = 250
-    progress: bool = True
+    log_every: int = _f(25, "run")
+    eval_every: int = _f(250, "run")
+    eval_batch_size: int = _f(64, "run")
+    checkpoint_every: int = _f(250, "run")
+    progress: bool = _f(True, "run")
 
 
 def _coerce(text: str, hint, name: str):
@@ -127,6 +135,11 @@ def apply_overrides(cfg: RunConfig, pairs: list[str]) -> RunConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+def override_keys(pairs: list[str]) -> set[str]:
+    """The keys of ``key=value`` strings (as :func:`apply_overrides` reads them)."""
+    return {pair.split("=", 1)[0].strip() for pair in pairs}
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ValueError naming the field for values out of range."""
     positive = ("max_len", "num_heads", "head_dim", "d_model", "num_layers", "ffn_dim", "num_keys", "steps",
@@ -168,10 +181,61 @@ def from_dict(d: dict) -> RunConfig:
     return RunConfig(**d)
 
 
-def model_differences(a: dict, b: dict) -> list[str]:
-    """Names of model-shaping fields whose values differ between two config dicts, with both values."""
-    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in MODEL_FIELDS if a.get(k) != b.get(k)]
+def fields_of(group: str) -> tuple[str, ...]:
+    """Names of the RunConfig fields in ``group`` (one of :data:`GROUPS`), in declaration order."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown config group {group!r}; choose one of {GROUPS}")
+    return tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata["group"] == group)
 
 
-__all__ = ["RunConfig", "apply_overrides", "validate", "to_dict", "from_dict", "model_differences",
-           "MODEL_FIELDS"]
+def explicit_fields(cfg: RunConfig, given: Iterable[str] = ()) -> set[str]:
+    """Fields set on purpose: those named in ``given`` (CLI flags, ``--set`` keys) and those whose value differs
+    from RunConfig's default (set by the preset)."""
+    default = RunConfig()
+    return set(given) | {f.name for f in dataclasses.fields(RunConfig)
+                         if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
+def check_attention_options(cfg: RunConfig, explicit: Iterable[str]) -> None:
+    """ValueError naming the first field of group "attention_option" in ``explicit`` that ``cfg.attention`` does
+    not take (e.g. ``pi`` for softmax). Defaults of such options are never refused: they are simply not passed."""
+    from .attention.registry import attention_options
+
+    takes = attention_options(cfg.attention)
+    for name in fields_of("attention_option"):
+        if name in explicit and name not in takes:
+            raise ValueError(f"option {name!r} does not apply to attention {cfg.attention!r} "
+                             f"({cfg.attention} takes {', '.join(takes) or 'no options'})")
+
+
+def attention_config(cfg: RunConfig, *, max_len: int | None = None) -> AttentionConfig:
+    """The attention of ``cfg``: kind, heads, head_dim, attn_dropout, and only the options the kind takes
+    (``max_len`` overrides ``cfg.max_len`` for per-position mixture weights)."""
+    from .attention.registry import attention_options
+
+    values = {**{k: getattr(cfg, k) for k in fields_of("attention_option")},
+              "max_len": cfg.max_len if max_len is None else max_len}
+    options = {k: v for k, v in values.items() if k in attention_options(cfg.attention)}
+    return AttentionConfig(kind=cfg.attention, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                           dropout=cfg.attn_dropout, options=options)
+
+
+def encoder_config(cfg: RunConfig) -> EncoderConfig:
+    """The LRA classifier / retrieval model of ``cfg`` (``vocab_size`` and ``num_classes`` as filled in by the
+    task)."""
+    return EncoderConfig(vocab_size=cfg.vocab_size, num_classes=cfg.num_classes, max_len=cfg.max_len,
+                         d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim, dropout=cfg.dropout,
+                         pooling=cfg.pooling, classifier_dim=cfg.classifier_dim, attention=attention_config(cfg))
+
+
+def lm_config(cfg: RunConfig, vocab_size: int | None = None) -> LMConfig:
+    """The decoder LM of ``cfg`` over ``vocab_size`` words (default ``cfg.vocab_size``). The attention's
+    ``max_len`` is at least ``segment_len``, so that per-position mixture weights cover a segment."""
+    cutoffs = None if cfg.adaptive_cutoffs is None else tuple(int(c) for c in cfg.adaptive_cutoffs)
+    return LMConfig(vocab_size=cfg.vocab_size if vocab_size is None else vocab_size, d_model=cfg.d_model,
+                    num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim, dropout=cfg.dropout, cutoffs=cutoffs,
+                    attention=attention_config(cfg, max_len=max(cfg.max_len, cfg.segment_len)))
+
+
+__all__ = ["RunConfig", "GROUPS", "apply_overrides", "validate", "to_dict", "from_dict", "fields_of",
+           "explicit_fields", "override_keys", "check_attention_options", "attention_config", "encoder_config", "lm_config"]

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import mgk
+from mgk.attention.registry import attention_options
 
 # Inductor compiles take 10-40 s each on 2 cores: one case runs in CI, the rest with `pytest -m slow`.
 CASES = [("mgk", "learned")] + [pytest.param(k, p, marks=pytest.mark.slow) for k, p in (
@@ -14,7 +15,8 @@ CASES = [("mgk", "learned")] + [pytest.param(k, p, marks=pytest.mark.slow) for k
 def test_compiled_module_matches_eager(kind, pi):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = mgk.build_attention(kind, 32, 2, head_dim=16, pi=pi, max_len=16).eval()
+    options = {k: v for k, v in dict(pi=pi, max_len=16).items() if k in attention_options(kind)}
+    m = mgk.build_attention(kind, 32, 2, head_dim=16, **options).eval()
     x = torch.randn(2, 9, 32, requires_grad=True)
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[1, 6:] = True

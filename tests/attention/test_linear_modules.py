@@ -162,9 +162,14 @@ def test_bf16_autocast_module_large_inputs(kind, options):
 
 def test_registry_builds_the_right_classes():
     assert {"linear", "mlk", "smlk"} <= set(mgk.attention_kinds())
-    lin = build_attention("linear", E, H, num_keys=3, sigma2=2.0, pi="soft_e")  # mixture options dropped
+    lin = build_attention("linear", E, H)
     assert type(lin) is LinearAttention and not hasattr(lin, "pi_logits")
-    mlk = build_attention("mlk", E, H, num_keys=3, sigma2=2.0, dropout=0.1, head_dim=4)
+    for option in ({"num_keys": 3}, {"pi": "soft_e"}, {"sigma2": 2.0}):  # never silently dropped
+        with pytest.raises(ValueError, match=f"{next(iter(option))}.*linear"):
+            build_attention("linear", E, H, **option)
+    with pytest.raises(ValueError, match="sigma2.*mlk"):
+        build_attention("mlk", E, H, sigma2=2.0)
+    mlk = build_attention("mlk", E, H, num_keys=3, dropout=0.1, head_dim=4)
     assert type(mlk) is MLKAttention and mlk.keys == "separate" and mlk.num_keys == 3 and mlk.head_dim == 4
     assert mlk.k_proj.out_features == 3 * H * 4 and mlk.dropout == 0.1
     smlk = build_attention("smlk", E, H)

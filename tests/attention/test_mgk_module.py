@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import mgk
+from mgk.attention.registry import attention_options
 from mgk.functional import MaskError
 
 KINDS = [("softmax", "learned"), ("mgk", "learned"), ("mgk", "soft_e"), ("mgk", "hard_e"), ("smgk", "learned"),
@@ -13,7 +14,8 @@ KINDS = [("softmax", "learned"), ("mgk", "learned"), ("mgk", "soft_e"), ("mgk", 
 
 def make(kind, pi, E=16, H=2, D=8, max_len=16, dropout=0.0, **kw):
     torch.manual_seed(0)
-    return mgk.build_attention(kind, E, H, head_dim=D, pi=pi, max_len=max_len, dropout=dropout, **kw)
+    options = {k: v for k, v in dict(pi=pi, max_len=max_len).items() if k in attention_options(kind)}
+    return mgk.build_attention(kind, E, H, head_dim=D, dropout=dropout, **options, **kw)
 
 
 @pytest.mark.parametrize("kind,pi", KINDS)

@@ -1,4 +1,4 @@
-"""The two-tower retrieval model: shared encoder, head on [x0, x1, x0*x1, x0-x1], padding-independence (R22)."""
+"""The two-tower retrieval model: shared encoder, head on [x0, x1, x0*x1, x0-x1], padding-independence."""
 from __future__ import annotations
 
 import pytest

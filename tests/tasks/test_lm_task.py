@@ -113,7 +113,7 @@ def test_unigram_perplexity_invariant_to_batch_size_segment_length_and_world_siz
     ds = LMSegments(tokens, 1, segment_len, drop_last=False)
     task = LMTask("lm", {}, vocab=None)
     for bs in (2, 64):
-        for world in (1, 3):  # rank r of `world` takes examples r, r+W, ...; sums add up over ranks (R14)
+        for world in (1, 3):  # rank r of `world` takes examples r, r+W, ...; sums add up over ranks
             total, count = 0.0, 0
             for r in range(world):
                 info = SimpleNamespace(rank=r, world_size=world, device=torch.device("cpu"))

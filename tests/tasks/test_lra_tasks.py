@@ -1,4 +1,4 @@
-"""`mgk train --task text|retrieval|image|pathfinder|listops` end to end on tiny fixtures; R19 and R20 records."""
+"""`mgk train --task text|retrieval|image|pathfinder|listops` end to end on tiny fixtures; the length and the Pathfinder level are recorded."""
 from __future__ import annotations
 
 import json
@@ -38,7 +38,7 @@ def _train(out, task, *extra, steps=3, data=None):
 def test_text_trains_and_records_the_length_used(tmp_path):
     data = make_imdb_tar(tmp_path, n_per_class=12)
     res, cfg, log = _train(tmp_path / "run", "text", "max_len=24", data=data)
-    assert res["task"] == "text" and res["max_len"] == 24 and cfg["max_len"] == 24  # R19: length recorded
+    assert res["task"] == "text" and res["max_len"] == 24 and cfg["max_len"] == 24  # the length is recorded
     assert res["val"]["max_len"] == 24 and res["test"]["count"] == 24 and res["val"]["count"] == 2
     assert "cut to their first 24 bytes" in log and "never from test" in log
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
@@ -85,7 +85,7 @@ def test_image_trains_on_pickle_batches(tmp_path):
 def test_pathfinder_default_generates_the_hard_level_and_records_it(tmp_path):
     res, cfg, log = _train(tmp_path / "run", "pathfinder", "gen_train=16", "gen_val=2", "gen_test=2",
                             *PIXELS, steps=2)
-    assert cfg["level"] == "curv_contour_length_14"  # R20: the difficulty is in the run's config.yaml
+    assert cfg["level"] == "curv_contour_length_14"  # the difficulty is in the run's config.yaml
     assert "level curv_contour_length_14 = hard (the default level)" in log
     assert res["test"]["count"] == 2 and res["val"]["count"] == 2  # 10% / 10% of 20
     assert (tmp_path / "run" / "data" / "pathfinder32" / "curv_contour_length_14" / "metadata" / "0.npy").is_file()

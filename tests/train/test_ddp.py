@@ -1,24 +1,28 @@
-"""Issue 3 / R13 / R14: torchrun with 2 CPU processes (gloo) equals one process with the same global batch."""
+"""torchrun with 2 CPU processes (gloo) equals one process with the same global batch."""
 import json
 
 import torch
-from train_helpers import TINY, last_state, mgk_cmd, run, run_torchrun, series, sets
-
-ARGS = ["train", "--attention", "mgk", "--pi", "soft_e", "--steps", "8",
-        *sets(*TINY, "dropout=0.0", "attn_dropout=0.0", "eval_every=4", "checkpoint_every=4")]
+import pytest
 
 
-def test_two_processes_match_one(tmp_path):
+
+@pytest.fixture
+def ddp_args(th):
+    return ["train", "--attention", "mgk", "--pi", "soft_e", "--steps", "8",
+            *th.sets(*th.TINY, "dropout=0.0", "attn_dropout=0.0", "eval_every=4", "checkpoint_every=4")]
+
+
+def test_two_processes_match_one(tmp_path, th, ddp_args):
     one, two = tmp_path / "one", tmp_path / "two"
-    run(mgk_cmd(*ARGS, "--out", str(one)))
-    run_torchrun(2, [*ARGS, "--out", str(two)])
+    th.run(th.mgk_cmd(*ddp_args, "--out", str(one)))
+    th.run_torchrun(2, [*ddp_args, "--out", str(two)])
 
-    loss1, loss2 = series(one, "train/loss"), series(two, "train/loss")
+    loss1, loss2 = th.series(one, "train/loss"), th.series(two, "train/loss")
     assert [s for s, _ in loss1] == [s for s, _ in loss2] == list(range(1, 9))
     for (_, a), (_, b) in zip(loss1, loss2):
         assert abs(a - b) / abs(a) < 1e-4, (a, b)
 
-    s1, s2 = last_state(one)["model"], last_state(two)["model"]
+    s1, s2 = th.last_state(one)["model"], th.last_state(two)["model"]
     pis = [k for k in s1 if k.endswith(".pi")]
     assert pis, "the Soft-E model has pi buffers"
     for k in pis:

@@ -1,4 +1,4 @@
-"""`mgk eval` and the sliding-window harness (invariant 14, R14, R16): exact counts, brute-force equality,
+"""`mgk eval` and the sliding-window harness: exact counts, brute-force equality,
 protocol invariance for a context-free model, and `mgk train --task lm` -> `mgk eval` end to end."""
 import json
 import math
@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from train_helpers import sets
 
 from mgk.cli import main
 from mgk.data import wikitext as wt
@@ -46,7 +45,7 @@ def tiny_lm(seed=0, vocab=30, cutoffs=(8, 20), attention="softmax"):
 
 
 @pytest.mark.parametrize("attention", ["softmax", "mgk"])
-def test_stride_one_equals_brute_force_per_token_windows(attention):
+def test_stride_one_equals_brute_force_per_token_windows(attention, th):
     lm = tiny_lm(attention=attention)
     torch.manual_seed(1)
     tokens = torch.randint(0, 30, (50,))
@@ -63,7 +62,7 @@ def test_stride_one_equals_brute_force_per_token_windows(attention):
         assert r["ppl"] == pytest.approx(math.exp(brute / 49), rel=1e-5)
 
 
-def test_stride_equal_to_context_is_chunked_eval_and_training_validation():
+def test_stride_equal_to_context_is_chunked_eval_and_training_validation(, th):
     lm = tiny_lm()
     torch.manual_seed(2)
     tokens = torch.randint(0, 30, (50,))
@@ -99,7 +98,7 @@ class CopyBack(torch.nn.Module):
         return torch.where(y != IGNORE_INDEX, nll, torch.zeros(())) + 0 * pos.sum()
 
 
-def test_context_matters_stride_one_beats_non_overlapping_windows():
+def test_context_matters_stride_one_beats_non_overlapping_windows(, th):
     W = 8
     tokens = torch.arange(W).repeat(7)  # period W: each token equals the one W back
     model = CopyBack(vocab=20, period=W)
@@ -113,7 +112,7 @@ def test_context_matters_stride_one_beats_non_overlapping_windows():
     assert slide["nll"] == pytest.approx(expect, rel=1e-6)
 
 
-def uniform_lm(vocab, cutoffs):
+def uniform_lm(vocab, cutoffs, th):
     """Every word gets probability 1/V: constant hidden e_0, zero word scores, cluster scores log(cluster size)."""
     lm = tiny_lm(vocab=vocab, cutoffs=cutoffs)
     with torch.no_grad():
@@ -165,14 +164,14 @@ TINY_LM = ["batch_size=4", "segment_len=8", "max_len=8", "d_model=16", "num_laye
            "progress=false", "adaptive_cutoffs=[20,60]"]
 
 
-def test_train_then_eval_counts_every_predicted_token(tmp_path):
+def test_train_then_eval_counts_every_predicted_token(tmp_path, th):
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
     n_valid = wt.load_corpus(data, cache_dir=False).tokens["valid"].numel()
     n_test = wt.load_corpus(data, cache_dir=False).tokens["test"].numel()
     out = tmp_path / "run"
     main(["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2", "--steps", "4",
-          "--out", str(out), *sets(*TINY_LM, "sigma2=[2.0,0.6667]")])
+          "--out", str(out), *th.sets(*TINY_LM, "sigma2=[2.0,0.6667]")])
     results = json.loads((out / "results.json").read_text())
     assert results["val"]["count"] == n_valid - 1 and results["test"]["count"] == n_test - 1
     assert results["val"]["tokens"] == n_valid and results["val"]["ppl"] > 1
@@ -202,10 +201,10 @@ def test_train_then_eval_counts_every_predicted_token(tmp_path):
         main(["eval", str(out), "--split", "test", "--no-progress"])
 
 
-def test_train_without_data_uses_a_generated_corpus(tmp_path):
+def test_train_without_data_uses_a_generated_corpus(tmp_path, th):
     out = tmp_path / "run"
     main(["train", "--task", "lm", "--attention", "softmax", "--heads", "2", "--steps", "2", "--out", str(out),
-          *sets(*TINY_LM, "gen_train=80", "gen_val=12", "gen_test=12")])
+          *th.sets(*TINY_LM, "gen_train=80", "gen_val=12", "gen_test=12")])
     assert (out / "data" / "wiki.train.tokens").is_file()
     results = json.loads((out / "results.json").read_text())
     n_test = wt.load_corpus(out / "data", cache_dir=False).tokens["test"].numel()
@@ -221,45 +220,42 @@ def test_eval_refuses_a_classification_run(tmp_path):
         main(["eval", str(tmp_path), "--no-progress"])
 
 
-def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp_path):
-    """R14 for the LM harness, with real process groups (gloo): the stream slices of 2 ranks make the same global
+def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp_path, th):
+    """The LM harness with real process groups (gloo): the stream slices of 2 ranks make the same global
     batch as 1 process (rare adaptive clusters missing from one rank's slice must not break DDP), and `mgk eval`
     on 3 ranks scores the same tokens with the same perplexity as on 1."""
-
-    from train_helpers import mgk_cmd, run, run_torchrun, series
 
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
     V = len(wt.load_corpus(data, cache_dir=False).vocab)  # the last cluster holds the 2 rarest words
     args = ["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2", "--steps", "4",
-            *sets(*TINY_LM, "dropout=0.0", "attn_dropout=0.0", f"adaptive_cutoffs=[20,{V - 2}]")]
+            *th.sets(*TINY_LM, "dropout=0.0", "attn_dropout=0.0", f"adaptive_cutoffs=[20,{V - 2}]")]
     one, two = tmp_path / "one", tmp_path / "two"
-    run(mgk_cmd(*args, "--out", str(one)))
-    run_torchrun(2, [*args, "--out", str(two)])
-    for (s1, a), (s2, b) in zip(series(one, "train/loss"), series(two, "train/loss")):
+    th.run(th.mgk_cmd(*args, "--out", str(one)))
+    th.run_torchrun(2, [*args, "--out", str(two)])
+    for (s1, a), (s2, b) in zip(th.series(one, "train/loss"), th.series(two, "train/loss")):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-4)
     r1, r2 = (json.loads((d / "results.json").read_text()) for d in (one, two))
     assert r2["world_size"] == 2 and r1["val"]["count"] == r2["val"]["count"]
     assert r1["val"]["ppl"] == pytest.approx(r2["val"]["ppl"], rel=1e-4)
 
     ev = ["eval", str(one), "--split", "valid", "--context", "8", "--stride", "3", "--no-progress", "--device", "cpu"]
-    run(mgk_cmd(*ev, "--json", str(tmp_path / "e1.json")))
-    run_torchrun(3, [*ev, "--json", str(tmp_path / "e3.json")])
+    th.run(th.mgk_cmd(*ev, "--json", str(tmp_path / "e1.json")))
+    th.run_torchrun(3, [*ev, "--json", str(tmp_path / "e3.json")])
     e1, e3 = (json.loads((tmp_path / f).read_text()) for f in ("e1.json", "e3.json"))
     assert e3["world_size"] == 3 and e1["tokens"] == e3["tokens"] == r1["val"]["count"]
     assert e1["ppl"] == pytest.approx(e3["ppl"], rel=1e-6)
 
 
-def test_resumed_lm_run_equals_an_uninterrupted_one(tmp_path):
+def test_resumed_lm_run_equals_an_uninterrupted_one(tmp_path, th):
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
     common = ["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2",
-              *sets(*TINY_LM, "schedule=constant")]  # the lr must not depend on --steps
+              *th.sets(*TINY_LM, "schedule=constant")]  # the lr must not depend on --steps
     main([*common, "--steps", "6", "--out", str(tmp_path / "a")])
     main([*common, "--steps", "3", "--out", str(tmp_path / "b"), "--set", "checkpoint_every=3"])
     main(["train", "--resume", str(tmp_path / "b"), "--steps", "6"])
-    from train_helpers import last_state, series
 
-    assert series(tmp_path / "a", "train/loss") == series(tmp_path / "b", "train/loss")
-    sa, sb = last_state(tmp_path / "a")["model"], last_state(tmp_path / "b")["model"]
+    assert th.series(tmp_path / "a", "train/loss") == th.series(tmp_path / "b", "train/loss")
+    sa, sb = th.last_state(tmp_path / "a")["model"], th.last_state(tmp_path / "b")["model"]
     assert all(torch.equal(sa[k], sb[k]) for k in sa)

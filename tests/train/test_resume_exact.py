@@ -1,4 +1,4 @@
-"""Issue 3 / R23: a run killed with SIGKILL and resumed equals an uninterrupted run, bit for bit, on CPU."""
+"""A run killed with SIGKILL and resumed equals an uninterrupted run, bit for bit, on CPU."""
 import json
 import signal
 import subprocess
@@ -6,20 +6,23 @@ import time
 
 import pytest
 import torch
-from train_helpers import TINY, env, last_state, mgk_cmd, run, series, sets
-
-ARGS = ["--attention", "mgk", "--pi", "soft_e", "--steps", "30", *sets(*TINY, "checkpoint_every=3", "dropout=0.1",
-                                                                       "attn_dropout=0.1")]
 
 
-def _kill_after_checkpoint(out, min_step):
+
+@pytest.fixture
+def resume_args(th):
+    return ["--attention", "mgk", "--pi", "soft_e", "--steps", "30",
+            *th.sets(*th.TINY, "checkpoint_every=3", "dropout=0.1", "attn_dropout=0.1")]
+
+
+def _kill_after_checkpoint(th, args, out, min_step):
     """Start a run, SIGKILL it once metrics show step >= min_step; return the step the checkpoint holds."""
-    proc = subprocess.Popen(mgk_cmd("train", "--out", str(out), *ARGS), env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(th.mgk_cmd("train", "--out", str(out), *args), env=th.env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     try:
         while time.time() < deadline:
-            steps = series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
+            steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
             if steps and steps[-1][0] >= min_step:
                 proc.send_signal(signal.SIGKILL)
                 break
@@ -31,27 +34,27 @@ def _kill_after_checkpoint(out, min_step):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    return int(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["state"]["step"])
+    return int(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["loop_state"]["step"])
 
 
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, th, resume_args):
     straight = tmp_path / "straight"
-    run(mgk_cmd("train", "--out", str(straight), *ARGS))
+    th.run(th.mgk_cmd("train", "--out", str(straight), *resume_args))
 
     killed = tmp_path / "killed"
-    ckpt_step = _kill_after_checkpoint(killed, min_step=10)
+    ckpt_step = _kill_after_checkpoint(th, resume_args, killed, min_step=10)
     assert 3 <= ckpt_step < 30
     assert not (killed / "results.json").exists()
-    run(mgk_cmd("train", "--resume", str(killed)))
+    th.run(th.mgk_cmd("train", "--resume", str(killed)))
 
-    assert series(killed, "train/loss") == series(straight, "train/loss")  # every step, exact floats
-    assert series(killed, "train/lr") == series(straight, "train/lr")
-    assert series(killed, "val/acc") == series(straight, "val/acc")
-    a, b = last_state(straight), last_state(killed)
+    assert th.series(killed, "train/loss") == th.series(straight, "train/loss")  # every step, exact floats
+    assert th.series(killed, "train/lr") == th.series(straight, "train/lr")
+    assert th.series(killed, "val/acc") == th.series(straight, "val/acc")
+    a, b = th.last_state(straight), th.last_state(killed)
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert any(name.endswith(".pi") for name in a["model"])  # Soft-E buffers are part of it
-    assert a["state"] == b["state"]
+    assert a["loop_state"] == b["loop_state"]
     for group_a, group_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         for key in group_a:
             assert torch.equal(torch.as_tensor(group_a[key]), torch.as_tensor(group_b[key]))
@@ -61,10 +64,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
         assert ra[key] == rb[key], key
 
 
-def test_resume_refuses_another_model_config(tmp_path):
+def test_resume_refuses_another_model_config(tmp_path, th):
     out = tmp_path / "run"
-    run(mgk_cmd("train", "--out", str(out), "--steps", "3", *sets(*TINY)))
-    p = subprocess.run(mgk_cmd("train", "--resume", str(out), "--set", "num_heads=2"), env=env(),
+    th.run(th.mgk_cmd("train", "--out", str(out), "--steps", "3", *th.sets(*th.TINY)))
+    p = subprocess.run(th.mgk_cmd("train", "--resume", str(out), "--set", "num_heads=2"), env=th.env(),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "num_heads: 4 != 2" in p.stderr

@@ -3,21 +3,20 @@ import json
 
 import pytest
 import yaml
-from train_helpers import TINY, metrics, sets
 
 from mgk.cli import main
 
 
-def test_train_writes_every_record(tmp_path):
+def test_train_writes_every_record(tmp_path, th):
     out = tmp_path / "run"
-    main(["train", "--steps", "20", "--out", str(out), *sets(*TINY)])
+    main(["train", "--steps", "20", "--out", str(out), *th.sets(*th.TINY)])
     results = json.loads((out / "results.json").read_text())
     for key in ("task", "attention", "num_heads", "params", "steps", "val", "test"):
         assert key in results
     assert results["steps"] == 20 and results["attention"] == "mgk" and results["num_heads"] == 4
     assert 0.0 <= results["val"]["acc"] <= 1.0 and 0.0 < results["test"]["majority_acc"] <= 1.0
     assert results["test"]["count"] == len((out / "data" / "basic_test.tsv").read_text().splitlines()) - 1
-    recs = metrics(out)
+    recs = th.metrics(out)
     assert [r["step"] for r in recs if "train/loss" in r] == list(range(1, 21))
     assert [r["step"] for r in recs if "val/acc" in r] == [10, 20]
     cfg = yaml.safe_load((out / "config.yaml").read_text())
@@ -29,13 +28,13 @@ def test_train_writes_every_record(tmp_path):
     assert any((out / "tb").iterdir())
 
 
-def test_missing_splits_are_reported_not_fatal(tmp_path):
+def test_missing_splits_are_reported_not_fatal(tmp_path, th):
     from mgk.data.listops import generate_listops, write_listops_tsv
 
     data = tmp_path / "data"
     write_listops_tsv(data / "basic_train.tsv", generate_listops(64, seed=1, max_length=30))
     out = tmp_path / "run"
-    main(["train", "--data", str(data), "--steps", "4", "--out", str(out), *sets(*TINY)])
+    main(["train", "--data", str(data), "--steps", "4", "--out", str(out), *th.sets(*th.TINY)])
     results = json.loads((out / "results.json").read_text())
     assert results["val"] is None and results["test"] is None
     assert results["missing_splits"] == ["val", "test"]
@@ -51,26 +50,26 @@ def test_set_rejects_unknown_fields_and_bad_values(tmp_path):
         main(["train", "--out", str(tmp_path), "--set", "precision=8"])
 
 
-def test_too_long_sequence_is_an_error_unless_truncated(tmp_path):
+def test_too_long_sequence_is_an_error_unless_truncated(tmp_path, th):
     with pytest.raises(SystemExit, match=r"max_len=12.*--set truncate=true"):
-        main(["train", "--steps", "2", "--out", str(tmp_path / "a"), *sets(*TINY, "max_len=12")])
+        main(["train", "--steps", "2", "--out", str(tmp_path / "a"), *th.sets(*th.TINY, "max_len=12")])
     out = tmp_path / "b"
-    main(["train", "--steps", "2", "--out", str(out), *sets(*TINY, "max_len=12", "truncate=true")])
+    main(["train", "--steps", "2", "--out", str(out), *th.sets(*th.TINY, "max_len=12", "truncate=true")])
     assert "truncated to max_len=12" in (out / "train.log").read_text()
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    common = ["--steps", "6", *sets(*TINY, "dropout=0.0", "attn_dropout=0.0")]
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, th):
+    common = ["--steps", "6", *th.sets(*th.TINY, "dropout=0.0", "attn_dropout=0.0")]
     main(["train", "--out", str(tmp_path / "one"), *common])
     main(["train", "--out", str(tmp_path / "acc"), *common, "--set", "grad_accum=4"])
-    a = [r["train/loss"] for r in metrics(tmp_path / "one") if "train/loss" in r]
-    b = [r["train/loss"] for r in metrics(tmp_path / "acc") if "train/loss" in r]
+    a = [r["train/loss"] for r in th.metrics(tmp_path / "one") if "train/loss" in r]
+    b = [r["train/loss"] for r in th.metrics(tmp_path / "acc") if "train/loss" in r]
     assert len(a) == 6
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(x)
 
 
-def test_cli_errors_are_one_line_and_name_the_cause(tmp_path):
+def test_cli_errors_are_one_line_and_name_the_cause(tmp_path, th):
     with pytest.raises(SystemExit, match="attention must be one of"):
         main(["train", "--attention", "nosuch", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="lr must be a positive finite"):
@@ -78,7 +77,7 @@ def test_cli_errors_are_one_line_and_name_the_cause(tmp_path):
     with pytest.raises(SystemExit, match="no ListOps train split"):
         main(["train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
     run = tmp_path / "corrupt"
-    main(["train", "--steps", "2", "--out", str(run), *sets(*TINY)])
+    main(["train", "--steps", "2", "--out", str(run), *th.sets(*th.TINY)])
     (run / "checkpoints" / "last.pt").write_bytes(b"junk")
     with pytest.raises(SystemExit, match=r"last.pt is not a readable mgk checkpoint"):
         main(["train", "--resume", str(run)])

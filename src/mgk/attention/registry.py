@@ -1,7 +1,12 @@
-"""Attention kinds by name, so that every model and the CLI choose attention the same way."""
+"""Attention kinds by name, so that every model and the CLI choose attention the same way.
+
+Each kind declares the options it takes, with their types; an option the chosen kind does not take is an error
+naming the option and the kind, never silently dropped (a silently dropped ``pi="soft_e"`` would train softmax
+attention while the run's records claimed Soft-E).
+"""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from torch import nn
 
@@ -9,24 +14,21 @@ from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention
 from .softmax import MultiheadAttention
 
-_REGISTRY: dict[str, Callable[..., nn.Module]] = {
-    "softmax": MultiheadAttention,
-    "mgk": lambda e, h, **kw: MGKAttention(e, h, keys="separate", **kw),
-    "smgk": lambda e, h, **kw: MGKAttention(e, h, keys="shifted", **kw),
-}
+_MIXTURE = {"num_keys": (int,), "pi": (str,), "pi_shape": (str,), "sigma2": (type(None), int, float, list, tuple),
+            "max_len": (type(None), int)}
+# MLK takes "pi" so that soft_e / hard_e reach it and are refused with its own message (only "learned" is defined).
+_MLK = {k: v for k, v in _MIXTURE.items() if k != "sigma2"}
 
-# Options that only some kinds understand; the others drop them, so one model config can name any kind.
-_KIND_OPTIONS = {
-    "softmax": set(),
-    "mgk": {"num_keys", "pi", "pi_shape", "sigma2", "max_len"},
-    "smgk": {"num_keys", "pi", "pi_shape", "sigma2", "max_len"},
-}
+_REGISTRY: dict[str, Callable[..., nn.Module]] = {}
+_KIND_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {}
 
 
-def register(name: str, factory: Callable[..., nn.Module], options: set[str]) -> None:
-    """Add an attention kind: ``factory(embed_dim, num_heads, **common, **options) -> nn.Module``."""
+def register(name: str, factory: Callable[..., nn.Module], options: Mapping[str, tuple[type, ...] | type]) -> None:
+    """Add an attention kind: ``factory(embed_dim, num_heads, *, head_dim, dropout, bias, **options) -> nn.Module``.
+
+    ``options`` maps each option the kind takes to its accepted type(s), e.g. ``{"num_keys": int}``."""
     _REGISTRY[name] = factory
-    _KIND_OPTIONS[name] = set(options)
+    _KIND_OPTIONS[name] = {k: (t if isinstance(t, tuple) else (t,)) for k, t in options.items()}
 
 
 def attention_kinds() -> tuple[str, ...]:
@@ -34,20 +36,46 @@ def attention_kinds() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def attention_options(kind: str) -> dict[str, tuple[type, ...]]:
+    """The options ``kind`` takes, name -> accepted types (empty for "softmax" and "linear"). ValueError for an
+    unknown kind."""
+    _check_kind(kind)
+    return dict(_KIND_OPTIONS[kind])
+
+
+def check_options(kind: str, options: Mapping[str, object]) -> None:
+    """ValueError naming the first option that ``kind`` does not take, or whose value has the wrong type."""
+    declared = attention_options(kind)
+    for name, value in options.items():
+        if name not in declared:
+            takes = ", ".join(declared) or "no options"
+            raise ValueError(f"attention option {name!r} does not apply to attention kind {kind!r} "
+                             f"({kind} takes {takes})")
+        if not isinstance(value, declared[name]):
+            allowed = " or ".join(t.__name__ for t in declared[name])
+            raise ValueError(f"attention option {name!r} of kind {kind!r} must be {allowed}, got {value!r}")
+
+
 def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int | None = None,
                     dropout: float = 0.0, bias: bool = True, **options) -> nn.Module:
     """Build the attention module ``kind`` ("softmax", "mgk", "smgk", "linear", "mlk", "smlk").
 
-    ``options`` (num_keys, pi, pi_shape, sigma2, max_len, ...) reach the kinds that accept them and are ignored by
-    the others (softmax has no mixture). Raises ValueError for an unknown kind.
+    ``options`` are the kind's own (:func:`attention_options`): num_keys, pi, pi_shape, sigma2, max_len for the
+    mixture kinds (Nguyen et al. 2022, Sections 2-3), none for softmax and linear attention.
+    Raises ValueError for an unknown kind, or an option the kind does not take (naming both).
     """
+    check_options(kind, options)
+    return _REGISTRY[kind](embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, **options)
+
+
+def _check_kind(kind: str) -> None:
     if kind not in _REGISTRY:
         raise ValueError(f"unknown attention kind {kind!r}; choose one of {attention_kinds()}")
-    accepted = {k: v for k, v in options.items() if k in _KIND_OPTIONS[kind]}
-    return _REGISTRY[kind](embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, **accepted)
 
 
-_MLK_OPTIONS = {"num_keys", "pi", "pi_shape", "max_len"}  # "pi" so that soft_e / hard_e reach MLK and are rejected
-register("linear", LinearAttention, set())
-register("mlk", lambda e, h, **kw: MLKAttention(e, h, keys="separate", **kw), _MLK_OPTIONS)
-register("smlk", lambda e, h, **kw: MLKAttention(e, h, keys="shifted", **kw), _MLK_OPTIONS)
+register("softmax", MultiheadAttention, {})
+register("mgk", lambda e, h, **kw: MGKAttention(e, h, keys="separate", **kw), _MIXTURE)
+register("smgk", lambda e, h, **kw: MGKAttention(e, h, keys="shifted", **kw), _MIXTURE)
+register("linear", LinearAttention, {})
+register("mlk", lambda e, h, **kw: MLKAttention(e, h, keys="separate", **kw), _MLK)
+register("smlk", lambda e, h, **kw: MLKAttention(e, h, keys="shifted", **kw), _MLK)

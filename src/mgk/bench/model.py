@@ -20,15 +20,15 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str) -> di
     """Tokens/s of training and inference, peak memory in MB and parameter count of ``preset`` (+ overrides)."""
     import resource
 
-    from ..config import apply_overrides
+    from ..config import apply_overrides, encoder_config
+    from ..models import LRAClassifier
     from ..tasks import all_presets
-    from ..tasks.classification import ClassificationTask
 
     cfg = apply_overrides(all_presets()[preset], overrides)
     cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 256, num_classes=cfg.num_classes or 10)
     torch.manual_seed(0)
     dev = torch.device(device)
-    model = ClassificationTask("bench", {}, cfg.vocab_size, cfg.num_classes).build_model(cfg).to(dev)
+    model = LRAClassifier.from_config(encoder_config(cfg)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     B, L = cfg.batch_size, cfg.max_len
     tokens = torch.randint(0, cfg.vocab_size, (B, L), device=dev)

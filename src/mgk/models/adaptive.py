@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 __all__ = ["DEFAULT_CUTOFFS", "TiedAdaptiveSoftmax", "resolve_cutoffs"]
 
-DEFAULT_CUTOFFS = (20000, 40000, 200000)  # SPEC section 2, WikiText-103 small setting
+DEFAULT_CUTOFFS = (20000, 40000, 200000)  # WikiText-103 small setting (Schlag et al. 2021; Baevski & Auli 2019)
 
 
 def resolve_cutoffs(cutoffs, vocab_size: int) -> tuple[list[int], list[int]]:

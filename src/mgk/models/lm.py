@@ -1,5 +1,5 @@
-"""The causal decoder language model of the paper's WikiText-103 experiment (SPEC section 2, small setting of
-Schlag et al. 2021): tied adaptive input/softmax, sinusoidal positions, post-LN blocks with a ReLU FFN, any
+"""The causal decoder language model of the paper's WikiText-103 experiment (Nguyen et al. 2022, Section 4.2; the
+small setting of Schlag et al. 2021): tied adaptive input/softmax, sinusoidal positions, post-LN blocks with a ReLU FFN, any
 attention kind, no memory across segments."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from ..attention import build_attention
 from .adaptive import TiedAdaptiveSoftmax
 from .blocks import TransformerBlock
+from .config import LMConfig
 
 __all__ = ["IGNORE_INDEX", "TransformerLM", "sinusoidal_positions"]
 
@@ -61,6 +62,15 @@ class TransformerLM(nn.Module):
             for _ in range(num_layers))
         self.drop = nn.Dropout(dropout)
         self.out_drop = nn.Dropout(dropout)
+
+    @classmethod
+    def from_config(cls, cfg: LMConfig) -> "TransformerLM":
+        """The model of ``cfg`` (:class:`mgk.models.config.LMConfig`)."""
+        a = cfg.attention
+        return cls(cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim,
+                   attention=a.kind, num_heads=a.num_heads, head_dim=a.head_dim, dropout=cfg.dropout,
+                   attn_dropout=a.dropout, attention_options=dict(a.options),
+                   cutoffs=None if cfg.cutoffs is None else list(cfg.cutoffs), div_value=cfg.div_value)
 
     @property
     def notes(self) -> list[str]:

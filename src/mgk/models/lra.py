@@ -1,11 +1,14 @@
-"""The LRA encoder classifier of the paper (SPEC section 2, "model setting of Nystromformer")."""
+"""The LRA encoder classifier of the paper (Nguyen et al. 2022, Section 4.1: the model setting of Nystromformer,
+Xiong et al. 2021)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
 from ..attention import build_attention
+from ..attention.registry import attention_options
 from .blocks import TransformerBlock
+from .config import EncoderConfig
 
 
 def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
@@ -37,7 +40,8 @@ class LRAEncoder(nn.Module):
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(max_len, d_model)
         opts = dict(attention_options or {})
-        opts.setdefault("max_len", max_len)
+        if "max_len" in _options_of(attention):  # per-position mixture weights cover the input length
+            opts.setdefault("max_len", max_len)
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, build_attention(attention, d_model, num_heads, head_dim=head_dim,
                                                       dropout=attn_dropout, **opts), ffn_dim, dropout)
@@ -59,6 +63,10 @@ class LRAEncoder(nn.Module):
         return self.norm(x)
 
 
+def _options_of(kind: str) -> dict:
+    return attention_options(kind)
+
+
 class PooledEncoder(nn.Module):
     """:class:`LRAEncoder` plus pooling that ignores padding, and an MLP head ``head_inputs * E -> classifier_dim ->
     num_classes``; subclasses decide what the head sees. pooling "mean" (over real tokens) or "cls" (first position).
@@ -76,6 +84,15 @@ class PooledEncoder(nn.Module):
         d_model = self.encoder.token_embedding.embedding_dim
         self.head = nn.Sequential(nn.Linear(self.head_inputs * d_model, classifier_dim), nn.GELU(),
                                   nn.Linear(classifier_dim, num_classes))
+
+    @classmethod
+    def from_config(cls, cfg: EncoderConfig) -> "PooledEncoder":
+        """The model of ``cfg`` (:class:`mgk.models.config.EncoderConfig`)."""
+        a = cfg.attention
+        return cls(cfg.vocab_size, cfg.num_classes, cfg.max_len, pooling=cfg.pooling, classifier_dim=cfg.classifier_dim,
+                   d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim, attention=a.kind,
+                   num_heads=a.num_heads, head_dim=a.head_dim, dropout=cfg.dropout, attn_dropout=a.dropout,
+                   attention_options=dict(a.options))
 
     def encode(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """Pooled vectors (B, E) of tokens (B, L) with padding_mask bool (B, L) True = padding."""

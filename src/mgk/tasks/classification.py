@@ -5,18 +5,20 @@ A split is any object with int64 tensors ``tokens`` (N, L) right-padded, ``label
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import RunConfig
-from ..models import LRAClassifier
+from ..config import RunConfig, encoder_config
+from ..models import EncoderConfig, LRAClassifier
+from .base import Task
 
 
 @dataclass
-class ClassificationTask:
+class ClassificationTask(Task):
     """What ``mgk train`` needs from a classification task.
 
     Attributes:
@@ -32,17 +34,15 @@ class ClassificationTask:
     num_classes: int
     notes: list = field(default_factory=list)
 
-    model_class = LRAClassifier  # subclasses swap in another model with the same constructor
+    model_class = LRAClassifier  # subclasses swap in another model built from the same EncoderConfig
+
+    def model_config(self, cfg: RunConfig) -> EncoderConfig:
+        """:func:`mgk.config.encoder_config` of ``cfg`` with this task's vocabulary and class count."""
+        return dataclasses.replace(encoder_config(cfg), vocab_size=self.vocab_size, num_classes=self.num_classes)
 
     def build_model(self, cfg: RunConfig) -> nn.Module:
-        """``model_class`` (the LRA classifier of SPEC section 2) with ``cfg``'s sizes and attention."""
-        options = {"num_keys": cfg.num_keys, "pi": cfg.pi, "pi_shape": cfg.pi_shape, "sigma2": cfg.sigma2,
-                   "max_len": cfg.max_len}
-        return self.model_class(self.vocab_size, self.num_classes, cfg.max_len, pooling=cfg.pooling,
-                                classifier_dim=cfg.classifier_dim, d_model=cfg.d_model, num_layers=cfg.num_layers,
-                                ffn_dim=cfg.ffn_dim, attention=cfg.attention, num_heads=cfg.num_heads,
-                                head_dim=cfg.head_dim, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
-                                attention_options=options)
+        """``model_class`` (the LRA classifier of Nguyen et al. 2022, Section 4.1) of :meth:`model_config`."""
+        return self.model_class.from_config(self.model_config(cfg))
 
     @staticmethod
     def batch(dataset, index: Tensor, device) -> dict:

@@ -6,14 +6,14 @@ from pathlib import Path
 from ..config import RunConfig
 from ..data import image as im
 from ..data.cache import resolve_cache_dir, seeded_split
-from .text import LRAClassificationTask, label_line, require_data
+from .lra_common import LRAClassificationTask, check_max_len, label_line, require_data
 
 PRESETS = {
     # Small CPU preset: the paper's model on 1024-pixel sequences, a few hundred steps (needs --data). No attention
     # dropout: with it SDPA leaves its fused kernel, which at 1024 tokens costs about 1.3-2x per step on CPU.
     "image-small": RunConfig(task="image", max_len=im.SEQ_LEN, lr=5e-4, steps=300, warmup_steps=30, batch_size=32,
                              attn_dropout=0.0, eval_every=100, checkpoint_every=100, log_every=10),
-    # Paper (SPEC section 2): CIFAR-10 grey, 1024 pixels, 10 classes, batch 256, AdamW lr 1e-4 eps 1e-6, 175 warm-up
+    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): CIFAR-10 grey, 1024 pixels, 10 classes, batch 256, AdamW lr 1e-4 eps 1e-6, 175 warm-up
     # steps then linear decay, 35000 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
     "image-paper": RunConfig(task="image", max_len=im.SEQ_LEN, lr=1e-4, steps=35000, warmup_steps=175,
                              batch_size=256, eval_every=1000, checkpoint_every=1000, log_every=100),
@@ -21,13 +21,6 @@ PRESETS = {
 
 _WHAT = ("cifar-10-batches-py (data_batch_1..5, test_batch), an image folder {train,test}/<class>/*.png|jpg, or a "
          ".tar.gz of either")
-
-
-def check_max_len(cfg: RunConfig) -> None:
-    """ValueError unless ``cfg.max_len >= 1024`` (every image sequence has all 1,024 pixels)."""
-    if cfg.max_len < im.SEQ_LEN:
-        raise ValueError(f"task {cfg.task}: every sequence has {im.SEQ_LEN} pixels (32x32, no padding, no cut); "
-                         f"set max_len={im.SEQ_LEN} (got {cfg.max_len})")
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> Path:

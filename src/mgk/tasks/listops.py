@@ -1,16 +1,18 @@
 """ListOps (LRA): the release TSV files, or our generated default when no data folder is given."""
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from ..config import RunConfig
 from ..data import listops as lo
 from .classification import ClassificationTask
+from .lra_common import label_line, length_line
 
 PRESETS = {
     # Small CPU preset: generated short ListOps, the default of `mgk train` (about 2 minutes on 2 cores).
     "listops-small": RunConfig(task="listops"),
-    # Paper (SPEC section 2, after Nystromformer): 2 layers, d_model 64, FFN 128, head_dim 32, batch 32,
+    # Paper (Nguyen et al. 2022, Section 4.1, after Nystromformer, Xiong et al. 2021): 2 layers, d_model 64, FFN 128, head_dim 32, batch 32,
     # AdamW lr 1e-4 eps 1e-6, 1000 warm-up steps then linear decay, 5000 steps, sequences up to 2000 tokens.
     # On CPU, attention dropout > 0 keeps SDPA off its fused kernel (O(L*S) memory): add --set attn_dropout=0.
     "listops-paper": RunConfig(task="listops", max_len=2000, lr=1e-4, steps=5000, warmup_steps=1000,
@@ -49,3 +51,32 @@ def build(cfg: RunConfig, data_dir: Path) -> ClassificationTask:
         if ds.num_truncated:
             notes.append(f"data: {s}: {ds.num_truncated} sequences truncated to max_len={cfg.max_len}")
     return ClassificationTask("listops", splits, vocab_size=len(lo.VOCAB), num_classes=lo.NUM_CLASSES, notes=notes)
+
+
+def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
+    """Validate the ListOps TSV files: ``(report lines, errors)``; each error names the file and line."""
+    lines, errors = [], []
+    if not data.is_dir():
+        return lines, [f"{data}: not a folder (expected basic_{{train,val,test}}.tsv[.gz])"]
+    longest = 0
+    for split in lo.SPLITS:
+        path = lo.find_split_file(data, split)
+        if path is None:
+            (errors if split == "train" else lines).append(f"{split}: basic_{split}.tsv[.gz] absent in {data}")
+            continue
+        try:
+            rows = lo.read_listops_tsv(path)
+        except lo.ListOpsFormatError as exc:
+            errors.append(str(exc))
+            continue
+        counts = Counter(label for _, label in rows)
+        lengths = [len(ids) for ids, _ in rows]
+        longest = max([longest, *lengths])
+        lines += [f"{split}: {len(rows)} rows ({path})",
+                  "  " + label_line([counts.get(k, 0) for k in range(lo.NUM_CLASSES)],
+                                    [str(k) for k in range(lo.NUM_CLASSES)]),
+                  "  " + length_line(lengths, cfg.max_len, "tokens without ( )")]
+    if longest > cfg.max_len and not cfg.truncate:
+        lines.append(f"note: training with max_len={cfg.max_len} would stop at the first longer row: use "
+                     f"--set max_len={longest} (or the listops-paper preset) or --set truncate=true")
+    return lines, errors

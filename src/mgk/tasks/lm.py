@@ -1,4 +1,4 @@
-"""Word-level language modelling on WikiText-103 (SPEC section 2): data, the standard LM batching, loss, perplexity.
+"""Word-level language modelling on WikiText-103 (Nguyen et al. 2022, Section 4.2; Merity et al. 2017): data, the standard LM batching, loss, perplexity.
 
 Batching (the iterator of Transformer-XL / pytorch ``word_language_model``): the train token stream is cut into
 ``batch_size`` contiguous streams (the last ``T mod batch_size`` tokens are dropped); each stream into segments of
@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..config import RunConfig
+from ..config import RunConfig, lm_config
 from ..data import wikitext as wt
-from ..models import IGNORE_INDEX, TransformerLM
+from ..models import IGNORE_INDEX, LMConfig, TransformerLM
 from ..models.adaptive import resolve_cutoffs
+from .base import Task
 
 # The paper's optimiser runs (IDSIA/lmtool-fwp, the code behind Schlag et al. 2021 that the paper's LM experiments
 # follow: example_scripts/2021_linear_transformers_are_secretly_fwps/small_standard_transformer_baseline.sh) use
@@ -34,7 +35,7 @@ _PAPER = {"task": "lm", "segment_len": 256, "max_len": 256, "d_model": 128, "num
           "adam_eps": 1e-8, "warmup_steps": 2000, "schedule": "cosine", "grad_clip": 0.25}
 
 PRESETS = {
-    # Paper (SPEC section 2, small setting of Schlag et al. 2021): 16 post-LN layers, d_model 128, head_dim 16,
+    # Paper (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021): 16 post-LN layers, d_model 128, head_dim 16,
     # FFN 2048, 256-token segments without memory, batch 96, Adam lr 2.5e-4 (AdamW with weight_decay 0 is Adam),
     # 2000 warm-up steps then cosine to 0, clip 0.25, dropout 0.1; 500k steps as in lmtool-fwp's script (above).
     # Heads: the paper's baseline is --attention softmax --heads 8; MGK runs use 4 or 8 heads. Final numbers:
@@ -140,14 +141,8 @@ def make_batch(dataset: LMSegments, index: Tensor, device) -> dict:
 
 # -- the task ----------------------------------------------------------------------------------------------------
 def build_lm(cfg: RunConfig, vocab_size: int) -> TransformerLM:
-    """The decoder LM of ``cfg`` (attention options num_keys, pi, pi_shape, sigma2 and max_len, which is at least
-    ``segment_len`` so that per-position pi covers a segment)."""
-    options = {"num_keys": cfg.num_keys, "pi": cfg.pi, "pi_shape": cfg.pi_shape, "sigma2": cfg.sigma2,
-               "max_len": max(cfg.max_len, cfg.segment_len)}
-    return TransformerLM(vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim,
-                         attention=cfg.attention, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                         dropout=cfg.dropout, attn_dropout=cfg.attn_dropout, attention_options=options,
-                         cutoffs=cfg.adaptive_cutoffs)
+    """The decoder LM of ``cfg`` over ``vocab_size`` words (:func:`mgk.config.lm_config`)."""
+    return TransformerLM.from_config(lm_config(cfg, vocab_size))
 
 
 def summarise(sums: dict) -> dict:
@@ -164,8 +159,8 @@ def summarise(sums: dict) -> dict:
 
 
 @dataclass
-class LMTask:
-    """What ``mgk train`` needs for language modelling (the protocol of :mod:`mgk.tasks`)."""
+class LMTask(Task):
+    """What ``mgk train`` needs for language modelling (the :class:`~mgk.tasks.base.Task` interface)."""
 
     name: str
     splits: dict
@@ -179,9 +174,13 @@ class LMTask:
         """V, the number of words in the vocabulary."""
         return len(self.vocab)
 
+    def model_config(self, cfg: RunConfig) -> LMConfig:
+        """:func:`mgk.config.lm_config` of ``cfg`` over this vocabulary."""
+        return lm_config(cfg, self.vocab_size)
+
     def build_model(self, cfg: RunConfig) -> nn.Module:
-        """The decoder LM of ``cfg`` over this vocabulary (:func:`build_lm`)."""
-        return build_lm(cfg, self.vocab_size)
+        """The decoder LM of :meth:`model_config` ``(cfg)``."""
+        return TransformerLM.from_config(self.model_config(cfg))
 
     @staticmethod
     def sampler(num_examples: int, global_batch: int, seed: int) -> StreamSampler:
@@ -273,3 +272,23 @@ def build(cfg: RunConfig, data_dir: Path) -> LMTask:
         notes.append(f"data: cache {corpus.cache_dir}")
     return LMTask("lm", splits, corpus.vocab, notes)
 
+
+def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
+    """Validate a WikiText folder: ``(report lines, errors)``: each split file and its size; no train split is an
+    error (the vocabulary comes from it), absent valid/test splits are reported."""
+    lines, errors = [], []
+    if not Path(data).is_dir():
+        return lines, [f"{data}: not a folder (expected wiki.{{train,valid,test}}.tokens or {{train,valid,test}}.txt)"]
+    for split in wt.SPLITS:
+        path = wt.find_split_file(data, split)
+        if path is None:
+            (errors if split == "train" else lines).append(f"{split}: wiki.{split}.tokens or {split}.txt absent "
+                                                           f"in {data}")
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            num_lines = words = 0
+            for line in f:
+                num_lines += 1
+                words += len(line.split())
+        lines.append(f"{split}: {path} ({num_lines} lines, {words} words)")
+    return lines, errors

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 from ..config import RunConfig
@@ -161,48 +160,12 @@ def lra_table(results: list[dict]) -> tuple[str, list[str]]:
 # --------------------------------------------------------------------------- mgk data check
 
 
-def _listops_check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
-    from ..data import listops as lo
-    from .text import label_line, length_line
-
-    lines, errors = [], []
-    if not data.is_dir():
-        return lines, [f"{data}: not a folder (expected basic_{{train,val,test}}.tsv[.gz])"]
-    longest = 0
-    for split in lo.SPLITS:
-        path = lo.find_split_file(data, split)
-        if path is None:
-            (errors if split == "train" else lines).append(f"{split}: basic_{split}.tsv[.gz] absent in {data}")
-            continue
-        try:
-            rows = lo.read_listops_tsv(path)
-        except lo.ListOpsFormatError as exc:
-            errors.append(str(exc))
-            continue
-        counts = Counter(label for _, label in rows)
-        lengths = [len(ids) for ids, _ in rows]
-        longest = max([longest, *lengths])
-        lines += [f"{split}: {len(rows)} rows ({path})",
-                  "  " + label_line([counts.get(k, 0) for k in range(lo.NUM_CLASSES)],
-                                    [str(k) for k in range(lo.NUM_CLASSES)]),
-                  "  " + length_line(lengths, cfg.max_len, "tokens without ( )")]
-    if longest > cfg.max_len and not cfg.truncate:
-        lines.append(f"note: training with max_len={cfg.max_len} would stop at the first longer row: use "
-                     f"--set max_len={longest} (or the listops-paper preset) or --set truncate=true")
-    return lines, errors
-
-
 def data_check(task: str, cfg: RunConfig, data: str | Path) -> tuple[list[str], list[str]]:
     """Validate the files of ``task`` at ``data``: ``(report lines, errors)``. Each error names the file (and the
-    line for text formats). Uses the task module's ``check(cfg, data)``; ListOps has its own here."""
+    line for text formats). Uses the task module's ``check(cfg, data)``."""
     from . import get_task
 
     data = Path(data)
     if not data.exists():
         return [], [f"{data}: not found"]
-    module = get_task(task)
-    if hasattr(module, "check"):
-        return module.check(cfg, data)
-    if task == "listops":
-        return _listops_check(cfg, data)
-    raise ValueError(f"mgk data check does not know task {task!r} (it checks {', '.join(t for t, _ in COLUMNS)})")
+    return get_task(task).check(cfg, data)

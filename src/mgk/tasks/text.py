@@ -1,24 +1,20 @@
-"""Text (LRA): byte-level IMDb sentiment, from an ``aclImdb`` folder or its ``.tar.gz``.
-
-Also home of what the LRA task modules share: :class:`LRAClassificationTask` (batches of compact token arrays) and
-the data-check report helpers.
-"""
+"""Text (LRA): byte-level IMDb sentiment, from an ``aclImdb`` folder or its ``.tar.gz``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-
 
 from ..config import RunConfig
 from ..data import text as tx
-from ..data.cache import length_stats, resolve_cache_dir, seeded_split
-from .classification import ClassificationTask
+from ..data.cache import resolve_cache_dir, seeded_split
+from .lra_common import LRAClassificationTask, label_line, length_line, require_data
+
+__all__ = ["PRESETS", "LRAClassificationTask", "prepare", "build", "check"]
 
 PRESETS = {
     # Small CPU preset: 512 bytes per review, the paper's model, a few hundred steps (needs --data).
     "text-small": RunConfig(task="text", max_len=512, lr=5e-4, steps=600, warmup_steps=60, batch_size=32,
                             eval_every=200, checkpoint_every=200, log_every=20),
-    # Paper (SPEC section 2, after Nystromformer): IMDb bytes, 1000 per review, batch 32, AdamW lr 1e-4 eps 1e-6,
+    # Paper (Nguyen et al. 2022, Section 4.1, after Nystromformer, Xiong et al. 2021): IMDb bytes, 1000 per review, batch 32, AdamW lr 1e-4 eps 1e-6,
     # 8000 warm-up steps then linear decay, 20000 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
     "text-paper": RunConfig(task="text", max_len=1000, lr=1e-4, steps=20000, warmup_steps=8000, batch_size=32,
                             eval_every=1000, checkpoint_every=1000, log_every=100),
@@ -26,51 +22,6 @@ PRESETS = {
     "text-4k": RunConfig(task="text", max_len=4000, lr=1e-4, steps=20000, warmup_steps=8000, batch_size=32,
                          eval_every=1000, checkpoint_every=1000, log_every=100),
 }
-
-
-@dataclass
-class LRAClassificationTask(ClassificationTask):
-    """:class:`ClassificationTask` over :class:`~mgk.data.cache.TokenDataset` splits, whose tokens are stored in a
-    compact dtype (uint8 / int16; the base class casts batches to int64). ``describe`` adds the truncation count and
-    ``extra`` (e.g. the max_len or the Pathfinder level) to each split's entry in results.json."""
-
-    extra: dict = field(default_factory=dict)
-
-    def describe(self, dataset) -> dict:
-        """Split facts for results.json: majority-class accuracy, truncated rows, and ``extra``. ValueError for an
-        empty split."""
-        return {"majority_acc": dataset.majority_acc(), "num_truncated": int(dataset.num_truncated), **self.extra}
-
-
-# --------------------------------------------------------------------------- data-check helpers
-
-
-def label_line(counts, names) -> str:
-    """``"labels: neg 12500 (50.0%), pos 12500 (50.0%)"``."""
-    total = max(1, sum(counts))
-    names = list(names) or [str(i) for i in range(len(counts))]
-    return "labels: " + ", ".join(f"{n} {c} ({100 * c / total:.1f}%)" for n, c in zip(names, counts))
-
-
-def length_line(lengths, max_len: int | None, unit: str = "tokens") -> str:
-    """``"length (bytes): min 10 / mean 1325.1 / median 979 / max 13704; 8000 longer than max_len=1000"``."""
-    st = length_stats(lengths)
-    line = (f"length ({unit}): min {st['min']} / mean {st['mean']:.1f} / median {st['median']:g} / "
-            f"max {st['max']}")
-    if max_len is not None:
-        over = int(sum(1 for n in lengths if n > max_len))
-        line += f"; {over} longer than max_len={max_len}"
-    return line
-
-
-def require_data(cfg: RunConfig, what: str) -> Path:
-    """``Path(cfg.data)``; FileNotFoundError with the expected layout when it is None or absent."""
-    if cfg.data is None:
-        raise FileNotFoundError(f"task {cfg.task} has no embedded default data: pass --data with {what}")
-    path = Path(cfg.data)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: --data not found (task {cfg.task} expects {what})")
-    return path
 
 
 # --------------------------------------------------------------------------- protocol

@@ -10,7 +10,8 @@ predicted exactly once (the first has nothing before it). Windows of the token s
   split is cut there, so it scores fewer);
 - so a token is predicted from at most ``context`` previous tokens, and from exactly ``context`` once it is far
   enough from the start when ``stride`` is 1. (Counted as a window of W tokens that includes the predicted one, the
-  convention of TEST_CASES R16 and of the Hugging Face perplexity recipe, W = context + 1.)
+  convention of the Hugging Face perplexity recipe, https://huggingface.co/docs/transformers/perplexity,
+  W = context + 1.)
 
 ``stride == context`` is *segment mode*: non-overlapping segments, the same numbers as the validation during
 training (``--context`` defaults to the training ``segment_len``). ``--context 256 --stride 1`` is the paper's
@@ -33,9 +34,10 @@ from tqdm import tqdm
 
 from .. import config as config_mod
 from ..data import wikitext as wt
-from ..models import IGNORE_INDEX
+from ..models import IGNORE_INDEX, TransformerLM
 from . import checkpoint, distributed
 from .records import read_config
+from .state import LoopState
 
 __all__ = ["evaluate_run", "evaluate_tokens", "window_plan"]
 
@@ -118,11 +120,63 @@ def _data_dir(run_dir: Path, cfg, data) -> Path:
     return run_dir / "data"  # the generated corpus of a run without --data
 
 
+def _checkpoint_path(run_dir: Path, which: str) -> Path:
+    if which not in ("best", "last"):
+        raise ValueError(f"which must be 'best' or 'last', got {which!r}")
+    path = run_dir / "checkpoints" / f"{which}.pt"
+    return run_dir / "checkpoints" / "last.pt" if which == "best" and not path.is_file() else path
+
+
+def _vocabulary(run_dir: Path, cfg, data_dir: Path) -> wt.Vocabulary:
+    """The run's vocab.txt, else the vocabulary of the data's train split; ValueError when its size is not the
+    trained one."""
+    from ..tasks.lm import cache_dir
+
+    vocab_file = run_dir / "vocab.txt"
+    if vocab_file.is_file():
+        vocab, source = wt.Vocabulary.load(vocab_file), str(vocab_file)
+    else:
+        train = wt.find_split_file(data_dir, "train")
+        if train is None:
+            raise FileNotFoundError(f"{vocab_file} is missing and {data_dir} has no train split to rebuild the "
+                                    "vocabulary from")
+        vocab, source = wt.load_vocabulary(train, cache_dir(cfg, data_dir)), str(train)
+    if cfg.vocab_size and len(vocab) != cfg.vocab_size:
+        raise ValueError(f"the vocabulary from {source} has {len(vocab)} words but the run was trained with "
+                         f"{cfg.vocab_size}: pass --data with the run's own train split")
+    return vocab
+
+
+def _score(cfg, ckpt: dict, vocab, tokens: Tensor, *, context: int, stride: int, batch_size: int, device,
+           progress: bool, desc: str) -> tuple[dict, object]:
+    """Build the run's model, load ``ckpt`` and score ``tokens`` on every rank: (result, dist info)."""
+    d = distributed.setup(device)
+    try:
+        model = TransformerLM.from_config(config_mod.lm_config(cfg, len(vocab)))
+        model.load_state_dict(ckpt["model"])
+        model.to(d.device)
+        res = evaluate_tokens(model, tokens, context=context, stride=stride, batch_size=batch_size, dist_info=d,
+                              progress=progress, desc=desc)
+    finally:
+        distributed.teardown()
+    return res, d
+
+
+def _write_json(result: dict, json_path) -> None:
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_path.with_name(f".{json_path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, json_path)
+
+
 def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str | os.PathLike | None = None,
                  context: int | None = None, stride: int | None = None, batch_size: int | None = None,
                  device: str | None = None, which: str = "best", json_path: str | os.PathLike | None = None,
                  progress: bool = True) -> dict:
     """Perplexity of the run in ``run_dir`` (config.yaml, vocab.txt, checkpoints/best.pt or last.pt) on ``split``.
+
+    Run directories of 0.1.0 load as they are.
 
     Args:
         split: "valid" (also "val") or "test": ``wiki.<split>.tokens`` or ``<split>.txt`` of the data folder.
@@ -137,7 +191,7 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str 
 
     Raises FileNotFoundError naming what is missing; ValueError when the vocabulary does not match the checkpoint.
     """
-    from ..tasks.lm import build_lm, cache_dir
+    from ..tasks.lm import cache_dir
 
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
@@ -145,61 +199,30 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str 
     if cfg.task != "lm":
         raise ValueError(f"{run_dir} is a {cfg.task!r} run; mgk eval measures language-model perplexity")
     split = wt.split_name(split)
-    ckpt_dir = run_dir / "checkpoints"
-    if which not in ("best", "last"):
-        raise ValueError(f"which must be 'best' or 'last', got {which!r}")
-    path = ckpt_dir / f"{which}.pt"
-    if which == "best" and not path.is_file():
-        path = ckpt_dir / "last.pt"
+    path = _checkpoint_path(run_dir, which)
     ckpt = checkpoint.load(path)
-
     data_dir = _data_dir(run_dir, cfg, data)
-    vocab_file = run_dir / "vocab.txt"
-    if vocab_file.is_file():
-        vocab = wt.Vocabulary.load(vocab_file)
-        vocab_source = str(vocab_file)
-    else:
-        train = wt.find_split_file(data_dir, "train")
-        if train is None:
-            raise FileNotFoundError(f"{vocab_file} is missing and {data_dir} has no train split to rebuild the "
-                                    "vocabulary from")
-        vocab = wt.load_vocabulary(train, cache_dir(cfg, data_dir))
-        vocab_source = str(train)
-    if cfg.vocab_size and len(vocab) != cfg.vocab_size:
-        raise ValueError(f"the vocabulary from {vocab_source} has {len(vocab)} words but the run was trained with "
-                         f"{cfg.vocab_size}: pass --data with the run's own train split")
+    vocab = _vocabulary(run_dir, cfg, data_dir)
     split_file = wt.find_split_file(data_dir, split)
     if split_file is None:
         raise FileNotFoundError(f"no {split} split (wiki.{split}.tokens or {split}.txt) in {data_dir}")
     tokens, mapped = wt.load_split(split_file, vocab, cache_dir=cache_dir(cfg, data_dir))
-
     context = context or cfg.eval_context or cfg.segment_len
     stride = stride or cfg.eval_stride or context
     if stride > context:
         raise ValueError(f"stride ({stride}) must not exceed context ({context})")
-    d = distributed.setup(device)
-    try:
-        model = build_lm(cfg, len(vocab))
-        model.load_state_dict(ckpt["model"])
-        model.to(d.device)
-        res = evaluate_tokens(model, tokens, context=context, stride=stride,
-                              batch_size=batch_size or cfg.eval_batch_size, dist_info=d, progress=progress,
-                              desc=f"{split} ppl")
-    finally:
-        distributed.teardown()
+    res, d = _score(cfg, ckpt, vocab, tokens, context=context, stride=stride,
+                    batch_size=batch_size or cfg.eval_batch_size, device=device, progress=progress,
+                    desc=f"{split} ppl")
     if not d.is_main:
         return None
+    step = ckpt["step"] if "step" in ckpt else LoopState.from_checkpoint(ckpt).step  # best.pt / last.pt
     result = {"ppl": res["ppl"], "nll": res["nll"], "nll_sum": res["nll_sum"], "tokens": res["tokens"],
               "protocol": "segments" if stride == context else "sliding", "context": context, "stride": stride,
               "windows": res["windows"], "split": split, "file": str(split_file), "split_tokens": int(tokens.numel()),
-              "oov_to_unk": mapped, "vocab_size": len(vocab), "checkpoint": str(path),
-              "step": ckpt.get("step", ckpt.get("state", {}).get("step")), "run_dir": str(run_dir),
-              "attention": cfg.attention, "num_heads": cfg.num_heads, "world_size": d.world_size,
-              "device": str(d.device), "seconds": time.perf_counter() - t0}
+              "oov_to_unk": mapped, "vocab_size": len(vocab), "checkpoint": str(path), "step": step,
+              "run_dir": str(run_dir), "attention": cfg.attention, "num_heads": cfg.num_heads,
+              "world_size": d.world_size, "device": str(d.device), "seconds": time.perf_counter() - t0}
     if json_path is not None:
-        json_path = Path(json_path)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = json_path.with_name(f".{json_path.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, json_path)
+        _write_json(result, json_path)
     return result

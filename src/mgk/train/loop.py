@@ -1,8 +1,9 @@
-"""The one training loop of every task: optimiser, schedule, accumulation, DDP, precision, checkpoints, records.
+"""The one training loop of every task, as a small :class:`Trainer` with named steps: ``setup`` (data, model,
+optimiser, checkpoint or seeds, records), ``train_step``, ``validate``, ``save_checkpoint``, ``finish``.
 
-Data order is a pure function of (seed, step): epoch e is ``randperm(N)`` drawn from a generator seeded with
-(seed, e), and step s reads its global batch from that permutation. Resuming therefore needs only the step; with W
-processes each rank takes its 1/W slice of the same global batch, so W processes see what one process sees.
+Data order is a pure function of (seed, step) (:class:`mgk.tasks.base.EpochSampler` or the task's own sampler).
+Resuming therefore needs only the step; with W processes each rank takes its 1/W slice of the same global batch, so
+W processes see what one process sees.
 """
 from __future__ import annotations
 
@@ -19,35 +20,22 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .. import config as config_mod
+from ..attention.registry import attention_options
 from ..config import RunConfig
+from ..models.config import config_differences
 from ..tasks import get_task
+from ..tasks.base import EpochSampler, Task
 from . import checkpoint, distributed, records
 from .evaluate import evaluate
 from .precision import autocast, grad_scaler
 from .schedule import lr_factor
+from .state import LoopState
+
+__all__ = ["EpochSampler", "LoopState", "NonFiniteLoss", "Trainer", "fit"]
 
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or inf; the last good checkpoint is kept."""
-
-
-class EpochSampler:
-    """Global batch indices for step ``s``: slice ``s mod E`` of the permutation of epoch ``s div E``."""
-
-    def __init__(self, num_examples: int, batch_size: int, seed: int):
-        if num_examples < batch_size:
-            raise ValueError(f"the train split has {num_examples} examples, fewer than batch_size={batch_size}")
-        self.n, self.batch_size, self.seed = num_examples, batch_size, seed
-        self.per_epoch = num_examples // batch_size  # the incomplete tail batch of an epoch is not used
-        self._cache = (None, None)
-
-    def indices(self, step: int) -> torch.Tensor:
-        """int64 (batch_size,) example indices of optimiser step ``step``."""
-        epoch, pos = divmod(step, self.per_epoch)
-        if self._cache[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._cache = (epoch, torch.randperm(self.n, generator=g))
-        return self._cache[1][pos * self.batch_size:(pos + 1) * self.batch_size]
 
 
 def _say(run_dir: Path, message: str) -> None:
@@ -56,185 +44,256 @@ def _say(run_dir: Path, message: str) -> None:
         f.write(message + "\n")
 
 
-def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None) -> dict | None:
-    """Train ``cfg`` into ``run_dir`` (or continue it from checkpoints/last.pt when ``resume``).
+class Trainer:
+    """Trains ``cfg`` into ``run_dir`` (or continues it from checkpoints/last.pt when ``resume``).
 
-    Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss is not finite and
-    ``cfg.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model config.
+    Use: ``t = Trainer(cfg, run_dir); t.setup(); t.train(); results = t.finish()`` (what :func:`fit` does).
+    Raises ValueError for a batch size that does not split over ranks and accumulation steps.
     """
-    config_mod.validate(cfg)
-    d = distributed.setup(device)
-    run_dir = Path(run_dir)
-    if cfg.batch_size % (d.world_size * cfg.grad_accum):
-        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by world_size ({d.world_size}) "
-                         f"x grad_accum ({cfg.grad_accum})")
-    local_batch = cfg.batch_size // d.world_size
-    micro_batch = local_batch // cfg.grad_accum
 
-    # Data: rank 0 finds or generates the files, then every rank reads them.
-    task_mod = get_task(cfg.task)
-    if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        data_dir = task_mod.prepare(cfg, run_dir)
-    distributed.barrier()
-    if not d.is_main:
-        data_dir = task_mod.prepare(cfg, run_dir)
-    task = task_mod.build(cfg, data_dir)
-    cfg = dataclasses.replace(cfg, vocab_size=task.vocab_size, num_classes=task.num_classes)
-    train_set, val_set, test_set = task.splits["train"], task.splits.get("val"), task.splits.get("test")
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None):
+        self.cfg = config_mod.validate(cfg)
+        self.dist = distributed.setup(device)
+        self.run_dir, self.resume = Path(run_dir), resume
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        if cfg.batch_size % (self.dist.world_size * cfg.grad_accum):
+            raise ValueError(f"batch_size={cfg.batch_size} must be divisible by world_size ({self.dist.world_size}) "
+                             f"x grad_accum ({cfg.grad_accum})")
+        self.local_batch = cfg.batch_size // self.dist.world_size
+        self.micro_batch = self.local_batch // cfg.grad_accum
+        self.state = LoopState()
+        self.train_seconds, self.session_steps = 0.0, 0
+        self.log = None
 
-    # Model, optimiser, schedule (SPEC section 2: AdamW, warm-up then decay).
-    torch.manual_seed(cfg.seed)
-    model = task.build_model(cfg).to(d.device)
-    num_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, schedule=cfg.schedule))
-    scaler = grad_scaler(d.device, cfg.precision)
-    ckpt_dir = run_dir / "checkpoints"
-    # The task names the validation metric that selects the best checkpoint, e.g. ("acc", "max") or ("ppl", "min").
-    best_key, best_mode = getattr(task, "best_metric", ("acc", "max"))
-    state = {"step": 0, "best": None, "best_step": None, "skipped": 0}
-
-    if resume:
-        ckpt = checkpoint.load(ckpt_dir / "last.pt")
-        diffs = config_mod.model_differences(ckpt["config"], config_mod.to_dict(cfg))
-        if diffs:
-            raise ValueError(f"checkpoint {ckpt_dir / 'last.pt'} was made with another model config: "
-                             + "; ".join(diffs))
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        state.update(ckpt["state"])
-        rngs = ckpt["rng"]
-        if len(rngs) == d.world_size:
-            checkpoint.set_rng_state(rngs[d.rank])
+    # -- setup -------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Data, model, optimiser, then the checkpoint (resume) or fresh seeds, then the run's records."""
+        self._setup_data()
+        self._setup_model()
+        self._setup_optimizer()
+        if self.resume:
+            self._load_checkpoint()
         else:
-            torch.manual_seed(cfg.seed * 7919 + state["step"] * 31 + d.rank)
-    else:
-        torch.manual_seed(cfg.seed * 7919 + d.rank)  # each rank its own dropout stream
+            torch.manual_seed(self.cfg.seed * 7919 + self.dist.rank)  # each rank its own dropout stream
+        self._setup_records()
+        self.net = DistributedDataParallel(self.model) if self.dist.world_size > 1 else self.model
+        self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.batch_size, self.cfg.seed)
 
-    log = None
-    if d.is_main:
-        records.write_config(run_dir, config_mod.to_dict(cfg))
-        records.write_env(run_dir, seed=cfg.seed, world_size=d.world_size, device=str(d.device))
-        log = records.MetricsLog(run_dir, resume_step=state["step"] if resume else None)
-        for note in task.notes:
-            _say(run_dir, note)
-        _say(run_dir, f"model: {cfg.attention} x {cfg.num_heads} heads (head_dim {cfg.head_dim}), "
-                      f"{num_params:,} parameters; world size {d.world_size}; precision {cfg.precision}"
-                      + (f"; resuming at step {state['step']}" if resume else ""))
+    def _setup_data(self) -> None:
+        """Rank 0 finds or generates the files, then every rank builds the task; the model sizes come from it."""
+        module = get_task(self.cfg.task)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            data_dir = module.prepare(self.cfg, self.run_dir)
+        distributed.barrier()
+        if not self.dist.is_main:
+            data_dir = module.prepare(self.cfg, self.run_dir)
+        self.task: Task = module.build(self.cfg, data_dir)
+        self.cfg = dataclasses.replace(self.cfg, vocab_size=self.task.vocab_size, num_classes=self.task.num_classes)
+        self.splits = {"train": self.task.splits["train"], "val": self.task.splits.get("val"),
+                       "test": self.task.splits.get("test")}
 
-    net = DistributedDataParallel(model) if d.world_size > 1 else model
-    sampler = task.sampler(len(train_set), cfg.batch_size, cfg.seed) if hasattr(task, "sampler") else \
-        EpochSampler(len(train_set), cfg.batch_size, cfg.seed)
-    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not (d.is_main and cfg.progress), unit="step",
-               dynamic_ncols=True)
-    train_seconds, session_steps = 0.0, 0
+    def _setup_model(self) -> None:
+        torch.manual_seed(self.cfg.seed)
+        self.model = self.task.build_model(self.cfg).to(self.dist.device)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
 
-    def save_last() -> None:
-        """Write ``last.pt`` (model, optimiser, scheduler, scaler, loop state, config, every rank's RNG state). Every
-        rank must call it (the RNG states are gathered); only the main rank writes."""
-        ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "state": dict(state),
-                "config": config_mod.to_dict(cfg), "rng": distributed.gather_objects(checkpoint.rng_state())}
-        if d.is_main:
-            checkpoint.save_atomic(ckpt, ckpt_dir / "last.pt")
+    def _setup_optimizer(self) -> None:
+        """AdamW, linear warm-up then the configured decay (Nguyen et al. 2022, Section 4; Loshchilov & Hutter
+        2019), and the gradient scaler of fp16."""
+        cfg = self.cfg
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(
+            s, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, schedule=cfg.schedule))
+        self.scaler = grad_scaler(self.dist.device, cfg.precision)
 
-    model.train()
-    while state["step"] < cfg.steps:
-        t0 = time.perf_counter()
-        step = state["step"]
-        mine = sampler.indices(step)[d.rank * local_batch:(d.rank + 1) * local_batch]
-        optimizer.zero_grad(set_to_none=True)
+    def _load_checkpoint(self) -> None:
+        """Restore last.pt (0.1.0 checkpoints included); ValueError when it was made with another model."""
+        path = self.ckpt_dir / "last.pt"
+        ckpt = checkpoint.load(path)
+        diffs = self.model_differences(ckpt["config"])
+        if diffs:
+            raise ValueError(f"checkpoint {path} was made with another model config: " + "; ".join(diffs))
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        self.state = LoopState.from_checkpoint(ckpt)
+        rngs = ckpt["rng"]
+        if len(rngs) == self.dist.world_size:
+            checkpoint.set_rng_state(rngs[self.dist.rank])
+        else:  # another world size: fresh per-rank streams, still a function of (seed, step, rank)
+            torch.manual_seed(self.cfg.seed * 7919 + self.state.step * 31 + self.dist.rank)
+
+    def model_differences(self, saved_config: dict) -> list[str]:
+        """``"key: saved != now"`` for the task, sizes and model-config fields that differ from ``saved_config``."""
+        saved = config_mod.from_dict(saved_config)
+        diffs = [f"{k}: {getattr(saved, k)!r} != {getattr(self.cfg, k)!r}" for k in ("task", "vocab_size",
+                 "num_classes") if getattr(saved, k) != getattr(self.cfg, k)]
+        if saved.task != self.cfg.task:
+            return diffs
+        return diffs + config_differences(self.task.model_config(saved), self.task.model_config(self.cfg))
+
+    def _setup_records(self) -> None:
+        if not self.dist.is_main:
+            return
+        cfg = self.cfg
+        records.write_config(self.run_dir, config_mod.to_dict(cfg))
+        records.write_env(self.run_dir, seed=cfg.seed, world_size=self.dist.world_size, device=str(self.dist.device))
+        self.log = records.MetricsLog(self.run_dir, resume_step=self.state.step if self.resume else None)
+        for note in self.task.notes:
+            _say(self.run_dir, note)
+        _say(self.run_dir, f"model: {cfg.attention} x {cfg.num_heads} heads (head_dim {cfg.head_dim}), "
+                           f"{self.num_params:,} parameters; world size {self.dist.world_size}; precision "
+                           f"{cfg.precision}" + (f"; resuming at step {self.state.step}" if self.resume else ""))
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        """Optimiser steps until ``cfg.steps``, with logging, validation and checkpoints on their schedules."""
+        cfg, d = self.cfg, self.dist
+        bar = tqdm(total=cfg.steps, initial=self.state.step, disable=not (d.is_main and cfg.progress), unit="step",
+                   dynamic_ncols=True)
+        self.model.train()
+        while self.state.step < cfg.steps:
+            t0 = time.perf_counter()
+            train = self.train_step()
+            self.train_seconds += time.perf_counter() - t0
+            self.session_steps += 1
+            done = self.state.step
+            metrics = {}
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
+                metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/skipped": self.state.skipped})
+                bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
+            if self.splits["val"] is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+                metrics.update({f"val/{k}": v for k, v in self.validate().items() if k != "count"})
+            if metrics and d.is_main:
+                metrics["time/seconds_per_step"] = self.train_seconds / max(1, self.session_steps)
+                self.log.log(done, metrics)
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                self.save_checkpoint()
+            bar.update(1)
+        bar.close()
+
+    def train_step(self) -> dict:
+        """One optimiser step over the global batch of ``state.step`` (accumulated over ``grad_accum`` micro-batches,
+        averaged over ranks); returns the task's training metrics. Raises NonFiniteLoss (nonfinite=stop)."""
+        cfg, d = self.cfg, self.dist
+        step = self.state.step
+        mine = self.sampler.indices(step)[d.rank * self.local_batch:(d.rank + 1) * self.local_batch]
+        self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for a in range(cfg.grad_accum):
-            batch = task.batch(train_set, mine[a * micro_batch:(a + 1) * micro_batch], d.device)
+            batch = self.task.batch(self.splits["train"], mine[a * self.micro_batch:(a + 1) * self.micro_batch],
+                                    d.device)
             last_micro = a == cfg.grad_accum - 1
-            sync = contextlib.nullcontext() if (last_micro or d.world_size == 1) else net.no_sync()
+            sync = contextlib.nullcontext() if (last_micro or d.world_size == 1) else self.net.no_sync()
             with sync:
                 with autocast(d.device, cfg.precision):
-                    loss_sum, s = task.loss(net, batch)
+                    loss_sum, stats = self.task.loss(self.net, batch)
                 # local mean over this rank's share; DDP averages over ranks -> mean over the global batch
-                scaler.scale(loss_sum / local_batch).backward()
-            for key, value in s.items():
+                self.scaler.scale(loss_sum / self.local_batch).backward()
+            for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         keys = sorted(sums)
-        train = task.summarise(dict(zip(keys, distributed.all_sum([sums[k] for k in keys], d.device))))
-        train_loss = train["loss"]
-        if not math.isfinite(train_loss):
-            if cfg.nonfinite == "stop":
-                kept = ckpt_dir / "last.pt"
-                raise NonFiniteLoss(f"non-finite training loss ({train_loss}) at step {step + 1}; the last good "
-                                    f"checkpoint is {kept if kept.exists() else 'none (no checkpoint yet)'}; "
-                                    f"lower lr, use --precision 32, or set nonfinite=skip")
-            state["skipped"] += 1
-            optimizer.zero_grad(set_to_none=True)
-        else:
+        train = self.task.summarise(dict(zip(keys, distributed.all_sum([sums[k] for k in keys], d.device))))
+        if math.isfinite(train["loss"]):
             if cfg.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-        scheduler.step()
-        state["step"] = done = step + 1
-        train_seconds += time.perf_counter() - t0
-        session_steps += 1
-
-        metrics = {}
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
-            metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/skipped": state["skipped"]})
-            bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
-        if val_set is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
-            val = evaluate(task, model, val_set, batch_size=cfg.eval_batch_size, precision=cfg.precision,
-                           dist_info=d)
-            metrics.update({f"val/{k}": v for k, v in val.items() if k != "count"})
-            better = state["best"] is None or (val[best_key] > state["best"] if best_mode == "max"
-                                               else val[best_key] < state["best"])
-            if better:
-                state["best"], state["best_step"], state["best_val"] = val[best_key], done, val
-                if d.is_main:
-                    checkpoint.save_atomic({"model": model.state_dict(), "step": done,
-                                            "config": config_mod.to_dict(cfg)}, ckpt_dir / "best.pt")
-        if metrics and d.is_main:
-            metrics["time/seconds_per_step"] = train_seconds / max(1, session_steps)
-            log.log(done, metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            save_last()
-        bar.update(1)
-    bar.close()
-
-    # Final figures: the best-validation weights (the last ones when there is no validation split) on test.
-    best_path = ckpt_dir / "best.pt"
-    distributed.barrier()
-    if val_set is not None and best_path.exists():
-        model.load_state_dict(checkpoint.load(best_path, map_location=d.device)["model"])
-    results = {"task": cfg.task, "attention": cfg.attention, "num_heads": cfg.num_heads, "head_dim": cfg.head_dim,
-               "pi": cfg.pi, "params": num_params, "steps": state["step"], "seed": cfg.seed,
-               "world_size": d.world_size, "precision": cfg.precision, "max_len": cfg.max_len,
-               "best_step": state["best_step"], "skipped_steps": state["skipped"],
-               "seconds_per_step": train_seconds / max(1, session_steps)}
-    for name, ds in (("val", val_set), ("test", test_set)):
-        if ds is None:
-            results[name] = None
-            results.setdefault("missing_splits", []).append(name)
-            continue
-        if name == "val" and "best_val" in state:  # measured when the best checkpoint was written
-            m = state["best_val"]
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif cfg.nonfinite == "stop":
+            kept = self.ckpt_dir / "last.pt"
+            raise NonFiniteLoss(f"non-finite training loss ({train['loss']}) at step {step + 1}; the last good "
+                                f"checkpoint is {kept if kept.exists() else 'none (no checkpoint yet)'}; "
+                                f"lower lr, use --precision 32, or set nonfinite=skip")
         else:
-            m = evaluate(task, model, ds, batch_size=cfg.eval_batch_size, precision=cfg.precision, dist_info=d)
-        results[name] = {**m, **task.describe(ds)}
-    if d.is_main:
-        for name in results.get("missing_splits", []):
-            _say(run_dir, f"{name} split absent: results.json reports the splits that exist")
-        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        log.close()
-        records.plot_learning_curves(run_dir)
-        summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                 for k, v in results[n].items())
-                            for n in ("val", "test") if results[n] is not None)
-        _say(run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in {run_dir}")
-    distributed.teardown()
-    return results if d.is_main else None
+            self.state.skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.step = step + 1
+        return train
+
+    def evaluate(self, dataset) -> dict:
+        """The task's metrics of the current model on ``dataset`` (every example counted once over ranks)."""
+        return evaluate(self.task, self.model, dataset, batch_size=self.cfg.eval_batch_size,
+                        precision=self.cfg.precision, dist_info=self.dist)
+
+    def validate(self) -> dict:
+        """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt."""
+        val = self.evaluate(self.splits["val"])
+        key, mode = self.task.best_metric
+        best = self.state.best
+        if best is None or (val[key] > best if mode == "max" else val[key] < best):
+            done = self.state.step
+            self.state.best, self.state.best_step, self.state.best_val = val[key], done, val
+            if self.dist.is_main:
+                checkpoint.save_atomic({"model": self.model.state_dict(), "step": done,
+                                        "config": config_mod.to_dict(self.cfg)}, self.ckpt_dir / "best.pt")
+        return val
+
+    def save_checkpoint(self) -> None:
+        """Write last.pt: model, optimiser, scheduler, scaler, ``loop_state`` (:class:`LoopState` fields), config
+        and every rank's RNG state. Every rank must call it (the RNG states are gathered); only rank 0 writes."""
+        ckpt = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "loop_state": self.state.to_dict(), "config": config_mod.to_dict(self.cfg),
+                "rng": distributed.gather_objects(checkpoint.rng_state())}
+        if self.dist.is_main:
+            checkpoint.save_atomic(ckpt, self.ckpt_dir / "last.pt")
+
+    # -- end ---------------------------------------------------------------------------------------------------
+    def finish(self) -> dict | None:
+        """Evaluate the best-validation weights (the last ones without a validation split), write results.json and
+        the plots; returns the results on rank 0 (None elsewhere)."""
+        best_path = self.ckpt_dir / "best.pt"
+        distributed.barrier()
+        if self.splits["val"] is not None and best_path.exists():
+            self.model.load_state_dict(checkpoint.load(best_path, map_location=self.dist.device)["model"])
+        results = self.results()
+        if self.dist.is_main:
+            for name in results.get("missing_splits", []):
+                _say(self.run_dir, f"{name} split absent: results.json reports the splits that exist")
+            (self.run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            self.log.close()
+            records.plot_learning_curves(self.run_dir)
+            summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in results[n].items())
+                                for n in ("val", "test") if results[n] is not None)
+            _say(self.run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in "
+                               f"{self.run_dir}")
+        distributed.teardown()
+        return results if self.dist.is_main else None
+
+    def results(self) -> dict:
+        """The results.json dict. Attention options the kind does not take are not reported as used (``pi`` is
+        None for softmax); ``attention_options`` lists the ones it got."""
+        cfg, st = self.cfg, self.state
+        takes = attention_options(cfg.attention)
+        results = {"task": cfg.task, "attention": cfg.attention, "num_heads": cfg.num_heads,
+                   "head_dim": cfg.head_dim, "pi": cfg.pi if "pi" in takes else None,
+                   "attention_options": dict(self.task.model_config(cfg).attention.options),
+                   "params": self.num_params, "steps": st.step, "seed": cfg.seed, "world_size": self.dist.world_size,
+                   "precision": cfg.precision, "max_len": cfg.max_len, "best_step": st.best_step,
+                   "skipped_steps": st.skipped, "seconds_per_step": self.train_seconds / max(1, self.session_steps)}
+        for name, ds in (("val", self.splits["val"]), ("test", self.splits["test"])):
+            if ds is None:
+                results[name] = None
+                results.setdefault("missing_splits", []).append(name)
+                continue
+            m = st.best_val if name == "val" and st.best_val is not None else self.evaluate(ds)
+            results[name] = {**m, **self.task.describe(ds)}
+        return results
+
+
+def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None) -> dict | None:
+    """Train ``cfg`` into ``run_dir`` (or continue it from checkpoints/last.pt when ``resume``): :class:`Trainer`'s
+    setup, train and finish. Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss
+    is not finite and ``cfg.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model
+    config."""
+    trainer = Trainer(cfg, run_dir, resume=resume, device=device)
+    trainer.setup()
+    trainer.train()
+    return trainer.finish()

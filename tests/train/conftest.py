@@ -1,13 +1,19 @@
-"""Shared bits for the end-to-end training tests: a tiny config and a subprocess runner."""
+"""Fixtures of the end-to-end training tests: ``th``, a namespace with a tiny config (``th.TINY``), ``th.sets``,
+subprocess runners (``th.run``, ``th.run_torchrun``, ``th.mgk_cmd``, ``th.env``) and run-directory readers
+(``th.metrics``, ``th.series``, ``th.last_state``); ``run_v0_1_0``, a copy of the 0.1.0 run-directory fixture."""
 import json
+import shutil
+import types
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
 
 TINY = ["gen_train=256", "gen_val=40", "gen_test=37", "batch_size=16", "d_model=32", "head_dim=8", "ffn_dim=32",
         "classifier_dim=32", "max_len=64", "gen_max_length=40", "log_every=1", "eval_every=10", "warmup_steps=5",
@@ -74,3 +80,19 @@ def series(run_dir, key):
 def last_state(run_dir):
     """The model state dict of checkpoints/last.pt."""
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def th():
+    """The helpers above as one namespace (tests take them as a fixture instead of importing this file)."""
+    return types.SimpleNamespace(TINY=list(TINY), sets=sets, env=env, mgk_cmd=mgk_cmd, run=run,
+                                 run_torchrun=run_torchrun, metrics=metrics, series=series, last_state=last_state)
+
+
+@pytest.fixture
+def run_v0_1_0(tmp_path):
+    """(copy of tests/fixtures/run_v0_1_0 in tmp_path, the figures 0.1.0 gave for it): a 4-step LM run of mgk 0.1.0
+    with its flat config.yaml, its checkpoints (string-keyed loop state) and its generated corpus."""
+    out = tmp_path / "run_v0_1_0"
+    shutil.copytree(FIXTURES / "run_v0_1_0", out)
+    return out, json.loads((FIXTURES / "run_v0_1_0.expected.json").read_text())

@@ -1,0 +1,31 @@
+"""A run directory of mgk 0.1.0 (flat config.yaml, checkpoints with the string-keyed loop state) still evaluates and
+resumes, with the figures 0.1.0 itself gave (tests/fixtures/run_v0_1_0.expected.json)."""
+import json
+
+import pytest
+import torch
+
+from mgk.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_eval_of_a_0_1_0_run_gives_its_perplexity(run_v0_1_0, tmp_path):
+    run_dir, expected = run_v0_1_0
+    assert "state" in torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)  # the 0.1.0 layout
+    main(["eval", str(run_dir), "--split", "valid", "--json", str(tmp_path / "v.json"), "--no-progress",
+          "--device", "cpu"])
+    v = json.loads((tmp_path / "v.json").read_text())
+    assert v["ppl"] == pytest.approx(expected["eval_valid_best_ppl"], rel=1e-9)
+    assert v["step"] == 4 and v["checkpoint"].endswith("best.pt")
+
+
+def test_resume_of_a_0_1_0_run_continues_as_0_1_0_did(run_v0_1_0, th):
+    run_dir, expected = run_v0_1_0
+    main(["train", "--resume", str(run_dir), "--steps", "6", "--device", "cpu"])
+    losses = dict(th.series(run_dir, "train/loss"))
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert {str(k): losses[k] for k in (5, 6)} == expected["resume_steps_6_train_loss"]  # bit for bit
+    assert dict(th.series(run_dir, "val/ppl"))[6] == expected["resume_steps_6_val_ppl"]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["loop_state"]["step"] == 6 and ckpt["loop_state"]["best_step"] == 6 and "state" not in ckpt
