@@ -86,6 +86,19 @@ def test_check_listops_and_bad_arguments(tmp_path, capsys):
         main(["data", "check", "--task", "text", "--data", str(data), "--set", "maxlen=3"])
 
 
+def test_check_lm_reports_each_split_and_needs_train(tmp_path, capsys):
+    from mgk.data import wikitext as wt
+
+    data = tmp_path / "wt"
+    wt.generate_corpus(data, train_lines=20, valid_lines=5, test_lines=5, num_words=30, seed=0)
+    (data / "wiki.test.tokens").unlink()
+    rc, out, err = check(capsys, "lm", data)
+    assert rc == 0 and "train: " in out and "20 lines" in out and "test: wiki.test.tokens or test.txt absent" in out
+    (data / "wiki.train.tokens").unlink()
+    rc, out, err = check(capsys, "lm", data)
+    assert rc == 1 and "train: wiki.train.tokens or train.txt absent" in err
+
+
 @pytest.mark.skipif(not (SHARED / "listops" / "basic_val.tsv.gz").is_file(),
                     reason="shared ListOps copy ../shared/data/listops absent")
 def test_check_shared_listops_val_counts(tmp_path, capsys):

@@ -45,7 +45,7 @@ def tiny_lm(seed=0, vocab=30, cutoffs=(8, 20), attention="softmax"):
 
 
 @pytest.mark.parametrize("attention", ["softmax", "mgk"])
-def test_stride_one_equals_brute_force_per_token_windows(attention, th):
+def test_stride_one_equals_brute_force_per_token_windows(attention):
     lm = tiny_lm(attention=attention)
     torch.manual_seed(1)
     tokens = torch.randint(0, 30, (50,))
@@ -62,7 +62,7 @@ def test_stride_one_equals_brute_force_per_token_windows(attention, th):
         assert r["ppl"] == pytest.approx(math.exp(brute / 49), rel=1e-5)
 
 
-def test_stride_equal_to_context_is_chunked_eval_and_training_validation(, th):
+def test_stride_equal_to_context_is_chunked_eval_and_training_validation():
     lm = tiny_lm()
     torch.manual_seed(2)
     tokens = torch.randint(0, 30, (50,))
@@ -98,7 +98,7 @@ class CopyBack(torch.nn.Module):
         return torch.where(y != IGNORE_INDEX, nll, torch.zeros(())) + 0 * pos.sum()
 
 
-def test_context_matters_stride_one_beats_non_overlapping_windows(, th):
+def test_context_matters_stride_one_beats_non_overlapping_windows():
     W = 8
     tokens = torch.arange(W).repeat(7)  # period W: each token equals the one W back
     model = CopyBack(vocab=20, period=W)
@@ -112,7 +112,7 @@ def test_context_matters_stride_one_beats_non_overlapping_windows(, th):
     assert slide["nll"] == pytest.approx(expect, rel=1e-6)
 
 
-def uniform_lm(vocab, cutoffs, th):
+def uniform_lm(vocab, cutoffs):
     """Every word gets probability 1/V: constant hidden e_0, zero word scores, cluster scores log(cluster size)."""
     lm = tiny_lm(vocab=vocab, cutoffs=cutoffs)
     with torch.no_grad():
