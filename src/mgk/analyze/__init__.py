@@ -1,5 +1,5 @@
-"""``mgk analyze``: why MGK works, measured on trained runs (Nguyen et al., ICML 2022, section 5): attention maps per
-head, the numerical rank of attention matrices, head redundancy and the mixture weights.
+"""``mgk analyze``: why MGK works, measured on trained runs (the analysis of Nguyen et al., ICML 2022): attention maps
+per head, the numerical rank of attention matrices, head redundancy and the mixture weights.
 
 Modules: :mod:`.stats` (pure statistics), :mod:`.weights` (per-layer weights through the modules' ``need_weights``),
 :mod:`.mixture` (pi and component shares), :mod:`.run` (loading a run), :mod:`.analysis` (one run), :mod:`.plots`,

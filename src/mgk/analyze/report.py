@@ -99,7 +99,8 @@ def _mixture_rows(results: dict) -> list[str]:
             if not mix:
                 continue
             if not rows:
-                rows = ["| run | layer | head | pi per component (per head, or mean ± std over key positions) | share of attention |",
+                rows = ["| run | layer | head | pi per component (per head, or mean ± std over key positions) "
+                        "| share of attention |",
                         "|---|---|---|---|---|"]
             for h in range(layer["num_heads"]):
                 pi = ("unused (Hard-E)" if mix["pi"] is None else

@@ -1,8 +1,9 @@
 """Pure statistics of attention maps (no model, no files): numerical rank, head redundancy, summaries.
 
 Every function takes row-stochastic attention maps cut to real tokens, ``(H, L, S)`` float tensors, and computes in
-float64. These are the measurements of the paper's redundancy analysis (Nguyen et al., ICML 2022, section 5 "Empirical
-analysis": attention maps per head, and the rank of attention matrices by SVD with singular values below 1e-6 dropped).
+float64. These are the measurements of the paper's head-redundancy analysis (Nguyen et al., "Improving Transformers
+with Probabilistic Attention Keys", ICML 2022: attention maps per head, and the rank of attention matrices by SVD with
+singular values below 1e-6 dropped), plus distances between heads.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def numerical_rank(maps: Tensor, tol: float = 1e-6, mode: str = "absolute") -> T
     """Numerical rank of each matrix of ``maps`` (..., L, S): the number of singular values kept.
 
     ``mode="absolute"`` keeps singular values ``s > tol`` (the paper's rule: values below 1e-6 dropped);
-    ``mode="relative"`` keeps ``s > tol * s_max`` (scale-free; the rule of ``numpy.linalg.matrix_rank`` with an
-    explicit tolerance). A row-stochastic L x S map satisfies ``A 1_S = 1_L``, so ``s_max >= sqrt(L / S)`` (1 for
+    ``mode="relative"`` keeps ``s > tol * s_max`` (scale-free; the rule of ``numpy.linalg.matrix_rank(A,
+    rtol=tol)``). A row-stochastic L x S map satisfies ``A 1_S = 1_L``, so ``s_max >= sqrt(L / S)`` (1 for
     self-attention): the two rules then differ little, but only the relative one is invariant to scaling.
 
     Singular values come from :func:`torch.linalg.svdvals` in float64. Returns int64 ranks of shape (...).
@@ -99,8 +100,8 @@ def effective_heads(maps: Tensor) -> float:
 
 
 def summary(values) -> dict:
-    """``{"n", "mean", "std", "min", "median" (the lower one for an even n), "max"}`` of a sequence of numbers (NaNs dropped; std with n - 1,
-    0 for one value); ``{"n": 0}`` when empty."""
+    """``{"n", "mean", "std", "min", "median" (the lower one for an even n), "max"}`` of a sequence of numbers
+    (NaNs dropped; std with n - 1, 0 for one value); ``{"n": 0}`` when empty."""
     x = torch.as_tensor(list(values), dtype=torch.float64)
     x = x[~torch.isnan(x)]
     if x.numel() == 0:
