@@ -1,0 +1,96 @@
+"""``mgk analyze``: argument parsing and the two entry points (one run, or ``--compare`` several)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+__all__ = ["add_parser", "run", "analyse_dirs"]
+
+
+def add_parser(sub) -> None:
+    """Add the ``analyze`` sub-command to an ``argparse`` sub-parsers object."""
+    p = sub.add_parser("analyze", help="attention maps, rank, head redundancy and mixture weights of trained runs",
+                       description="Measure why MGK works on a run's best checkpoint: attention maps per layer "
+                                   "(PNG), the numerical rank of attention matrices, head redundancy (Jensen-Shannon "
+                                   "divergence, L2 distance, effective number of heads) and the mixture weights. "
+                                   "Writes analysis.json, analysis.md and the figures. With --compare, the same "
+                                   "for several runs, figures overlaid.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directory (several with --compare)")
+    p.add_argument("--compare", action="store_true", help="analyse every RUN_DIR and overlay them")
+    p.add_argument("--split", default="val", choices=["val", "test"], help="split to draw examples from")
+    p.add_argument("--samples", type=int, default=100, help="examples drawn at random (default 100); every head "
+                                                            "of every layer is measured on each")
+    p.add_argument("--seed", type=int, default=0, help="seed of the example draw (default 0)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/analysis; with --compare: "
+                                               "./analysis-compare)")
+    p.add_argument("--data", default=None, help="data folder (default: the run's own)")
+    p.add_argument("--rank-tol", type=float, default=1e-6, help="singular values <= this are dropped (1e-6)")
+    p.add_argument("--rank-mode", default="absolute", choices=["absolute", "relative"],
+                   help="tolerance absolute (paper) or relative to the largest singular value; both are recorded")
+    p.add_argument("--batch-size", type=int, default=8, help="examples per model call (bounds memory)")
+    p.add_argument("--examples", type=int, default=3, help="examples drawn as attention-map grids (default 3)")
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="model precision")
+    p.add_argument("--checkpoint", default="best", choices=["best", "last"], help="which checkpoint")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _settings(args):
+    from .analysis import Settings
+
+    return Settings(split=args.split, samples=args.samples, seed=args.seed, batch_size=args.batch_size,
+                    rank_tol=args.rank_tol, rank_mode=args.rank_mode, examples=args.examples,
+                    dtype=args.dtype).check()
+
+
+def analyse_dirs(run_dirs, out: Path, settings, *, data=None, which="best", device="cpu",
+                 progress=True) -> dict:
+    """Analyse each run of ``run_dirs`` and write analysis.json, analysis.md and the figures into ``out``.
+    Returns {label: result}. Labels are "<attention>-<heads>", with the folder name added when two coincide."""
+    from .analysis import analyse
+    from .report import write_figures, write_json, write_markdown
+    from .run import load_run, run_label
+
+    results, maps = {}, {}
+    for d in run_dirs:
+        run = load_run(d, data=data, which=which, device=device)
+        label = run_label(run.cfg)
+        if label in results:
+            label = f"{label} ({Path(d).name})"
+        result = analyse(run, settings, progress=progress)
+        maps[label] = result.pop("_maps")
+        results[label] = result
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figs = write_figures(results, out, maps)
+    single = len(results) == 1
+    payload = next(iter(results.values())) if single else {"runs": results}
+    payload = {**payload, "figures": figs}
+    write_json(payload, out / "analysis.json")
+    title = f"mgk analyze: {next(iter(results))}" if single else "mgk analyze --compare: " + " vs ".join(results)
+    write_markdown(results, figs, out / "analysis.md", title)
+    return results
+
+
+def run(args) -> int:
+    """Handler of ``mgk analyze``."""
+    if len(args.runs) > 1 and not args.compare:
+        raise SystemExit("mgk analyze: several RUN_DIRs need --compare")
+    try:
+        settings = _settings(args)
+        out = Path(args.out) if args.out else (Path("analysis-compare") if args.compare
+                                               else Path(args.runs[0]) / "analysis")
+        t0 = time.perf_counter()
+        results = analyse_dirs(args.runs, out, settings, data=args.data, which=args.checkpoint,
+                               device=args.device, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"mgk analyze: {e}") from None
+    for label, r in results.items():
+        for layer in r["layers"]:
+            rk = layer["rank"][settings.rank_mode]
+            red = layer["redundancy"]
+            print(f"{label} layer {layer['layer']}: rank {rk['mean']:.2f} (median {rk['median']:g}), JS "
+                  f"{red['js'].get('mean', float('nan')):.3f}, effective heads "
+                  f"{red['effective_heads']['mean']:.2f} of {layer['num_heads']}")
+    print(f"mgk analyze: wrote {out}/analysis.md, analysis.json and figures ({time.perf_counter() - t0:.1f} s)")
+    return 0

@@ -1,0 +1,69 @@
+"""Mixture statistics of MGK and MLK layers: the mixture weights pi, and each component's share of the attention.
+
+- pi (paper eq. 9): learned (softmax of the logits), the Soft-E buffer, or none for Hard-E (pi unused).
+- Shares: for MGK with a sum over components, the responsibility ``gamma_ijr = softmax_r(log pi_jr - |q_i -
+  k_jr|^2 / (2 sigma_r^2))`` of :func:`mgk.functional.mgk_responsibilities`, summed over the valid (query, key)
+  pairs and divided by their number; for Hard-E (the k-means limit) the share of valid pairs whose nearest
+  component (largest Gaussian log-kernel) is r; for MLK (paper eq. 14) the share of component r in each
+  unnormalised weight, ``pi_r phi(q_i).phi(k_jr) / sum_r' pi_r' phi(q_i).phi(k_jr')`` averaged the same way.
+Queries and keys are the module's own projections of the recorded layer input.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..attention import MGKAttention, MLKAttention
+from ..functional import causal_mask, elu_feature_map, gaussian_log_kernel, mgk_responsibilities
+
+__all__ = ["has_mixture", "mixture_weights", "component_sums"]
+
+
+def has_mixture(module) -> bool:
+    """Whether ``module`` has mixture components (MGK or MLK attention)."""
+    return isinstance(module, (MGKAttention, MLKAttention))
+
+
+def mixture_weights(module, length: int) -> Tensor | None:
+    """pi of ``module`` as float64 (H, M, P): P = 1 for per-head weights, else the first ``length`` key positions
+    (per-position learned weights, or the Soft-E buffer). None for Hard-E, which has no pi."""
+    if getattr(module, "pi_mode", None) == "hard_e":
+        return None
+    if isinstance(module, MGKAttention) and module.pi_mode == "soft_e":
+        return module.pi[:, :, :length].detach().to(torch.float64).cpu()
+    pi = module.mixture_log_weights(length).detach().to(torch.float64).exp()[0]  # (H, M, 1) or (H, M, length)
+    return pi.cpu()
+
+
+@torch.no_grad()
+def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """Summed component shares over the valid (query, key) pairs of one sequence.
+
+    Args:
+        module: an MGKAttention or MLKAttention.
+        x: the layer input of one sequence cut to its real tokens, (1, n, E).
+        is_causal: whether the layer attends causally (pairs with j > i are not valid).
+    Returns:
+        ``(sums (H, M), pairs (H,))`` float64: dividing gives each head's share of each component.
+    """
+    q = module._split(module.q_proj(x))  # (1, H, n, D): the module's own projections, no second implementation
+    k = module._keys(x)  # (1, H, M, n, D)
+    n = x.shape[1]
+    valid = causal_mask(n, n, x.device) if is_causal else torch.ones(n, n, dtype=torch.bool, device=x.device)
+    if isinstance(module, MLKAttention):
+        log_pi = module.mixture_log_weights(n)  # (1, H, M, 1) or (1, H, M, n)
+        fk = elu_feature_map(k.to(torch.float64))  # (1, H, M, n, D)
+        part = torch.einsum("bhld,bhmsd->bhlms", elu_feature_map(q.to(torch.float64)), fk)
+        part = part * log_pi.to(torch.float64).exp().unsqueeze(2)  # (1, H, n, M, n)
+        share = part / part.sum(dim=3, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        share = share * valid.view(1, 1, n, 1, n)
+        return share.sum(dim=(0, 2, 4)), valid.sum().to(torch.float64).expand(q.shape[1]).clone()
+    if module.pi_mode == "hard_e":
+        g = gaussian_log_kernel(q.to(torch.float64), k.to(torch.float64), module.sigma2.to(torch.float64))
+        winners = torch.nn.functional.one_hot(g.argmax(dim=3), module.num_keys)  # (1, H, n, n, M)
+        winners = winners * valid.view(1, 1, n, n, 1)
+        return winners.sum(dim=(0, 2, 3)).to(torch.float64), valid.sum().to(torch.float64).expand(q.shape[1]).clone()
+    resp, count = mgk_responsibilities(q.to(torch.float64), k.to(torch.float64),
+                                       log_pi=module.mixture_log_weights(n).to(torch.float64),
+                                       sigma2=module.sigma2.to(torch.float64), is_causal=is_causal)
+    return resp.sum(dim=-1).to(torch.float64), count.sum(dim=-1).to(torch.float64)

@@ -1,0 +1,113 @@
+"""Figures of ``mgk analyze`` (matplotlib, Agg backend: no display needed). Every function writes one PNG."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot is imported)
+
+__all__ = ["attention_grid", "rank_histograms", "per_layer_lines", "mixture_bars"]
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    return path
+
+
+def attention_grid(maps: list, path: Path, title: str) -> Path:
+    """A grid of attention matrices: one row per example, one column per head; ``maps`` is a list of (H, n, n)
+    tensors (real tokens only). Colour scale per panel (each map's own maximum)."""
+    rows, cols = len(maps), maps[0].shape[0]
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols + 0.4, 1.6 * rows + 0.5), squeeze=False)
+    for r, m in enumerate(maps):
+        for h in range(cols):
+            ax = axes[r][h]
+            ax.imshow(m[h].numpy(), cmap="viridis", interpolation="nearest", vmin=0.0)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"head {h}", fontsize=8)
+        axes[r][0].set_ylabel(f"ex {r} (n={m.shape[-1]})", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def rank_histograms(series: dict, path: Path, title: str, xlabel: str) -> Path:
+    """Overlaid histograms, one panel per layer: ``series`` maps a label to a list (per layer) of value lists.
+    Densities, so runs with different numbers of heads compare."""
+    labels = list(series)
+    layers = max(len(v) for v in series.values())
+    fig, axes = plt.subplots(1, layers, figsize=(4 * layers, 3), squeeze=False)
+    for i in range(layers):
+        ax = axes[0][i]
+        values = [series[lab][i] for lab in labels if i < len(series[lab])]
+        lo = min(min(v) for v in values if v)
+        hi = max(max(v) for v in values if v)
+        bins = _bins(lo, hi)
+        for lab in labels:
+            if i < len(series[lab]) and series[lab][i]:
+                ax.hist(series[lab][i], bins=bins, density=True, alpha=0.5, label=lab)
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+    axes[0][0].set_ylabel("density", fontsize=8)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def _bins(lo: float, hi: float):
+    if float(lo).is_integer() and float(hi).is_integer() and hi - lo <= 60:
+        return [x - 0.5 for x in range(int(lo), int(hi) + 2)]
+    return 30
+
+
+def per_layer_lines(series: dict, path: Path, title: str, ylabel: str) -> Path:
+    """One line per label over the layers: ``series`` maps a label to ``(means, stds)`` lists per layer."""
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    for lab, (means, stds) in series.items():
+        x = list(range(len(means)))
+        ax.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=lab)
+    ax.set_xlabel("layer", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_xticks(range(max(len(m) for m, _ in series.values())))
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def mixture_bars(series: dict, path: Path, title: str, ylabel: str) -> Path:
+    """Grouped bars per layer: ``series`` maps a label (run) to a list per layer of (H, M) nested lists; each head's
+    components are stacked (they sum to 1 for pi and for shares)."""
+    labels = list(series)
+    layers = max(len(v) for v in series.values())
+    fig, axes = plt.subplots(1, layers, figsize=(4.5 * layers, 3), squeeze=False)
+    for i in range(layers):
+        ax, x0, ticks, names = axes[0][i], 0, [], []
+        for lab in labels:
+            if i >= len(series[lab]) or series[lab][i] is None:
+                continue
+            table = series[lab][i]
+            for h, row in enumerate(table):
+                bottom = 0.0
+                for r, v in enumerate(row):
+                    ax.bar(x0, v, bottom=bottom, color=f"C{r}", label=f"component {r}" if x0 == 0 else None)
+                    bottom += v
+                ticks.append(x0)
+                names.append(f"{lab}\nh{h}" if h == 0 else f"h{h}")
+                x0 += 1
+            x0 += 1
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(names, fontsize=6)
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel(ylabel, fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
