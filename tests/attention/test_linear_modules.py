@@ -114,3 +114,20 @@ def test_mlk_with_one_head_prior_on_first_key_equals_linear_attention():
     x = torch.randn(2, 6, E)
     for causal in (False, True):
         torch.testing.assert_close(mlk(x, is_causal=causal)[0], lin(x, is_causal=causal)[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,pi", [("mgk", "learned"), ("smgk", "soft_e"), ("mlk", "learned"), ("smlk", "learned")])
+def test_state_dicts_from_before_the_mixture_submodule_still_load(kind, pi):
+    """Issue 11: the keys moved into `mixture`; a state dict with the old flat names (k_proj.*, key_shift,
+    pi_logits, pi) loads strictly into the new module and gives the same outputs."""
+    torch.manual_seed(0)
+    options = {"pi": pi, "max_len": 8} if kind.endswith("mgk") else {}
+    m = build_attention(kind, E, H, **options).eval()
+    old = {k.replace("mixture.", ""): v.clone() for k, v in m.state_dict().items()}
+    assert "k_proj.weight" in old and not any(k.startswith("mixture.") for k in old)
+    fresh = build_attention(kind, E, H, **options).eval()
+    fresh.load_state_dict(old)
+    x = torch.randn(2, 5, E)
+    assert torch.equal(fresh(x)[0], m(x)[0])
+    assert m.k_proj is m.mixture.k_proj and isinstance(m.mixture, mgk.MixtureKeys if hasattr(mgk, "MixtureKeys")
+                                                      else mgk.attention.MixtureKeys)
