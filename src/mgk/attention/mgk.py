@@ -6,7 +6,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..functional import _mixture_flash
 from ..functional.mgk import mgk_attention, mgk_responsibilities
