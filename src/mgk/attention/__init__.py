@@ -2,8 +2,9 @@
 from .base import AttentionBase
 from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention
+from .mixture_keys import MixtureKeys
 from .registry import attention_kinds, build_attention, register
 from .softmax import MultiheadAttention
 
 __all__ = ["AttentionBase", "MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "register"]
-__all__ += ["LinearAttention", "MLKAttention"]
+__all__ += ["LinearAttention", "MLKAttention", "MixtureKeys"]

@@ -4,14 +4,16 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..functional.softmax import softmax_attention, softmax_attention_reference
+from . import _float_bias
 from .base import AttentionBase
 
 
 class MultiheadAttention(AttentionBase):
     """Softmax attention with H heads of size D (Vaswani et al. 2017), through SDPA.
 
-    Same constructor and ``forward`` as :class:`mgk.attention.base.AttentionBase`. ``need_weights=True`` takes the
-    explicit path and returns the (B, H, L, S) weights.
+    Same constructor (``batch_first`` included) and ``forward`` as :class:`mgk.attention.base.AttentionBase`.
+    ``need_weights=True`` takes the explicit path and returns the (B, H, L, S) weights, per head (torch averages
+    them over heads by default). Float masks are added to the logits, as in ``nn.MultiheadAttention``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, **kwargs):
@@ -21,7 +23,10 @@ class MultiheadAttention(AttentionBase):
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key))
 
-    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask):
+    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
+        if bias is not None:
+            result = _float_bias.softmax(q, k, v, mask, bias, is_causal, self.attn_dropout, need_weights)
+            return result if need_weights else (result, None)
         if need_weights:
             return softmax_attention_reference(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                dropout_p=self.attn_dropout, return_weights=True)

@@ -1,0 +1,126 @@
+"""Mixture keys shared by MGK and MLK: M key projections (or one projection and learned shifts) and the log
+mixture weights log pi (Nguyen et al., ICML 2022, eq. 9-10 for MGK and eq. 14 for MLK; "shifted" keys are the
+paper's sMGK / sMLK variants)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import _positive_int
+
+KEY_MODES = ("separate", "shifted")
+PI_MODES = ("learned", "soft_e", "hard_e")
+PI_SHAPES = ("head", "position")
+
+# Checkpoints written before the keys moved into this submodule kept them directly on the attention module.
+_OLD_NAMES = ("k_proj.weight", "k_proj.bias", "key_shift", "pi_logits", "pi")
+
+
+class MixtureKeys(nn.Module):
+    """Keys (B, H, M, S, D) of M mixture components per key position, and their log weights.
+
+    Args:
+        kdim: width of the key input; num_heads: H; head_dim: D; num_keys: M.
+        keys: "separate" (M projections ``k_r = x W_r``) or "shifted" (one projection and learned offsets
+            ``k_r = x W_k - mu_r`` with ``mu_1 = 0``, the others initialised from N(0, 0.5^2)).
+        pi: "learned" (log-softmax of learned logits ``pi_logits``, never clamped, so weights at the boundary keep a
+            gradient), "soft_e" (a buffer ``pi`` of shape (H, M, max_len), initialised to 1/M and written by an
+            E-step; see :class:`mgk.MGKAttention`), or "hard_e" (no weights: the max over components).
+        pi_shape: for pi="learned", "head" (logits (H, M)) or "position" (logits (H, M, max_len)).
+        max_len: longest key sequence; required by pi="soft_e" and pi_shape="position".
+        bias: whether the key projections have biases.
+
+    Raises:
+        ValueError naming the option for bad values.
+    """
+
+    def __init__(self, kdim: int, num_heads: int, head_dim: int, *, num_keys: int = 2, keys: str = "separate",
+                 pi: str = "learned", pi_shape: str = "head", max_len: int | None = None, bias: bool = True):
+        super().__init__()
+        M = self.num_keys = _positive_int(num_keys, "num_keys")
+        if keys not in KEY_MODES:
+            raise ValueError(f"keys must be one of {KEY_MODES}, got {keys!r}")
+        if pi not in PI_MODES:
+            raise ValueError(f"pi must be one of {PI_MODES}, got {pi!r}")
+        if pi_shape not in PI_SHAPES:
+            raise ValueError(f"pi_shape must be one of {PI_SHAPES}, got {pi_shape!r}")
+        self.keys, self.pi_mode, self.pi_shape = keys, pi, pi_shape
+        self.max_len = None if max_len is None else _positive_int(max_len, "max_len")
+        needs_len = pi == "soft_e" or (pi == "learned" and pi_shape == "position")
+        if needs_len and self.max_len is None:
+            raise ValueError(f"pi={pi!r} with per-position weights (pi_shape={pi_shape!r}) needs max_len "
+                             "(the longest key sequence)")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        H, D = num_heads, head_dim
+        if keys == "separate":
+            self.k_proj = nn.Linear(kdim, M * H * D, bias=bias)
+        else:
+            self.k_proj = nn.Linear(kdim, H * D, bias=bias)
+            self.key_shift = nn.Parameter(torch.randn(M - 1, H, D) * 0.5)
+        if pi == "learned":
+            self.pi_logits = nn.Parameter(torch.zeros((H, M) if pi_shape == "head" else (H, M, self.max_len)))
+        elif pi == "soft_e":
+            self.register_buffer("pi", torch.full((H, M, self.max_len), 1.0 / M))
+
+    def forward(self, key: Tensor) -> Tensor:
+        """Project key inputs (B, S, kdim) to mixture keys (B, H, M, S, D)."""
+        B, S, _ = key.shape
+        H, D, M = self.num_heads, self.head_dim, self.num_keys
+        if self.keys == "separate":
+            return self.k_proj(key).view(B, S, M, H, D).permute(0, 3, 2, 1, 4)
+        k = self.k_proj(key).view(B, S, H, D).transpose(1, 2).unsqueeze(2)  # (B, H, 1, S, D)
+        shift = torch.cat([self.key_shift.new_zeros(1, H, D), self.key_shift], dim=0)  # (M, H, D), mu_1 = 0
+        return k - shift.transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
+
+    def check_length(self, S: int, owner: str) -> None:
+        """Raise ValueError naming S and max_len when per-position weights do not cover S keys."""
+        per_position = self.pi_mode == "soft_e" or (self.pi_mode == "learned" and self.pi_shape == "position")
+        if per_position and S > self.max_len:
+            raise ValueError(f"key sequence length {S} exceeds max_len={self.max_len} of this {owner} "
+                             f"(per-position mixture weights exist for {self.max_len} positions)")
+
+    def log_weights(self, S: int, pi: Tensor | None = None) -> Tensor | None:
+        """log pi broadcastable to (B, H, M, S); None for Hard-E.
+
+        ``pi`` (H, M, S), for Soft-E only, replaces the buffer's first S positions (the weights a checkpointed
+        forward used, replayed in its recomputation)."""
+        if self.pi_mode == "hard_e":
+            return None
+        if self.pi_mode == "soft_e":
+            pi = self.pi[:, :, :S] if pi is None else pi
+            return pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
+        if self.pi_shape == "head":
+            return torch.log_softmax(self.pi_logits, dim=1).unsqueeze(0).unsqueeze(-1)
+        return torch.log_softmax(self.pi_logits[:, :, :S], dim=1).unsqueeze(0)
+
+
+def upgrade_state_dict(state_dict: dict, prefix: str, name: str = "mixture") -> None:
+    """Move the mixture keys of an older checkpoint (``k_proj.*``, ``key_shift``, ``pi_logits``, ``pi`` directly
+    on the attention module) under the submodule ``name``, in place, so that old checkpoints still load."""
+    for old in _OLD_NAMES:
+        if prefix + old in state_dict and prefix + name + "." + old not in state_dict:
+            state_dict[prefix + name + "." + old] = state_dict.pop(prefix + old)
+
+
+class MixtureKeysMixin:
+    """Old attribute names (``k_proj``, ``key_shift``, ``pi_logits``, ``pi``, ``keys``, ``num_keys``, ...) on a
+    module that holds its :class:`MixtureKeys` as ``self.mixture``, and loading of older checkpoints."""
+
+    mixture: MixtureKeys
+
+    k_proj = property(lambda self: self.mixture.k_proj)
+    key_shift = property(lambda self: self.mixture.key_shift)
+    pi_logits = property(lambda self: self.mixture.pi_logits)
+    pi = property(lambda self: self.mixture.pi)
+    keys = property(lambda self: self.mixture.keys)
+    num_keys = property(lambda self: self.mixture.num_keys)
+    pi_mode = property(lambda self: self.mixture.pi_mode)
+    pi_shape = property(lambda self: self.mixture.pi_shape)
+    max_len = property(lambda self: self.mixture.max_len)
+
+    def _keys(self, key: Tensor) -> Tensor:
+        return self.mixture(key)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        upgrade_state_dict(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

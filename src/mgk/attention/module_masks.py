@@ -1,0 +1,72 @@
+"""Module-level masks with ``nn.MultiheadAttention``'s semantics, split into what the functional core takes.
+
+``nn.MultiheadAttention`` (and ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``, which convert bool
+masks to float with ``-inf`` before calling their attention) reads a bool mask as True = not allowed and a float
+mask as a bias added to the attention logits (torch.nn.MultiheadAttention documentation, ``attn_mask`` and
+``key_padding_mask``). The functional core is bool-only (True = may attend), so a float mask is split here into
+its ``-inf`` entries (not allowed, a bool mask) and its finite entries (a bias, None when they are all zero).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..functional.masks import MaskError, causal_mask
+
+
+def _split_one(mask, name: str, bias_ok: bool, owner: str):
+    """(bool mask True = not allowed, or the input unchanged when not float; finite float bias or None)."""
+    if not isinstance(mask, Tensor) or not mask.is_floating_point():
+        return mask, None  # bool passes; other dtypes are refused with the argument's name downstream
+    if bool(torch.isnan(mask).any()) or bool(torch.isposinf(mask).any()):
+        raise MaskError(f"float {name} must hold finite values or -inf (not allowed), got NaN or +inf")
+    blocked = torch.isneginf(mask)
+    bias = torch.where(blocked, torch.zeros((), dtype=mask.dtype, device=mask.device), mask)
+    if not bool(bias.any()):
+        return blocked, None
+    if not bias_ok:
+        raise MaskError(f"{owner} takes a float {name} only as 0 (allowed) or -inf (not allowed): linear attention "
+                        "forms no logits to add a bias to; pass a bool mask (True = not allowed)")
+    return blocked, bias
+
+
+def _bias_4d(bias: Tensor, B: int, H: int, L: int, S: int, name: str) -> Tensor:
+    shape = tuple(bias.shape)
+    if name == "key_padding_mask" and shape == (B, S):
+        return bias.view(B, 1, 1, S)
+    if shape == (L, S):
+        return bias.view(1, 1, L, S)
+    if shape == (B * H, L, S):
+        return bias.view(B, H, L, S)
+    if shape == (B, H, L, S):
+        return bias
+    raise MaskError(f"{name} of shape {shape} does not fit (B, S), (L, S), (B*num_heads, L, S) or "
+                    f"(B, num_heads, L, S) with B={B}, L={L}, S={S}, num_heads={H}")
+
+
+def split_masks(key_padding_mask, attn_mask, B: int, H: int, L: int, S: int, *, bias_ok: bool, owner: str):
+    """Split ``nn.MultiheadAttention``-style masks into bool masks (True = not allowed) and one float bias.
+
+    Args:
+        key_padding_mask: bool (B, S), True = padding; or float (B, S) added to the logits (-inf = padding).
+        attn_mask: bool or float (L, S), (B * H, L, S) or (B, H, L, S), same semantics.
+        bias_ok: whether the caller can add a bias (softmax, MGK); otherwise finite non-zero values raise.
+    Returns:
+        ``(key_padding_mask, attn_mask, bias)``: the masks bool (or unchanged when neither bool nor float, so that
+        the caller's checks name them), and the bias broadcastable to (B, H, L, S) in float, or None.
+    Raises:
+        MaskError naming the argument for NaN / +inf entries, or bias values the caller cannot take.
+    """
+    key_padding_mask, kb = _split_one(key_padding_mask, "key_padding_mask", bias_ok, owner)
+    attn_mask, ab = _split_one(attn_mask, "attn_mask", bias_ok, owner)
+    parts = [_bias_4d(b, B, H, L, S, n) for b, n in ((kb, "key_padding_mask"), (ab, "attn_mask")) if b is not None]
+    bias = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return key_padding_mask, attn_mask, bias
+
+
+def is_causal_mask(attn_mask: Tensor | None, L: int, S: int) -> bool:
+    """Whether a bool (L, S) mask (True = not allowed) is exactly the bottom-right causal mask (``j > i + S - L``
+    blocked; for L == S torch's ``nn.Transformer.generate_square_subsequent_mask``)."""
+    if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (L, S):
+        return False
+    return bool(torch.equal(attn_mask, ~causal_mask(L, S, attn_mask.device)))
