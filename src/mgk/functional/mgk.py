@@ -238,7 +238,8 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
 
 def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = None,
                          sigma2: float | Tensor | None = None, attn_mask: Tensor | None = None,
-                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 512):
+                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 512,
+                         backend: str | None = None):
     """E-step statistics for Soft-E (the paper's "+Soft-E" ablation: the E-step of EM for the key mixture),
     computed without gradient.
 
@@ -251,9 +252,11 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         ``(resp_sum, count)``: float32 (or float64) tensors of shapes (H, M, S) and (H, S). The Soft-E update is
         ``pi[h, r, j] = resp_sum[h, r, j] / count[h, j]`` where ``count > 0``. Under DDP, all-reduce both first.
 
-    On CPU with at most key padding the C++ kernel computes the sums block by block (no L x S tensor); otherwise
-    the (B, H, chunk, M, S) scores are built in query chunks.
+    ``backend``: "kernel" (the C++ kernel, block by block, no L x S tensor: CPU, M > 1, masks at most key padding),
+    "explicit" (the (B, H, chunk, M, S) scores in query chunks), or None: "kernel" where it serves.
     """
+    if backend not in (None, "kernel", "explicit"):
+        raise ValueError(f"backend must be None, 'kernel' or 'explicit', got {backend!r}")
     B, H, L, S, M, D, mask = _check(query, key, None, log_pi, "sum", attn_mask)
     if query_mask is not None:
         if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (B, L):
@@ -265,8 +268,12 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         q, k = _centre(q, k, mask)  # the responsibilities, too, depend only on q - k
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
-        if (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
-                and _mixture_flash.usable(q, k[:, :, 0], 0.0)):
+        kernel_ok = (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
+                     and _mixture_flash.usable(q, k[:, :, 0], 0.0))
+        if backend == "kernel" and not kernel_ok:
+            raise BackendError("backend='kernel' cannot serve these inputs: it needs CPU float tensors, M > 1, "
+                               f"masks that are at most key padding and a built kernel ({_mixture_flash.build_error()})")
+        if kernel_ok and backend != "explicit":
             return _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask)
         valid = _masks.combine(mask, is_causal, L, S, query.device)
         if query_mask is not None:
