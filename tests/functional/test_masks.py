@@ -168,7 +168,7 @@ def test_mgk_bad_arguments_raise_value_error_naming_argument(case, path):
     kw.update(over)
     args = (kw.pop("query"), kw.pop("key"), kw.pop("value"))
     if path == "explicit":
-        kw["explicit"] = True
+        kw["backend"] = "explicit"
     elif path == "weights":
         kw["return_weights"] = True
     with pytest.raises(ValueError, match=name):

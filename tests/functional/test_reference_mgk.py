@@ -19,8 +19,8 @@ def run(path, q, k, v, **kw):
     """Call mgk_attention on one of the three paths; returns (out, weights or None)."""
     if path == "fast":
         return mgk_attention(q, k, v, **kw), None
-    if path == "fast-sdpa":
-        return mgk_attention(q, k, v, backend="sdpa", **kw), None
+    if path == "fast-sdpa":  # Hard-E has no SDPA form: it takes the selector's path
+        return mgk_attention(q, k, v, backend=None if kw.get("mixture") == "max" else "sdpa", **kw), None
     if path == "explicit":
         return mgk_attention(q, k, v, backend="explicit", **kw), None
     out, w = mgk_attention(q, k, v, return_weights=True, **kw)

@@ -93,20 +93,26 @@ def _log_prior(log_pi, M: int, dtype, device) -> Tensor:
     return lp.clamp_min(_LOG_PI_FLOOR)
 
 
-def _centre(q: Tensor, k: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Subtract from q and k the mean of the keys some query may attend to, one vector per (batch, head).
+def _centre(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """Subtract one vector per (batch, head) from q and k: the mean of the keys some query may attend to, or under
+    ``is_causal`` the mean over components of the first such key (every row that sees a key sees that one, so no
+    output depends, even in rounding, on a key its row may not see).
 
     The scores depend only on q - k, so the result is unchanged in exact arithmetic and the gradient through the
     shift is exactly zero (it is detached); in floating point it removes a common offset before the distance is
-    expanded. Masked keys (which may hold NaN) are left out of the mean with ``torch.where``."""
+    expanded. Masked keys (which may hold NaN) are left out with ``torch.where``."""
     kd = k.detach()
-    if mask is None:
+    zero = torch.zeros((), dtype=kd.dtype, device=kd.device)
+    alive = None if mask is None else mask.any(dim=-2)  # (B?, H?, S)
+    if is_causal:
+        first = 0 if alive is None else alive.to(torch.int8).argmax(dim=-1)  # (B?, H?); 0 when none is alive
+        pick = torch.arange(k.shape[3], device=k.device) == (first if alive is None else first.unsqueeze(-1))
+        c = torch.where(pick[..., None, :, None], kd, zero).sum(dim=(2, 3)) / k.shape[2]
+    elif alive is None:
         c = kd.mean(dim=(2, 3))
     else:
-        alive = mask.any(dim=-2)[..., None, :, None]  # (B?, H?, 1, S, 1)
-        total = torch.where(alive, kd, torch.zeros((), dtype=kd.dtype, device=kd.device)).sum(dim=(2, 3))
-        count = alive.sum(dim=(2, 3)).to(kd.dtype) * k.shape[2]
-        c = total / count.clamp_min(1)
+        total = torch.where(alive[..., None, :, None], kd, zero).sum(dim=(2, 3))
+        c = total / (alive.sum(dim=-1, keepdim=True).to(kd.dtype) * k.shape[2]).clamp_min(1)
     c = c.unsqueeze(2)  # (B, H, 1, D)
     return q - c, k - c.unsqueeze(2)
 
@@ -228,7 +234,7 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         if L == 0 or S == 0:  # nothing to attend from, or nothing to attend to: rows with no key are zero
             out = value.new_zeros(B, H, L, value.shape[-1], dtype=out_dtype)
             return (out, value.new_zeros(B, H, L, S, dtype=out_dtype)) if return_weights else out
-        q, k = _centre(q, k, mask)
+        q, k = _centre(q, k, mask, is_causal)
         call = _mgk_backends.Call(bool(is_causal), mixture, float(dropout_p), bool(return_weights),
                                   max(1, int(chunk_size)))
         out, weights = _mgk_backends.IMPLEMENTATIONS[name](q, k, v, log_prior, s2, mask, call)
@@ -265,7 +271,7 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
     dt = compute_dtype(query, key)
     with torch.no_grad(), full_precision(query.device):
         q, k = query.detach().to(dt), key.detach().to(dt)
-        q, k = _centre(q, k, mask)  # the responsibilities, too, depend only on q - k
+        q, k = _centre(q, k, mask, is_causal)  # the responsibilities, too, depend only on q - k
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
         kernel_ok = (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
