@@ -59,12 +59,18 @@ def test_measure_returns_a_complete_row(kind, one_thread):
     row = measure(kind, 2, 64, **SMALL)
     assert {"kind", "length", "time_ms", "peak_mem_mb", "flops", "params"} <= set(row)
     assert row["time_ms"] > 0 and row["flops"] > 0 and row["params"] > 0
-    if kind in ("mgk", "mgk-softe"):
-        expected = "cpu-kernel" if _mixture_flash.available(torch.zeros(1), 0.0) else "sdpa"
-        assert row["mgk_path"] == expected
-    if kind == "mgk-sdpa":
-        assert row["mgk_path"] == "sdpa"
-    assert _mixture_flash._enabled  # the switch is restored after mgk-sdpa
+    kernel = _mixture_flash.available(torch.zeros(1), 0.0)
+    expected = {"mgk": "kernel" if kernel else "sdpa", "mgk-softe": "kernel" if kernel else "sdpa",
+                "mgk-sdpa": "sdpa", "mgk-hard": "kernel" if kernel else "explicit"}.get(kind)
+    assert row["mgk_path"] == expected
+
+
+def test_mgk_sdpa_kind_pins_the_backend_on_the_module_only():
+    """mgk-sdpa maps onto backend="sdpa" of its own module; nothing process-wide changes."""
+    from mgk.bench.attention import build_kind
+
+    assert build_kind("mgk-sdpa", 2, 16, 4, 8).backend == "sdpa"
+    assert build_kind("mgk", 2, 16, 4, 8).backend is None
 
 
 def test_cli_writes_json_rows_and_a_table(tmp_path):

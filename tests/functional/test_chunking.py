@@ -16,7 +16,7 @@ def test_chunked_explicit_path_values_and_gradients(mixture, causal):
     mask[1, ..., 5:] = False
     outs, grads = [], []
     for chunk in (2, 3, 1000):  # 2 and 3 take the checkpointed path, 1000 the plain one
-        out = mgk_attention(q, k, v, mixture=mixture, attn_mask=mask, is_causal=causal, explicit=True,
+        out = mgk_attention(q, k, v, mixture=mixture, attn_mask=mask, is_causal=causal, backend="explicit",
                             chunk_size=chunk)
         outs.append(out)
         grads.append(torch.autograd.grad((out * torch.arange(5.0, dtype=out.dtype)).sum(), (q, k, v)))

@@ -15,7 +15,7 @@ def call(kind, q, k, v, **kw):
     if kind == "fast":
         return mgk_attention(q, k, v, **kw)
     if kind == "explicit":
-        return mgk_attention(q, k, v, explicit=True, **kw)
+        return mgk_attention(q, k, v, backend="explicit", **kw)
     return mgk_attention(q, k, v, mixture="max", **kw)
 
 

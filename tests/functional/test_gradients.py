@@ -39,10 +39,9 @@ def _mgk_fn(path, mask, causal, with_pi, sig):
         if path == "fast":
             return mgk_attention(q, k, v, **kw)
         if path == "fast-sdpa":  # the fast path without the C++ kernel
-            with _mixture_flash.disabled():
-                return mgk_attention(q, k, v, **kw)
+            return mgk_attention(q, k, v, backend="sdpa", **kw)
         if path == "explicit":
-            return mgk_attention(q, k, v, explicit=True, **kw)
+            return mgk_attention(q, k, v, backend="explicit", **kw)
         if path == "weights":
             out, w = mgk_attention(q, k, v, return_weights=True, **kw)
             return out, w
@@ -103,7 +102,7 @@ def test_gradcheck_q_is_k_exactly():
     v = torch.randn(1, 1, 3, 2, generator=g, dtype=F64, requires_grad=True)
 
     def fn(x, v):
-        return mgk_attention(x, x.unsqueeze(2), v, sigma2=0.5), mgk_attention(x, x.unsqueeze(2), v, explicit=True,
+        return mgk_attention(x, x.unsqueeze(2), v, sigma2=0.5), mgk_attention(x, x.unsqueeze(2), v, backend="explicit",
                                                                                sigma2=0.5)
     assert gradcheck(fn, (x, v), eps=1e-6, atol=1e-6, rtol=1e-5)
 
@@ -161,7 +160,7 @@ def test_sigma2_gradient_with_equal_variances(M, causal):
     grads = {}
     for path in ("fast", "explicit"):
         s2 = torch.full((M,), 1.3, dtype=F64, requires_grad=True)
-        out = mgk_attention(q, k, v, sigma2=s2, is_causal=causal, explicit=path == "explicit")
+        out = mgk_attention(q, k, v, sigma2=s2, is_causal=causal, backend="explicit" if path == "explicit" else None)
         (out * w).sum().backward()
         grads[path] = s2.grad
     num = torch.zeros(M, dtype=F64)
@@ -169,7 +168,7 @@ def test_sigma2_gradient_with_equal_variances(M, causal):
         d = torch.zeros(M, dtype=F64)
         d[r] = 1e-6
         f = [(mgk_attention(q, k, v, sigma2=torch.full((M,), 1.3, dtype=F64) + sgn * d, is_causal=causal,
-                            explicit=True) * w).sum() for sgn in (1, -1)]
+                            backend="explicit") * w).sum() for sgn in (1, -1)]
         num[r] = (f[0] - f[1]) / 2e-6
     torch.testing.assert_close(grads["explicit"], num, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grads["fast"], num, atol=1e-6, rtol=1e-5)

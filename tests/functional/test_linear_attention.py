@@ -26,7 +26,7 @@ def allowed_pairs(L, S, causal):
 
 
 def reference(q, k, v, *, log_pi=None, keep=None, causal=False, eps=1e-6, fm=elu1):
-    """o_i = sum_j w_ij v_j / (sum_j w_ij + eps), w_ij = [j visible to i] phi(q_i) . sum_r pi_jr phi(k_jr).
+    """o_i = sum_j w_ij v_j / sum_j w_ij (eps only where that sum is exactly 0), w_ij = [j visible to i] phi(q_i) . sum_r pi_jr phi(k_jr).
 
     q (B, H, L, D); k (B, H, M, S, D) or (B, H, S, D); keep (B, S) bool (True = real key) or None. float64."""
     q, k, v = q.double(), k.double(), v.double()
@@ -53,7 +53,7 @@ def reference(q, k, v, *, log_pi=None, keep=None, causal=False, eps=1e-6, fm=elu
                     w = phi_q[b, h, i] @ feat
                     num = num + w * v[b, h, j]
                     den = den + w
-                out[b, h, i] = num / (den + eps)
+                out[b, h, i] = num / (den if den != 0 else (eps or 1.0))
     return out
 
 
@@ -531,8 +531,11 @@ def test_wrong_shapes_and_dtypes_name_the_argument():
             call()
 
 
-def test_eps_enters_the_denominator():
-    """The documented bias: o = num / (den + eps)."""
+def test_eps_replaces_only_a_zero_denominator():
+    """Issue 16.3: o = num / den exactly; eps stands in only for a denominator that is exactly 0."""
     q, k, v = (torch.ones(1, 1, 1, 1, dtype=torch.float64) for _ in range(3))
     out = linear_attention(q, k, v, eps=0.5)  # phi(1) = 2: num = 4 v, den = 4
-    assert math.isclose(out.item(), 4.0 / 4.5, rel_tol=1e-12)
+    assert out.item() == 1.0
+    zero_features = lambda x: torch.zeros_like(x)  # noqa: E731 - every denominator is 0
+    out = linear_attention(q, k, v, eps=0.5, feature_map=zero_features)
+    assert out.item() == 0.0

@@ -25,7 +25,7 @@ def mgk_fast(q, k, v, **kw):
 
 
 def mgk_explicit(q, k, v, **kw):
-    return mgk_attention(q, k, v, explicit=True, **kw)
+    return mgk_attention(q, k, v, backend="explicit", **kw)
 
 
 def mgk_weights(q, k, v, **kw):
@@ -168,7 +168,7 @@ def test_mgk_bad_arguments_raise_value_error_naming_argument(case, path):
     kw.update(over)
     args = (kw.pop("query"), kw.pop("key"), kw.pop("value"))
     if path == "explicit":
-        kw["explicit"] = True
+        kw["backend"] = "explicit"
     elif path == "weights":
         kw["return_weights"] = True
     with pytest.raises(ValueError, match=name):
@@ -207,7 +207,7 @@ def test_valid_arguments_do_not_raise():
     """Counterpart of the bad-argument tests: the base arguments themselves are accepted on every path."""
     q, k, v = _base()
     mgk_attention(q, k, v, log_pi=torch.zeros(2, 2, 1), sigma2=torch.tensor([1.0, 2.0]))
-    mgk_attention(q, k, v, sigma2=2.0, explicit=True)
+    mgk_attention(q, k, v, sigma2=2.0, backend="explicit")
     mgk_attention(q, k, v, mixture="max", return_weights=True)
     softmax_attention(q, k[:, :, 0], v)
 
@@ -250,6 +250,6 @@ def test_responsibilities_bad_arguments_raise_value_error_naming_argument(case):
 @pytest.mark.parametrize("path", ["fast", "explicit", "weights"])
 def test_mgk_zero_components_raise_value_error(path):
     q, k, v = _base()
-    kw = {"explicit": dict(explicit=True), "weights": dict(return_weights=True), "fast": {}}[path]
+    kw = {"explicit": dict(backend="explicit"), "weights": dict(return_weights=True), "fast": {}}[path]
     with pytest.raises(ValueError, match="key"):
         mgk_attention(q, k[:, :, :0], v, **kw)

@@ -145,10 +145,8 @@ def test_mgk_attention_kernel_equals_sdpa_path_and_reference(case):
     g = torch.randn(2, 2, L, 6, dtype=F64, generator=torch.Generator().manual_seed(2))
     out = mgk_attention(q, k, v, **kw)
     grads = torch.autograd.grad(out, leaves, g)
-    with _mixture_flash.disabled():
-        assert not _mixture_flash.available(q, 0.0)
-        out_sdpa = mgk_attention(q, k, v, **kw)
-        grads_sdpa = torch.autograd.grad(out_sdpa, leaves, g)
+    out_sdpa = mgk_attention(q, k, v, backend="sdpa", **kw)
+    grads_sdpa = torch.autograd.grad(out_sdpa, leaves, g)
     torch.testing.assert_close(out, out_sdpa, atol=1e-11, rtol=1e-10)
     for a, b in zip(grads, grads_sdpa):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
@@ -218,7 +216,7 @@ def test_nan_and_inf_in_real_inputs_propagate_like_the_reference(where):
         q[0, 0, 2, 1] = float("inf")
     assert _mixture_flash.usable(q, v, 0.0)
     out = mgk_attention(q, k, v, log_pi=log_pi)
-    ref = mgk_attention(q, k, v, log_pi=log_pi, explicit=True)
+    ref = mgk_attention(q, k, v, log_pi=log_pi, backend="explicit")
     assert torch.isnan(ref).any()
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     torch.testing.assert_close(out.nan_to_num(0.0), ref.nan_to_num(0.0), atol=1e-12, rtol=1e-10)
@@ -236,7 +234,7 @@ def test_double_backward_is_refused_not_wrong():
 def test_zero_head_sizes_skip_the_kernel(D, Dv, capfd):
     q, k, v = make_inputs(B=1, H=1, L=4, S=5, M=2, D=D, Dv=Dv, dtype=torch.float32)
     assert not _mixture_flash.usable(q, v, 0.0)
-    torch.testing.assert_close(mgk_attention(q, k, v, sigma2=1.0), mgk_attention(q, k, v, sigma2=1.0, explicit=True))
+    torch.testing.assert_close(mgk_attention(q, k, v, sigma2=1.0), mgk_attention(q, k, v, sigma2=1.0, backend="explicit"))
     assert "MKL ERROR" not in capfd.readouterr().out
 
 
@@ -246,7 +244,7 @@ def test_padding_loses_even_to_scores_below_minus_1e30():
     k = k * 1e16
     mask = padding_mask([3], 4)
     out = mgk_attention(q, k, v, attn_mask=mask, sigma2=1.0)
-    torch.testing.assert_close(out, mgk_attention(q, k, v, attn_mask=mask, sigma2=1.0, explicit=True))
+    torch.testing.assert_close(out, mgk_attention(q, k, v, attn_mask=mask, sigma2=1.0, backend="explicit"))
     assert out.abs().sum() > 0
 
 
@@ -309,7 +307,7 @@ def test_hard_e_kernel_equals_explicit_path_with_gradients(case):
     assert _mixture_flash.usable(q, v, 0.0)
     g = torch.randn(2, 2, L, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
     out = mgk_attention(q, k, v, **kw)
-    ref = mgk_attention(q, k, v, explicit=True, **kw)
+    ref = mgk_attention(q, k, v, backend="explicit", **kw)
     torch.testing.assert_close(out, ref, atol=1e-11, rtol=1e-10)
     for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
@@ -352,13 +350,13 @@ def test_forward_mode_ad_takes_a_path_that_has_tangents(mixture):
         args = [q, k, v]
         tangent = torch.ones_like(args[which])
 
-        def fn(x, explicit=False):
+        def fn(x, backend=None):
             a = list(args)
             a[which] = x
-            return mgk_attention(*a, mixture=mixture, explicit=explicit)
+            return mgk_attention(*a, mixture=mixture, backend=backend)
 
         got = torch.func.jvp(fn, (args[which],), (tangent,))[1]
-        want = torch.func.jvp(lambda x: fn(x, explicit=True), (args[which],), (tangent,))[1]
+        want = torch.func.jvp(lambda x: fn(x, backend="explicit"), (args[which],), (tangent,))[1]
         assert want.abs().sum() > 0
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
         with fwAD.dual_level():
@@ -385,9 +383,8 @@ def test_soft_e_statistics_kernel_equals_chunked_path(causal, L, S, sigma):
               log_pi=normalised_log_pi((2, 2, 3, S), dim=2, seed=2),
               sigma2=torch.tensor([0.7, 2.0, 1.1], dtype=F64) if sigma == "unequal" else None)
     assert _mixture_flash.usable(q, k[:, :, 0], 0.0)
-    resp, count = mgk_responsibilities(q, k, **kw)
-    with _mixture_flash.disabled():
-        ref, ref_count = mgk_responsibilities(q, k, **kw)
+    resp, count = mgk_responsibilities(q, k, backend="kernel", **kw)
+    ref, ref_count = mgk_responsibilities(q, k, backend="explicit", **kw)
     assert torch.isfinite(resp).all()
     torch.testing.assert_close(count, ref_count)
     torch.testing.assert_close(resp, ref, atol=1e-9, rtol=1e-9)

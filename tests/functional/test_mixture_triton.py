@@ -74,7 +74,7 @@ def test_cuda_kernels_match_explicit_path(monkeypatch):
         ins = [t.cuda().requires_grad_() for t in (q, k, v)]
         ref_ins = [t.double().requires_grad_() for t in (q, k, v)]
         out = mgk_attention(*ins, is_causal=causal)
-        ref = mgk_attention(*ref_ins, is_causal=causal, explicit=True)
+        ref = mgk_attention(*ref_ins, is_causal=causal, backend="explicit")
         torch.testing.assert_close(out.cpu().double(), ref, atol=1e-4, rtol=1e-4)
         grads = torch.autograd.grad(out.sum(), ins)
         ref_grads = torch.autograd.grad(ref.sum(), ref_ins)

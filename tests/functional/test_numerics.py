@@ -18,7 +18,7 @@ def run(path, q, k, v, **kw):
     if path == "fast":
         return mgk_attention(q, k, v, **kw)
     if path == "explicit":
-        return mgk_attention(q, k, v, explicit=True, **kw)
+        return mgk_attention(q, k, v, backend="explicit", **kw)
     return mgk_attention(q, k, v, return_weights=True, **kw)[0]
 
 
@@ -249,7 +249,7 @@ def test_r11_hard_e_identical_components_deterministic(path):
     for _ in range(3):
         q.grad = None
         kk = q.unsqueeze(2).expand(1, 1, 2, 4, 8)
-        out = (mgk_attention(q, kk, v, mixture="max", explicit=True) if path == "explicit"
+        out = (mgk_attention(q, kk, v, mixture="max", backend="explicit") if path == "explicit"
                else mgk_attention(q, kk, v, mixture="max", return_weights=True)[0])
         out.sum().backward()
         assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()

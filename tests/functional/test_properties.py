@@ -19,7 +19,7 @@ def mgk(path, q, k, v, **kw):
     if path == "fast":
         return mgk_attention(q, k, v, **kw)
     if path == "explicit":
-        return mgk_attention(q, k, v, explicit=True, **kw)
+        return mgk_attention(q, k, v, backend="explicit", **kw)
     if path == "weights":
         return mgk_attention(q, k, v, return_weights=True, **kw)[0]
     kw.pop("log_pi", None)
@@ -94,7 +94,7 @@ def test_hard_e_far_second_component_is_m1(path):
     q, k, v = make_inputs(B=1, H=2, L=4, S=5, M=1, D=3, dtype=F64, seed=5)
     far = k + 1e3
     k2 = torch.cat([k, far], dim=2)
-    fn = (lambda *a: mgk_attention(*a, mixture="max", explicit=True)) if path == "explicit" else (
+    fn = (lambda *a: mgk_attention(*a, mixture="max", backend="explicit")) if path == "explicit" else (
         lambda *a: mgk_attention(*a, mixture="max", return_weights=True)[0])
     close(fn(q, k2, v), fn(q, k, v))
     # sanity: with the far key as the *only* component the result is different (ties broken by the near one)
@@ -382,7 +382,7 @@ def test_hypothesis_shift_scale_invariances(B, H, L, D, M, seed, shift, a):
     c = torch.full((D,), shift, dtype=F64)
     close(mgk_attention(q + c, k + c, v, sigma2=s2, is_causal=True), base, tol=1e-7)
     close(mgk_attention(a * q, a * k, v, sigma2=s2 * a * a, is_causal=True), base, tol=1e-7)
-    close(mgk_attention(q, k, v, sigma2=s2, is_causal=True, explicit=True), base, tol=1e-9)
+    close(mgk_attention(q, k, v, sigma2=s2, is_causal=True, backend="explicit"), base, tol=1e-9)
 
 
 @pytest.mark.parametrize("path", PATHS + ("softmax",))

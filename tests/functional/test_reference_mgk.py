@@ -1,4 +1,4 @@
-"""mgk_attention (fast path, explicit=True, return_weights=True) against the literal float64 reference."""
+"""mgk_attention (fast path, backend="explicit", return_weights=True) against the literal float64 reference."""
 from __future__ import annotations
 
 import math
@@ -19,11 +19,10 @@ def run(path, q, k, v, **kw):
     """Call mgk_attention on one of the three paths; returns (out, weights or None)."""
     if path == "fast":
         return mgk_attention(q, k, v, **kw), None
-    if path == "fast-sdpa":
-        with _mixture_flash.disabled():
-            return mgk_attention(q, k, v, **kw), None
+    if path == "fast-sdpa":  # Hard-E has no SDPA form: it takes the selector's path
+        return mgk_attention(q, k, v, backend=None if kw.get("mixture") == "max" else "sdpa", **kw), None
     if path == "explicit":
-        return mgk_attention(q, k, v, explicit=True, **kw), None
+        return mgk_attention(q, k, v, backend="explicit", **kw), None
     out, w = mgk_attention(q, k, v, return_weights=True, **kw)
     return out, w
 
@@ -161,7 +160,7 @@ def test_chunking_does_not_change_explicit_path():
     mask = random_mask(2, 1, 7, 5, seed=1, empty_rows=[(0, 0, 6)])
     ref, _ = mgk_reference(q, k, v, mask=mask, is_causal=True)
     for cs in (1, 2, 3, 100):
-        out = mgk_attention(q, k, v, attn_mask=mask, is_causal=True, explicit=True, chunk_size=cs)
+        out = mgk_attention(q, k, v, attn_mask=mask, is_causal=True, backend="explicit", chunk_size=cs)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
         out, w = mgk_attention(q, k, v, attn_mask=mask, is_causal=True, return_weights=True, chunk_size=cs,
                                mixture="max")

@@ -54,6 +54,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         ValueError for bad options, and in ``forward`` when S exceeds ``max_len`` (naming both).
     """
 
+    backend: str | None = None  # mgk_attention's backend; None lets mgk.functional.select_backend pick
+
     def __init__(self, embed_dim: int, num_heads: int, *, num_keys: int = 2, keys: str = "separate",
                  pi: str = "learned", pi_shape: str = "head", sigma2=None, max_len: int | None = None, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
@@ -109,7 +111,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
                                      self.attn_dropout, need_weights)
         else:
             result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
-                                   is_causal=is_causal, dropout_p=self.attn_dropout, return_weights=need_weights)
+                                   is_causal=is_causal, dropout_p=self.attn_dropout, return_weights=need_weights,
+                                   backend=self.backend)
         if update:
             self._soft_e_update(q, k, log_pi, mask, is_causal, query_mask)
         return result if need_weights else (result, None)

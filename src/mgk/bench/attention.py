@@ -7,8 +7,8 @@ Time is the median over ``repeats`` calls after one warm-up call.
 
 Kinds are ``name:heads``. Names: the registered attention kinds (softmax, mgk, smgk, linear, mlk, smlk), plus
 ``mgk-hard`` (pi="hard_e"; our CPU kernel with a max over components, explicit elsewhere), ``mgk-softe``
-(pi="soft_e"; timed in training mode, so the E-step is included when ``--backward``), ``mgk-sdpa`` (mgk with our
-C++ CPU kernel switched off: the bias folded into an extra head dimension and SDPA's flash kernel per component)
+(pi="soft_e"; timed in training mode, so the E-step is included when ``--backward``), ``mgk-sdpa`` (mgk with
+``backend="sdpa"``: the bias folded into an extra head dimension and SDPA's flash kernel per component)
 and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance matrix per
 component and exponentiates it (kept as the baseline the fast paths must beat).
 """
@@ -27,6 +27,10 @@ import torch
 from torch import nn
 
 from ..attention import MGKAttention, build_attention
+from ..functional import select_backend
+
+# Kinds that pin mgk_attention's backend (the others let select_backend pick).
+KIND_BACKENDS = {"mgk-sdpa": "sdpa"}
 
 
 class ReferenceMGK(MGKAttention):
@@ -56,8 +60,10 @@ def build_kind(kind: str, heads: int, embed_dim: int, head_dim: int, max_len: in
         return build_attention("mgk", embed_dim, heads, pi="hard_e", **common)
     if kind == "mgk-softe":
         return build_attention("mgk", embed_dim, heads, pi="soft_e", max_len=max_len, **common)
-    if kind == "mgk-sdpa":
-        return build_attention("mgk", embed_dim, heads, **common)
+    if kind in KIND_BACKENDS:
+        module = build_attention("mgk", embed_dim, heads, **common)
+        module.backend = KIND_BACKENDS[kind]
+        return module
     return build_attention(kind, embed_dim, heads, **common)
 
 
@@ -116,36 +122,34 @@ def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, h
             backward: bool, dtype: str, repeats: int, device: str) -> dict:
     """One row: time_ms (median), peak_mem_mb, flops (analytic), flops_counted, params, mgk_path. Runs in this
     process."""
-    from ..functional import _mixture_flash
-
-    settings = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal, backward=backward,
-                    dtype=dtype, repeats=repeats, device=device)
-    if kind == "mgk-sdpa":
-        with _mixture_flash.disabled():
-            return _measure(kind, heads, length, **settings)
-    return _measure(kind, heads, length, **settings)
+    return _measure(kind, heads, length, batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal,
+                    backward=backward, dtype=dtype, repeats=repeats, device=device)
 
 
-def _mgk_path(kind: str, kernel: bool) -> str | None:
-    """Which MGK implementation a kind ran: our CPU kernel, the SDPA form, or the explicit path (None: not MGK)."""
-    if kind == "mgk-hard":
-        return "cpu-kernel" if kernel else "explicit"
-    if kind in ("mgk", "smgk", "mgk-softe", "mgk-sdpa"):
-        return "cpu-kernel" if kernel else "sdpa"
-    return None
+def mgk_path(module: nn.Module, batch: int, device, dtype) -> str | None:
+    """The MGK backend ``module`` runs (None: not an MGK module), from :func:`mgk.functional.select_backend` on
+    inputs of its shapes (the choice depends on device, dtype, options and masks, not on the length)."""
+    if not isinstance(module, MGKAttention) or isinstance(module, ReferenceMGK):
+        return None
+    if module.backend is not None:
+        return module.backend
+    H, D, M = module.num_heads, module.head_dim, module.num_keys
+    q = torch.zeros(batch, H, 1, D, device=device, dtype=dtype)
+    k = torch.zeros(batch, H, M, 1, D, device=device, dtype=dtype)
+    mixture = "max" if module.pi_mode == "hard_e" else "sum"
+    return select_backend(q, k, q, mixture=mixture, sigma2=module.sigma2,
+                          dropout_p=module.attn_dropout if module.training else 0.0)
 
 
 def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device) -> dict:
     import resource
-
-    from ..functional import _mixture_flash
 
     torch.manual_seed(0)
     dev = torch.device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     module = build_kind(kind, heads, embed_dim, head_dim, length).to(dev, dt)
     module.train(kind == "mgk-softe" and backward)
-    kernel = dev.type == "cpu" and _mixture_flash.available(torch.zeros(1), 0.0)
+    path = mgk_path(module, batch, dev, dt)
     x = torch.randn(batch, length, embed_dim, device=dev, dtype=dt, requires_grad=backward)
 
     def call(inputs=x):
@@ -181,8 +185,8 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
     return {"kind": kind, "heads": heads, "length": length, "batch": batch, "causal": causal, "backward": backward,
             "dtype": dtype, "time_ms": statistics.median(times), "peak_mem_mb": peak,
             "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
-                                    backward=backward, mixture_kernel=kernel),
-            "mgk_path": _mgk_path(kind, kernel),
+                                    backward=backward, mixture_kernel=path == "kernel"),
+            "mgk_path": path,
             "flops_counted": _counted_flops(module, x, causal, backward) if length <= 1024 else None,
             "params": sum(p.numel() for p in module.parameters())}
 

@@ -1,10 +1,11 @@
 """Pure tensor math of every attention family (no nn.Module). The single source of truth for the formulas."""
 from .linear import LinearAttentionState, elu_feature_map, linear_attention, linear_attention_step, mlk_attention
 from .masks import MaskError, causal_mask
-from .mgk import gaussian_log_kernel, mgk_attention, mgk_responsibilities
+from .mgk import BackendError, gaussian_log_kernel, mgk_attention, mgk_responsibilities, select_backend
 from .softmax import softmax_attention, softmax_attention_reference
 
 __all__ = [
+    "BackendError",
     "LinearAttentionState",
     "MaskError",
     "causal_mask",
@@ -15,6 +16,7 @@ __all__ = [
     "mgk_attention",
     "mgk_responsibilities",
     "mlk_attention",
+    "select_backend",
     "softmax_attention",
     "softmax_attention_reference",
 ]

@@ -26,6 +26,40 @@ def check_same(name_a: str, a: int, name_b: str, b: int, what: str) -> None:
         raise ValueError(f"{what}: {name_a} has {a} but {name_b} has {b}")
 
 
+def check_same_dtype(**tensors: Tensor) -> None:
+    """Raise ValueError naming the first two arguments whose dtypes differ (as SDPA refuses mixed dtypes: a silent
+    promotion would hide a float64 reference compared against float32 inputs)."""
+    (name_a, a), *rest = [(n, t) for n, t in tensors.items() if t is not None]
+    for name_b, b in rest:
+        if b.dtype != a.dtype:
+            raise ValueError(f"{name_a} has dtype {a.dtype} but {name_b} has dtype {b.dtype}; pass tensors of one "
+                             "floating dtype")
+
+
+def check_qkv(query, key, value, *, mixture: bool) -> tuple[int, int, int, int, int, int]:
+    """The shape and dtype checks every attention function shares, at the functional boundary.
+
+    query (B, H, L, D); key (B, H, S, D), or (B, H, M, S, D) with ``mixture``; value (B, H, S, Dv) or None.
+    Returns ``(B, H, L, S, M, D)`` (M = 1 without ``mixture``). Raises ValueError naming the argument."""
+    check_tensor(query, "query", 4, "(B, H, L, D)")
+    check_tensor(key, "key", 5 if mixture else 4, "(B, H, M, S, D)" if mixture else "(B, H, S, D)")
+    if value is not None:
+        check_tensor(value, "value", 4, "(B, H, S, Dv)")
+    check_same_dtype(query=query, key=key, value=value)
+    B, H, L, D = query.shape
+    M, S = (key.shape[2], key.shape[3]) if mixture else (1, key.shape[2])
+    check_same("query", B, "key", key.shape[0], "batch size")
+    check_same("query", H, "key", key.shape[1], "number of heads")
+    check_same("query", D, "key", key.shape[-1], "head_dim")
+    if value is not None:
+        check_same("key", S, "value", value.shape[2], "key length S")
+        check_same("key", B, "value", value.shape[0], "batch size")
+        check_same("key", H, "value", value.shape[1], "number of heads")
+    if M < 1:
+        raise ValueError("key must have at least one mixture component (M >= 1)")
+    return B, H, L, S, M, D
+
+
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32: scores, log-sum-exp and sums never run in 16-bit."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -12,7 +12,6 @@ path (:mod:`._component_flash`), which gives the same numbers.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import sys
@@ -25,7 +24,6 @@ import torch
 _SOURCE = Path(__file__).with_name("csrc") / "mixture_flash.cpp"
 _module = None
 _failed: str | None = None
-_enabled = True
 
 
 def _isa_flags() -> list[str]:
@@ -98,22 +96,10 @@ def _remove_stale_lock(folder: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def disabled():
-    """Within this context MGK takes the SDPA path on CPU (for tests and benchmarks that compare the two). The
-    switch is process-wide: do not use it while other threads run MGK."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
 def available(q: torch.Tensor, dropout_p: float) -> bool:
     """True for CPU float32/float64 tensors without dropout, once the kernel has been built (builds it on the
     first call)."""
-    if not _enabled or q.device.type != "cpu" or dropout_p != 0.0 or q.dtype not in (torch.float32, torch.float64):
+    if q.device.type != "cpu" or dropout_p != 0.0 or q.dtype not in (torch.float32, torch.float64):
         return False
     if torch.compiler.is_compiling():
         # Building inside a trace is not possible; a kernel loaded by an eager call is used through the custom op.

@@ -30,11 +30,25 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
 
+def unavailable(q: torch.Tensor, *, automatic: bool) -> str | None:
+    """Why these kernels cannot run on ``q``'s device (None when they can). ``automatic``: for the selector, which
+    takes them only on CUDA and only when opted in with ``MGK_TRITON=1``; asked for by name they also run on CPU
+    tensors under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    if triton is None:
+        return "Triton is not installed"
+    if torch.compiler.is_compiling():
+        return "the Triton kernels are not traced by torch.compile"
+    interpreted = not automatic and os.environ.get("TRITON_INTERPRET", "0") == "1" and q.device.type == "cpu"
+    if q.device.type != "cuda" and not interpreted:
+        return f"the Triton kernels run on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got {q.device.type}"
+    if automatic and os.environ.get("MGK_TRITON", "0") != "1":
+        return "not opted in (set MGK_TRITON=1; the kernels are not yet checked on GPU hardware)"
+    return None
+
+
 def available(q: torch.Tensor, dropout_p: float) -> bool:
-    """True for CUDA tensors without dropout when Triton is importable and ``MGK_TRITON=1`` (and not while
-    torch.compile traces)."""
-    return (triton is not None and os.environ.get("MGK_TRITON", "0") == "1" and q.device.type == "cuda"
-            and dropout_p == 0.0 and not torch.compiler.is_compiling())
+    """True for CUDA tensors without dropout when Triton is importable and ``MGK_TRITON=1``."""
+    return dropout_p == 0.0 and unavailable(q, automatic=True) is None
 
 
 if triton is not None:

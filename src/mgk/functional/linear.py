@@ -2,7 +2,7 @@
 
 With a feature map ``phi`` (default ``elu(x) + 1``, positive), query i, and key features ``phi~(k_j)``::
 
-    o_i = phi(q_i)^T sum_j phi~(k_j) v_j^T / (phi(q_i)^T sum_j phi~(k_j) + eps)
+    o_i = phi(q_i)^T sum_j phi~(k_j) v_j^T / phi(q_i)^T sum_j phi~(k_j)
 
 Linear attention uses ``phi~(k_j) = phi(k_j)``; MLK mixes the *features* of the M key components,
 ``phi~(k_j) = sum_r pi_jr phi(k_jr)`` (not the raw keys before phi, which collapses to one key projection).
@@ -15,12 +15,16 @@ broadcastable to (B, H, 1, S), True = real key); causality is ``is_causal``. Pad
 enough, and NaN/1e30 padding must never meet a multiplication). Query rows that can see no key are removed the same
 way (their content cannot reach any gradient) and return exactly zero.
 
-Three paths compute the same numbers:
+Two implementations (``backend=``) compute the same numbers; :func:`select_linear_backend` picks one:
 
-* non-causal: the (B, H, D', Dv) state ``sum_j phi~(k_j) v_j^T`` and the (B, H, D') normaliser, O(L + S) memory;
-* causal: chunked prefix sums. Inside a chunk of c positions an explicit masked (c x c) quadratic form; across
-  chunks an exclusive cumulative sum of per-chunk states (B, H, L / c, D', Dv). Never an L x D' x Dv tensor;
-* explicit (``return_weights=True``): the (B, H, L, S) normalised weights, their product with v.
+* "chunked": non-causal, the (B, H, D', Dv) state ``sum_j phi~(k_j) v_j^T`` and the (B, H, D') normaliser, O(L + S)
+  memory; causal, chunked prefix sums: inside a chunk of c positions an explicit masked (c x c) quadratic form,
+  across chunks an exclusive cumulative sum of per-chunk states (B, H, L / c, D', Dv). Never an L x D' x Dv tensor;
+* "explicit": the (B, H, L, S) normalised weights and their product with v (the only one that returns weights).
+
+``eps`` replaces only a denominator that is exactly zero (a row whose visible keys all have zero features), so
+every other row is normalised exactly: constant values give that constant (Katharopoulos et al. add eps to every
+denominator, which biases each output toward 0 by den / (den + eps)).
 
 Sums and denominators run in float32 (float64 for float64 inputs) with autocast off; the output has query's dtype.
 :func:`linear_attention_step` is the recurrent form for causal decoding, one position at a time.
@@ -36,9 +40,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import masks as _masks
-from ._checks import check_same, check_tensor, compute_dtype, full_precision
+from ._checks import check_qkv, check_same, check_same_dtype, check_tensor, compute_dtype, full_precision
+from .mgk import BackendError
 from .mgk import _check as _check_mixture
 from .mgk import _log_prior
+
+LINEAR_BACKENDS = ("chunked", "explicit")
 
 FeatureMap = Callable[[Tensor], Tensor]
 
@@ -163,13 +170,31 @@ def _causal(phi_q, phi_k, v, chunk: int):
 
 
 def _denominator(den: Tensor, eps: float, empty: Tensor | None) -> Tensor:
-    """``den + eps``, and 1 on rows that see no key (their numerators are exactly 0, so they give exactly 0 with
-    finite gradients even for eps = 0)."""
-    den = den + eps
+    """``den`` where it is not zero; ``eps`` (1 for eps = 0) where it is exactly zero; 1 on rows that see no key
+    (their numerators are exactly 0, so they give exactly 0 with finite gradients)."""
+    guard = torch.full((), eps if eps > 0 else 1.0, dtype=den.dtype, device=den.device)
+    den = torch.where(den == 0, guard, den)
     return den if empty is None else torch.where(empty, torch.ones((), dtype=den.dtype, device=den.device), den)
 
 
-def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights):
+def select_linear_backend(return_weights: bool = False) -> str:
+    """The implementation linear and MLK attention run when ``backend`` is None: "explicit" when the weights are
+    asked for (only it builds them), "chunked" otherwise."""
+    return "explicit" if return_weights else "chunked"
+
+
+def _backend(backend: str | None, return_weights: bool) -> str:
+    if backend is None:
+        return select_linear_backend(return_weights)
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"backend must be None or one of {LINEAR_BACKENDS}, got {backend!r}")
+    if return_weights and backend != "explicit":
+        raise BackendError(f"backend={backend!r} cannot serve these inputs: return_weights=True needs the "
+                           "(B, H, L, S) weights, which only backend='explicit' builds")
+    return backend
+
+
+def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights, backend):
     """Shared core of linear and MLK attention; key is (B, H, M, S, D), already checked."""
     out_dtype = query.dtype
     L, S = query.shape[2], key.shape[3]
@@ -185,7 +210,7 @@ def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return
         check_same("feature_map(query)", phi_q.shape[-1], "feature_map(key)", phi_k.shape[-1], "feature size D'")
         if keep is not None:
             v = torch.where(keep.unsqueeze(-1), v, zero)
-        if return_weights:
+        if backend == "explicit":
             weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, L, S); padded keys and empty rows are already 0
             if is_causal:
                 weights = torch.where(_masks.causal_mask(L, S, query.device), weights, zero)
@@ -204,10 +229,10 @@ def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return
 
 def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
                      is_causal: bool = False, eps: float = 1e-6, feature_map: FeatureMap | None = None,
-                     chunk_size: int = 64, return_weights: bool = False):
-    """Linear attention ``o_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i)^T sum_j phi(k_j) + eps)``.
+                     chunk_size: int = 64, return_weights: bool = False, backend: str | None = None):
+    """Linear attention ``o_i = phi(q_i)^T sum_j phi(k_j) v_j^T / phi(q_i)^T sum_j phi(k_j)``.
 
-    Katharopoulos et al. (2020), "Transformers are RNNs"; the linear baseline of the paper (SPEC section 1).
+    Katharopoulos et al. (2020), "Transformers are RNNs", eq. 6; the paper's linear baseline.
 
     Args:
         query: (B, H, L, D) floating.
@@ -216,41 +241,34 @@ def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Te
         attn_mask: bool key-padding mask broadcastable to (B, 1, 1, S) or (B, H, 1, S), True = real key. Masks
             with a query dimension (L > 1) are rejected: use ``is_causal`` for causality.
         is_causal: causal, aligned bottom-right (query i sees keys j <= i + S - L).
-        eps: added to the denominator (it biases every output toward 0 by the factor den / (den + eps)).
+        eps: used in place of a denominator that is exactly zero (every other row is normalised exactly).
         feature_map: callable (..., D) -> (..., D') applied to queries and keys; default ``elu(x) + 1``. It should
             be non-negative so that the weights form a distribution.
         chunk_size: positions per chunk of the causal prefix sums (speed and memory only).
         return_weights: also return the explicit (B, H, L, S) normalised weights (O(L S) memory).
+        backend: None (:func:`select_linear_backend`), "chunked" or "explicit".
     Returns:
         (B, H, L, Dv) in query's dtype, and the weights when ``return_weights``. Rows that may attend to no key
         (every key padded, or before the first visible key in causal mode) are exactly zero.
     Raises:
-        ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for a non-bool mask or
-        a mask that is not a key-padding mask.
+        ValueError naming the argument for wrong ranks, sizes, mixed dtypes, options or backend; MaskError for a
+        non-bool mask or a mask that is not a key-padding mask.
     """
-    check_tensor(query, "query", 4, "(B, H, L, D)")
-    check_tensor(key, "key", 4, "(B, H, S, D)")
-    check_tensor(value, "value", 4, "(B, H, S, Dv)")
-    B, H, L, D = query.shape
-    S = key.shape[2]
-    check_same("query", B, "key", key.shape[0], "batch size")
-    check_same("query", H, "key", key.shape[1], "number of heads")
-    check_same("query", D, "key", key.shape[3], "head_dim")
-    check_same("key", S, "value", value.shape[2], "key length S")
-    check_same("key", B, "value", value.shape[0], "batch size")
-    check_same("key", H, "value", value.shape[1], "number of heads")
+    B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
     fm = _options(eps, feature_map, chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
-    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, eps, fm, chunk_size, return_weights)
+    name = _backend(backend, return_weights)
+    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, eps, fm, chunk_size, return_weights, name)
 
 
 def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
                   attn_mask: Tensor | None = None, is_causal: bool = False, eps: float = 1e-6,
-                  feature_map: FeatureMap | None = None, chunk_size: int = 64, return_weights: bool = False):
+                  feature_map: FeatureMap | None = None, chunk_size: int = 64, return_weights: bool = False,
+                  backend: str | None = None):
     """Attention with a mixture of linear keys (MLK, paper eq. 14).
 
     Linear attention whose key feature is ``phi~(k_j) = sum_r pi_jr phi(k_jr)``:
-    ``o_i = phi(q_i)^T sum_j phi~(k_j) v_j^T / (phi(q_i)^T sum_j phi~(k_j) + eps)``.
+    ``o_i = phi(q_i)^T sum_j phi~(k_j) v_j^T / phi(q_i)^T sum_j phi~(k_j)``.
 
     Args:
         query: (B, H, L, D) floating.
@@ -258,16 +276,17 @@ def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         value: (B, H, S, Dv).
         log_pi: log mixture weights broadcastable to (B, H, M, S); default uniform ``-log M``. Entries of -inf
             switch a component off. Not normalised here (un-normalised weights rescale a key's mass).
-        attn_mask, is_causal, eps, feature_map, chunk_size, return_weights: as :func:`linear_attention`.
+        attn_mask, is_causal, eps, feature_map, chunk_size, return_weights, backend: as :func:`linear_attention`.
     Returns:
         As :func:`linear_attention`.
     Raises:
         ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for masks.
     """
-    B, H, L, S, M, D, _ = _check_mixture(query, key, value, log_pi, None, "sum", None)
+    B, H, L, S, M, D, _ = _check_mixture(query, key, value, log_pi, "sum", None)
     fm = _options(eps, feature_map, chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
-    return _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights)
+    name = _backend(backend, return_weights)
+    return _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights, name)
 
 
 @dataclass(frozen=True)
@@ -300,7 +319,7 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
             e.g. left padding in batched decoding). None: every step is real.
         feature_map, eps: as :func:`linear_attention`.
     Returns:
-        ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen, for eps > 0) and the new
+        ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen) and the new
         :class:`LinearAttentionState` (the old one is not modified).
     Raises:
         ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for key_mask_t.
@@ -309,6 +328,7 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
     mlk = isinstance(key_t, Tensor) and key_t.dim() == 4
     check_tensor(key_t, "key_t", 4 if mlk else 3, "(B, H, D) or (B, H, M, D)")
     check_tensor(value_t, "value_t", 3, "(B, H, Dv)")
+    check_same_dtype(query_t=query_t, key_t=key_t, value_t=value_t)
     B, H, D = query_t.shape
     key = key_t.unsqueeze(-2) if mlk else key_t.unsqueeze(2).unsqueeze(3)  # (B, H, M, 1, D)
     M = key.shape[2]
@@ -358,5 +378,5 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
             z = state.k_sum.to(dt) + z
         num = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)
         den = (phi_q * z).sum(dim=-1, keepdim=True)
-        out = (num / (den + eps)).to(query_t.dtype)
+        out = (num / _denominator(den, eps, None)).to(query_t.dtype)
     return out, LinearAttentionState(kv, z)

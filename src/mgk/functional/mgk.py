@@ -1,4 +1,4 @@
-"""Attention with a mixture of Gaussian keys (MGK), paper eq. 9-10.
+"""Attention with a mixture of Gaussian keys (MGK), Nguyen et al., ICML 2022, eq. 9-10.
 
 For query i, key position j with M components k_{j,r}, priors pi_{j,r} and variances sigma_r^2::
 
@@ -7,21 +7,15 @@ For query i, key position j with M components k_{j,r}, priors pi_{j,r} and varia
     A_ij  = softmax_j( max_r  s'_ijr )         mixture="max"  (Hard-E, the k-means limit; pi unused)
 
 Everything is computed in log space, so queries far from every key (every exp underflowing) still give a proper
-distribution concentrated on the nearest key. Two paths compute the same numbers:
+distribution concentrated on the nearest key. The scores depend only on q - k, so every path first subtracts one
+shared vector per (batch, head) from queries and keys (the mean of the real keys): the expanded distance
+``|q|^2 - 2 q.k + |k|^2`` would otherwise cancel catastrophically under a large common offset (the fault of the
+matrix-multiplication form of ``torch.cdist``, pytorch/pytorch#42479).
 
-* fast (mixture="sum", default). ``|q - k|^2 = |q|^2 - 2 q.k + |k|^2``, so the score is
-  ``q.k_r / sigma_r^2 + b_r`` with the per-key bias ``b_r = log pi_r - |k_r|^2 / (2 sigma_r^2)`` (the ``|q|^2`` term is
-  constant along a row and cancels, except with unequal or learned variances, where it is kept per component).
-  On CPU our C++ kernel (:mod:`._mixture_flash`) sums the component weights before the value product in one
-  online-softmax pass. Otherwise the bias is folded into an extra head dimension, ``q' = [q, 1]`` and
-  ``k'_r = [k_r / sigma_r^2, b_r]`` (a third column ``[|q|^2]``/``[-1/(2 sigma_r^2)]`` when needed), making MGK
-  dot-product attention over the M*S concatenated keys with scale 1: one SDPA flash call per component on CPU,
-  merged through the log-sum-exps (:mod:`._component_flash`), or one SDPA call over the concatenated keys (GPU,
-  dropout, query-dependent masks). Memory stays O(L + S) per head on the fused kernels.
-* Hard-E (mixture="max") runs in the same CPU kernel (``max_r`` instead of the log-sum-exp over components) when
-  it is available and masks are at most key padding; otherwise it takes the explicit path.
-* explicit: the (B, H, L, M, S) log-kernel in query chunks; used for returned weights, for Hard-E without the CPU
-  kernel, and as the twin that tests compare the fast path with.
+Four implementations compute the same numbers (:mod:`._mgk_backends`): "kernel" (our C++ CPU kernel), "triton",
+"sdpa" (the bias folded into extra head dimensions of dot-product attention) and "explicit" (the log-kernel in
+query chunks, the twin the tests compare the others with). :func:`select_backend` is the one place that decides
+which serves a call; ``mgk_attention(..., backend=NAME)`` asks for one by name.
 """
 from __future__ import annotations
 
@@ -30,32 +24,28 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from . import _component_flash, _mixture_flash, _mixture_triton
+from . import _mgk_backends, _mixture_flash, _mixture_triton
 from . import masks as _masks
-from ._checks import check_same, check_tensor, compute_dtype, full_precision
+from ._checks import check_qkv, compute_dtype, full_precision
+from ._mgk_backends import gaussian_log_kernel, needs_qnorm
+
+__all__ = ["BACKENDS", "BackendError", "gaussian_log_kernel", "mgk_attention", "mgk_responsibilities",
+           "select_backend"]
 
 MIXTURES = ("sum", "max")
+BACKENDS = ("triton", "kernel", "sdpa", "explicit")  # select_backend's order of preference
 _LOG_PI_FLOOR = -1.0e4  # exp(-1e4) is 0 in every dtype; keeps 0 * (-inf) out of SDPA's backward
 
 
-def _check(query, key, value, log_pi, sigma2, mixture, attn_mask):
-    check_tensor(query, "query", 4, "(B, H, L, D)")
-    check_tensor(key, "key", 5, "(B, H, M, S, D)")
-    check_tensor(value, "value", 4, "(B, H, S, Dv)")
-    B, H, L, D = query.shape
-    M, S = key.shape[2], key.shape[3]
-    check_same("query", B, "key", key.shape[0], "batch size")
-    check_same("query", H, "key", key.shape[1], "number of heads")
-    check_same("query", D, "key", key.shape[4], "head_dim")
-    check_same("key", S, "value", value.shape[2], "key length S")
-    check_same("key", B, "value", value.shape[0], "batch size")
-    check_same("key", H, "value", value.shape[1], "number of heads")
+class BackendError(ValueError):
+    """A backend was asked for by name that cannot serve the inputs (the message says why)."""
+
+
+def _check(query, key, value, log_pi, mixture, attn_mask):
+    B, H, L, S, M, D = check_qkv(query, key, value, mixture=True)
     if mixture not in MIXTURES:
         raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
-    if M < 1:
-        raise ValueError("key must have at least one mixture component (M >= 1)")
     if log_pi is not None:
         if mixture == "max":
             raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
@@ -70,7 +60,10 @@ def _check(query, key, value, log_pi, sigma2, mixture, attn_mask):
 
 
 def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
-    """Per-component variances as a (M,) tensor; default sqrt(D) (SPEC section 1)."""
+    """Per-component variances as a (M,) tensor; default sqrt(D), the 1/sqrt(D) scale of dot-product attention.
+
+    Values are checked (positive, finite) for Python numbers and CPU tensors. Tensors on an accelerator are not:
+    reading them back would synchronise the device on every call, and the modules check theirs at construction."""
     if sigma2 is None:
         return torch.full((M,), math.sqrt(D), dtype=dtype, device=device)
     if isinstance(sigma2, (int, float)):
@@ -84,7 +77,7 @@ def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
         s = s.expand(M)
     if s.numel() != M:
         raise ValueError(f"sigma2 must have one variance per mixture component, shape ({M},); got {tuple(sigma2.shape)}")
-    if torch.compiler.is_compiling():  # a value check would break the graph; modules check at construction
+    if torch.compiler.is_compiling() or s.device.type != "cpu":
         return s
     if not bool(torch.all(s > 0)) or not bool(torch.all(torch.isfinite(s))):
         raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")
@@ -100,38 +93,32 @@ def _log_prior(log_pi, M: int, dtype, device) -> Tensor:
     return lp.clamp_min(_LOG_PI_FLOOR)
 
 
-def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:
-    """``-|q_i - k_jr|^2 / (2 sigma_r^2)`` for q (B, H, L, D), k (B, H, M, S, D), sigma2 (M,); returns (B, H, L, M, S).
+def _centre(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """Subtract one vector per (batch, head) from q and k: the mean of the keys some query may attend to, or under
+    ``is_causal`` the mean over components of the first such key (every row that sees a key sees that one, so no
+    output depends, even in rounding, on a key its row may not see).
 
-    The squared distance is expanded (one matmul) and clamped at 0, so rounding never makes it negative and every
-    kernel value is <= 1."""
-    qn = (q * q).sum(-1)[..., :, None, None]  # (B, H, L, 1, 1)
-    kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
-    qk = torch.einsum("bhld,bhmsd->bhlms", q, k)
-    d2 = (qn + kn - 2.0 * qk).clamp_min(0.0)
-    return d2 * (-0.5 / sigma2.view(-1, 1))
-
-
-def _scores(q, k, log_prior, sigma2, mixture) -> Tensor:
-    """(B, H, Lc, S) unnormalised log-weights for a chunk of queries."""
-    g = gaussian_log_kernel(q, k, sigma2)
-    if mixture == "max":
-        return g.amax(dim=-2)
-    return torch.logsumexp(g + log_prior.unsqueeze(2), dim=-2)
-
-
-def _chunks(L: int, chunk_size: int):
-    if torch.compiler.is_compiling():
-        # A Python loop over a dynamic length would pin it (one recompile per length): one chunk when traced.
-        yield 0, L
-        return
-    for start in range(0, L, chunk_size):
-        yield start, min(L, start + chunk_size)
+    The scores depend only on q - k, so the result is unchanged in exact arithmetic and the gradient through the
+    shift is exactly zero (it is detached); in floating point it removes a common offset before the distance is
+    expanded. Masked keys (which may hold NaN) are left out with ``torch.where``."""
+    kd = k.detach()
+    zero = torch.zeros((), dtype=kd.dtype, device=kd.device)
+    alive = None if mask is None else mask.any(dim=-2)  # (B?, H?, S)
+    if is_causal:
+        first = 0 if alive is None else alive.to(torch.int8).argmax(dim=-1)  # (B?, H?); 0 when none is alive
+        pick = torch.arange(k.shape[3], device=k.device) == (first if alive is None else first.unsqueeze(-1))
+        c = torch.where(pick[..., None, :, None], kd, zero).sum(dim=(2, 3)) / k.shape[2]
+    elif alive is None:
+        c = kd.mean(dim=(2, 3))
+    else:
+        total = torch.where(alive[..., None, :, None], kd, zero).sum(dim=(2, 3))
+        c = total / (alive.sum(dim=-1, keepdim=True).to(kd.dtype) * k.shape[2]).clamp_min(1)
+    c = c.unsqueeze(2)  # (B, H, 1, D)
+    return q - c, k - c.unsqueeze(2)
 
 
 def _transformed(*tensors: Tensor) -> bool:
-    """Whether forward-mode AD (dual tensors) or a torch.func transform sees these tensors: the fused kernels have
-    no forward-mode rule (a custom op would silently drop the tangent), so such calls take the explicit path."""
+    """Whether forward-mode AD (dual tensors) or a torch.func transform sees these tensors."""
     if torch.compiler.is_compiling():
         return False
     if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
@@ -141,137 +128,84 @@ def _transformed(*tensors: Tensor) -> bool:
     return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
-def _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture):
-    scores = _scores(qc, k, log_prior, s2, mixture)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return _masks.zero_rows(torch.softmax(scores, dim=-1), empty)
-
-
-def _chunk_output(qc, k, v, log_prior, s2, mask, empty, mixture, dropout_p):
-    w = _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture)
-    return (F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v
-
-
-def _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, want_weights, chunk_size):
-    # In training each chunk is checkpointed (recomputed in backward), so memory stays O(chunk * M * S) per head
-    # instead of keeping every chunk's (chunk, M, S) scores for the backward pass.
-    recompute = (not want_weights and torch.is_grad_enabled() and q.shape[2] > chunk_size
-                 and any(t.requires_grad for t in (q, k, v, log_prior, s2)))
-    outs, weights = [], []
-    for a, b in _chunks(q.shape[2], chunk_size):
-        m = None if mask is None else (mask[..., a:b, :] if mask.shape[-2] > 1 else mask)
-        e = None if empty is None else (empty[..., a:b, :] if empty.shape[-2] > 1 else empty)
-        if want_weights:
-            w = _chunk_weights(q[:, :, a:b], k, log_prior, s2, m, e, mixture)
-            weights.append(w)
-            outs.append((F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v)
-        elif recompute:
-            outs.append(checkpoint(_chunk_output, q[:, :, a:b], k, v, log_prior, s2, m, e, mixture, dropout_p,
-                                   use_reentrant=False))
-        else:
-            outs.append(_chunk_output(q[:, :, a:b], k, v, log_prior, s2, m, e, mixture, dropout_p))
-    out = torch.cat(outs, dim=2)
-    return out, (torch.cat(weights, dim=2) if want_weights else None)
-
-
-def _needs_qnorm(s2: Tensor) -> bool:
-    """With equal variances the |q|^2 term cancels in the output, but not in the gradient of each sigma_r^2."""
-    return s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0]))
-
-
-def _triton_usable(q: Tensor, v: Tensor, s2: Tensor, dropout_p: float, hard: bool) -> bool:
-    """The Triton kernels take the sum mixture with equal fixed variances and positive head sizes."""
-    return (not hard and _mixture_triton.available(q, dropout_p) and q.shape[-1] > 0 and v.shape[-1] > 0
-            and not _needs_qnorm(s2))
-
-
-def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor | None:
-    """Rows (broadcastable to (B, H, L, 1)) that see no key under bottom-right causality and key padding
-    ``keys_ok`` (bool, broadcastable to (B, H, 1, S)); None when every row sees a key."""
-    if keys_ok is None and L <= S:
+def _unserved(backend, q, v, s2, mask, mixture, dropout_p, return_weights, transformed, automatic) -> str | None:
+    """Why ``backend`` cannot serve a call (None when it can)."""
+    if backend == "explicit":
         return None
-    last = (torch.arange(L, device=device) + (S - L + 1)).clamp(0, S)  # keys j < last[i] are visible from i
-    if keys_ok is None:
-        return (last == 0).view(L, 1)
-    ok = keys_ok[..., 0, :]
-    ok = ok.expand(*ok.shape[:-1], S)  # a mask may broadcast along S
-    seen = F.pad(ok.to(torch.int32).cumsum(-1), (1, 0))  # seen[..., n]: valid keys among j < n
-    return (seen[..., last] == 0).unsqueeze(-1)
+    if return_weights:
+        return "return_weights=True needs the (B, H, L, S) weights, which only backend='explicit' builds"
+    if transformed:
+        return "forward-mode AD and torch.func transforms need backend='explicit' (the fused paths have no such rule)"
+    if backend == "sdpa":
+        return "mixture='max' (Hard-E) has no dot-product form" if mixture == "max" else None
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p}: the fused kernels have no dropout (use 'sdpa' or 'explicit')"
+    if mask is not None and mask.shape[-2] != 1:
+        return "attn_mask depends on the query: the fused kernels take at most key padding plus is_causal"
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        return "head_dim or the value size is 0"
+    if backend == "kernel":
+        if q.device.type != "cpu":
+            return f"the C++ kernel runs on CPU tensors, got {q.device.type}"
+        if not _mixture_flash.available(q, 0.0):
+            return f"the C++ kernel is unavailable ({_mixture_flash.build_error() or 'not loaded'})"
+        return None
+    if mixture == "max":
+        return "mixture='max' (Hard-E) is not implemented in the Triton kernels"
+    why = _mixture_triton.unavailable(q, automatic=automatic)
+    if why is None and (s2.requires_grad or torch.compiler.is_compiling() or not bool(torch.all(s2 == s2[0]))):
+        why = "the Triton kernels take equal fixed variances (no per-row |q|^2 term)"
+    return why
 
 
-def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False, hard=False):
-    """SDPA over the M*S concatenated keys with the bias folded into extra head dimensions (module docstring).
+def _choose(backend, q, k, v, s2, log_prior, mask, mixture, dropout_p, return_weights) -> str:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+    transformed = _transformed(q, k, v, s2, log_prior)
+    args = (q, v, s2, mask, mixture, dropout_p, return_weights, transformed)
+    if backend is None:
+        return next(b for b in BACKENDS if _unserved(b, *args, automatic=True) is None)
+    why = _unserved(backend, *args, automatic=False)
+    if why is not None:
+        raise BackendError(f"backend={backend!r} cannot serve these inputs: {why}")
+    return backend
 
-    With ``causal`` (L == S) ``mask`` must not depend on the query and the CPU flash kernel must be available.
-    On CPU without dropout and with at most key padding, our C++ kernel runs (:mod:`._mixture_flash`: component
-    weights summed before the value product), or, when it could not be built, one SDPA flash call per component
-    (:mod:`._component_flash`). On CUDA with ``MGK_TRITON=1`` and equal fixed variances the Triton kernels run
-    (:mod:`._mixture_triton`). Otherwise one SDPA call runs over the concatenated keys."""
-    B, H, M, S, D = k.shape
-    Dv = v.shape[-1]
-    inv = (1.0 / s2).view(M, 1, 1)
-    bias = -(k * k).sum(-1) * (0.5 * inv.view(M, 1))  # (B, H, M, S)
-    if not hard:
-        bias = bias + log_prior
-    need_qnorm = _needs_qnorm(s2)
-    triton_ok = _triton_usable(q, v, s2, dropout_p, hard)
-    kernel_ok = triton_ok or _mixture_flash.usable(q, v, dropout_p)
-    if mask is not None and mask.shape[-2] == 1:
-        # A mask that does not depend on the query (key padding) goes into the bias: the kernels then run without
-        # a mask (SDPA can take its fused O(L + S)-memory kernel). Our kernels take -inf; SDPA's backward needs a
-        # finite value (0 * -inf would be NaN), and -1e30 is below any real score.
-        fill = float("-inf") if kernel_ok else -1e30
-        bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias, torch.full((), fill, dtype=bias.dtype,
-                                                                           device=bias.device))
-        mask = None
-    if mask is None and triton_ok:
-        return _mixture_triton.MixtureTriton.apply(q, k * inv, bias.expand(B, H, M, S), v, causal)
-    if mask is None and kernel_ok:
-        rowbias = None
-        if need_qnorm:
-            rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(M, 1))  # (B, H, M, L)
-        return _mixture_flash.mixture_flash(q, k * inv, bias, v, rowbias, causal, hard)
-    if hard:
-        raise RuntimeError("internal: Hard-E's fused path needs the CPU kernel and at most key padding")
-    ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
-    cols_k = [k * inv, bias.unsqueeze(-1)]
-    cols_q = [q, ones]
-    if need_qnorm:
-        cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
-        cols_q.append((q * q).sum(-1, keepdim=True))
-    kp = torch.cat(cols_k, dim=-1)
-    qp = torch.cat(cols_q, dim=-1)
-    # The fused CPU kernel needs one head size for q, k and v: pad with zero columns (no effect on scores; the
-    # padded output columns are dropped).
-    width = max(qp.shape[-1], Dv)
-    qp, kp, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
-    if causal and q.shape[2] != S:  # SDPA's is_causal is aligned top-left when L != S
-        raise RuntimeError("internal: causal with L != S needs the mixture kernel")
-    if mask is None and _component_flash.available(q, dropout_p):
-        return _component_flash.ComponentAttention.apply(qp, kp, v, causal)[..., :Dv]
-    if causal:
-        raise RuntimeError("internal: the causal fused path needs the CPU flash kernel; mgk_attention builds an "
-                           "explicit mask otherwise")
-    kp = kp.reshape(B, H, M * S, width)
-    vp = v.unsqueeze(2).expand(B, H, M, S, width).reshape(B, H, M * S, width)
-    mp = None
-    if mask is not None:
-        mp = mask.unsqueeze(-2).expand(*mask.shape[:-1], M, S).reshape(*mask.shape[:-1], M * S)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, dropout_p=dropout_p, scale=1.0)
-    return out[..., :Dv]
+
+def _inputs(query, key, value, log_pi, sigma2, M, D):
+    """q, k, v in the compute dtype (float32 for 16-bit inputs), the (M,) variances and the 4-dim log prior."""
+    dt = compute_dtype(query, key, value)
+    s2 = _variances(sigma2, M, D, dt, query.device)
+    return query.to(dt), key.to(dt), value.to(dt), s2, _log_prior(log_pi, M, dt, query.device)
+
+
+def select_backend(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
+                   sigma2: float | Tensor | None = None, mixture: str = "sum", attn_mask: Tensor | None = None,
+                   dropout_p: float = 0.0, return_weights: bool = False) -> str:
+    """The implementation :func:`mgk_attention` runs for these inputs when ``backend`` is None: the first of
+    ``BACKENDS`` that can serve them, in this order:
+
+    * "triton": CUDA tensors with ``MGK_TRITON=1``, mixture "sum", equal fixed variances;
+    * "kernel": CPU tensors, once our C++ kernel is built (``MGK_CPU_KERNEL=0`` switches it off);
+    * "sdpa": mixture "sum", anything else the above refuse (dropout, masks that depend on the query);
+    * "explicit": always (``return_weights``, Hard-E without the kernel, forward-mode AD and torch.func).
+
+    The fused ones ("triton", "kernel") need no dropout, masks that are at most key padding (plus ``is_causal``,
+    which every backend takes) and head sizes >= 1. Arguments as :func:`mgk_attention`; raises as it does."""
+    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, mixture, attn_mask)
+    with full_precision(query.device):
+        q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, M, D)
+        return _choose(None, q, k, v, s2, log_prior, mask, mixture, dropout_p, return_weights)
 
 
 def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
                   sigma2: float | Tensor | None = None, mixture: str = "sum", attn_mask: Tensor | None = None,
                   is_causal: bool = False, dropout_p: float = 0.0, return_weights: bool = False,
-                  explicit: bool = False, chunk_size: int = 512):
-    """Mixture-of-Gaussian-keys attention (paper eq. 9-10; Hard-E ablation for mixture="max").
+                  backend: str | None = None, chunk_size: int = 512):
+    """Mixture-of-Gaussian-keys attention (paper eq. 9-10; the Hard-E ablation for mixture="max").
 
     Args:
-        query: (B, H, L, D) floating.
-        key: (B, H, M, S, D), M mixture components per key position.
-        value: (B, H, S, Dv).
+        query: (B, H, L, D) floating; key: (B, H, M, S, D), M mixture components per key position; value:
+            (B, H, S, Dv). One dtype for all three.
         log_pi: log prior of each component, broadcastable to (B, H, M, S); default uniform ``-log M``. Should
             satisfy ``logsumexp_r log_pi = 0`` (not checked: un-normalised priors only rescale a key's mass).
             Must be None for mixture="max".
@@ -279,59 +213,41 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         mixture: "sum" (logsumexp over components) or "max" (Hard-E).
         attn_mask: bool broadcastable to (B, H, L, S), True = may attend.
         is_causal: causal masking aligned bottom-right (query i sees keys j <= i + S - L).
-        dropout_p: dropout on attention weights. On the fast path each (key, component) pair is dropped
-            independently; on the explicit path each key is. Both keep the expectation.
-        return_weights: also return the (B, H, L, S) attention weights (forces the explicit path).
-        explicit: force the explicit path (the tests' twin of the fast path).
-        chunk_size: queries per chunk on the explicit path (memory O(chunk * M * S) per head; one chunk inside a
+        dropout_p: dropout on attention weights: "sdpa" drops each (key, component) pair, "explicit" each key;
+            both keep the expectation.
+        return_weights: also return the (B, H, L, S) attention weights (served by "explicit" only).
+        backend: None (:func:`select_backend` picks) or one of "kernel", "triton", "sdpa", "explicit".
+        chunk_size: queries per chunk of "explicit" (memory O(chunk * M * S) per head; one chunk inside a
             torch.compile trace, where a loop over a dynamic length would recompile per length).
     Returns:
         (B, H, L, Dv) in query's dtype, and the (B, H, L, S) weights when ``return_weights``. Rows that may attend
         to no key are exactly zero. 16-bit inputs or autocast are computed in float32.
     Raises:
-        ValueError naming the argument for wrong ranks, sizes, dtypes, variances or mixture; MaskError for masks.
+        ValueError naming the argument for wrong ranks, sizes, mixed dtypes, variances, mixture or backend;
+        BackendError (a ValueError) naming why a backend asked for cannot serve the inputs; MaskError for masks.
     """
-    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, sigma2, mixture, attn_mask)
+    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, mixture, attn_mask)
     out_dtype = query.dtype
-    if L == 0 or S == 0:  # nothing to attend from, or nothing to attend to: rows with no key are zero
-        out = value.new_zeros(B, H, L, value.shape[-1], dtype=out_dtype)
-        return (out, value.new_zeros(B, H, L, S, dtype=out_dtype)) if return_weights else out
-    dt = compute_dtype(query, key, value)
-    q, k, v = query.to(dt), key.to(dt), value.to(dt)
     with full_precision(query.device):
-        s2 = _variances(sigma2, M, D, dt, query.device)
-        log_prior = _log_prior(log_pi, M, dt, query.device)
-        fast = not (return_weights or explicit or _transformed(q, k, v, s2, log_prior))
-        key_padding_only = mask is None or mask.shape[-2] == 1
-        hard = mixture == "max"
-        if hard:  # Hard-E has a fused form only in our CPU kernel
-            fast = fast and key_padding_only and _mixture_flash.usable(q, v, dropout_p)
-        if fast and is_causal and key_padding_only and (
-                _mixture_flash.usable(q, v, dropout_p) or (L == S and _component_flash.available(q, dropout_p))
-                or _triton_usable(q, v, s2, dropout_p, hard)):
-            # Causal with at most key padding: the fused kernels apply causality themselves and skip the blocks
-            # above the diagonal (an explicit (L, S) mask would make them visit every block).
-            keys_ok, k, v, _ = _masks.prepare(mask, k, v)
-            empty = _causal_empty_rows(keys_ok, L, S, q.device)
-            if empty is not None:
-                q = torch.where(empty, torch.zeros((), dtype=q.dtype, device=q.device), q)
-            out = _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=True, hard=hard)
-            return _masks.zero_rows(out, empty).to(out_dtype)
-        mask = _masks.combine(mask, is_causal, L, S, query.device)
-        mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
-        if fast:
-            out = _masks.zero_rows(_fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, hard=hard), empty)
-            return out.to(out_dtype)
-        out, weights = _explicit(q, k, v, log_prior, s2, mask, empty, mixture, dropout_p, return_weights,
-                                 max(1, int(chunk_size)))
+        q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, M, D)
+        name = _choose(backend, q, k, v, s2, log_prior, mask, mixture, dropout_p, return_weights)
+        if L == 0 or S == 0:  # nothing to attend from, or nothing to attend to: rows with no key are zero
+            out = value.new_zeros(B, H, L, value.shape[-1], dtype=out_dtype)
+            return (out, value.new_zeros(B, H, L, S, dtype=out_dtype)) if return_weights else out
+        q, k = _centre(q, k, mask, is_causal)
+        call = _mgk_backends.Call(bool(is_causal), mixture, float(dropout_p), bool(return_weights),
+                                  max(1, int(chunk_size)))
+        out, weights = _mgk_backends.IMPLEMENTATIONS[name](q, k, v, log_prior, s2, mask, call)
     out = out.to(out_dtype)
     return (out, weights.to(out_dtype)) if return_weights else out
 
 
 def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = None,
                          sigma2: float | Tensor | None = None, attn_mask: Tensor | None = None,
-                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 512):
-    """E-step statistics for Soft-E (SPEC section 1, paper "+Soft-E" ablation), computed without gradient.
+                         is_causal: bool = False, query_mask: Tensor | None = None, chunk_size: int = 512,
+                         backend: str | None = None):
+    """E-step statistics for Soft-E (the paper's "+Soft-E" ablation: the E-step of EM for the key mixture),
+    computed without gradient.
 
     ``gamma_ijr = softmax_r(log pi_jr - |q_i - k_jr|^2 / (2 sigma_r^2))`` is the responsibility of component r for
     the pair (i, j). Returns sums over the batch and over every query allowed to attend to j, and their counts:
@@ -342,13 +258,12 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         ``(resp_sum, count)``: float32 (or float64) tensors of shapes (H, M, S) and (H, S). The Soft-E update is
         ``pi[h, r, j] = resp_sum[h, r, j] / count[h, j]`` where ``count > 0``. Under DDP, all-reduce both first.
 
-    On CPU with at most key padding the C++ kernel computes the sums block by block (no L x S tensor); otherwise
-    the (B, H, chunk, M, S) scores are built in query chunks.
+    ``backend``: "kernel" (the C++ kernel, block by block, no L x S tensor: CPU, M > 1, masks at most key padding),
+    "explicit" (the (B, H, chunk, M, S) scores in query chunks), or None: "kernel" where it serves.
     """
-    check_tensor(key, "key", 5, "(B, H, M, S, D)")
-    if key.shape[2] < 1:
-        raise ValueError("key must have at least one mixture component (M >= 1)")
-    B, H, L, S, M, D, mask = _check(query, key, key[:, :, 0], log_pi, sigma2, "sum", attn_mask)
+    if backend not in (None, "kernel", "explicit"):
+        raise ValueError(f"backend must be None, 'kernel' or 'explicit', got {backend!r}")
+    B, H, L, S, M, D, mask = _check(query, key, None, log_pi, "sum", attn_mask)
     if query_mask is not None:
         if query_mask.dtype != torch.bool or tuple(query_mask.shape) != (B, L):
             raise _masks.MaskError(f"query_mask must be bool of shape (B, L) = {(B, L)}, True = real query; "
@@ -356,10 +271,15 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
     dt = compute_dtype(query, key)
     with torch.no_grad(), full_precision(query.device):
         q, k = query.detach().to(dt), key.detach().to(dt)
+        q, k = _centre(q, k, mask, is_causal)  # the responsibilities, too, depend only on q - k
         s2 = _variances(sigma2, M, D, dt, query.device)
         log_prior = _log_prior(log_pi, M, dt, query.device)
-        if (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
-                and _mixture_flash.usable(q, k[:, :, 0], 0.0)):
+        kernel_ok = (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
+                     and _mixture_flash.usable(q, k[:, :, 0], 0.0))
+        if backend == "kernel" and not kernel_ok:
+            raise BackendError("backend='kernel' cannot serve these inputs: it needs CPU float tensors, M > 1, "
+                               f"masks that are at most key padding and a built kernel ({_mixture_flash.build_error()})")
+        if kernel_ok and backend != "explicit":
             return _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask)
         valid = _masks.combine(mask, is_causal, L, S, query.device)
         if query_mask is not None:
@@ -377,7 +297,7 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
         scale = (-0.5 / s2).view(M, 1)
         lp = log_prior.unsqueeze(2)
-        for a, b in _chunks(L, max(1, int(chunk_size))):
+        for a, b in _mgk_backends._chunks(L, max(1, int(chunk_size))):
             # In place on one (B, H, c, M, S) buffer: no gradient is needed, and each pass over it costs as much
             # as the attention itself. g = log pi - |q - k|^2 / (2 sigma^2), then a softmax over components.
             qc = q[:, :, a:b]
@@ -401,7 +321,7 @@ def _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask):
     inv = (1.0 / s2).view(M, 1)
     bias = log_prior - (k * k).sum(-1) * (0.5 * inv)
     rowbias = None
-    if _needs_qnorm(s2):  # unequal variances: |q|^2 does not cancel across components
+    if needs_qnorm(s2):  # unequal variances: |q|^2 does not cancel across components
         rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv)
     query_ok = None if query_mask is None else query_mask.view(B, 1, L).expand(B, H, L)
     resp = _mixture_flash.responsibilities(q, k * inv.view(M, 1, 1), bias, rowbias, query_ok, key_ok, is_causal)

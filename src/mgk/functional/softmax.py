@@ -8,12 +8,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import masks as _masks
-from ._checks import check_same, check_tensor, compute_dtype, full_precision
+from ._checks import check_qkv, compute_dtype, full_precision
+
+SOFTMAX_BACKENDS = ("sdpa", "explicit")
 
 
 def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
-                      is_causal: bool = False, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
-    """Softmax attention ``softmax(q k^T / sqrt(D)) v`` through ``F.scaled_dot_product_attention``.
+                      is_causal: bool = False, dropout_p: float = 0.0, scale: float | None = None,
+                      backend: str | None = None) -> Tensor:
+    """Softmax attention ``softmax(q k^T / sqrt(D)) v`` (Vaswani et al. 2017, eq. 1).
 
     Args:
         query: (B, H, L, D) floating.
@@ -23,25 +26,23 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
         is_causal: causal masking aligned bottom-right (query i sees keys j <= i + S - L).
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
         scale: score scale, default 1 / sqrt(D).
+        backend: None or "sdpa" (``F.scaled_dot_product_attention``), or "explicit"
+            (:func:`softmax_attention_reference`, the (B, H, L, S) weights built). Both serve every input.
     Returns:
         (B, H, L, Dv) in query's dtype. Rows that may attend to no key are exactly zero.
     Raises:
-        ValueError naming the argument for wrong ranks, sizes or dtypes; MaskError for a non-bool mask.
+        ValueError naming the argument for wrong ranks, sizes, mixed dtypes or backend; MaskError for a non-bool
+        mask.
 
     Masked keys and values are replaced by zeros before the call, so NaN/inf padding cannot leak. 16-bit inputs and
     autocast are computed in float32 (scores with |q||k| ~ 1e3 lose whole units in bf16) and cast back.
     """
-    check_tensor(query, "query", 4, "(B, H, L, D)")
-    check_tensor(key, "key", 4, "(B, H, S, D)")
-    check_tensor(value, "value", 4, "(B, H, S, Dv)")
-    B, H, L, D = query.shape
-    S = key.shape[2]
-    check_same("query", B, "key", key.shape[0], "batch size")
-    check_same("query", H, "key", key.shape[1], "number of heads")
-    check_same("query", D, "key", key.shape[3], "head_dim")
-    check_same("key", S, "value", value.shape[2], "key length S")
-    check_same("key", B, "value", value.shape[0], "batch size")
-    check_same("key", H, "value", value.shape[1], "number of heads")
+    B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
+    if backend not in (None, *SOFTMAX_BACKENDS):
+        raise ValueError(f"backend must be None or one of {SOFTMAX_BACKENDS}, got {backend!r}")
+    if backend == "explicit":
+        return softmax_attention_reference(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                           dropout_p=dropout_p, scale=scale)
     mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
     out_dtype = query.dtype
     dt = compute_dtype(query, key, value)
@@ -63,8 +64,7 @@ def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, at
                                 return_weights: bool = False):
     """Explicit twin of :func:`softmax_attention` (no SDPA): builds the (B, H, L, S) weights. Used by tests and
     when weights are requested. Same arguments and conventions; returns ``out`` or ``(out, weights)``."""
-    B, H, L, D = query.shape
-    S = key.shape[2]
+    B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
     mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
