@@ -231,7 +231,7 @@ def _fused_sdpa(q, k, v, log_prior, s2, mask, dropout_p, causal=False, hard=Fals
         rowbias = None
         if need_qnorm:
             rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(M, 1))  # (B, H, M, L)
-        return _mixture_flash.mixture_flash(q, k * inv, bias, v, rowbias, causal, hard)
+        return _mixture_flash.mixture_flash(q, k * inv, bias, v, rowbias, causal, hard, dropout_p)
     if hard:
         raise RuntimeError("internal: Hard-E's fused path needs the CPU kernel and at most key padding")
     ones = torch.ones(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
