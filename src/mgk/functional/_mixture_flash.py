@@ -94,14 +94,22 @@ def _load():
     return _module
 
 
-def _build_and_load():
+def build_folder() -> tuple[str, Path]:
+    """(extension name, build folder) of the kernel for this environment (the folder is created)."""
     from torch.utils import cpp_extension
 
     cflags, ldflags = _flags()
     python = f"{sys.implementation.name} {sys.version} {getattr(sys, 'abiflags', '')}"
     name = _build_name(_SOURCE.read_bytes(), torch.__version__, python, os.environ.get("CXX", "c++"), cflags,
                        ldflags)
-    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    return name, Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def _build_and_load():
+    from torch.utils import cpp_extension
+
+    cflags, ldflags = _flags()
+    name, folder = build_folder()
     with _build_lock(folder, build_timeout()):
         _remove_orphaned_lock(folder)
         if not any(folder.glob(f"{name}*.so")):
