@@ -225,6 +225,43 @@ inline void max_over_components(const T* src, int64_t M, size_t blk, int bq, int
   }
 }
 
+// Hard-E backward: src_r[i][j] becomes the share of component r in max_r s_r = mx[i][j]: 1 / (number of
+// maximising components) where s_r attains the maximum, else 0 (a NaN maximum gives 0 shares).
+template <typename T>
+inline void tie_shares(T* src, int64_t M, size_t blk, const T* mx, int bq, int bk) {
+  const int W = V<T>::size();
+  const V<T> one(T(1));
+  for (int i = 0; i < bq; ++i) {
+    const int64_t o = static_cast<int64_t>(i) * kBlockK;
+    int j = 0;
+    for (; j + W <= bk; j += W) {
+      const V<T> m = V<T>::loadu(mx + o + j);
+      V<T> count(T(0));
+      for (int64_t r = 0; r < M; ++r) {
+        T* x = src + r * blk + o + j;
+        const V<T> hit = V<T>::loadu(x).eq(m);  // 1 or 0
+        hit.store(x);
+        count = count + hit;
+      }
+      const V<T> share = one / at::vec::maximum(count, one);  // count 0 only where every indicator is 0
+      for (int64_t r = 0; r < M; ++r) {
+        T* x = src + r * blk + o + j;
+        (V<T>::loadu(x) * share).store(x);
+      }
+    }
+    for (; j < bk; ++j) {
+      T count = 0;
+      for (int64_t r = 0; r < M; ++r) {
+        T& x = src[r * blk + o + j];
+        x = x == mx[o + j] ? T(1) : T(0);
+        count += x;
+      }
+      const T share = count > 0 ? T(1) / count : T(0);
+      for (int64_t r = 0; r < M; ++r) src[r * blk + o + j] *= share;
+    }
+  }
+}
+
 // Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
 // triangle with -inf, and, when rowmax is given, raises it to the maximum of each row.
 template <typename T>
@@ -410,19 +447,7 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
           // A = P = exp(max_r s_r - LSE); the gradient of the max goes to the maximising components, split evenly
           // between ties (as torch.amax's backward does): pr[r] becomes that share w_r, and dS_r = w_r * dS below.
           max_over_components<T>(pr, sh.M, blk, bq, bk, a);
-          for (int i = 0; i < bq; ++i) {
-            const int64_t o = static_cast<int64_t>(i) * kBlockK;
-            for (int j = 0; j < bk; ++j) {
-              T count = 0;
-              for (int64_t r = 0; r < sh.M; ++r) {
-                T& x = pr[r * blk + o + j];
-                x = x == a[o + j] ? T(1) : T(0);
-                count += x;
-              }
-              const T share = count > 0 ? T(1) / count : T(0);
-              for (int64_t r = 0; r < sh.M; ++r) pr[r * blk + o + j] *= share;
-            }
-          }
+          tie_shares<T>(pr, sh.M, blk, a, bq, bk);
           probs_from_scores<T>(a, lseb, bq, bk);
         }
         // dV += A^T dO;  dP = dO V^T;  T = dP - delta (times P for Hard-E). With dropout (keep factors Z): the
