@@ -279,8 +279,8 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         mixture: "sum" (logsumexp over components) or "max" (Hard-E).
         attn_mask: bool broadcastable to (B, H, L, S), True = may attend.
         is_causal: causal masking aligned bottom-right (query i sees keys j <= i + S - L).
-        dropout_p: dropout on attention weights. On the fast path each (key, component) pair is dropped
-            independently; on the explicit path each key is. Both keep the expectation.
+        dropout_p: dropout on attention weights. The CPU kernel and the explicit path drop each key's mixed
+            weight; the SDPA path over concatenated keys drops each (key, component) pair. All keep the expectation.
         return_weights: also return the (B, H, L, S) attention weights (forces the explicit path).
         explicit: force the explicit path (the tests' twin of the fast path).
         chunk_size: queries per chunk on the explicit path (memory O(chunk * M * S) per head; one chunk inside a
