@@ -160,7 +160,8 @@ def kernel(q, k, v, log_prior, s2, mask, call: Call):
     rowbias = None
     if needs_qnorm(s2):
         rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(-1, 1))  # (B, H, M, L)
-    out = _mixture_flash.mixture_flash(q, k * inv.view(-1, 1, 1), bias, v, rowbias, call.is_causal, hard)
+    out = _mixture_flash.mixture_flash(q, k * inv.view(-1, 1, 1), bias, v, rowbias, call.is_causal, hard,
+                                       call.dropout_p)
     return _masks.zero_rows(out, empty), None
 
 

@@ -3,16 +3,21 @@
 The kernel (``csrc/mixture_flash.cpp``) runs one online-softmax pass over key blocks: per block M score GEMMs and
 a single value GEMM on ``sum_r exp(s_r - LSE)``, where attention over the M*S concatenated keys (SDPA, or one flash
 call per component) needs M value GEMMs, and its head size is D instead of D+1 because the per-key bias is added
-inside the kernel instead of riding in an extra column. See the header of the C++ file for the exact math.
+inside the kernel instead of riding in an extra column. See the header of the C++ file for the exact math. With one
+component and no bias it is plain softmax attention (:func:`softmax_flash`), and both take attention dropout from a
+counter-based random stream, so that training with dropout keeps O(L + S) memory per head.
 
-It is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about a
-minute, cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). When compilation fails, or with
-``MGK_CPU_KERNEL=0`` in the environment, :func:`available` is False and MGK uses the per-component SDPA flash
-path (:mod:`._component_flash`), which gives the same numbers.
+It is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about 30 s,
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), one build per (kernel source, torch version,
+Python version, compiler and flags), kept side by side. Concurrent builds wait on an OS file lock that dies with its
+process; a wait is announced and gives up after ``MGK_KERNEL_BUILD_TIMEOUT`` seconds (default 600). When
+compilation fails, or with ``MGK_CPU_KERNEL=0`` in the environment (warned once), :func:`available` is False and MGK
+uses the per-component SDPA flash path (:mod:`._component_flash`), which gives the same numbers.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 import time
@@ -21,9 +26,16 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialised by us (torch's own lock file still applies)
+    fcntl = None
+
 _SOURCE = Path(__file__).with_name("csrc") / "mixture_flash.cpp"
 _module = None
 _failed: str | None = None
+_LOCK_FILE = "mgk-build.flock"
+_DEFAULT_TIMEOUT_S = 600.0
 
 
 def _isa_flags() -> list[str]:
@@ -37,31 +49,39 @@ def _isa_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
+def _flags() -> tuple[list[str], list[str]]:
+    """(cflags, ldflags). -fopenmp: at::parallel_for is a header-only OpenMP loop in torch's builds; the module then
+    uses the libgomp that torch has already loaded (same soname)."""
+    return ["-O3", "-fopenmp", *_isa_flags()], ["-fopenmp"]
+
+
+def _build_name(source: bytes, torch_version: str, python: str, compiler: str, cflags: list[str],
+                ldflags: list[str]) -> str:
+    """Extension name: one per (kernel source, torch version, Python version, compiler, flags), so environments
+    used in turn keep their builds side by side instead of rebuilding one shared folder."""
+    h = hashlib.sha256(source)
+    for part in (torch_version, python, compiler, " ".join(cflags), " ".join(ldflags)):
+        h.update(b"\0" + part.encode())
+    return f"mgk_mixture_flash_{torch.backends.cpu.get_cpu_capability().lower()}_{h.hexdigest()[:12]}"
+
+
+def _disabled_by_env() -> str | None:
+    value = os.environ.get("MGK_CPU_KERNEL", "1")
+    return value if value.strip().lower() in ("0", "false", "no", "off") else None
+
+
 def _load():
     global _module, _failed
     if _module is not None or _failed is not None:
         return _module
-    if os.environ.get("MGK_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
-        _failed = "disabled by MGK_CPU_KERNEL=" + os.environ["MGK_CPU_KERNEL"]
+    value = _disabled_by_env()
+    if value is not None:
+        _failed = f"disabled by MGK_CPU_KERNEL={value}"
+        warnings.warn(f"mgk: MGK_CPU_KERNEL={value}: the fused CPU MGK kernel is off; MGK uses the SDPA path, "
+                      "which computes the same result more slowly", RuntimeWarning, stacklevel=3)
         return None
     try:
-        from torch.utils import cpp_extension
-
-        # The name carries the ISA and a hash of the source, so a changed kernel never reuses a stale build.
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-        name = f"mgk_mixture_flash_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
-        folder = _build_folder(cpp_extension, name)
-        if folder is not None:
-            _remove_stale_lock(folder)
-        if folder is None or not any(folder.glob(f"{name}*.so")):
-            print(f"mgk: building the CPU MGK kernel {name} (once, about 30 s; cached in {folder}). If this hangs, "
-                  "a killed earlier build left its 'lock' file there: delete it, or set MGK_CPU_KERNEL=0.",
-                  file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is a header-only OpenMP loop in torch's builds; the module then uses the
-        # libgomp that torch has already loaded (same soname).
-        _module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp",
-                                                                                       *_isa_flags()],
-                                     extra_ldflags=["-fopenmp"], verbose=False)
+        _module = _build_and_load()
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the SDPA path
         # The compiler's complaint is at the end of the message, after the command line.
         text = " ".join(str(exc).split())
@@ -72,34 +92,109 @@ def _load():
     return _module
 
 
-def _build_folder(cpp_extension, name: str) -> Path | None:
-    """Where torch.utils.cpp_extension builds ``name`` (None if its private helper is gone)."""
+def build_folder() -> tuple[str, Path]:
+    """(extension name, build folder) of the kernel for this environment (the folder is created)."""
+    from torch.utils import cpp_extension
+
+    cflags, ldflags = _flags()
+    python = f"{sys.implementation.name} {sys.version} {getattr(sys, 'abiflags', '')}"
+    name = _build_name(_SOURCE.read_bytes(), torch.__version__, python, os.environ.get("CXX", "c++"), cflags,
+                       ldflags)
+    return name, Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def _build_and_load():
+    from torch.utils import cpp_extension
+
+    cflags, ldflags = _flags()
+    name, folder = build_folder()
+    with _build_lock(folder, build_timeout()):
+        _remove_orphaned_lock(folder)
+        if not any(folder.glob(f"{name}*.so")):
+            print(f"mgk: building the MGK CPU kernel, about 30 s, once (in {folder})", file=sys.stderr, flush=True)
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
+                                  build_directory=str(folder), verbose=False)
+
+
+def build_timeout() -> float:
+    """Seconds to wait for another process's build: ``MGK_KERNEL_BUILD_TIMEOUT`` (default 600).
+
+    Raises ValueError naming the variable when it is not a non-negative number."""
+    raw = os.environ.get("MGK_KERNEL_BUILD_TIMEOUT", str(_DEFAULT_TIMEOUT_S))
     try:
-        return Path(cpp_extension._get_build_directory(name, verbose=False))
-    except Exception:  # noqa: BLE001 - a private helper; without it we announce every load
-        return None
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0:  # also rejects NaN
+        raise ValueError(f"MGK_KERNEL_BUILD_TIMEOUT must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
-_STALE_LOCK_S = 600  # a build takes about 30 s; a lock this old belongs to a build that was killed
+@contextlib.contextmanager
+def _build_lock(folder: Path, timeout: float, poll_s: float = 0.2):
+    """Hold an exclusive ``fcntl.flock`` on ``folder/mgk-build.flock`` while building and loading.
+
+    The OS releases the lock when its holder exits, however it dies, so a lock is never left behind (unlike a lock
+    file, whose creator may be killed). Waiting prints one line naming the lock and the holder's pid, and gives up
+    after ``timeout`` seconds with TimeoutError naming the lock."""
+    if fcntl is None:
+        yield None
+        return
+    path = folder / _LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        start = time.monotonic()
+        announced = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _lock_holder(path)
+                if time.monotonic() - start >= timeout:
+                    raise TimeoutError(f"gave up after {timeout:g} s waiting for the MGK kernel build lock {path} "
+                                       f"(held by {holder}); raise MGK_KERNEL_BUILD_TIMEOUT or set "
+                                       "MGK_CPU_KERNEL=0") from None
+                if not announced:
+                    print(f"mgk: waiting for the MGK kernel build lock {path} (held by {holder}; giving up after "
+                          f"{timeout:g} s, MGK_KERNEL_BUILD_TIMEOUT)", file=sys.stderr, flush=True)
+                    announced = True
+                time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def _remove_stale_lock(folder: Path) -> None:
-    """torch's build lock waits forever for a lock file left by a killed build; remove one that is clearly stale."""
+def _lock_holder(path: Path) -> str:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        text = ""
+    return text or "another process"
+
+
+def _remove_orphaned_lock(folder: Path) -> None:
+    """torch's ``cpp_extension.load`` waits without end while its ``lock`` file exists. Every build of ours creates
+    it only while holding :func:`_build_lock`, so once we hold that lock any ``lock`` file was left by a build
+    that died (whatever its age) and is removed."""
     lock = folder / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:
         return
-    if age > _STALE_LOCK_S:
-        warnings.warn(f"mgk: removing the stale build lock {lock} ({age:.0f} s old, left by a killed build)",
-                      RuntimeWarning, stacklevel=4)
-        lock.unlink(missing_ok=True)
+    warnings.warn(f"mgk: removing the stale build lock {lock} ({age:.0f} s old; the build that left it is gone)",
+                  RuntimeWarning, stacklevel=4)
+    lock.unlink(missing_ok=True)
 
 
-def available(q: torch.Tensor, dropout_p: float) -> bool:
-    """True for CPU float32/float64 tensors without dropout, once the kernel has been built (builds it on the
-    first call)."""
-    if q.device.type != "cpu" or dropout_p != 0.0 or q.dtype not in (torch.float32, torch.float64):
+def available(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
+    """True for CPU float32/float64 tensors (with or without dropout, ``0 <= dropout_p < 1``), once the kernel has
+    been built (builds it on the first call)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return False
+    if not 0.0 <= dropout_p < 1.0:  # p = 1 (and invalid values) take the reference path, which handles them
         return False
     if torch.compiler.is_compiling():
         # Building inside a trace is not possible; a kernel loaded by an eager call is used through the custom op.
@@ -107,7 +202,7 @@ def available(q: torch.Tensor, dropout_p: float) -> bool:
     return _load() is not None
 
 
-def usable(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+def usable(q: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> bool:
     """:func:`available`, and head sizes the kernel takes (BLAS needs q's and v's last dimensions >= 1)."""
     return q.shape[-1] > 0 and v.shape[-1] > 0 and available(q, dropout_p)
 
@@ -117,74 +212,122 @@ def build_error() -> str | None:
     return _failed
 
 
+def draw_dropout_seed() -> tuple[int, int]:
+    """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (as flash-attention draws its
+    Philox seed and offset), so ``torch.manual_seed`` controls the mask, each call advances the generator, and
+    saving/restoring the generator state (resume, activation checkpointing) reproduces it."""
+    seed, offset = torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64).tolist()
+    return seed, offset
+
+
+def dropout_mask(seed: int, offset: int, B: int, H: int, L: int, S: int, p: float) -> torch.Tensor:
+    """The keep mask (B, H, L, S) bool that the kernel applies for ``(seed, offset)`` and drop probability ``p``:
+    the same for every thread count and blocking (a hash of (seed, offset, b * H + h, i, j)). For tests."""
+    return _load().dropout_mask(B * H, L, S, float(p), int(seed), int(offset)).view(B, H, L, S)
+
+
 # The kernel as two torch custom ops, so that torch.compile keeps it in its graphs (as an opaque call) instead of
 # falling back to the SDPA form; autograd is registered on the forward op.
 @torch.library.custom_op("mgk::mixture_flash_forward", mutates_args=(), device_types="cpu")
 def _forward_op(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor, rowbias: torch.Tensor,
-                causal: bool, hard: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _load().forward(q, k, bias, v, rowbias, causal, hard)
+                causal: bool, hard: bool, dropout_p: float, seed: int,
+                offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _load().forward(q, k, bias, v, rowbias, causal, hard, dropout_p, seed, offset)
     return out, lse
 
 
 @_forward_op.register_fake
-def _(q, k, bias, v, rowbias, causal, hard):
+def _(q, k, bias, v, rowbias, causal, hard, dropout_p, seed, offset):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]))
 
 
 @torch.library.custom_op("mgk::mixture_flash_backward", mutates_args=(), device_types="cpu")
 def _backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
-                 rowbias: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool,
-                 hard: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dbias, dv, drb = _load().backward(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard)
+                 rowbias: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, hard: bool,
+                 dropout_p: float, seed: int,
+                 offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dbias, dv, drb = _load().backward(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard,
+                                              dropout_p, seed, offset)
     return dq, dk, dbias, dv, drb
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard):
+def _(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard, dropout_p, seed, offset):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(bias), torch.empty_like(v),
             torch.empty_like(rowbias))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, bias, v, rowbias, causal, hard = inputs
+    q, k, bias, v, rowbias, *flags = inputs
     out, lse = output
     ctx.save_for_backward(q, k, bias, v, rowbias, out, lse)
-    ctx.flags = (causal, hard)
+    ctx.flags = tuple(flags)  # causal, hard, dropout_p, seed, offset: backward regenerates the same mask
 
 
 def _backward(ctx, grad_out, grad_lse):
     # lse is an auxiliary output for the backward pass; nothing differentiates through it (grad_lse is ignored).
+    # With dropout, out is the dropped output and delta = rowsum(dO * out) = sum_j A_ij dA_ij still holds.
     q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
     grad_out = grad_out.contiguous()
     delta = (grad_out * out).sum(-1)
     dq, dk, dbias, dv, drb = _backward_op(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
-    return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None
+    return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None
 
 
 torch.library.register_autograd("mgk::mixture_flash_forward", _backward, setup_context=_setup_context)
 
 
 def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
-                  rowbias: torch.Tensor | None, is_causal: bool, hard: bool = False) -> torch.Tensor:
+                  rowbias: torch.Tensor | None, is_causal: bool, hard: bool = False, dropout_p: float = 0.0,
+                  seed: tuple[int, int] | None = None) -> torch.Tensor:
     """MGK through the C++ kernel (check :func:`usable` first).
 
     Args: q (B, H, L, D); k (B, H, M, S, D), already divided by sigma_r^2; bias (B, H, M, S); v (B, H, S, Dv);
-        rowbias (B, H, M, L) or None; is_causal (bottom-right); hard (Hard-E). One floating dtype, float32 or
-        float64, on CPU.
+        rowbias (B, H, M, L) or None; is_causal (bottom-right); hard (Hard-E); dropout_p in [0, 1): attention
+        dropout on the mixed weights; seed: (seed, offset) of the dropout stream, default drawn by
+        :func:`draw_dropout_seed` when ``dropout_p > 0``. One floating dtype, float32 or float64, on CPU.
     Returns:
-        (B, H, L, Dv). With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir``: ``out_i = sum_{j,r} exp(s_ijr - LSE_i) v_j``
-        (mixture "sum"), or with ``hard`` ``out_i = sum_j softmax_j(max_r s_ijr) v_j``. Rows that see no key are 0.
-        Differentiable once (a second derivative raises).
+        (B, H, L, Dv). With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir``: ``out_i = sum_j A_ij Z_ij v_j`` where
+        ``A_ij = sum_r exp(s_ijr - LSE_i)`` (mixture "sum"; paper eq. 9), or with ``hard`` ``A_ij =
+        softmax_j(max_r s_ijr)``, and ``Z_ij = keep_ij / (1 - dropout_p)`` with ``keep`` = :func:`dropout_mask`
+        (Z = 1 without dropout). Rows that see no key are 0. Differentiable once (a second derivative raises).
     """
     B, H, L, D = q.shape
     M, S, Dv = k.shape[2], k.shape[3], v.shape[-1]
+    dropout_p = float(dropout_p)
+    if dropout_p > 0.0 and seed is None:
+        seed = draw_dropout_seed()
+    seed, offset = seed if dropout_p > 0.0 else (0, 0)
     qf = q.reshape(B * H, L, D).contiguous()
     kf = k.reshape(B * H, M, S, D).contiguous()
     bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
     vf = v.reshape(B * H, S, Dv).contiguous()
     rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else qf.new_empty(0)
-    out, _ = _forward_op(qf, kf, bf, vf, rf, bool(is_causal), bool(hard))
+    out, _ = _forward_op(qf, kf, bf, vf, rf, bool(is_causal), bool(hard), dropout_p, int(seed), int(offset))
     return out.view(B, H, L, Dv)
+
+
+def softmax_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_padding: torch.Tensor | None = None,
+                  is_causal: bool = False, dropout_p: float = 0.0, scale: float | None = None,
+                  seed: tuple[int, int] | None = None) -> torch.Tensor:
+    """Softmax attention ``softmax(scale * q k^T) v`` (Vaswani et al. 2017) through the kernel with one component
+    and no bias, O(L + S) memory per head also with dropout (check :func:`usable` first).
+
+    Args: q (B, H, L, D); k (B, H, S, D); v (B, H, S, Dv), one dtype, float32 or float64, on CPU; key_padding bool
+        broadcastable to (B, H, 1, S), True = may attend (keys and values there must be finite: zero them first);
+        is_causal bottom-right; dropout_p in [0, 1); scale default 1 / sqrt(D); seed as :func:`mixture_flash`.
+    Returns:
+        (B, H, L, Dv); rows that see no key are 0.
+    """
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    bias = q.new_zeros(1, 1, 1, S)
+    if key_padding is not None:
+        kp = key_padding.reshape(*key_padding.shape[:-2], key_padding.shape[-1])  # drop the query dim
+        bias = torch.where(kp, bias.view(1, 1, S), torch.full((), float("-inf"), dtype=q.dtype)).unsqueeze(-2)
+    return mixture_flash(q, (k * scale).unsqueeze(2), bias.expand(B, H, 1, S), v, None, is_causal,
+                         dropout_p=dropout_p, seed=seed)
 
 
 def responsibilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, rowbias: torch.Tensor | None,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _mixture_flash
 from . import masks as _masks
 from ._checks import check_qkv, compute_dtype, full_precision
 
@@ -49,6 +50,12 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     with full_precision(query.device):
+        if dropout_p > 0.0 and (mask is None or mask.shape[-2] == 1) and _mixture_flash.usable(q, v, dropout_p):
+            # SDPA has no fused CPU kernel with dropout (it builds the L x S weights); ours keeps O(L + S) memory.
+            _, k, v, _, q = _masks.prepare(mask, k, v, q)
+            out = _mixture_flash.softmax_flash(q, k, v, key_padding=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                               scale=scale)
+            return out.to(out_dtype)
         if mask is None and is_causal and L == S:
             # SDPA's own causal flag skips masked blocks; it is top-left aligned, which equals ours when L == S.
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)

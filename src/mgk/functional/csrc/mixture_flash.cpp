@@ -16,12 +16,15 @@
 // (key j is visible from query i when j <= i + S - L); key blocks entirely above the diagonal are skipped.
 // BLAS is the sgemm_/dgemm_ that libtorch_cpu exports (MKL in the official CPU wheels). Hard-E runs the same
 // GEMMs; its backward sends each score's gradient to the maximising components, split evenly between ties.
+// Attention dropout (see struct Dropout) multiplies A_ij by keep_ij / (1 - p) before the value GEMM; LSE_i is the
+// un-dropped statistic, so out_i = sum_j A_ij keep_ij / (1 - p) v_j, as dropout on softmax weights.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <algorithm>
 #include <memory>
@@ -119,6 +122,67 @@ struct Shapes {
   bool causal, hard;
 };
 
+// Attention dropout on the mixed weight A_ij (after the sum over components), from a counter-based stream: the
+// keep decision of (slice bh, query i, key j) is a hash of (seed, offset, bh, i, j) alone, so backward regenerates
+// the forward's mask without storing it and the mask does not depend on blocking or on the thread count (the
+// counter-based approach of Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011, which
+// flash-attention uses with Philox). The row key mixes (seed, offset, bh, i) through SplitMix64 (Steele et al.,
+// OOPSLA 2014); the key index goes through two rounds of MurmurHash3's 32-bit finaliser, which the compiler
+// vectorises. Keep iff hash >= threshold = round(p * 2^32); kept weights are scaled by 1 / (1 - p).
+struct Dropout {
+  uint64_t seed = 0, offset = 0, threshold = 0;  // threshold 0: no dropout
+  double scale = 1.0;
+  bool on() const { return threshold > 0; }
+};
+
+inline Dropout make_dropout(double p, int64_t seed, int64_t offset) {
+  Dropout d;
+  TORCH_CHECK(p >= 0.0 && p <= 1.0, "dropout_p must be in [0, 1], got ", p);
+  d.seed = static_cast<uint64_t>(seed);
+  d.offset = static_cast<uint64_t>(offset);
+  d.threshold = static_cast<uint64_t>(std::llround(p * 4294967296.0));
+  d.scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
+  return d;
+}
+
+inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bU;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35U;
+  return h ^ (h >> 16);
+}
+
+inline uint64_t dropout_row_key(const Dropout& d, int64_t bh, int64_t L, int64_t i) {
+  return splitmix64(d.seed ^ splitmix64(d.offset + static_cast<uint64_t>(bh * L + i) * 0x9e3779b97f4a7c15ULL));
+}
+
+// x[j] *= keep(row, j0 + j) ? scale : 0 for j < n (z = nullptr), or z[j] = that factor (x = nullptr).
+template <typename T>
+inline void dropout_row(uint64_t key, int64_t j0, int n, const Dropout& d, T* x, T* z) {
+  const uint32_t lo = static_cast<uint32_t>(key), hi = static_cast<uint32_t>(key >> 32);
+  const uint32_t base = static_cast<uint32_t>(j0);
+  const T scale = static_cast<T>(d.scale);
+  const uint64_t thr = d.threshold;
+  if (x) {
+    for (int j = 0; j < n; ++j) {
+      const uint32_t h = fmix32(fmix32((base + static_cast<uint32_t>(j)) * 0x9e3779b9U ^ lo) ^ hi);
+      x[j] = static_cast<uint64_t>(h) >= thr ? x[j] * scale : T(0);
+    }
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const uint32_t h = fmix32(fmix32((base + static_cast<uint32_t>(j)) * 0x9e3779b9U ^ lo) ^ hi);
+      z[j] = static_cast<uint64_t>(h) >= thr ? scale : T(0);
+    }
+  }
+}
+
 constexpr int kBlockQ = 128;
 constexpr int kBlockK = 512;
 
@@ -161,6 +225,43 @@ inline void max_over_components(const T* src, int64_t M, size_t blk, int bq, int
   }
 }
 
+// Hard-E backward: src_r[i][j] becomes the share of component r in max_r s_r = mx[i][j]: 1 / (number of
+// maximising components) where s_r attains the maximum, else 0 (a NaN maximum gives 0 shares).
+template <typename T>
+inline void tie_shares(T* src, int64_t M, size_t blk, const T* mx, int bq, int bk) {
+  const int W = V<T>::size();
+  const V<T> one(T(1));
+  for (int i = 0; i < bq; ++i) {
+    const int64_t o = static_cast<int64_t>(i) * kBlockK;
+    int j = 0;
+    for (; j + W <= bk; j += W) {
+      const V<T> m = V<T>::loadu(mx + o + j);
+      V<T> count(T(0));
+      for (int64_t r = 0; r < M; ++r) {
+        T* x = src + r * blk + o + j;
+        const V<T> hit = V<T>::loadu(x).eq(m);  // 1 or 0
+        hit.store(x);
+        count = count + hit;
+      }
+      const V<T> share = one / at::vec::maximum(count, one);  // count 0 only where every indicator is 0
+      for (int64_t r = 0; r < M; ++r) {
+        T* x = src + r * blk + o + j;
+        (V<T>::loadu(x) * share).store(x);
+      }
+    }
+    for (; j < bk; ++j) {
+      T count = 0;
+      for (int64_t r = 0; r < M; ++r) {
+        T& x = src[r * blk + o + j];
+        x = x == mx[o + j] ? T(1) : T(0);
+        count += x;
+      }
+      const T share = count > 0 ? T(1) / count : T(0);
+      for (int64_t r = 0; r < M; ++r) src[r * blk + o + j] *= share;
+    }
+  }
+}
+
 // Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
 // triangle with -inf, and, when rowmax is given, raises it to the maximum of each row.
 template <typename T>
@@ -195,7 +296,7 @@ inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias
 
 template <typename T>
 void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* rowbias, T* out, T* lse,
-                  const Shapes<T>& sh) {
+                  const Shapes<T>& sh, const Dropout& drop) {
   const int64_t qblock = task_block(kBlockQ, 16, sh.BH, sh.L);
   const int64_t nqb = (sh.L + qblock - 1) / qblock;
   const int64_t offset = sh.S - sh.L;
@@ -243,6 +344,8 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
           T rowsum = at::vec::reduce_all<T>([](const V<T>& a, const V<T>& b) { return a + b; }, pi, bk);
           const T alpha = m[i] == ninf ? T(0) : std::exp(m[i] - mi);
           l[i] = l[i] * alpha + rowsum;
+          // The normaliser l sums the kept and the dropped weights: dropout acts on the normalised weights.
+          if (drop.on()) dropout_row<T>(dropout_row_key(drop, bh, sh.L, q0 + i), k0, bk, drop, pi, nullptr);
           T* ai = acc + static_cast<int64_t>(i) * sh.Dv;
           if (alpha != T(1))
             for (int64_t d = 0; d < sh.Dv; ++d) ai[d] *= alpha;
@@ -280,7 +383,8 @@ inline void probs_from_scores(T* s, const T* lse, int bq, int bk) {
 
 template <typename T>
 void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T* v, const T* rowbias,
-                   const T* lse, const T* delta, T* dq, T* dk, T* dbias, T* dv, T* drowbias, const Shapes<T>& sh) {
+                   const T* lse, const T* delta, T* dq, T* dk, T* dbias, T* dv, T* drowbias, const Shapes<T>& sh,
+                   const Dropout& drop) {
   const int64_t kblock = task_block(kBlockK, 64, sh.BH, sh.S);
   const int64_t nkb = (sh.S + kblock - 1) / kblock;
   const int64_t offset = sh.S - sh.L;
@@ -299,6 +403,7 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
     T* pr = scratch<T>(0, static_cast<size_t>(sh.M) * blk);
     T* a = scratch<T>(1, blk);
     T* dp = scratch<T>(2, blk);
+    T* z = drop.on() ? scratch<T>(3, blk) : nullptr;
     auto part = std::make_unique<Partial>();
     part->begin = begin;
     part->bh_lo = begin / nkb;
@@ -342,28 +447,32 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
           // A = P = exp(max_r s_r - LSE); the gradient of the max goes to the maximising components, split evenly
           // between ties (as torch.amax's backward does): pr[r] becomes that share w_r, and dS_r = w_r * dS below.
           max_over_components<T>(pr, sh.M, blk, bq, bk, a);
-          for (int i = 0; i < bq; ++i) {
-            const int64_t o = static_cast<int64_t>(i) * kBlockK;
-            for (int j = 0; j < bk; ++j) {
-              T count = 0;
-              for (int64_t r = 0; r < sh.M; ++r) {
-                T& x = pr[r * blk + o + j];
-                x = x == a[o + j] ? T(1) : T(0);
-                count += x;
-              }
-              const T share = count > 0 ? T(1) / count : T(0);
-              for (int64_t r = 0; r < sh.M; ++r) pr[r * blk + o + j] *= share;
-            }
-          }
+          tie_shares<T>(pr, sh.M, blk, a, bq, bk);
           probs_from_scores<T>(a, lseb, bq, bk);
         }
-        // dV += A^T dO;  dP = dO V^T;  T = dP - delta (times P for Hard-E).
-        gemm(true, false, bk, sh.Dv, bq, T(1), a, kBlockK, dob, sh.Dv, T(1), dvb, sh.Dv);
+        // dV += A^T dO;  dP = dO V^T;  T = dP - delta (times P for Hard-E). With dropout (keep factors Z): the
+        // output is (A * Z) V, so dV uses A * Z and dA = dP * Z; delta = rowsum(dO * O) with the dropped O still
+        // equals sum_j A_ij dA_ij, so dS keeps its form.
+        const T* aw = a;
+        if (drop.on()) {
+          for (int i = 0; i < bq; ++i) {
+            const int64_t o = static_cast<int64_t>(i) * kBlockK;
+            dropout_row<T>(dropout_row_key(drop, bh, sh.L, q0 + i), k0, bk, drop, static_cast<T*>(nullptr), z + o);
+            for (int j = 0; j < bk; ++j) dp[o + j] = a[o + j] * z[o + j];
+          }
+          aw = dp;  // A * Z, consumed by the dV GEMM before dp is overwritten
+        }
+        gemm(true, false, bk, sh.Dv, bq, T(1), aw, kBlockK, dob, sh.Dv, T(1), dvb, sh.Dv);
         gemm(false, true, bq, bk, sh.Dv, T(1), dob, sh.Dv, vb, sh.Dv, T(0), dp, kBlockK);
         for (int i = 0; i < bq; ++i) {
           T* row = dp + static_cast<int64_t>(i) * kBlockK;
           const T di = delb[i];
-          for (int j = 0; j < bk; ++j) row[j] -= di;
+          if (z) {
+            const T* zi = z + static_cast<int64_t>(i) * kBlockK;
+            for (int j = 0; j < bk; ++j) row[j] = row[j] * zi[j] - di;
+          } else {
+            for (int j = 0; j < bk; ++j) row[j] -= di;
+          }
           if (sh.hard) {
             const T* pi = a + static_cast<int64_t>(i) * kBlockK;
             for (int j = 0; j < bk; ++j) row[j] *= pi[j];
@@ -475,7 +584,9 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
 
 // q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), v (BH, S, Dv), rowbias (BH, M, L) or empty -> out, lse.
 std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
-                                                 torch::Tensor v, torch::Tensor rowbias, bool causal, bool hard) {
+                                                 torch::Tensor v, torch::Tensor rowbias, bool causal, bool hard,
+                                                 double dropout_p, int64_t seed, int64_t offset) {
+  const Dropout drop = make_dropout(dropout_p, seed, offset);
   check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
   TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   const bool has_rb = rowbias.numel() > 0;
@@ -486,7 +597,7 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
     Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, hard};
     forward_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
                            v.data_ptr<scalar_t>(), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
-                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh);
+                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh, drop);
   });
   return {out, lse};
 }
@@ -494,7 +605,9 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
 // Gradients of the forward above given dout and the forward's out/lse (delta = rowsum(dout * out)).
 std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                   torch::Tensor bias, torch::Tensor v, torch::Tensor rowbias,
-                                                  torch::Tensor lse, torch::Tensor delta, bool causal, bool hard) {
+                                                  torch::Tensor lse, torch::Tensor delta, bool causal, bool hard,
+                                                  double dropout_p, int64_t seed, int64_t offset) {
+  const Dropout drop = make_dropout(dropout_p, seed, offset);
   check(dout, "dout", 3); check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
   check(lse, "lse", 2); check(delta, "delta", 2);
   TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
@@ -509,7 +622,7 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
                             has_rb ? rowbias.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),
                             delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dbias.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            has_rb ? drb.data_ptr<scalar_t>() : nullptr, sh);
+                            has_rb ? drb.data_ptr<scalar_t>() : nullptr, sh, drop);
   });
   return {dq, dk, dbias, dv, drb};
 }
@@ -538,7 +651,22 @@ torch::Tensor mixture_responsibilities(torch::Tensor q, torch::Tensor k, torch::
   return resp;
 }
 
+// The keep mask (BH, L, S) bool that forward and backward apply for these dropout arguments (for tests).
+torch::Tensor mixture_dropout_mask(int64_t BH, int64_t L, int64_t S, double dropout_p, int64_t seed,
+                                   int64_t offset) {
+  const Dropout drop = make_dropout(dropout_p, seed, offset);
+  auto keep = torch::ones({BH, L, S}, torch::kFloat);
+  float* x = keep.data_ptr<float>();
+  if (drop.on())
+    for (int64_t bh = 0; bh < BH; ++bh)
+      for (int64_t i = 0; i < L; ++i)
+        dropout_row<float>(dropout_row_key(drop, bh, L, i), 0, static_cast<int>(S), drop, x + (bh * L + i) * S,
+                           nullptr);
+  return keep > 0;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dropout_mask", &mixture_dropout_mask, "keep mask of the kernel's attention dropout (CPU)");
   m.def("forward", &mixture_flash_forward, "MGK mixture flash forward (CPU)");
   m.def("backward", &mixture_flash_backward, "MGK mixture flash backward (CPU)");
   m.def("responsibilities", &mixture_responsibilities, "Soft-E E-step statistics (CPU)");

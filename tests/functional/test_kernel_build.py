@@ -1,0 +1,158 @@
+"""Building the CPU kernel: never an endless silent wait on a build lock (a lock left by a killed build is reclaimed,
+a live holder is waited for with a message and a bounded time), one build folder per environment kept side by side,
+and a one-line message whenever a build starts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgk.functional import _mixture_flash
+
+fcntl = pytest.importorskip("fcntl", reason="the build lock is an fcntl.flock (POSIX)")
+
+SRC = str(Path(_mixture_flash.__file__).parents[2])
+
+
+def _fresh(monkeypatch):
+    monkeypatch.setattr(_mixture_flash, "_module", None)
+    monkeypatch.setattr(_mixture_flash, "_failed", None)
+    monkeypatch.delenv("MGK_CPU_KERNEL", raising=False)
+
+
+def _hold(path: Path, text: str = "pid 4242") -> int:
+    """Take the build lock through a separate open file description (flock locks conflict between those)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, text.encode())
+    return fd
+
+
+def test_build_name_covers_source_torch_python_compiler_and_flags():
+    base = dict(source=b"kernel", torch_version="2.5.0", python="cpython 3.11.7", compiler="c++",
+                cflags=["-O3"], ldflags=["-fopenmp"])
+    name = _mixture_flash._build_name(**base)
+    assert name == _mixture_flash._build_name(**base)
+    for key, other in [("source", b"kernel2"), ("torch_version", "2.6.0"), ("python", "cpython 3.12.1"),
+                       ("compiler", "clang++"), ("cflags", ["-O2"]), ("ldflags", [])]:
+        assert _mixture_flash._build_name(**{**base, key: other}) != name, key
+
+
+def test_issue_scenario_lock_590_s_old_and_library_present_loads_at_once():
+    """A `lock` file left 590 s ago by a killed build (younger than the old 600 s staleness rule), next to an
+    already compiled library: a new process loads the kernel without waiting and removes the lock."""
+    if _mixture_flash._load() is None:
+        pytest.skip(f"the kernel could not be built here: {_mixture_flash.build_error()}")
+    _, folder = _mixture_flash.build_folder()
+    lock = folder / "lock"
+    lock.write_text("")
+    old = time.time() - 590
+    os.utime(lock, (old, old))
+    code = "from mgk.functional import _mixture_flash as m; import sys; sys.exit(m._load() is None)"
+    env = {**os.environ, "PYTHONPATH": SRC, "MGK_KERNEL_BUILD_TIMEOUT": "60"}
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr
+    assert "stale build lock" in done.stderr and str(lock) in done.stderr
+    assert "building" not in done.stderr  # the library was there: no rebuild
+    assert time.monotonic() - start < 200
+
+
+def test_live_holder_is_announced_and_the_wait_is_bounded(tmp_path, capfd):
+    path = tmp_path / _mixture_flash._LOCK_FILE
+    fd = _hold(path)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=str(path)):
+            with _mixture_flash._build_lock(tmp_path, timeout=0.6, poll_s=0.05):
+                pass
+        assert 0.5 < time.monotonic() - start < 10
+    finally:
+        os.close(fd)
+    err = capfd.readouterr().err
+    assert err.count("waiting for the MGK kernel build lock") == 1 and "pid 4242" in err and str(path) in err
+    with _mixture_flash._build_lock(tmp_path, timeout=0.0):  # released: taken at once
+        assert path.read_text().strip() == f"pid {os.getpid()}"
+
+
+def test_lock_of_a_killed_holder_is_free_at_once(tmp_path):
+    path = tmp_path / _mixture_flash._LOCK_FILE
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import fcntl, os, time; fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TimeoutError):
+            with _mixture_flash._build_lock(tmp_path, timeout=0.2, poll_s=0.05):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with _mixture_flash._build_lock(tmp_path, timeout=0.0):
+        pass
+
+
+def test_load_gives_up_with_a_warning_naming_the_lock(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension as cpp
+
+    _fresh(monkeypatch)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("MGK_KERNEL_BUILD_TIMEOUT", "0.3")
+    monkeypatch.setattr(cpp, "load", lambda *a, **kw: pytest.fail("must not build while the lock is held"))
+    _, folder = _mixture_flash.build_folder()
+    fd = _hold(folder / _mixture_flash._LOCK_FILE)
+    try:
+        with pytest.warns(RuntimeWarning, match="build lock"):
+            assert _mixture_flash._load() is None
+    finally:
+        os.close(fd)
+    assert _mixture_flash._LOCK_FILE in _mixture_flash.build_error()
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_bad_timeout_setting_is_named(monkeypatch, value):
+    monkeypatch.setenv("MGK_KERNEL_BUILD_TIMEOUT", value)
+    with pytest.raises(ValueError, match="MGK_KERNEL_BUILD_TIMEOUT"):
+        _mixture_flash.build_timeout()
+
+
+def test_one_line_message_when_a_build_starts_and_builds_side_by_side(monkeypatch, tmp_path, capfd):
+    import torch.utils.cpp_extension as cpp
+
+    built = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        assert not (Path(build_directory) / "lock").exists()
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        built.append(name)
+        return object()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp, "load", fake_load)
+    messages = []
+    for version in ("1.0-env-a", "2.0-env-b", "1.0-env-a"):
+        _fresh(monkeypatch)
+        monkeypatch.setattr(torch, "__version__", version)
+        assert _mixture_flash._load() is not None
+        messages.append(capfd.readouterr().err)
+    assert [m.count("building the MGK CPU kernel, about 30 s, once") for m in messages] == [1, 1, 0]
+    assert len(set(built)) == 2 and len(list(tmp_path.glob("mgk_mixture_flash_*"))) == 2  # kept side by side
+
+
+def test_disabled_by_environment_warns_once_per_process():
+    code = ("import warnings, torch; warnings.simplefilter('always');"
+            "from mgk.functional import _mixture_flash as m;"
+            "[m.available(torch.zeros(2), 0.0) for _ in range(3)]")
+    env = {**os.environ, "PYTHONPATH": SRC, "MGK_CPU_KERNEL": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("MGK_CPU_KERNEL=0") == 1, done.stderr
