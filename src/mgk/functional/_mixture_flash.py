@@ -16,6 +16,7 @@ uses the per-component SDPA flash path (:mod:`._component_flash`), which gives t
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
