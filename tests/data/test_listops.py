@@ -14,8 +14,8 @@ from mgk.data.listops import (
     OPERATORS,
     PAD_ID,
     VOCAB,
-    ListOpsDataset,
     ListOpsFormatError,
+    dataset_from_rows,
     encode_rows,
     find_split_file,
     generate_listops,
@@ -238,7 +238,8 @@ def test_encode_too_long_raises_unless_truncate():
         encode_rows(rows, 5, source="data/basic_val.tsv")
     msg = str(info.value)
     assert "data/basic_val.tsv: line 3:" in msg  # row index 1 -> line 3 (header is line 1)
-    assert "8 tokens" in msg and "max_len=5" in msg and "truncate=True" in msg
+    assert "8 tokens" in msg and "max_len=5" in msg and "--set max_len=8" in msg
+    assert "truncate" not in msg  # cutting a ListOps expression changes its value: never suggested
     with pytest.raises(ListOpsFormatError, match=r"row 1: sequence has 8 tokens"):
         encode_rows(rows, 5)
 
@@ -381,7 +382,7 @@ def test_generate_dir_seeds_and_dedupe(tmp_path):
 
 def test_dataset_items_and_majority_acc():
     rows = [([1, 2, 3], 1), ([4, 5], 1), ([6], 2), ([7, 8], 3)]
-    ds = ListOpsDataset.from_rows(rows, 4, source="s.tsv")
+    ds = dataset_from_rows(rows, 4, source="s.tsv")
     assert len(ds) == 4 and ds.max_len == 4 and ds.source == "s.tsv" and ds.num_truncated == 0
     item = ds[1]
     assert set(item) == {"tokens", "label"}
@@ -390,7 +391,7 @@ def test_dataset_items_and_majority_acc():
     assert item["label"].shape == () and item["label"].dtype == torch.long and int(item["label"]) == 1
     assert ds.majority_acc() == pytest.approx(0.5)
     assert ds.lengths.tolist() == [3, 2, 1, 2]
-    empty = ListOpsDataset.from_rows([], 4)
+    empty = dataset_from_rows([], 4)
     with pytest.raises(ValueError, match="empty"):
         empty.majority_acc()
 

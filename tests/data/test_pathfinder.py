@@ -1,4 +1,4 @@
-"""mgk.data.pathfinder: the release layout (R20), metadata format, errors, and our generator."""
+"""mgk.data.pathfinder: the release layout, metadata format, errors, and our generator."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""mgk.data.text: byte-level IMDb reader (folder and .tar.gz), encoding (R19), errors, cache, shared copy."""
+"""mgk.data.text: byte-level IMDb reader (folder and .tar.gz), encoding, errors, cache, shared copy."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ from mgk.data.cache import TokenDataset
 from mgk.tasks.text import LRAClassificationTask
 
 
-# ----------------------------------------------------------------- R19: encoding and length
+# ----------------------------------------------------------------- encoding and length
 
 
 def test_r19_long_review_keeps_exactly_the_first_max_len_bytes_in_order():

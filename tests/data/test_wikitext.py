@@ -66,7 +66,7 @@ def test_cache_is_reused_and_invalidated_by_a_changed_file(tmp_path, monkeypatch
     valid = write(tmp_path / "wiki.valid.tokens", "b a\n")
     first = wt.load_corpus(tmp_path)
     cache = tmp_path / ".mgk-cache"
-    assert first.cache_dir == cache and len(list(cache.glob("*.pt"))) == 3  # vocab, train, valid
+    assert first.cache_dir == cache and len(list(cache.glob("*.npz"))) == 3  # vocab, train, valid
     assert not list(cache.glob("*.tmp"))
 
     def boom(*a, **k):
@@ -93,7 +93,7 @@ def test_read_only_data_folders_are_never_written_into(tmp_path, monkeypatch):
         assert wt.default_cache_dir(data) == tmp_path / "xdg" / "mgk" / "wikitext"
         wt.load_corpus(data)
         assert sorted(p.name for p in data.iterdir()) == ["wiki.train.tokens"]
-        assert list((tmp_path / "xdg" / "mgk" / "wikitext").glob("*.pt"))
+        assert list((tmp_path / "xdg" / "mgk" / "wikitext").glob("*.npz"))
     finally:
         data.chmod(0o755)
 

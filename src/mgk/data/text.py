@@ -1,6 +1,6 @@
 """Byte-level IMDb (LRA "Text"): read the ``aclImdb`` release, folder or ``.tar.gz``, and encode reviews as bytes.
 
-Source format (Maas et al. 2011; SPEC section 3): ``aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt``, one
+Source format (Maas et al. 2011, "Learning Word Vectors for Sentiment Analysis"): ``aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt``, one
 review per file. ``--data`` may name the ``aclImdb`` folder, a folder that contains it, or a tar archive of it
 (``.tar.gz``, ``.tgz``, ``.tar``, ...; the members may or may not start with ``aclImdb/``). Other members
 (``train/unsup``, ``imdb.vocab``, ``urls_*.txt``, ...) are ignored. The shared copy

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..data import listops as lo
+from ..data.cache import resolve_cache_dir
 from .classification import ClassificationTask
 
 PRESETS = {
@@ -37,7 +38,9 @@ def build(cfg: RunConfig, data_dir: Path) -> ClassificationTask:
 
     Raises FileNotFoundError when there is no train split; ListOpsFormatError for malformed rows or (without
     ``truncate``) sequences longer than ``max_len``."""
-    splits = {s: lo.load_listops_split(data_dir, s, cfg.max_len, truncate=cfg.truncate) for s in lo.SPLITS}
+    cache = resolve_cache_dir(cfg.cache_dir, data_dir)
+    splits = {s: lo.load_listops_split(data_dir, s, cfg.max_len, truncate=cfg.truncate, cache_dir=cache)
+              for s in lo.SPLITS}
     if splits["train"] is None:
         raise FileNotFoundError(f"no ListOps train split (basic_train.tsv or basic_train.tsv.gz) in {data_dir}")
     notes = []

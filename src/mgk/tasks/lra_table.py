@@ -188,7 +188,8 @@ def _listops_check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
                   "  " + length_line(lengths, cfg.max_len, "tokens without ( )")]
     if longest > cfg.max_len and not cfg.truncate:
         lines.append(f"note: training with max_len={cfg.max_len} would stop at the first longer row: use "
-                     f"--set max_len={longest} (or the listops-paper preset) or --set truncate=true")
+                     f"--set max_len={longest}" + (" (or the listops-paper preset)" if longest <= lo.RELEASE_MAX_LEN
+                                                   else "") + " (cutting a ListOps expression changes its value)")
     return lines, errors
 
 

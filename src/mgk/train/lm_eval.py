@@ -32,6 +32,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from .. import config as config_mod
+from ..atomic import write_text_atomic
 from ..data import wikitext as wt
 from ..models import IGNORE_INDEX
 from . import checkpoint, distributed
@@ -197,9 +198,5 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str 
               "attention": cfg.attention, "num_heads": cfg.num_heads, "world_size": d.world_size,
               "device": str(d.device), "seconds": time.perf_counter() - t0}
     if json_path is not None:
-        json_path = Path(json_path)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = json_path.with_name(f".{json_path.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, json_path)
+        write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
     return result
