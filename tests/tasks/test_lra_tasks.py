@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
-from lra_fixtures import (cifar_pickle_files, make_aan_dir, make_imdb_tar, make_pathfinder_tree,  # noqa: E402
-                          write_files)
-
-from mgk.cli import main  # noqa: E402
-from mgk.config import RunConfig  # noqa: E402
-from mgk.tasks import get_task  # noqa: E402
+from mgk.cli import main
+from mgk.config import RunConfig
+from mgk.data.samples import cifar_pickle_files, make_aan_dir, make_imdb_tar, make_pathfinder_tree, write_files
+from mgk.tasks import get_task
 
 TINY = ["batch_size=8", "d_model=16", "head_dim=8", "ffn_dim=32", "classifier_dim=16", "log_every=1",
         "eval_every=3", "warmup_steps=1", "progress=false", "eval_batch_size=16", "num_heads=2",
