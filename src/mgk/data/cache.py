@@ -49,7 +49,7 @@ from torch.utils.data import Dataset
 
 from ..atomic import atomic_write
 
-__all__ = ["OFF", "file_fingerprint", "cache_key", "files_under", "resolve_cache_dir", "entry_path", "load_arrays", "save_arrays",
+__all__ = ["OFF", "file_fingerprint", "cache_key", "resolve_cache_dir", "entry_path", "load_arrays", "save_arrays",
            "cached_arrays", "seeded_split", "TokenDataset", "length_stats"]
 
 OFF = "off"
@@ -78,8 +78,7 @@ def cache_key(sources: Iterable[str | os.PathLike], settings: Mapping) -> str:
 
     Args:
         sources: every file the arrays are made from (a folder counts by its own size/mtime only, which change when
-            entries are added or removed but not when a file inside is rewritten: list the files too, e.g. with
-            :func:`files_under`).
+            entries are added or removed but not when a file inside is rewritten: list the files too).
         settings: JSON-serialisable preprocessing settings; key order does not matter.
 
     Raises:
@@ -90,22 +89,6 @@ def cache_key(sources: Iterable[str | os.PathLike], settings: Mapping) -> str:
     for fp in file_fingerprint(sources):  # streamed: a release can have 200,000 files
         h.update(b"\n" + json.dumps(fp).encode("utf-8"))
     return h.hexdigest()
-
-
-def files_under(folder: str | os.PathLike, suffixes: tuple[str, ...] = ()) -> list[Path]:
-    """``folder`` itself, then every regular file below it (any depth) whose lower-cased name ends with one of
-    ``suffixes`` (all files when empty), sorted by path: the sources of a cache entry read from a folder tree."""
-    folder = Path(folder)
-    out = []
-    stack = [folder]
-    while stack:
-        with os.scandir(stack.pop()) as it:
-            for e in it:
-                if e.is_dir(follow_symlinks=True):
-                    stack.append(Path(e.path))
-                elif e.is_file() and (not suffixes or e.name.lower().endswith(suffixes)):
-                    out.append(Path(e.path))
-    return [folder, *sorted(out)]
 
 
 def _writable_dir(folder: Path) -> bool:
