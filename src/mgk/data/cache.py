@@ -12,10 +12,10 @@ minutes; the encoded arrays load in a fraction of that. An entry is one ``.npz``
 - the preprocessing settings (a JSON-able dict: max_len, reader version, split, ...): a changed setting gives a
   different key.
 
-Entries are written atomically (:func:`mgk.atomic.atomic_write`: a temporary file, then ``os.replace``), so concurrent writers
-(DDP ranks) and interrupted runs never leave a half-written entry under the final name. They are read with
-``numpy.load(allow_pickle=False)``: a cache file cannot run code. An unreadable entry counts as a miss and is
-rebuilt.
+Entries are written atomically (:func:`mgk.atomic.atomic_write`: a temporary file, then ``os.replace``), so
+concurrent writers (DDP ranks) and interrupted runs never leave a half-written entry under the final name. They are
+read with ``numpy.load(allow_pickle=False)``: a cache file cannot run code. An unreadable entry counts as a miss and
+is rebuilt.
 
 Where (:func:`resolve_cache_dir`): ``cfg.cache_dir`` when set (``"off"`` disables caching); otherwise
 ``<data>/.mgk-cache`` next to the data (inside the data folder, or beside an archive) when that folder is writable

@@ -1,11 +1,11 @@
 """ListOps (LRA): read the official TSV files, encode them as tensors, and generate our own data.
 
-Source format (LRA release, ``lra_release/listops-1000/basic_{train,val,test}.tsv``; Tay et al. 2021,
-"Long Range Arena", section 2.2.1, https://github.com/google-research/long-range-arena): a header row
-``Source\\tTarget``, then one row per example. ``Source`` is space-separated tokens; ``(`` and ``)`` are grouping marks that the LRA input pipeline drops
-before tokenising, the real tokens are the operator openers ``[MIN [MAX [MED [SM``, the closing
-``]`` and the digits ``0``-``9``. ``Target`` is the integer value of the expression, 0-9. Some copies
-use CRLF line endings; files may be gzip-compressed (``.tsv.gz``).
+Source format (LRA release, ``lra_release/listops-1000/basic_{train,val,test}.tsv``; Tay et al. 2021, "Long Range
+Arena", section 2.2.1, https://github.com/google-research/long-range-arena): a header row ``Source\\tTarget``, then
+one row per example. ``Source`` is space-separated tokens; ``(`` and ``)`` are grouping marks that the LRA input
+pipeline drops before tokenising, the real tokens are the operator openers ``[MIN [MAX [MED [SM``, the closing ``]``
+and the digits ``0``-``9``. ``Target`` is the integer value of the expression, 0-9. Some copies use CRLF line
+endings; files may be gzip-compressed (``.tsv.gz``).
 
 The generator here is our own, written from the published task definition (Nangia & Bowman 2018,
 "ListOps"; Tay et al. 2021, "Long Range Arena"), not copied from the LRA code. It writes the same
@@ -356,6 +356,34 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_generator_args(num_samples, max_depth, max_args, min_length, max_length, branch_prob) -> int:
+    """Validate :func:`generate_listops`'s arguments; returns the minimum number of arguments of a node. ValueError
+    for a bad value or a length range that no tree with these limits can reach."""
+    _check_int("num_samples", num_samples, 0)
+    _check_int("max_depth", max_depth, 1)
+    _check_int("max_args", max_args, 1)
+    _check_int("min_length", min_length, 1)
+    _check_int("max_length", max_length, 1)
+    if min_length > max_length:
+        raise ValueError(f"min_length={min_length} > max_length={max_length}")
+    if not 0.0 <= float(branch_prob) <= 1.0:
+        raise ValueError(f"branch_prob must be in [0, 1], got {branch_prob!r}")
+    min_args = min(2, max_args)
+    shortest = 2 + min_args
+    longest = 2 + max_args  # depth-1 tree; deeper: T(d) = 2 + max_args * T(d-1)
+    for _ in range(max_depth - 1):
+        longest = 2 + max_args * longest
+        if longest >= min_length:
+            break
+    if max_length < shortest or min_length > longest:
+        raise ValueError(
+            f"no tree with max_depth={max_depth}, max_args={max_args} has length in "
+            f"[{min_length}, {max_length}] (possible lengths start at {shortest}"
+            + (f" and end at {longest})" if longest < min_length else ")")
+        )
+    return min_args
+
+
 def generate_listops(
     num_samples: int,
     *,
@@ -387,29 +415,7 @@ def generate_listops(
             with these limits can reach.
         RuntimeError: 100,000 consecutive draws all fell outside the length range.
     """
-    _check_int("num_samples", num_samples, 0)
-    _check_int("max_depth", max_depth, 1)
-    _check_int("max_args", max_args, 1)
-    _check_int("min_length", min_length, 1)
-    _check_int("max_length", max_length, 1)
-    if min_length > max_length:
-        raise ValueError(f"min_length={min_length} > max_length={max_length}")
-    if not 0.0 <= float(branch_prob) <= 1.0:
-        raise ValueError(f"branch_prob must be in [0, 1], got {branch_prob!r}")
-    min_args = min(2, max_args)
-    shortest = 2 + min_args
-    longest = 2 + max_args  # depth-1 tree; deeper: T(d) = 2 + max_args * T(d-1)
-    for _ in range(max_depth - 1):
-        longest = 2 + max_args * longest
-        if longest >= min_length:
-            break
-    if max_length < shortest or min_length > longest:
-        raise ValueError(
-            f"no tree with max_depth={max_depth}, max_args={max_args} has length in "
-            f"[{min_length}, {max_length}] (possible lengths start at {shortest}"
-            + (f" and end at {longest})" if longest < min_length else ")")
-        )
-
+    min_args = _check_generator_args(num_samples, max_depth, max_args, min_length, max_length, branch_prob)
     rng = random.Random(seed)
 
     def build(depth: int, budget: list[int]) -> tuple[str, int]:

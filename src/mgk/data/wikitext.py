@@ -1,9 +1,10 @@
 """WikiText-103 / WikiText-2: word-level corpus, vocabulary from the train split, cached encoded tensors.
 
-Files (the WikiText release of Merity et al. 2017, "Pointer Sentinel Mixture Models"): ``wiki.{train,valid,test}.tokens``
-or ``{train,valid,test}.txt`` in one folder (the ``.tokens`` name wins when both exist). The split name ``val`` /
-``validation`` means ``valid``. Files are UTF-8; a byte-order mark at the start is skipped. Bytes that are not UTF-8
-and empty files are errors (:class:`WikiTextFormatError`) naming the file and the line.
+Files (the WikiText release of Merity et al. 2017, "Pointer Sentinel Mixture Models"):
+``wiki.{train,valid,test}.tokens`` or ``{train,valid,test}.txt`` in one folder (the ``.tokens`` name wins when both
+exist). The split name ``val`` / ``validation`` means ``valid``. Files are UTF-8; a byte-order mark at the start is
+skipped. Bytes that are not UTF-8 and empty files are errors (:class:`WikiTextFormatError`) naming the file and the
+line.
 
 Conventions (those of the published WikiText-103 token counts and of the Transformer-XL / fairseq / pytorch
 ``word_language_model`` readers):
