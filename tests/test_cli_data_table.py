@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-from lra_fixtures import (SHARED, cifar_pickle_files, imdb_files, make_aan_dir, make_imdb_dir,  # noqa: E402
-                          make_pathfinder_tree, write_files, write_tar)
+from mgk.cli import main
+from mgk.data.samples import (cifar_pickle_files, imdb_files, make_aan_dir, make_imdb_dir, make_pathfinder_tree,
+                              write_files, write_tar)
+from mgk.tasks.lra_table import lra_table
 
-from mgk.cli import main  # noqa: E402
-from mgk.tasks.lra_table import lra_table  # noqa: E402
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # the shared data copy next to the repository
 
 
 def check(capsys, task, data, *extra):

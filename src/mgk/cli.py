@@ -135,7 +135,7 @@ def _data_parser(sub) -> None:
                         description="Validate the files of a task: counts per split, label balance, length "
                                     "statistics. Every malformed or missing file is an error naming it (and the line "
                                     "for text formats); the exit status is 1 when there is any.")
-    c.add_argument("--task", required=True, help="listops, text, retrieval, image or pathfinder")
+    c.add_argument("--task", required=True, help="listops, text, retrieval, image, pathfinder or lm")
     c.add_argument("--data", required=True, help="the folder or archive to check (as for mgk train --data)")
     c.add_argument("--preset", default=None, help="configuration the check assumes (max_len, level, "
                                                   "val_fraction, ...; default: <task>-small)")

@@ -3,37 +3,32 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "train"))
-sys.path.insert(0, str(HERE.parent / "data"))
-from lra_fixtures import make_aan_dir  # noqa: E402
-from train_helpers import TINY, sets  # noqa: E402
-
-from mgk.cli import main  # noqa: E402
-from mgk.train import checkpoint  # noqa: E402
+from mgk.cli import main
+from mgk.data.samples import make_aan_dir
+from mgk.train import checkpoint
 
 TINY_LM = ["batch_size=4", "segment_len=8", "max_len=8", "d_model=16", "num_layers=2", "ffn_dim=32", "head_dim=4",
            "log_every=1", "eval_every=2", "checkpoint_every=2", "eval_batch_size=8", "warmup_steps=1",
            "progress=false", "adaptive_cutoffs=[20,60]", "gen_train=80", "gen_val=12", "gen_test=12"]
 
 
-def train(out: Path, *args, tiny=TINY):
-    main(["train", *args, "--steps", "2", "--out", str(out), *sets(*tiny, "eval_every=2")])
+def train(th, out: Path, *args, tiny=None):
+    tiny = th.TINY if tiny is None else tiny
+    main(["train", *args, "--steps", "2", "--out", str(out), *th.sets(*tiny, "eval_every=2")])
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, th):
     root = tmp_path_factory.mktemp("runs")
     torch.set_num_threads(1)
-    return {"softmax": train(root / "sm", "--attention", "softmax", "--heads", "4"),
-            "mgk": train(root / "mgk", "--attention", "mgk", "--heads", "2")}
+    return {"softmax": train(th, root / "sm", "--attention", "softmax", "--heads", "4"),
+            "mgk": train(th, root / "mgk", "--attention", "mgk", "--heads", "2")}
 
 
 def analyze(*args):
@@ -108,8 +103,8 @@ def test_bad_input_is_one_clear_line(runs, tmp_path):
         analyze(str(run), "--split", "test", "--out", str(tmp_path / "x"))
 
 
-def test_language_model_run_causal_soft_e(tmp_path):
-    run = train(tmp_path / "lm", "--task", "lm", "--attention", "mgk", "--heads", "2", "--pi", "soft_e",
+def test_language_model_run_causal_soft_e(tmp_path, th):
+    run = train(th, tmp_path / "lm", "--task", "lm", "--attention", "mgk", "--heads", "2", "--pi", "soft_e",
                 tiny=TINY_LM)
     analyze(str(run), "--samples", "3", "--out", str(tmp_path / "a"))
     result = json.loads((tmp_path / "a" / "analysis.json").read_text())
@@ -120,10 +115,10 @@ def test_language_model_run_causal_soft_e(tmp_path):
     assert layer["ranks"]["relative"] == layer["lengths"]
 
 
-def test_retrieval_run_counts_both_documents(tmp_path):
+def test_retrieval_run_counts_both_documents(tmp_path, th):
     data = make_aan_dir(tmp_path, n=24)
-    run = train(tmp_path / "rv", "--task", "retrieval", "--data", str(data), "--attention", "mlk", "--heads", "2",
-                tiny=[*TINY, "val_fraction=0.25"])
+    run = train(th, tmp_path / "rv", "--task", "retrieval", "--data", str(data), "--attention", "mlk", "--heads", "2",
+                tiny=[*th.TINY, "val_fraction=0.25"])
     analyze(str(run), "--samples", "3", "--out", str(tmp_path / "a"))
     layer = json.loads((tmp_path / "a" / "analysis.json").read_text())["layers"][0]
     assert len(layer["lengths"]) == 3 * 2 * 2  # examples x documents x heads

@@ -5,15 +5,18 @@ from __future__ import annotations
 import io
 import pickle
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from lra_fixtures import (SHARED, cifar_batch, cifar_pickle_files, encode_image, image_folder_files,
-                          make_cifar_pickle_dir, write_files, write_tar)
 
 from mgk.data import image as im
+from mgk.data.samples import (cifar_batch, cifar_pickle_files, encode_image, image_folder_files, make_cifar_pickle_dir,
+                              write_files, write_tar)
 from mgk.tasks.text import LRAClassificationTask
+
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"  # the shared data copy next to the repository
 
 
 def test_grey_formula_is_pillows_convert_L():

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from mgk.data import listops as lo
 from mgk.data.listops import (
     NUM_CLASSES,
     OPERATORS,
     PAD_ID,
     VOCAB,
-    ListOpsDataset,
     ListOpsFormatError,
+    dataset_from_rows,
     encode_rows,
     find_split_file,
     generate_listops,
@@ -238,7 +239,8 @@ def test_encode_too_long_raises_unless_truncate():
         encode_rows(rows, 5, source="data/basic_val.tsv")
     msg = str(info.value)
     assert "data/basic_val.tsv: line 3:" in msg  # row index 1 -> line 3 (header is line 1)
-    assert "8 tokens" in msg and "max_len=5" in msg and "truncate=True" in msg
+    assert "8 tokens" in msg and "max_len=5" in msg and "--set max_len=8" in msg
+    assert "truncate" not in msg  # cutting a ListOps expression changes its value: never suggested
     with pytest.raises(ListOpsFormatError, match=r"row 1: sequence has 8 tokens"):
         encode_rows(rows, 5)
 
@@ -381,7 +383,7 @@ def test_generate_dir_seeds_and_dedupe(tmp_path):
 
 def test_dataset_items_and_majority_acc():
     rows = [([1, 2, 3], 1), ([4, 5], 1), ([6], 2), ([7, 8], 3)]
-    ds = ListOpsDataset.from_rows(rows, 4, source="s.tsv")
+    ds = dataset_from_rows(rows, 4, source="s.tsv")
     assert len(ds) == 4 and ds.max_len == 4 and ds.source == "s.tsv" and ds.num_truncated == 0
     item = ds[1]
     assert set(item) == {"tokens", "label"}
@@ -390,7 +392,7 @@ def test_dataset_items_and_majority_acc():
     assert item["label"].shape == () and item["label"].dtype == torch.long and int(item["label"]) == 1
     assert ds.majority_acc() == pytest.approx(0.5)
     assert ds.lengths.tolist() == [3, 2, 1, 2]
-    empty = ListOpsDataset.from_rows([], 4)
+    empty = dataset_from_rows([], 4)
     with pytest.raises(ValueError, match="empty"):
         empty.majority_acc()
 
@@ -438,3 +440,77 @@ def test_real_val_file():
         for _ in range(50):
             src, target = fh.readline().rstrip("\r\n").split("\t")
             assert _eval_source(src, med=_median_numpy_int) == int(target)
+
+
+# ----------------------------------------------------------------- rows longer than max_len (the LRA release)
+
+
+def _long_rows_dir(tmp_path, lengths):
+    """basic_train.tsv with one [SM row per length (tokens after dropping ( ): 2 + number of digits)."""
+    rows = [("( [SM " + " ".join("1" * (n - 2)) + " ] )", (n - 2) % 10) for n in lengths]
+    lo.write_listops_tsv(tmp_path / "basic_train.tsv", rows)
+    return tmp_path
+
+
+def test_too_long_rows_name_the_longest_and_the_setting_that_fits(tmp_path):
+    data = _long_rows_dir(tmp_path, [20, 150, 300, 140])
+    with pytest.raises(ListOpsFormatError) as info:
+        load_listops_split(data, "train", 128)
+    msg = str(info.value)
+    assert "basic_train.tsv: line 3: sequence has 150 tokens, more than max_len=128" in msg
+    assert "3 of 4 rows are longer" in msg and "line 4" in msg and "300 tokens" in msg
+    assert "--set max_len=300" in msg and "--preset listops-paper" in msg
+    assert "truncate" not in msg  # cutting an expression changes its answer: not offered for ListOps
+    ds = load_listops_split(data, "train", 300)
+    assert ds.lengths.tolist() == [20, 150, 300, 140] and ds.num_truncated == 0
+
+
+def test_rows_longer_than_the_release_get_no_preset_hint(tmp_path):
+    data = _long_rows_dir(tmp_path, [10, 2500])
+    with pytest.raises(ListOpsFormatError, match=r"--set max_len=2500; a ListOps") as info:
+        load_listops_split(data, "train", 2000)
+    assert "listops-paper" not in str(info.value)
+
+
+def test_mgk_train_on_long_rows_stops_with_one_line_naming_the_fix(tmp_path):
+    from mgk.cli import main
+
+    data = _long_rows_dir(tmp_path / "lo", [20, 1454, 30])
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--task", "listops", "--data", str(data), "--steps", "1", "--out", str(tmp_path / "run"),
+              "--set", "progress=false"])
+    msg = str(info.value)
+    assert msg.startswith("mgk train: ") and "\n" not in msg
+    assert "line 3: sequence has 1454 tokens" in msg and "--set max_len=1454" in msg and "listops-paper" in msg
+    assert "truncate" not in msg
+
+
+def test_cache_holds_unpadded_rows_for_every_max_len(tmp_path, monkeypatch):
+    data = _long_rows_dir(tmp_path, [12, 40])
+    cache = tmp_path / "cache"
+    a = load_listops_split(data, "train", 40, cache_dir=cache)
+
+    def boom(*args, **kw):
+        raise AssertionError("should have been read from the cache")
+
+    monkeypatch.setattr(lo, "read_listops_tsv", boom)
+    b = load_listops_split(data, "train", 64, cache_dir=cache)
+    assert torch.equal(b.tokens[:, :40], a.tokens) and b.tokens[:, 40:].eq(PAD_ID).all()
+    with pytest.raises(ListOpsFormatError, match="line 3: sequence has 40 tokens"):
+        load_listops_split(data, "train", 20, cache_dir=cache)
+    assert len(list(cache.glob("*.npz"))) == 1
+
+
+def test_real_release_rows_need_the_release_length(tmp_path):
+    src = REAL_DIR / "basic_val.tsv.gz"
+    if not src.is_file():
+        pytest.skip(f"real LRA-format ListOps val file not present at {src}")
+    with gzip.open(src, "rt", newline="") as fh:  # a few real rows: reading all 2,000 long rows is slow
+        head = [next(fh) for _ in range(41)]
+    (tmp_path / "basic_train.tsv").write_text("".join(head))
+    longest = max(len(tokenize_source(line.split("\t")[0])) for line in head[1:])
+    assert longest > 128
+    with pytest.raises(ListOpsFormatError, match=rf"--set max_len={longest} \(or --preset listops-paper"):
+        load_listops_split(tmp_path, "train", 128)
+    ds = load_listops_split(tmp_path, "train", lo.RELEASE_MAX_LEN)
+    assert len(ds) == 40 and ds.num_truncated == 0

@@ -1,13 +1,13 @@
-"""mgk.data.pathfinder: the release layout (R20), metadata format, errors, and our generator."""
+"""mgk.data.pathfinder: the release layout, metadata format, errors, and our generator."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from lra_fixtures import encode_image, make_pathfinder_tree
 
 from mgk.data import pathfinder as pf
 from mgk.data.cache import seeded_split
+from mgk.data.samples import encode_image, make_pathfinder_tree
 
 
 def _corrupt(level_dir):
@@ -17,7 +17,7 @@ def _corrupt(level_dir):
         png.write_bytes(b"not a png")
 
 
-def test_r20_reads_only_the_chosen_level_with_pixel_tokens_and_disjoint_splits(tmp_path):
+def test_reads_only_the_chosen_level_with_pixel_tokens_and_disjoint_splits(tmp_path):
     root = make_pathfinder_tree(tmp_path, per_level=4)
     for other in ("curv_baseline", "curv_contour_length_9"):
         _corrupt(root / "pathfinder32" / other)  # any read of these would fail

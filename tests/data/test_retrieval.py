@@ -5,9 +5,9 @@ import gzip
 
 import pytest
 import torch
-from lra_fixtures import aan_rows, make_aan_dir
 
 from mgk.data import retrieval as rv
+from mgk.data.samples import aan_rows, make_aan_dir
 
 
 def _write(path, lines, newline="\n"):

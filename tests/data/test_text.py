@@ -1,29 +1,32 @@
-"""mgk.data.text: byte-level IMDb reader (folder and .tar.gz), encoding (R19), errors, cache, shared copy."""
+"""mgk.data.text: byte-level IMDb reader (folder and .tar.gz), encoding, errors, cache, shared copy."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from lra_fixtures import SHARED, imdb_files, make_imdb_dir, make_imdb_tar, write_tar
 
 from mgk.data import text as tx
 from mgk.data.cache import TokenDataset
+from mgk.data.samples import imdb_files, make_imdb_dir, make_imdb_tar, write_tar
 from mgk.tasks.text import LRAClassificationTask
 
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"  # the shared data copy next to the repository
 
-# ----------------------------------------------------------------- R19: encoding and length
+
+# ----------------------------------------------------------------- encoding and length
 
 
-def test_r19_long_review_keeps_exactly_the_first_max_len_bytes_in_order():
+def test_long_review_keeps_exactly_the_first_max_len_bytes_in_order():
     review = bytes(np.random.default_rng(0).integers(32, 127, size=5000, dtype=np.uint8))
     tokens, lengths, cut = tx.encode_texts([review], 4000)
     assert tokens.shape == (1, 4000) and lengths.tolist() == [4000] and cut.tolist() == [True]
     assert np.array_equal(tokens[0], np.frombuffer(review[:4000], dtype=np.uint8).astype(np.int16) + 1)
 
 
-def test_r19_short_review_gives_its_tokens_plus_padding_and_a_mask_of_that_many():
+def test_short_review_gives_its_tokens_plus_padding_and_a_mask_of_that_many():
     tokens, lengths, cut = tx.encode_texts(["0123456789", "x" * 30], 64)
     ds = TokenDataset(tokens, np.zeros(2, np.int64), lengths, truncated=cut, class_names=("neg", "pos"))
     assert ds.lengths.tolist() == [10, 30] and ds.num_truncated == 0
@@ -35,13 +38,13 @@ def test_r19_short_review_gives_its_tokens_plus_padding_and_a_mask_of_that_many(
     assert real[0].sum() == 10 and real[0, :10].all() and real[1].sum() == 30
 
 
-def test_r19_non_ascii_is_utf8_bytes():
+def test_non_ascii_is_utf8_bytes():
     assert tx.encode_text("é").tolist() == [0xC3 + 1, 0xA9 + 1]
     assert tx.encode_text("aé").shape == (3,)
     assert tx.encode_text(b"\x00\xff").tolist() == [1, 256]  # byte b -> b + 1; 0 stays for padding
 
 
-def test_r19_changing_max_len_changes_the_shape(tmp_path):
+def test_changing_max_len_changes_the_shape(tmp_path):
     data = make_imdb_dir(tmp_path)
     a, _ = tx.load_imdb(data, 16)
     b, _ = tx.load_imdb(data, 40)

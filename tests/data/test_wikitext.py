@@ -66,7 +66,7 @@ def test_cache_is_reused_and_invalidated_by_a_changed_file(tmp_path, monkeypatch
     valid = write(tmp_path / "wiki.valid.tokens", "b a\n")
     first = wt.load_corpus(tmp_path)
     cache = tmp_path / ".mgk-cache"
-    assert first.cache_dir == cache and len(list(cache.glob("*.pt"))) == 3  # vocab, train, valid
+    assert first.cache_dir == cache and len(list(cache.glob("*.npz"))) == 3  # vocab, train, valid
     assert not list(cache.glob("*.tmp"))
 
     def boom(*a, **k):
@@ -93,7 +93,7 @@ def test_read_only_data_folders_are_never_written_into(tmp_path, monkeypatch):
         assert wt.default_cache_dir(data) == tmp_path / "xdg" / "mgk" / "wikitext"
         wt.load_corpus(data)
         assert sorted(p.name for p in data.iterdir()) == ["wiki.train.tokens"]
-        assert list((tmp_path / "xdg" / "mgk" / "wikitext").glob("*.pt"))
+        assert list((tmp_path / "xdg" / "mgk" / "wikitext").glob("*.npz"))
     finally:
         data.chmod(0o755)
 
@@ -121,3 +121,60 @@ def test_shared_valid_split_has_the_published_token_count():
     tokens, mapped = wt.encode_file(SHARED / "wiki.valid.tokens", vocab)
     assert tokens.numel() == 217_646  # 213,886 words + one <eos> for each of the 3,760 lines
     assert vocab.words[0] == "the" and mapped > 0
+
+
+# ----------------------------------------------------------------- errors name the file and line; BOM
+
+
+def test_empty_train_file_is_an_error_naming_it(tmp_path):
+    write(tmp_path / "wiki.train.tokens", "")
+    with pytest.raises(wt.WikiTextFormatError, match=r"wiki\.train\.tokens: line 1: empty file"):
+        wt.load_corpus(tmp_path, cache_dir=False)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, eol):
+    (tmp_path / "wiki.train.tokens").write_bytes(b"a b" + eol + b"c" + eol + bytes(range(128, 256)) + eol)
+    with pytest.raises(wt.WikiTextFormatError, match=r"wiki\.train\.tokens: line 3: not valid UTF-8"):
+        wt.load_corpus(tmp_path, cache_dir=False)
+    write(tmp_path / "wiki.train.tokens", "a b\n")
+    (tmp_path / "wiki.valid.tokens").write_bytes(b"a\n\xff\xfe b\n")
+    with pytest.raises(wt.WikiTextFormatError, match=r"wiki\.valid\.tokens: line 2: not valid UTF-8"):
+        wt.load_corpus(tmp_path, cache_dir=False)
+
+
+def test_a_byte_order_mark_is_not_a_word(tmp_path):
+    (tmp_path / "wiki.train.tokens").write_bytes("\ufeff = A = \nb A\n".encode("utf-8"))
+    (tmp_path / "wiki.valid.tokens").write_bytes("\ufeffb\n".encode("utf-8"))
+    corpus = wt.load_corpus(tmp_path, cache_dir=False)
+    assert sorted(corpus.vocab.words) == sorted(["<eos>", "=", "A", "b"])
+    assert corpus.vocab.decode(corpus.tokens["valid"]) == ["b", "<eos>"]
+    assert corpus.vocab.decode(corpus.tokens["train"])[:4] == ["=", "A", "=", "<eos>"]
+
+
+def test_malformed_vocabulary_file_names_file_and_line(tmp_path):
+    write(tmp_path / "vocab.txt", "<eos>\t3\nword without count\n")
+    with pytest.raises(wt.WikiTextFormatError, match=r"vocab\.txt: line 2: expected word<TAB>count"):
+        wt.Vocabulary.load(tmp_path / "vocab.txt")
+    write(tmp_path / "vocab.txt", "a\t3\n")
+    with pytest.raises(ValueError, match=r"vocab\.txt: vocabulary has no <eos>"):
+        wt.Vocabulary.load(tmp_path / "vocab.txt")
+
+
+def test_mgk_data_check_lm(tmp_path, capsys):
+    from mgk.cli import main
+
+    data = wt.generate_corpus(tmp_path / "wt", train_lines=40, valid_lines=10, test_lines=10, seed=1)
+    assert main(["data", "check", "--task", "lm", "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "train: " in out and "valid: " in out and "test: " in out and "10 lines" in out
+    assert "vocabulary: " in out and "ok" in out.splitlines()[-1]
+    (data / "wiki.valid.tokens").write_bytes(b"ok\n\x80\n")
+    (data / "wiki.test.tokens").unlink()
+    assert main(["data", "check", "--task", "lm", "--data", str(data)]) == 1
+    out = capsys.readouterr()
+    assert "wiki.valid.tokens: line 2: not valid UTF-8" in out.err and "test: wiki.test.tokens or test.txt absent" \
+        in out.out
+    (data / "wiki.train.tokens").write_bytes(b"")
+    assert main(["data", "check", "--task", "lm", "--data", str(data)]) == 1
+    assert "wiki.train.tokens: line 1: empty file" in capsys.readouterr().err

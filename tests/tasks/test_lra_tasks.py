@@ -10,6 +10,7 @@ import yaml
 
 from mgk.cli import main
 from mgk.config import RunConfig
+from mgk.data.samples import cifar_pickle_files, make_aan_dir, make_imdb_tar, make_pathfinder_tree, write_files
 from mgk.tasks import get_task
 
 TINY = ["batch_size=8", "d_model=16", "head_dim=8", "ffn_dim=32", "classifier_dim=16", "log_every=1",
@@ -30,8 +31,8 @@ def _train(out, task, *extra, steps=3, data=None):
         (out / "train.log").read_text()
 
 
-def test_text_trains_and_records_the_length_used(tmp_path, lra_data):
-    data = lra_data.make_imdb_tar(tmp_path, n_per_class=12)
+def test_text_trains_and_records_the_length_used(tmp_path):
+    data = make_imdb_tar(tmp_path, n_per_class=12)
     res, cfg, log = _train(tmp_path / "run", "text", "max_len=24", data=data)
     assert res["task"] == "text" and res["max_len"] == 24 and cfg["max_len"] == 24  # the length is recorded
     assert res["val"]["max_len"] == 24 and res["test"]["count"] == 24 and res["val"]["count"] == 2
@@ -46,15 +47,15 @@ def test_text_without_data_is_a_clear_error(tmp_path):
         main(["train", "--task", "text", "--steps", "1", "--out", str(tmp_path / "r"), *sets(*TINY)])
 
 
-def test_retrieval_trains_on_both_documents(tmp_path, lra_data):
-    data = lra_data.make_aan_dir(tmp_path, n=16)
+def test_retrieval_trains_on_both_documents(tmp_path):
+    data = make_aan_dir(tmp_path, n=16)
     res, cfg, log = _train(tmp_path / "run", "retrieval", "max_len=32", data=data)
     assert res["task"] == "retrieval" and res["val"]["count"] == 16 and res["test"]["count"] == 16
     assert 0 <= res["test"]["acc"] <= 1 and "new_aan_pairs.eval.tsv" in log
 
 
-def test_retrieval_batch_and_loss_shapes(tmp_path, lra_data):
-    data = lra_data.make_aan_dir(tmp_path, n=8)
+def test_retrieval_batch_and_loss_shapes(tmp_path):
+    data = make_aan_dir(tmp_path, n=8)
     cfg = RunConfig(task="retrieval", data=str(data), max_len=64, d_model=16, head_dim=8, ffn_dim=32,
                     classifier_dim=16, num_heads=2, cache_dir="off")
     task = get_task("retrieval").build(cfg, data)
@@ -69,8 +70,8 @@ def test_retrieval_batch_and_loss_shapes(tmp_path, lra_data):
 PIXELS = ["max_len=1024", "batch_size=2", "num_layers=1", "eval_batch_size=8"]  # 1024-token inputs: keep it tiny
 
 
-def test_image_trains_on_pickle_batches(tmp_path, lra_data):
-    data = lra_data.write_files(tmp_path / "cifar", lra_data.cifar_pickle_files(n=2))
+def test_image_trains_on_pickle_batches(tmp_path):
+    data = write_files(tmp_path / "cifar", cifar_pickle_files(n=2))
     res, cfg, log = _train(tmp_path / "run", "image", *PIXELS, steps=2, data=data)
     assert res["test"]["count"] == 2 and res["val"]["count"] == 1 and "no padding" in log
     with pytest.raises(SystemExit, match="set max_len=1024"):
@@ -86,8 +87,8 @@ def test_pathfinder_default_generates_the_hard_level_and_records_it(tmp_path):
     assert (tmp_path / "run" / "data" / "pathfinder32" / "curv_contour_length_14" / "metadata" / "0.npy").is_file()
 
 
-def test_pathfinder_reads_the_named_level_of_a_release_tree(tmp_path, lra_data):
-    root = lra_data.make_pathfinder_tree(tmp_path, per_level=5)
+def test_pathfinder_reads_the_named_level_of_a_release_tree(tmp_path):
+    root = make_pathfinder_tree(tmp_path, per_level=5)
     res, cfg, log = _train(tmp_path / "run", "pathfinder", "level=curv_baseline", *PIXELS, steps=2, data=root)
     assert cfg["level"] == "curv_baseline" and res["val"]["count"] == 1 and res["test"]["count"] == 1
     assert "read only" in log and "curv_baseline" in log and "curv_contour_length_9" not in log

@@ -51,8 +51,9 @@ def test_set_rejects_unknown_fields_and_bad_values(tmp_path):
 
 
 def test_too_long_sequence_is_an_error_unless_truncated(tmp_path, th):
-    with pytest.raises(SystemExit, match=r"max_len=12.*--set truncate=true"):
+    with pytest.raises(SystemExit, match=r"max_len=12.*--set max_len=\d+") as info:
         main(["train", "--steps", "2", "--out", str(tmp_path / "a"), *th.sets(*th.TINY, "max_len=12")])
+    assert "truncate" not in str(info.value)  # cutting a ListOps expression changes its answer: never suggested
     out = tmp_path / "b"
     main(["train", "--steps", "2", "--out", str(out), *th.sets(*th.TINY, "max_len=12", "truncate=true")])
     assert "truncated to max_len=12" in (out / "train.log").read_text()

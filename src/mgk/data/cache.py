@@ -12,10 +12,10 @@ minutes; the encoded arrays load in a fraction of that. An entry is one ``.npz``
 - the preprocessing settings (a JSON-able dict: max_len, reader version, split, ...): a changed setting gives a
   different key.
 
-Entries are written atomically (a temporary file in the same folder, then ``os.replace``), so concurrent writers
-(DDP ranks) and interrupted runs never leave a half-written entry under the final name. They are read with
-``numpy.load(allow_pickle=False)``: a cache file cannot run code. An unreadable entry counts as a miss and is
-rebuilt.
+Entries are written atomically (:func:`mgk.atomic.atomic_write`: a temporary file, then ``os.replace``), so
+concurrent writers (DDP ranks) and interrupted runs never leave a half-written entry under the final name. They are
+read with ``numpy.load(allow_pickle=False)``: a cache file cannot run code. An unreadable entry counts as a miss and
+is rebuilt.
 
 Where (:func:`resolve_cache_dir`): ``cfg.cache_dir`` when set (``"off"`` disables caching); otherwise
 ``<data>/.mgk-cache`` next to the data (inside the data folder, or beside an archive) when that folder is writable
@@ -47,6 +47,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from ..atomic import atomic_write
+
 __all__ = ["OFF", "file_fingerprint", "cache_key", "resolve_cache_dir", "entry_path", "load_arrays", "save_arrays",
            "cached_arrays", "seeded_split", "TokenDataset", "length_stats"]
 
@@ -75,15 +77,18 @@ def cache_key(sources: Iterable[str | os.PathLike], settings: Mapping) -> str:
     """Hex SHA-256 of the sources' fingerprints (:func:`file_fingerprint`) and ``settings``.
 
     Args:
-        sources: files (or folders: their own size/mtime, which change when entries are added or removed) the
-            arrays are made from.
+        sources: every file the arrays are made from (a folder counts by its own size/mtime only, which change when
+            entries are added or removed but not when a file inside is rewritten: list the files too).
         settings: JSON-serialisable preprocessing settings; key order does not matter.
 
     Raises:
         FileNotFoundError: a source does not exist. TypeError: settings are not JSON-serialisable.
     """
-    payload = json.dumps({"sources": file_fingerprint(sources), "settings": settings}, sort_keys=True)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    h = hashlib.sha256()
+    h.update(json.dumps({"settings": settings}, sort_keys=True).encode("utf-8"))
+    for fp in file_fingerprint(sources):  # streamed: a release can have 200,000 files
+        h.update(b"\n" + json.dumps(fp).encode("utf-8"))
+    return h.hexdigest()
 
 
 def _writable_dir(folder: Path) -> bool:
@@ -103,12 +108,13 @@ def _writable_dir(folder: Path) -> bool:
         return False
 
 
-def resolve_cache_dir(cache_dir: str | os.PathLike | None, data_path: str | os.PathLike | None) -> Path | None:
+def resolve_cache_dir(cache_dir: str | os.PathLike | None, data_path: str | os.PathLike | None, *,
+                      user_subdir: str = "") -> Path | None:
     """The folder for cache entries, or None when caching is off.
 
     ``cache_dir`` wins when given (``"off"``, case-insensitive, means no cache). Otherwise ``.mgk-cache`` inside
     ``data_path`` (a folder) or beside it (a file such as a ``.tar.gz``) when that location is writable, else
-    ``$XDG_CACHE_HOME/mgk`` / ``~/.cache/mgk``. The folder is created.
+    ``$XDG_CACHE_HOME/mgk[/<user_subdir>]`` / ``~/.cache/mgk[/<user_subdir>]``. The folder is created.
     """
     if cache_dir is not None:
         if str(cache_dir).strip().lower() == OFF:
@@ -122,6 +128,8 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None, data_path: str | os.P
         if _writable_dir(folder):
             return folder
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mgk"
+    if user_subdir:
+        root = root / user_subdir
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -163,19 +171,8 @@ def save_arrays(path: str | os.PathLike, key: str, arrays: Mapping[str, np.ndarr
             raise ValueError(f"array {k!r} has an object dtype; the cache stores plain arrays only")
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = json.dumps({"key": key, "settings": dict(settings or {})}, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **{k: np.asarray(v) for k, v in arrays.items()}, **{_META: np.array(meta)})
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(path) as fh:
+        np.savez(fh, **{k: np.asarray(v) for k, v in arrays.items()}, **{_META: np.array(meta)})
     return path
 
 

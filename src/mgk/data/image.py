@@ -2,7 +2,8 @@
 
 Accepted sources (``--data``):
 
-- the official python batches (SPEC section 3): a ``cifar-10-batches-py`` folder (or a folder containing it) with
+- the official python batches (Krizhevsky 2009, "Learning Multiple Layers of Features from Tiny Images",
+  https://www.cs.toronto.edu/~kriz/cifar.html): a ``cifar-10-batches-py`` folder (or a folder containing it) with
   ``data_batch_1`` .. ``data_batch_5`` (train) and ``test_batch`` (test), or the ``cifar-10-python.tar.gz`` archive.
   Each batch is a pickled dict with ``data`` (uint8 ``(N, 3072)``: the red, green and blue 32x32 planes, row by row)
   and ``labels`` (N ints 0-9). Batches are unpickled with a restricted unpickler that only rebuilds numpy arrays,
@@ -19,7 +20,7 @@ pickle path and the image path agree. Grey images are taken as they are.
 
 Tokens: the 1,024 grey values row by row, pixel value ``p`` -> id ``p`` (vocabulary 256). There is no padding id:
 every sequence has its full 1,024 length, so a black pixel (0) is a real pixel, never padding (the known quirk of
-earlier harnesses that SPEC section 2 rules out).
+earlier harnesses: Tay et al. 2021, "Long Range Arena", section 2.2.4, define the task on all 1,024 pixels).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """ListOps (LRA): read the official TSV files, encode them as tensors, and generate our own data.
 
-Source format (LRA release, ``lra_release/listops-1000/basic_{train,val,test}.tsv``; see
-``shared/SPEC.md`` section 3): a header row ``Source\\tTarget``, then one row per example. ``Source``
-is space-separated tokens; ``(`` and ``)`` are grouping marks that the LRA input pipeline drops
-before tokenising, the real tokens are the operator openers ``[MIN [MAX [MED [SM``, the closing
-``]`` and the digits ``0``-``9``. ``Target`` is the integer value of the expression, 0-9. Some copies
-use CRLF line endings; files may be gzip-compressed (``.tsv.gz``).
+Source format (LRA release, ``lra_release/listops-1000/basic_{train,val,test}.tsv``; Tay et al. 2021, "Long Range
+Arena", section 2.2.1, https://github.com/google-research/long-range-arena): a header row ``Source\\tTarget``, then
+one row per example. ``Source`` is space-separated tokens; ``(`` and ``)`` are grouping marks that the LRA input
+pipeline drops before tokenising, the real tokens are the operator openers ``[MIN [MAX [MED [SM``, the closing ``]``
+and the digits ``0``-``9``. ``Target`` is the integer value of the expression, 0-9. Some copies use CRLF line
+endings; files may be gzip-compressed (``.tsv.gz``).
 
 The generator here is our own, written from the published task definition (Nangia & Bowman 2018,
 "ListOps"; Tay et al. 2021, "Long Range Arena"), not copied from the LRA code. It writes the same
@@ -19,14 +19,14 @@ import os
 import random
 import re
 import zlib
-from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+
+from .cache import TokenDataset, cached_arrays
 
 __all__ = [
     "PAD_ID",
@@ -44,7 +44,10 @@ __all__ = [
     "generate_listops",
     "write_listops_tsv",
     "generate_listops_dir",
-    "ListOpsDataset",
+    "CLASS_NAMES",
+    "RELEASE_MAX_LEN",
+    "READER_VERSION",
+    "dataset_from_rows",
     "load_listops_split",
 ]
 
@@ -54,6 +57,10 @@ TOKEN_TO_ID: dict[str, int] = {tok: i for i, tok in enumerate(VOCAB)}
 NUM_CLASSES = 10
 OPERATORS: tuple[str, ...] = ("[MIN", "[MAX", "[MED", "[SM")
 SPLITS: tuple[str, ...] = ("train", "val", "test")
+# Longest row of the LRA release after dropping ( and ): the length LRA trains ListOps with (Tay et al. 2021,
+# "Long Range Arena", section 2.2.1: "sequence lengths of up to 2K").
+RELEASE_MAX_LEN = 2000
+READER_VERSION = 1  # part of the cache key: bump when the tokenisation changes
 
 _HEADER = "Source\tTarget"
 _GROUPING = frozenset({"(", ")"})
@@ -176,6 +183,73 @@ def read_listops_tsv(path: str | os.PathLike) -> list[tuple[list[int], int]]:
     return rows
 
 
+def _too_long_error(lengths: np.ndarray, max_len: int, where) -> ListOpsFormatError:
+    """The error for rows longer than ``max_len``: names the first and the longest such row and the setting that
+    fits them all. Truncation is not offered: cutting a ListOps expression changes its value."""
+    long_rows = np.flatnonzero(lengths > max_len)
+    first, longest = int(long_rows[0]), int(np.argmax(lengths))
+    need = int(lengths[longest])
+    fits = f"--set max_len={need}"
+    if need <= RELEASE_MAX_LEN:
+        fits += f" (or --preset listops-paper, max_len={RELEASE_MAX_LEN}, the length of the LRA release)"
+    return ListOpsFormatError(
+        f"{where(first)}: sequence has {int(lengths[first])} tokens, more than max_len={max_len} "
+        f"({len(long_rows)} of {len(lengths)} rows are longer; the longest, {where(longest)}, has {need} tokens): "
+        f"use {fits}; a ListOps expression cannot be cut without changing its value"
+    )
+
+
+def _check_label(label, where: str) -> int:
+    try:
+        ok = not isinstance(label, bool) and operator.index(label) in _LABELS
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ListOpsFormatError(f"{where}: label {label!r} is not an int in 0-{NUM_CLASSES - 1}")
+    return operator.index(label)
+
+
+def _flatten_rows(rows: Sequence[tuple[Sequence[int], int]], where) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids, lengths, labels)``: every row's token ids one after another (int64), tokens per row and labels (int64
+    ``(N,)``). Raises ListOpsFormatError for an empty row, a token id outside ``1..len(VOCAB)-1`` or a bad label."""
+    lengths = np.fromiter((len(ids) for ids, _ in rows), dtype=np.int64, count=len(rows))
+    labels = np.fromiter((_check_label(lab, where(i)) for i, (_, lab) in enumerate(rows)), dtype=np.int64,
+                         count=len(rows))
+    if (lengths == 0).any():
+        raise ListOpsFormatError(f"{where(int(np.argmax(lengths == 0)))}: empty token sequence")
+    flat = (np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in rows]) if len(rows)
+            else np.zeros(0, dtype=np.int64))
+    bad = (flat < 1) | (flat >= len(VOCAB))
+    if bad.any():
+        row = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(bad)), side="right"))
+        raise ListOpsFormatError(f"{where(row)}: token id outside 1..{len(VOCAB) - 1}")
+    return flat, lengths, labels
+
+
+def _pad(flat: np.ndarray, lengths: np.ndarray, max_len: int, truncate: bool, where
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens (N, max_len), kept lengths (N,), truncated (N,) bool)`` from flat ids; tokens keep ``flat``'s
+    dtype, padded with ``PAD_ID``. Rows longer than ``max_len`` are an error unless ``truncate``."""
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    truncated = lengths > max_len
+    if truncated.any() and not truncate:
+        raise _too_long_error(lengths, max_len, where)
+    kept = np.minimum(lengths, max_len)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
+    tokens = np.full((len(lengths), max_len), PAD_ID, dtype=flat.dtype)
+    pos = np.arange(max_len)
+    real = pos[None, :] < kept[:, None]
+    tokens[real] = flat[(starts[:, None] + pos[None, :])[real]]
+    return tokens, kept, truncated
+
+
+def _row_where(source: str):
+    """Where row ``i`` came from, for error messages: ``source`` and line ``i + 2`` (the header is line 1), else
+    ``row i``."""
+    return (lambda i: _where(source, i + 2)) if source else (lambda i: f"row {i}")
+
+
 def encode_rows(
     rows: Sequence[tuple[Sequence[int], int]],
     max_len: int,
@@ -189,7 +263,8 @@ def encode_rows(
         rows: ``(token_ids, label)`` pairs, e.g. from ``read_listops_tsv``.
         max_len: padded length (>= 1).
         truncate: if True, a sequence longer than ``max_len`` keeps its first ``max_len`` tokens and
-            is counted; if False it is an error.
+            is counted; if False (the default, and the only meaningful choice for ListOps, whose answer depends on
+            the whole expression) it is an error.
         source: file the rows came from, for error messages; row ``i`` is reported as line ``i + 2``
             (the header is line 1), as ``read_listops_tsv`` lays them out.
 
@@ -200,51 +275,16 @@ def encode_rows(
 
     Raises:
         ValueError: ``max_len < 1``.
-        ListOpsFormatError: a sequence longer than ``max_len`` without ``truncate`` (message gives
-            source/line, the length and max_len); an empty sequence; a token id outside
-            ``1..len(VOCAB)-1``; a label that is not an integer (``operator.index``) in 0-9.
+        ListOpsFormatError: sequences longer than ``max_len`` without ``truncate`` (the message gives the first and
+            the longest such row, by source/line and length, and the ``max_len`` that fits); an empty sequence; a
+            token id outside ``1..len(VOCAB)-1``; a label that is not an integer (``operator.index``) in 0-9.
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-
-    def where(i: int) -> str:
-        """Where row ``i`` came from, for error messages: ``source`` and line ``i + 2``, else ``row i``."""
-        return _where(source, i + 2) if source else f"row {i}"
-
-    n = len(rows)
-    tokens = np.full((n, max_len), PAD_ID, dtype=np.int64)
-    labels = np.empty(n, dtype=np.int64)
-    lengths = np.empty(n, dtype=np.int64)
-    num_truncated = 0
-    for i, (ids, label) in enumerate(rows):
-        length = len(ids)
-        if length == 0:
-            raise ListOpsFormatError(f"{where(i)}: empty token sequence")
-        if length > max_len:
-            if not truncate:
-                raise ListOpsFormatError(
-                    f"{where(i)}: sequence has {length} tokens, more than max_len={max_len}; "
-                    f"pass truncate=True (--set truncate=true) to cut it to the first {max_len} tokens"
-                )
-            ids = ids[:max_len]
-            length = max_len
-            num_truncated += 1
-        try:
-            ok = not isinstance(label, bool) and operator.index(label) in _LABELS
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ListOpsFormatError(f"{where(i)}: label {label!r} is not an int in 0-{NUM_CLASSES - 1}")
-        tokens[i, :length] = ids
-        labels[i] = operator.index(label)
-        lengths[i] = length
-    # Vectorised id check: real positions must hold 1..len(VOCAB)-1 (padding stays PAD_ID).
-    real = np.arange(max_len)[None, :] < lengths[:, None]
-    bad = real & ((tokens < 1) | (tokens >= len(VOCAB)))
-    if bad.any():
-        i = int(np.argmax(bad.any(axis=1)))
-        raise ListOpsFormatError(f"{where(i)}: token id outside 1..{len(VOCAB) - 1}")
-    return torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(lengths), num_truncated
+    where = _row_where(source)
+    flat, lengths, labels = _flatten_rows(rows, where)
+    tokens, kept, truncated = _pad(flat, lengths, max_len, truncate, where)
+    return torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(kept), int(truncated.sum())
 
 
 def find_split_file(data_dir: str | os.PathLike, split: str) -> Path | None:
@@ -316,6 +356,34 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_generator_args(num_samples, max_depth, max_args, min_length, max_length, branch_prob) -> int:
+    """Validate :func:`generate_listops`'s arguments; returns the minimum number of arguments of a node. ValueError
+    for a bad value or a length range that no tree with these limits can reach."""
+    _check_int("num_samples", num_samples, 0)
+    _check_int("max_depth", max_depth, 1)
+    _check_int("max_args", max_args, 1)
+    _check_int("min_length", min_length, 1)
+    _check_int("max_length", max_length, 1)
+    if min_length > max_length:
+        raise ValueError(f"min_length={min_length} > max_length={max_length}")
+    if not 0.0 <= float(branch_prob) <= 1.0:
+        raise ValueError(f"branch_prob must be in [0, 1], got {branch_prob!r}")
+    min_args = min(2, max_args)
+    shortest = 2 + min_args
+    longest = 2 + max_args  # depth-1 tree; deeper: T(d) = 2 + max_args * T(d-1)
+    for _ in range(max_depth - 1):
+        longest = 2 + max_args * longest
+        if longest >= min_length:
+            break
+    if max_length < shortest or min_length > longest:
+        raise ValueError(
+            f"no tree with max_depth={max_depth}, max_args={max_args} has length in "
+            f"[{min_length}, {max_length}] (possible lengths start at {shortest}"
+            + (f" and end at {longest})" if longest < min_length else ")")
+        )
+    return min_args
+
+
 def generate_listops(
     num_samples: int,
     *,
@@ -347,29 +415,7 @@ def generate_listops(
             with these limits can reach.
         RuntimeError: 100,000 consecutive draws all fell outside the length range.
     """
-    _check_int("num_samples", num_samples, 0)
-    _check_int("max_depth", max_depth, 1)
-    _check_int("max_args", max_args, 1)
-    _check_int("min_length", min_length, 1)
-    _check_int("max_length", max_length, 1)
-    if min_length > max_length:
-        raise ValueError(f"min_length={min_length} > max_length={max_length}")
-    if not 0.0 <= float(branch_prob) <= 1.0:
-        raise ValueError(f"branch_prob must be in [0, 1], got {branch_prob!r}")
-    min_args = min(2, max_args)
-    shortest = 2 + min_args
-    longest = 2 + max_args  # depth-1 tree; deeper: T(d) = 2 + max_args * T(d-1)
-    for _ in range(max_depth - 1):
-        longest = 2 + max_args * longest
-        if longest >= min_length:
-            break
-    if max_length < shortest or min_length > longest:
-        raise ValueError(
-            f"no tree with max_depth={max_depth}, max_args={max_args} has length in "
-            f"[{min_length}, {max_length}] (possible lengths start at {shortest}"
-            + (f" and end at {longest})" if longest < min_length else ")")
-        )
-
+    min_args = _check_generator_args(num_samples, max_depth, max_args, min_length, max_length, branch_prob)
     rng = random.Random(seed)
 
     def build(depth: int, budget: list[int]) -> tuple[str, int]:
@@ -482,77 +528,23 @@ def generate_listops_dir(
 # --------------------------------------------------------------------------- dataset
 
 
-class ListOpsDataset(Dataset):
-    """ListOps examples as padded tensors.
+CLASS_NAMES: tuple[str, ...] = tuple(str(d) for d in range(NUM_CLASSES))
 
-    Attributes:
-        tokens: int64 ``(N, max_len)``, ids into ``VOCAB``, right-padded with ``PAD_ID``.
-        labels: int64 ``(N,)``, values 0-9.
-        lengths: int64 ``(N,)``, real tokens per row (``<= max_len``).
-        num_truncated: rows cut to ``max_len`` when encoding.
-        source: the file the rows came from (``""`` if none).
 
-    ``ds[i]`` is ``{"tokens": int64 (max_len,), "label": int64 scalar}``.
-    """
+def _dataset(flat: np.ndarray, lengths: np.ndarray, labels: np.ndarray, max_len: int, *, truncate: bool,
+             source: str) -> TokenDataset:
+    tokens, kept, truncated = _pad(flat.astype(np.uint8), lengths, max_len, truncate, _row_where(source))
+    return TokenDataset(tokens, labels, kept, truncated=truncated, source=source, class_names=CLASS_NAMES)
 
-    def __init__(
-        self,
-        tokens: Tensor,
-        labels: Tensor,
-        lengths: Tensor,
-        *,
-        num_truncated: int = 0,
-        source: str = "",
-    ) -> None:
-        if tokens.dim() != 2 or labels.dim() != 1 or lengths.dim() != 1:
-            raise ValueError(
-                f"expected tokens (N, L), labels (N,), lengths (N,); got {tuple(tokens.shape)}, "
-                f"{tuple(labels.shape)}, {tuple(lengths.shape)}"
-            )
-        if not (tokens.shape[0] == labels.shape[0] == lengths.shape[0]):
-            raise ValueError(
-                f"row counts differ: tokens {tokens.shape[0]}, labels {labels.shape[0]}, lengths {lengths.shape[0]}"
-            )
-        self.tokens = tokens.long()
-        self.labels = labels.long()
-        self.lengths = lengths.long()
-        self.num_truncated = int(num_truncated)
-        self.source = str(source)
 
-    @classmethod
-    def from_rows(
-        cls,
-        rows: Sequence[tuple[Sequence[int], int]],
-        max_len: int,
-        *,
-        truncate: bool = False,
-        source: str = "",
-    ) -> "ListOpsDataset":
-        """Build from ``(token_ids, label)`` rows via ``encode_rows`` (same arguments and errors)."""
-        tokens, labels, lengths, n_cut = encode_rows(rows, max_len, truncate=truncate, source=source)
-        return cls(tokens, labels, lengths, num_truncated=n_cut, source=source)
-
-    @property
-    def max_len(self) -> int:
-        """Padded sequence length ``L``."""
-        return int(self.tokens.shape[1])
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return {"tokens": self.tokens[index], "label": self.labels[index]}
-
-    def majority_acc(self) -> float:
-        """Fraction of rows carrying the most common label (the majority-class baseline accuracy).
-
-        Raises:
-            ValueError: the dataset is empty.
-        """
-        n = len(self)
-        if n == 0:
-            raise ValueError("majority_acc of an empty ListOpsDataset is undefined")
-        return max(Counter(self.labels.tolist()).values()) / n
+def dataset_from_rows(rows: Sequence[tuple[Sequence[int], int]], max_len: int, *, truncate: bool = False,
+                      source: str = "") -> TokenDataset:
+    """``(token_ids, label)`` rows as a :class:`~mgk.data.cache.TokenDataset` (tokens uint8 ``(N, max_len)``,
+    ``class_names`` "0".."9"); arguments and errors as :func:`encode_rows`."""
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    flat, lengths, labels = _flatten_rows(rows, _row_where(source))
+    return _dataset(flat, lengths, labels, max_len, truncate=truncate, source=source)
 
 
 def load_listops_split(
@@ -561,19 +553,33 @@ def load_listops_split(
     max_len: int,
     *,
     truncate: bool = False,
-) -> ListOpsDataset | None:
-    """Read and encode one split found by ``find_split_file(data_dir, split)``.
+    cache_dir: str | os.PathLike | None = None,
+) -> TokenDataset | None:
+    """Read and encode one split found by ``find_split_file(data_dir, split)``, through the cache.
+
+    The cache entry (see :mod:`mgk.data.cache`) holds the unpadded token ids, keyed by the file's size and mtime, so
+    one entry serves every ``max_len``, and a too-long row is reported without reading the file again.
 
     Returns:
-        a ``ListOpsDataset`` (``source`` = the file path as a string, ``num_truncated`` set), or None
-        when the split's file is absent.
+        a :class:`~mgk.data.cache.TokenDataset` (tokens uint8 ``(N, max_len)``, ``source`` = the file path as a
+        string, ``num_truncated`` set), or None when the split's file is absent.
 
     Raises:
         ValueError: unknown ``split`` or bad ``max_len``.
-        ListOpsFormatError: malformed file, or a sequence longer than ``max_len`` without ``truncate``.
+        ListOpsFormatError: malformed file, or sequences longer than ``max_len`` without ``truncate`` (naming the
+            first and the longest, and the ``max_len`` or preset that fits them).
     """
     path = find_split_file(data_dir, split)
     if path is None:
         return None
-    rows = read_listops_tsv(path)
-    return ListOpsDataset.from_rows(rows, max_len, truncate=truncate, source=str(path))
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+
+    def build():
+        """Arrays to cache: ``ids`` uint8 (every row's token ids, one row after another), ``lengths`` int64 (N,)
+        tokens per row, ``labels`` int64 (N,) 0-9."""
+        flat, lengths, labels = _flatten_rows(read_listops_tsv(path), _row_where(str(path)))
+        return {"ids": flat.astype(np.uint8), "lengths": lengths, "labels": labels}
+
+    a, _ = cached_arrays(cache_dir, f"listops-{split}", [path], {"reader": READER_VERSION}, build)
+    return _dataset(a["ids"], a["lengths"], a["labels"], max_len, truncate=truncate, source=str(path))

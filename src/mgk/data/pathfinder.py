@@ -1,6 +1,6 @@
 """Pathfinder-32 (LRA): read one difficulty level of the release, and our own generator of such images.
 
-Release layout (``lra_release/pathfinder32/<level>/``; SPEC section 3)::
+Release layout (``lra_release/pathfinder32/<level>/``; Tay et al. 2021, "Long Range Arena", section 2.2.5)::
 
     <level>/imgs/<n>/sample_<k>.png     32x32 grey PNGs
     <level>/metadata/<n>.npy            one line per image
@@ -156,11 +156,9 @@ def read_pathfinder_level(level_dir: str | os.PathLike) -> tuple[np.ndarray, np.
             a decodable 32x32 image (the message names it and the metadata line).
     """
     level_dir = Path(level_dir)
-    meta_dir = level_dir / "metadata"
-    files = sorted((p for p in meta_dir.iterdir() if p.suffix == ".npy" and p.is_file()), key=_meta_sort_key) \
-        if meta_dir.is_dir() else []
+    files = _metadata_files(level_dir)
     if not files:
-        raise PathfinderFormatError(f"{meta_dir}: no metadata/*.npy files")
+        raise PathfinderFormatError(f"{level_dir / 'metadata'}: no metadata/*.npy files")
     grey, labels, names, empty = [], [], [], 0
     for mfile in files:
         for folder, name, lineno, label in read_metadata(mfile):
@@ -183,16 +181,29 @@ def read_pathfinder_level(level_dir: str | os.PathLike) -> tuple[np.ndarray, np.
     return np.stack(grey), np.asarray(labels, dtype=np.int64), empty, names
 
 
+def _metadata_files(level_dir: Path) -> list[Path]:
+    meta_dir = level_dir / "metadata"
+    return sorted((p for p in meta_dir.iterdir() if p.suffix == ".npy" and p.is_file()), key=_meta_sort_key) \
+        if meta_dir.is_dir() else []
+
+
 def _sources(level_dir: Path) -> list[Path]:
-    meta = sorted((level_dir / "metadata").glob("*.npy"))
-    imgs = level_dir / "imgs"
-    subdirs = sorted(p for p in imgs.iterdir() if p.is_dir()) if imgs.is_dir() else []
-    return [level_dir / "metadata", *meta, *([imgs] if imgs.is_dir() else []), *subdirs]
+    """Files whose size and mtime key the cache: the metadata folder and files, and every image they list (a PNG
+    rewritten in place changes the key even when its folder's mtime does not). A listed image that is missing is
+    left out here; reading the level then reports it with its metadata line."""
+    meta = _metadata_files(level_dir)
+    images = []
+    for mfile in meta:
+        for folder, name, _, _ in read_metadata(mfile):
+            img = level_dir / folder / name
+            if img.is_file():
+                images.append(img)
+    return [level_dir / "metadata", *meta, *images]
 
 
 def load_pathfinder(data: str | os.PathLike, level: str = DEFAULT_LEVEL, *,
                     cache_dir: str | os.PathLike | None = None) -> tuple[TokenDataset, int, Path, str]:
-    """Read one level through the cache (keyed by the metadata files and the image folders' size/mtime).
+    """Read one level through the cache (keyed by the size and mtime of the metadata files and of every listed image).
 
     Returns:
         ``(dataset, num_empty, level_dir, cache_status)``: all images as a :class:`~mgk.data.cache.TokenDataset`

@@ -1,6 +1,7 @@
 """Byte-level AAN document matching (LRA "Retrieval"): read the release TSV files and encode both documents.
 
-Source format (LRA release ``lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv``; SPEC section 3): one
+Source format (LRA release ``lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv``; Tay et al. 2021,
+"Long Range Arena", section 2.2.3): one
 pair per line, five tab-separated columns ``label, id1, id2, text1, text2``, no header (LRA reads them with
 ``header=False`` and no quote handling, so quotes are ordinary characters). ``label`` is 0 or 1 (LRA parses it as
 a float, so ``0.0``/``1.0`` are accepted too): 1 when paper ``id1`` cites paper ``id2``. A header row

@@ -1,10 +1,11 @@
 """Byte-level IMDb (LRA "Text"): read the ``aclImdb`` release, folder or ``.tar.gz``, and encode reviews as bytes.
 
-Source format (Maas et al. 2011; SPEC section 3): ``aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt``, one
-review per file. ``--data`` may name the ``aclImdb`` folder, a folder that contains it, or a tar archive of it
-(``.tar.gz``, ``.tgz``, ``.tar``, ...; the members may or may not start with ``aclImdb/``). Other members
-(``train/unsup``, ``imdb.vocab``, ``urls_*.txt``, ...) are ignored. The shared copy
-(``shared/data/imdb/aclImdb_train.tar.gz``) holds only the train split; a missing ``test`` split is not an error.
+Source format (Maas et al. 2011, "Learning Word Vectors for Sentiment Analysis"):
+``aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt``, one review per file. ``--data`` may name the ``aclImdb``
+folder, a folder that contains it, or a tar archive of it (``.tar.gz``, ``.tgz``, ``.tar``, ...; the members may or
+may not start with ``aclImdb/``). Other members (``train/unsup``, ``imdb.vocab``, ``urls_*.txt``, ...) are ignored.
+The shared copy (``shared/data/imdb/aclImdb_train.tar.gz``) holds only the train split; a missing ``test`` split is
+not an error.
 
 Encoding (the LRA byte-level task): the file's bytes are the tokens (the files are UTF-8, so a non-ASCII character
 is several tokens: "é" is 2). Byte ``b`` becomes id ``b + 1``; id 0 is padding; vocabulary 257. A review longer

@@ -1,7 +1,10 @@
 """WikiText-103 / WikiText-2: word-level corpus, vocabulary from the train split, cached encoded tensors.
 
-Files (SPEC section 3): ``wiki.{train,valid,test}.tokens`` or ``{train,valid,test}.txt`` in one folder (the
-``.tokens`` name wins when both exist). The split name ``val`` / ``validation`` means ``valid``.
+Files (the WikiText release of Merity et al. 2017, "Pointer Sentinel Mixture Models"):
+``wiki.{train,valid,test}.tokens`` or ``{train,valid,test}.txt`` in one folder (the ``.tokens`` name wins when both
+exist). The split name ``val`` / ``validation`` means ``valid``. Files are UTF-8; a byte-order mark at the start is
+skipped. Bytes that are not UTF-8 and empty files are errors (:class:`WikiTextFormatError`) naming the file and the
+line.
 
 Conventions (those of the published WikiText-103 token counts and of the Transformer-XL / fairseq / pytorch
 ``word_language_model`` readers):
@@ -17,26 +20,28 @@ Conventions (those of the published WikiText-103 token counts and of the Transfo
 - A word of valid/test that is not in the vocabulary maps to ``<unk>`` when the vocabulary has it (the count of such
   words is reported), otherwise :class:`UnknownWordError` names the file, the line and the word.
 
-Encoded splits are int32 tensors (one id per token, ``<eos>`` included), cached as ``.pt`` files that load with
-``weights_only=True``. A cache entry is keyed by the absolute path, size and mtime of the files it was made from and
-by the settings above (a format version): editing a file invalidates its entries. Entries are written atomically
-(temporary file, fsync, rename), so a crashed or concurrent writer never leaves a truncated entry.
+Encoded splits are int32 tensors (one id per token, ``<eos>`` included), cached by :mod:`mgk.data.cache` (``.npz``
+entries, loaded without pickle): an entry is keyed by the absolute path, size and mtime of the files it was made from
+and by the settings above (a format version), so editing a file invalidates its entries, and it is written
+atomically, so a crashed or concurrent writer never leaves a truncated entry.
 """
 from __future__ import annotations
 
 import array
 import hashlib
-import json
 import os
 import random
-import stat
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from ..atomic import write_text_atomic
+from .cache import OFF, cached_arrays, resolve_cache_dir
 
 __all__ = [
     "CACHE_VERSION",
@@ -46,6 +51,8 @@ __all__ = [
     "Corpus",
     "UnknownWordError",
     "Vocabulary",
+    "WikiTextFormatError",
+    "check_corpus",
     "count_words",
     "default_cache_dir",
     "encode_file",
@@ -65,6 +72,10 @@ CACHE_VERSION = 1  # bump when the tokenisation or ordering rules above change
 _ALIASES = {"train": "train", "valid": "valid", "val": "valid", "validation": "valid", "test": "test"}
 _SETTINGS = {"version": CACHE_VERSION, "eos": EOS, "unk": UNK, "eos_per_line": "every line, empty included",
              "order": "count desc, then word"}
+
+
+class WikiTextFormatError(ValueError):
+    """A WikiText file that cannot be read as UTF-8 text, or is empty; the message names the file and the line."""
 
 
 class UnknownWordError(ValueError):
@@ -91,17 +102,48 @@ def find_split_file(data_dir: str | os.PathLike, split: str) -> Path | None:
     return None
 
 
+def _first_bad_utf8_line(path: Path) -> int:
+    """1-based line (line ends as in text mode: ``\\n``, ``\\r\\n``, ``\\r``) of the first bytes that are not UTF-8.
+    A line end byte never occurs inside a multi-byte UTF-8 character, so lines can be cut before decoding."""
+    lineno = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            for part in raw.splitlines() or [raw]:
+                lineno += 1
+                try:
+                    part.decode("utf-8")
+                except UnicodeDecodeError:
+                    return lineno
+    return max(lineno, 1)
+
+
 def iter_line_words(path: str | os.PathLike) -> Iterator[list[str]]:
-    """The words of each line of ``path`` with ``<eos>`` appended (an empty line gives ``["<eos>"]``)."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            words = line.split()
-            words.append(EOS)
-            yield words
+    """The words of each line of ``path`` with ``<eos>`` appended (an empty line gives ``["<eos>"]``).
+
+    A UTF-8 byte-order mark at the start of the file is skipped (it is not a word).
+
+    Raises:
+        WikiTextFormatError: naming the file and line: bytes that are not UTF-8, or an empty file (no line at all).
+    """
+    path = Path(path)
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, start=1):
+                words = line.split()
+                words.append(EOS)
+                yield words
+    except UnicodeDecodeError as exc:
+        bad = _first_bad_utf8_line(path)
+        raise WikiTextFormatError(f"{path}: line {bad}: not valid UTF-8 ({exc.reason}); WikiText files are UTF-8 "
+                                  "text") from None
+    if lineno == 0:
+        raise WikiTextFormatError(f"{path}: line 1: empty file (a WikiText split has at least one line)")
 
 
 def count_words(path: str | os.PathLike) -> Counter:
-    """Word counts of a file, ``<eos>`` counted once per line."""
+    """Word counts of a file, ``<eos>`` counted once per line. Raises WikiTextFormatError as
+    :func:`iter_line_words`."""
     counts: Counter = Counter()
     for words in iter_line_words(path):
         counts.update(words)
@@ -157,24 +199,25 @@ class Vocabulary:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``word<TAB>count`` lines (words never contain whitespace), atomically."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.writelines(f"{w}\t{c}\n" for w, c in zip(self.words, self.counts))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(f"{w}\t{c}\n" for w, c in zip(self.words, self.counts)))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:
-        """Inverse of :meth:`save`."""
+        """Inverse of :meth:`save`. Raises WikiTextFormatError naming the file and line for a line that is not
+        ``word<TAB>count``, and ValueError naming the file for a vocabulary without ``<eos>`` or with repeated
+        words."""
         words, counts = [], []
-        for line in Path(path).read_text(encoding="utf-8").split("\n"):
+        for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), start=1):
             if line:
-                w, c = line.rsplit("\t", 1)
+                w, tab, c = line.rpartition("\t")
+                if not tab or not w or not c.isdigit():
+                    raise WikiTextFormatError(f"{path}: line {lineno}: expected word<TAB>count, got {line[:60]!r}")
                 words.append(w)
                 counts.append(int(c))
-        return cls(words, counts)
+        try:
+            return cls(words, counts)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
 
 def encode_file(path: str | os.PathLike, vocab: Vocabulary) -> tuple[Tensor, int]:
@@ -199,67 +242,35 @@ def encode_file(path: str | os.PathLike, vocab: Vocabulary) -> tuple[Tensor, int
     return torch.frombuffer(ids, dtype=torch.int32).clone() if len(ids) else torch.zeros(0, dtype=torch.int32), mapped
 
 
-def _writable(folder: Path) -> bool:
-    """Writable by its permission bits too: root passes ``os.access`` even on a read-only (r-x) folder, and a
-    folder marked read-only is shared data we must not write into."""
-    try:
-        mode = folder.stat().st_mode
-    except OSError:
-        return False
-    return bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)) and os.access(folder, os.W_OK)
-
-
 def default_cache_dir(data_dir: str | os.PathLike) -> Path:
     """``<data_dir>/.mgk-cache`` when ``data_dir`` is writable (by its permission bits, even for root), else
-    ``$XDG_CACHE_HOME/mgk/wikitext`` (default ``~/.cache/mgk/wikitext``): shared data folders are often read-only."""
+    ``$XDG_CACHE_HOME/mgk/wikitext`` (default ``~/.cache/mgk/wikitext``): shared data folders are often read-only.
+    See :func:`mgk.data.cache.resolve_cache_dir`."""
     data_dir = Path(data_dir)
-    if _writable(data_dir):
-        return data_dir / ".mgk-cache"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mgk" / "wikitext"
+    return resolve_cache_dir(None, data_dir if data_dir.is_dir() else None, user_subdir="wikitext")
 
 
-def _fingerprint(path: Path) -> list:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-
-
-def _key(kind: str, *paths: Path) -> str:
-    blob = json.dumps({"kind": kind, "files": [_fingerprint(p) for p in paths], **_SETTINGS}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def _read_cache(path: Path):
-    if not path.is_file():
+def _cache_folder(cache_dir) -> Path | None:
+    """None (no cache) for None, False or ``"off"``; else the folder."""
+    if cache_dir is None or cache_dir is False or str(cache_dir).strip().lower() == OFF:
         return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001  a corrupt or foreign file is rebuilt, never trusted
-        return None
-
-
-def _write_cache(path: Path, obj: dict) -> bool:
-    from ..train.checkpoint import save_atomic
-
-    try:
-        save_atomic(obj, path)
-        return True
-    except OSError:
-        return False
+    return Path(cache_dir)
 
 
 def load_vocabulary(train_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Vocabulary:
     """The vocabulary of ``train_path``, from ``cache_dir`` when an entry for this exact file exists (else built
-    and, when ``cache_dir`` is given and writable, cached)."""
+    and, when ``cache_dir`` is given and writable, cached; see :mod:`mgk.data.cache`)."""
     train_path = Path(train_path)
-    entry = Path(cache_dir) / f"vocab-{_key('vocab', train_path)}.pt" if cache_dir is not None else None
-    cached = _read_cache(entry) if entry is not None else None
-    if cached is not None:
-        return Vocabulary(cached["words"], cached["counts"].tolist())
-    vocab = Vocabulary.from_file(train_path)
-    if entry is not None:
-        _write_cache(entry, {"words": vocab.words, "counts": torch.tensor(vocab.counts, dtype=torch.int64)})
-    return vocab
+
+    def build():
+        """``words``: the words joined by newlines as UTF-8 bytes (uint8); ``counts``: int64 train counts."""
+        vocab = Vocabulary.from_file(train_path)
+        return {"words": np.frombuffer("\n".join(vocab.words).encode("utf-8"), dtype=np.uint8),
+                "counts": np.asarray(vocab.counts, dtype=np.int64)}
+
+    a, _ = cached_arrays(_cache_folder(cache_dir), "wikitext-vocab", [train_path], {"kind": "vocab", **_SETTINGS},
+                         build)
+    return Vocabulary(a["words"].tobytes().decode("utf-8").split("\n"), a["counts"].tolist())
 
 
 def load_split(path: str | os.PathLike, vocab: Vocabulary, *, train_path: str | os.PathLike | None = None,
@@ -269,21 +280,18 @@ def load_split(path: str | os.PathLike, vocab: Vocabulary, *, train_path: str | 
     ``train_path`` (the file the vocabulary came from) keys the entry; without it the entry is keyed by the
     vocabulary's content instead."""
     path = Path(path)
-    entry = None
-    if cache_dir is not None:
-        if train_path is not None:
-            key = _key("split", Path(train_path), path)
-        else:
-            digest = hashlib.sha256("\n".join(vocab.words).encode()).hexdigest()[:16]
-            key = _key("split-" + digest, path)
-        entry = Path(cache_dir) / f"tokens-{key}.pt"
-        cached = _read_cache(entry)
-        if cached is not None and int(cached["vocab_size"]) == len(vocab):
-            return cached["tokens"], int(cached["unk_mapped"])
-    tokens, mapped = encode_file(path, vocab)
-    if entry is not None:
-        _write_cache(entry, {"tokens": tokens, "unk_mapped": mapped, "vocab_size": len(vocab)})
-    return tokens, mapped
+    sources = [Path(train_path), path] if train_path is not None else [path]
+    settings = {"kind": "split", "vocab_size": len(vocab), **_SETTINGS}
+    if train_path is None:
+        settings["vocab_sha256"] = hashlib.sha256("\n".join(vocab.words).encode()).hexdigest()
+
+    def build():
+        """``tokens`` int32 (one id per token), ``unk_mapped`` (words mapped to ``<unk>``)."""
+        tokens, mapped = encode_file(path, vocab)
+        return {"tokens": tokens.numpy(), "unk_mapped": np.array(mapped, dtype=np.int64)}
+
+    a, _ = cached_arrays(_cache_folder(cache_dir), f"wikitext-{path.name}", sources, settings, build)
+    return torch.from_numpy(np.ascontiguousarray(a["tokens"], dtype=np.int32)), int(a["unk_mapped"])
 
 
 @dataclass
@@ -302,13 +310,15 @@ def load_corpus(data_dir: str | os.PathLike, *, splits: Sequence[str] = SPLITS,
                 cache_dir: str | os.PathLike | None | bool = None, vocab: Vocabulary | None = None) -> Corpus:
     """Read a WikiText folder: the vocabulary from its train split (or ``vocab`` when given), then ``splits``.
 
-    ``cache_dir``: a folder, None for :func:`default_cache_dir`, or False for no cache. Raises FileNotFoundError
-    when the train split is needed (no ``vocab`` given) and absent, naming the file names tried."""
+    ``cache_dir``: a folder, None for :func:`default_cache_dir`, or False (or ``"off"``) for no cache.
+
+    Raises:
+        FileNotFoundError: the train split is needed (no ``vocab`` given) and absent; names the file names tried.
+        WikiTextFormatError, UnknownWordError: naming the file and line (see :func:`iter_line_words`,
+            :func:`encode_file`).
+    """
     data_dir = Path(data_dir)
-    if cache_dir is False:
-        cache = None
-    else:
-        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(data_dir)
+    cache = default_cache_dir(data_dir) if cache_dir is None else _cache_folder(cache_dir)
     train_path = find_split_file(data_dir, "train")
     if vocab is None:
         if train_path is None:
@@ -332,6 +342,43 @@ def load_corpus(data_dir: str | os.PathLike, *, splits: Sequence[str] = SPLITS,
         notes.append(f"data: {s}: {path} ({tokens[s].numel():,} tokens{extra})")
     notes.append(f"data: vocabulary {len(vocab):,} types (train split, {EOS} per line, by frequency)")
     return Corpus(vocab, tokens, files, mapped, cache, notes)
+
+
+def check_corpus(data_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """What ``mgk data check --task lm`` reports for a WikiText folder: ``(report lines, errors)``.
+
+    Reads every split without the cache: tokens and lines per split, words of valid/test mapped to ``<unk>``, the
+    vocabulary size. Each error names the file (and the line): a missing train split, bytes that are not UTF-8, an
+    empty file, a valid/test word missing from a vocabulary without ``<unk>``.
+    """
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        return [], [f"{data_dir}: not a folder (expected wiki.{{train,valid,test}}.tokens or {{train,valid,test}}.txt)"]
+    lines: list[str] = []
+    errors: list[str] = []
+    vocab = None
+    for s in SPLITS:
+        path = find_split_file(data_dir, s)
+        if path is None:
+            tried = " or ".join(p.name for p in _candidates(data_dir, s))
+            (errors if s == "train" else lines).append(f"{s}: {tried} absent in {data_dir}")
+            continue
+        try:
+            if s == "train":
+                vocab = Vocabulary.from_file(path)
+            if vocab is None:
+                lines.append(f"{s}: {path} not encoded (no train split to build the vocabulary from)")
+                continue
+            tokens, mapped = encode_file(path, vocab)
+        except (WikiTextFormatError, UnknownWordError) as exc:
+            errors.append(str(exc))
+            continue
+        unk = f", {mapped:,} words not in the train vocabulary mapped to {UNK}" if mapped else ""
+        lines.append(f"{s}: {path} ({tokens.numel():,} tokens, {int((tokens == vocab.eos_id).sum()):,} lines{unk})")
+    if vocab is not None:
+        lines.append(f"vocabulary: {len(vocab):,} types (train split, {EOS} per line"
+                     + (f", with {UNK})" if vocab.unk_id is not None else f", no {UNK})"))
+    return lines, errors
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -386,8 +433,5 @@ def generate_corpus(out_dir: str | os.PathLike, *, train_lines: int = 2000, vali
             for _ in range(r.randint(2, 5)):
                 lines.append(" " + " ".join(w for _ in range(r.randint(1, 4)) for w in sentence(r)) + " ")
         text = "\n".join(lines[:n_lines]) + "\n"
-        path = out / f"wiki.{split}.tokens"
-        tmp = out / f".{path.name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(out / f"wiki.{split}.tokens", text)
     return out

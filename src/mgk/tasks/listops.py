@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..data import listops as lo
+from ..data.cache import resolve_cache_dir
 from .classification import ClassificationTask
 from .lra_common import label_line, length_line
 
@@ -39,7 +40,9 @@ def build(cfg: RunConfig, data_dir: Path) -> ClassificationTask:
 
     Raises FileNotFoundError when there is no train split; ListOpsFormatError for malformed rows or (without
     ``truncate``) sequences longer than ``max_len``."""
-    splits = {s: lo.load_listops_split(data_dir, s, cfg.max_len, truncate=cfg.truncate) for s in lo.SPLITS}
+    cache = resolve_cache_dir(cfg.cache_dir, data_dir)
+    splits = {s: lo.load_listops_split(data_dir, s, cfg.max_len, truncate=cfg.truncate, cache_dir=cache)
+              for s in lo.SPLITS}
     if splits["train"] is None:
         raise FileNotFoundError(f"no ListOps train split (basic_train.tsv or basic_train.tsv.gz) in {data_dir}")
     notes = []
@@ -78,5 +81,6 @@ def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
                   "  " + length_line(lengths, cfg.max_len, "tokens without ( )")]
     if longest > cfg.max_len and not cfg.truncate:
         lines.append(f"note: training with max_len={cfg.max_len} would stop at the first longer row: use "
-                     f"--set max_len={longest} (or the listops-paper preset) or --set truncate=true")
+                     f"--set max_len={longest}" + (" (or the listops-paper preset)" if longest <= lo.RELEASE_MAX_LEN
+                                                   else "") + " (cutting a ListOps expression changes its value)")
     return lines, errors

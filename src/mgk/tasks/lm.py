@@ -214,6 +214,11 @@ class LMTask(Task):
         return {"tokens": int(dataset.tokens.numel()), "oov_to_unk": int(getattr(dataset, "unk_mapped", 0))}
 
 
+def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
+    """``mgk data check --task lm``: :func:`mgk.data.wikitext.check_corpus` of the folder."""
+    return wt.check_corpus(data)
+
+
 # -- prepare / build ---------------------------------------------------------------------------------------------
 def cache_dir(cfg: RunConfig, data_dir: Path) -> Path:
     """``cfg.cache_dir``, else :func:`mgk.data.wikitext.default_cache_dir` of the data folder."""

@@ -3,30 +3,21 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..atomic import atomic_write
+
 
 def save_atomic(obj: dict, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``.
+    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``
+    (:func:`mgk.atomic.atomic_write`).
 
     A crash at any moment leaves either the previous file or the new one, never a truncated file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path) as f:
+        torch.save(obj, f)
 
 
 def load(path: str | os.PathLike, map_location="cpu") -> dict:

@@ -33,6 +33,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from .. import config as config_mod
+from ..atomic import write_text_atomic
 from ..data import wikitext as wt
 from ..models import IGNORE_INDEX, TransformerLM
 from . import checkpoint, distributed
@@ -162,14 +163,6 @@ def _score(cfg, ckpt: dict, vocab, tokens: Tensor, *, context: int, stride: int,
     return res, d
 
 
-def _write_json(result: dict, json_path) -> None:
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = json_path.with_name(f".{json_path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, json_path)
-
-
 def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str | os.PathLike | None = None,
                  context: int | None = None, stride: int | None = None, batch_size: int | None = None,
                  device: str | None = None, which: str = "best", json_path: str | os.PathLike | None = None,
@@ -224,5 +217,5 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str 
               "run_dir": str(run_dir), "attention": cfg.attention, "num_heads": cfg.num_heads,
               "world_size": d.world_size, "device": str(d.device), "seconds": time.perf_counter() - t0}
     if json_path is not None:
-        _write_json(result, json_path)
+        write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
     return result

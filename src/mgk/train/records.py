@@ -13,7 +13,6 @@ Layout of a run directory::
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 import yaml
 
 from .. import __version__
+from ..atomic import write_text_atomic
 
 
 def git_commit() -> str | None:
@@ -64,9 +64,7 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(ln + "\n" for ln in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import

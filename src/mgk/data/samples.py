@@ -1,6 +1,6 @@
-"""Small LRA fixtures built in a temporary folder: IMDb, AAN, CIFAR (pickles and image folders), Pathfinder.
-
-Imported by tests/data, tests/tasks and tests/test_cli_data_table.py (``sys.path`` gets this folder).
+"""Tiny synthetic releases in the official LRA layouts: IMDb (folder or tar), AAN pairs, CIFAR (python pickles and
+image folders), Pathfinder. Used by the tests (``from mgk.data import samples``) and handy to try ``mgk data check``
+or ``mgk train`` without a download. Image files need Pillow.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared" / "data"
+__all__ = ["write_tar", "write_files", "imdb_files", "make_imdb_dir", "make_imdb_tar", "aan_rows", "make_aan_dir",
+           "cifar_batch", "cifar_pickle_files", "make_cifar_pickle_dir", "encode_image", "image_folder_files",
+           "make_pathfinder_tree"]
 
 
 def write_tar(out: Path, files: dict[str, bytes]) -> Path:
@@ -40,6 +41,7 @@ def imdb_files(n_per_class: int = 6, *, test: bool = True, seed: int = 0, prefix
 
 
 def write_files(root: Path, files: dict[str, bytes]) -> Path:
+    """Write ``files`` (relative name -> bytes) below ``root``; returns ``root``."""
     for name, data in files.items():
         p = root / name
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +55,7 @@ def make_imdb_dir(tmp: Path, **kw) -> Path:
 
 
 def make_imdb_tar(tmp: Path, **kw) -> Path:
+    """``tmp/aclImdb.tar.gz`` of :func:`imdb_files`."""
     return write_tar(tmp / "aclImdb.tar.gz", imdb_files(**kw))
 
 
@@ -71,6 +74,7 @@ def aan_rows(n: int, seed: int = 0) -> list[str]:
 
 
 def make_aan_dir(tmp: Path, n: int = 24, *, splits=("train", "eval", "test")) -> Path:
+    """``tmp/aan/new_aan_pairs.<split>.tsv`` with ``n`` rows of :func:`aan_rows` each; returns ``tmp/aan``."""
     out = tmp / "aan"
     out.mkdir(parents=True, exist_ok=True)
     for k, split in enumerate(splits):
@@ -79,6 +83,7 @@ def make_aan_dir(tmp: Path, n: int = 24, *, splits=("train", "eval", "test")) ->
 
 
 def cifar_batch(n: int, seed: int, *, labels=None) -> dict:
+    """A CIFAR-10 python batch dict (bytes keys) of ``n`` random images."""
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
     labels = list(rng.integers(0, 10, size=n)) if labels is None else labels
@@ -87,6 +92,7 @@ def cifar_batch(n: int, seed: int, *, labels=None) -> dict:
 
 
 def cifar_pickle_files(n: int = 4, *, test: bool = True) -> dict[str, bytes]:
+    """``{cifar-10-batches-py/<batch>: pickled bytes}`` for the five train batches (and ``test_batch``)."""
     files = {f"cifar-10-batches-py/data_batch_{i}": pickle.dumps(cifar_batch(n, i), protocol=2) for i in range(1, 6)}
     if test:
         files["cifar-10-batches-py/test_batch"] = pickle.dumps(cifar_batch(n, 99), protocol=2)
@@ -99,6 +105,7 @@ def make_cifar_pickle_dir(tmp: Path, **kw) -> Path:
 
 
 def encode_image(arr: np.ndarray, fmt: str) -> bytes:
+    """``arr`` (uint8 image) encoded as ``fmt`` ("PNG", "JPEG") with Pillow."""
     from PIL import Image
 
     buf = io.BytesIO()
@@ -108,6 +115,7 @@ def encode_image(arr: np.ndarray, fmt: str) -> bytes:
 
 def image_folder_files(n_per_class: int = 3, classes=("cat", "dog", "airplane"), *, test: bool = True,
                        fmt: str = "PNG", prefix: str = "", seed: int = 0) -> dict[str, bytes]:
+    """``{<prefix><split>/<class>/NNNN.<ext>: bytes}`` of random 32x32 colour images."""
     rng = np.random.default_rng(seed)
     ext = {"PNG": "png", "JPEG": "jpg"}[fmt]
     files = {}
@@ -121,7 +129,7 @@ def image_folder_files(n_per_class: int = 3, classes=("cat", "dog", "airplane"),
 
 def make_pathfinder_tree(tmp: Path, per_level: int = 4, levels=None) -> Path:
     """``tmp/lra/pathfinder32/<level>`` for each level with ``per_level`` generated images; returns ``tmp/lra``."""
-    from mgk.data.pathfinder import LEVELS, contour_length_of, generate_pathfinder, write_pathfinder_level
+    from .pathfinder import LEVELS, contour_length_of, generate_pathfinder, write_pathfinder_level
 
     root = tmp / "lra"
     for k, level in enumerate(levels or LEVELS):

@@ -1,0 +1,53 @@
+"""mgk.atomic: the one atomic-write helper (write to a temporary file, fsync, rename) and its users."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mgk.atomic import atomic_write, write_bytes_atomic, write_text_atomic
+from mgk.data import cache as c
+from mgk.train import checkpoint
+
+
+def test_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    p = tmp_path / "sub" / "out.txt"
+    write_text_atomic(p, "one\n")
+    write_text_atomic(p, "two\r\n")  # written as given, no newline translation
+    assert p.read_bytes() == b"two\r\n"
+    write_bytes_atomic(p, b"\x00\x01")
+    assert p.read_bytes() == b"\x00\x01"
+    assert sorted(x.name for x in p.parent.iterdir()) == ["out.txt"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path):
+    p = tmp_path / "out.bin"
+    p.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_write(p) as fh:
+            fh.write(b"half of the new content")
+            raise RuntimeError("boom")
+    assert p.read_bytes() == b"old"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out.bin"]
+    with pytest.raises(ValueError, match="mode"):
+        with atomic_write(p, "ab"):
+            pass
+
+
+@pytest.mark.parametrize("writer", ["checkpoint", "cache"])
+def test_writers_use_the_helper(tmp_path, monkeypatch, writer):
+    """A crash in the middle of torch.save / np.savez leaves the previous checkpoint or cache entry intact."""
+    p = tmp_path / ("last.pt" if writer == "checkpoint" else "entry.npz")
+    if writer == "checkpoint":
+        checkpoint.save_atomic({"step": 1}, p)
+        monkeypatch.setattr(torch, "save", lambda obj, f: (f.write(b"partial"), 1 / 0))
+        with pytest.raises(ZeroDivisionError):
+            checkpoint.save_atomic({"step": 2}, p)
+        assert checkpoint.load(p)["step"] == 1
+    else:
+        c.save_arrays(p, "k1", {"a": np.arange(3)})
+        monkeypatch.setattr(np, "savez", lambda f, **kw: (f.write(b"partial"), 1 / 0))
+        with pytest.raises(ZeroDivisionError):
+            c.save_arrays(p, "k2", {"a": np.arange(4)})
+        assert c.load_arrays(p, "k1")["a"].tolist() == [0, 1, 2]
+    assert sorted(x.name for x in tmp_path.iterdir()) == [p.name]
