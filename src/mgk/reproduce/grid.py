@@ -131,8 +131,8 @@ def run_key(train_args, eval_args) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def expand(exp: Experiment, scale: str, seeds, out: Path, *, only=None, data=None, data_root=None) -> list[Run]:
-    """Every run of ``exp`` at ``scale`` for ``seeds``, in table order (row, task, seed), filtered by ``only``.
+def expand(exp: Experiment, scale: str, seeds: list, out: Path, *, only=None, data=None, data_root=None) -> list[Run]:
+    """Every run of ``exp`` at ``scale`` for ``seeds`` (by task, then seed, then row), filtered by ``only``.
 
     The optional tasks (Image, Pathfinder) join only when ``--only task=`` names them. ``data`` overrides a task's
     data path; otherwise it is the scale's path under ``data_root``.
@@ -159,4 +159,7 @@ def expand(exp: Experiment, scale: str, seeds, out: Path, *, only=None, data=Non
                 key = run_key(train_args, eval_args)
                 run_dir = Path(out).absolute() / "runs" / task / row.key / f"seed{seed}-{key}"
                 runs.append(Run(row, task, seed, setting, path, train_args, eval_args, key, run_dir))
-    return runs
+    # Task by task, seed-major: every row gets seed 0 before any gets seed 1, so a grid stopped part-way (or its
+    # report written early) compares rows over the same seeds.
+    order = {t: i for i, t in enumerate(tasks)}
+    return sorted(runs, key=lambda r: (order[r.task], seeds.index(r.seed)))
