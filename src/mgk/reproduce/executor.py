@@ -103,7 +103,7 @@ def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1)
         if rc != 0:
             rec.update(status="failed", error=f"`mgk {name}` exited with {rc}; see {log}")
             break
-        if name == "train":  # the key goes in once results.json exists, so a crash never marks a run finished
+        if name == "train":  # recorded before the LM evaluation starts, so that a crash there keeps it
             _write_record(run.run_dir, rec)
     rec["state"] = state
     _write_record(run.run_dir, rec)

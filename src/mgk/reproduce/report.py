@@ -66,7 +66,14 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
         tasks.append({"task": task, "label": r0.task_label, "preset": r0.setting.preset, "note": r0.setting.note,
                       "overrides": list(r0.setting.overrides), "protocol": common,
                       "eval": r0.setting.eval})
-    return {"experiment": exp.name, "title": exp.title, "scale": scale, "metric": exp.metric, "command": command,
+    table = None
+    if exp.metric == "acc":  # the same runs as `mgk table` prints them (one row per attention kind and heads)
+        from ..tasks.lra_table import lra_table
+
+        finished = [json.loads((r.run_dir / "results.json").read_text()) for r in runs
+                    if (r.run_dir / "results.json").is_file()]
+        table = lra_table(finished)[0] if finished else None
+    return {"experiment": exp.name, "mgk_table": table, "title": exp.title, "scale": scale, "metric": exp.metric, "command": command,
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seeds": sorted({r.seed for r in runs}),
             "tasks": tasks, "rows": aggregate(exp, runs, figures),
             "runs": [{k: f.get(k) for k in ("row", "task", "seed", "key", "run_dir", "status", "value", "split",
@@ -138,6 +145,10 @@ def render(rep: dict) -> str:
         if task.get("eval"):
             out += [f"Final evaluation: `mgk eval --context {task['eval'][0]} --stride {task['eval'][1]}`.", ""]
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
+    if rep.get("mgk_table"):
+        out += ["## As `mgk table` prints it", "", "Official LRA columns, accuracy in %; tasks of this report "
+                "sit in their LRA column even when the scale reduced them (see each task above).", "",
+                rep["mgk_table"], ""]
     out += ["## Runs", "", f"{len(rep['runs'])} planned, {sum(r['status'] in ('done', 'skipped') for r in rep['runs'])}"
             f" finished, {len(failed)} failed or not run."]
     for r in failed:
