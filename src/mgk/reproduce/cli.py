@@ -1,7 +1,6 @@
 """``mgk reproduce EXPERIMENT``: a paper table as one resumable grid of ``mgk train`` runs, then its report."""
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -121,7 +120,8 @@ def run(args) -> int:
             recs.append({"status": "not run", "error": f"no data at {r.data}"})
         else:
             state = ex.run_state(r)
-            recs.append({**ex.read_record(r.run_dir), "status": "skipped" if state == "finished" else state})
+            recs.append({**ex.read_record(r.run_dir), "log": str(r.run_dir / "reproduce.log"),
+                         "status": "skipped" if state == "finished" else state})
     command = "mgk reproduce " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["reproduce"] else sys.argv[1:])
     rep = write_report(out, exp, args.scale, runs, recs, command)
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]

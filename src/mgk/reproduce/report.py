@@ -16,6 +16,8 @@ from .plots import plot_accuracy_vs_params, plot_learning_curves
 __all__ = ["build_report", "write_report", "machine_facts"]
 
 DASH = "—"
+_PENDING = {"new": "not started", "resume": "running or interrupted (checkpoint kept)",
+            "evaluate": "trained, evaluation missing"}
 
 
 def machine_facts() -> dict:
@@ -144,16 +146,15 @@ def render(rep: dict) -> str:
                                                           if task["overrides"] else "") + f"; {proto}.", ""]
         if task.get("eval"):
             out += [f"Final evaluation: `mgk eval --context {task['eval'][0]} --stride {task['eval'][1]}`.", ""]
-    failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
-    if rep.get("mgk_table"):
-        out += ["## As `mgk table` prints it", "", "Official LRA columns, accuracy in %; tasks of this report "
-                "sit in their LRA column even when the scale reduced them (see each task above).", "",
-                rep["mgk_table"], ""]
-    out += ["## Runs", "", f"{len(rep['runs'])} planned, {sum(r['status'] in ('done', 'skipped') for r in rep['runs'])}"
-            f" finished, {len(failed)} failed or not run."]
-    for r in failed:
-        out.append(f"- {r['task']} {r['row']} seed {r['seed']}: {r['status']}: {r.get('error') or ''} "
-                   f"(log: {r.get('log')})")
+    finished = sum(r["status"] in ("done", "skipped") for r in rep["runs"])
+    pending = [r for r in rep["runs"] if r["status"] in _PENDING]
+    failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped", *_PENDING)]
+    out += ["## Runs", "", f"{len(rep['runs'])} planned, {finished} finished, {len(failed)} failed or not run, "
+            f"{len(pending)} not finished yet (running, interrupted or not started: run the command again)."]
+    for r in failed + pending:
+        what = _PENDING.get(r["status"], r["status"])
+        out.append(f"- {r['task']} {r['row']} seed {r['seed']}: {what}"
+                   + (f": {r['error']}" if r.get("error") else "") + f" (log: {r.get('log')})")
     out += ["", "## Data", ""]
     for task, d in rep["data"].items():
         out.append(f"- {task}: {d['source']}" + (" (MISSING)" if d.get("missing") else ""))
