@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("experiment", metavar="EXPERIMENT", choices=sorted(EXPERIMENTS),
                    help="one of: " + ", ".join(EXPERIMENTS))
     p.add_argument("--scale", default="cpu", choices=SCALES,
-                   help="paper (the *-paper presets, for GPUs), cpu (reduced, ~4 min a run on one core; default) "
+                   help="paper (the *-paper presets, for GPUs), cpu (reduced: minutes a run on one core; default) "
                         "or smoke (seconds a run)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
     p.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
