@@ -10,6 +10,7 @@ from pathlib import Path
 from . import config as config_mod
 from .analyze import cli as analyze_cli
 from .bench import cli as bench_cli
+from .reproduce import cli as reproduce_cli
 from .tasks import all_presets
 
 
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_parser(sub)
     _table_parser(sub)
     analyze_cli.add_parser(sub)
+    reproduce_cli.add_parser(sub)
     return parser
 
 
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mgk`` console script."""
     args = build_parser().parse_args(argv)
     handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "data": _run_data,
-                "table": _run_table, "analyze": analyze_cli.run}
+                "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run}
     return handlers[args.command](args)
 
 

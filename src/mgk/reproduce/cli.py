@@ -1,0 +1,129 @@
+"""``mgk reproduce EXPERIMENT``: a paper table as one resumable grid of ``mgk train`` runs, then its report."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from .experiments import EXPERIMENTS, get_experiment
+from .grid import ONLY_KEYS, expand, parse_data, parse_only
+from .scales import SCALES
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    """Register ``mgk reproduce`` on the ``mgk`` sub-command parser."""
+    p = sub.add_parser(
+        "reproduce", help="run one of the paper's tables as a resumable grid and write its report",
+        description="Expand EXPERIMENT x scale x seeds into `mgk train` runs (one directory each, keyed by the "
+                    "resolved config), run the unfinished ones (finished runs are skipped, interrupted ones "
+                    "resumed from their last checkpoint), then write <out>/REPORT.md, <out>/report.json and "
+                    "<out>/plots/. Experiments: " + ", ".join(EXPERIMENTS) + ".")
+    p.add_argument("experiment", metavar="EXPERIMENT", choices=sorted(EXPERIMENTS),
+                   help="one of: " + ", ".join(EXPERIMENTS))
+    p.add_argument("--scale", default="cpu", choices=SCALES,
+                   help="paper (the *-paper presets, for GPUs), cpu (reduced: minutes a run on one core; default) "
+                        "or smoke (seconds a run)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
+    p.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
+                   help="data of a task (repeatable); default: the scale's path under --data-root")
+    p.add_argument("--data-root", default=None,
+                   help="folder holding imdb/, listops/, wikitext-103/, ... (default: $MGK_DATA_ROOT or "
+                        "../shared/data)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/reproduce/<experiment>-<scale>)")
+    p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
+                   help=f"restrict the grid (repeatable; keys {', '.join(ONLY_KEYS)}), e.g. --only row=mgk-4,"
+                        "softmax-8 --only task=listops; --only task=image adds an optional task")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP/MKL threads of each run (default 1; 0 leaves the environment as it is)")
+    p.add_argument("--executor", default="local", choices=["local", "submitit-local", "slurm"],
+                   help="local: subprocesses here; submitit-local: submitit's local executor; slurm: one submitit "
+                        "job per run")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                   help="submitit/sbatch parameter (repeatable): timeout_min, mem_gb, cpus_per_task, "
+                        "gpus_per_node, partition, account, qos, constraint, ...")
+    p.add_argument("--dry-run", action="store_true", help="print the runs, their state and commands; run nothing")
+    p.add_argument("--report-only", action="store_true", help="write the report from what exists; run nothing")
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: expected distinct integers, e.g. 0,1,2")
+    return seeds
+
+
+def _dry_run(runs, args, out: Path, params) -> None:
+    from .executor import run_state, sbatch_preview
+
+    print(f"{len(runs)} runs in {out}")
+    for run in runs:
+        print(f"\n# {run.task} {run.row.key} seed {run.seed} [{run_state(run)}] key {run.key}")
+        print(run.describe(sys.executable))
+    if params is not None:
+        print(f"\n# submitit {args.executor} parameters (AutoExecutor.update_parameters): {params}")
+        if args.executor == "slurm":
+            print("# sbatch script of each job (command: submitit's runner of execute_run for that run):")
+            print(sbatch_preview(params, out / "submitit", "python -u -m submitit.core._submit <folder>"))
+
+
+def run(args) -> int:
+    """Handler of ``mgk reproduce``."""
+    from . import executor as ex
+    from .report import write_report
+
+    try:
+        exp = get_experiment(args.experiment)
+        seeds = _seeds(args.seeds)
+        only = parse_only(args.only)
+        data = parse_data(args.data, (*exp.tasks, *exp.optional_tasks))
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        out = Path(args.out or f"runs/reproduce/{exp.name}-{args.scale}").absolute()
+        runs = expand(exp, args.scale, seeds, out, only=only, data=data, data_root=args.data_root)
+        params = ex.slurm_parameters(args.slurm) if args.executor != "local" else None
+        if args.slurm and args.executor != "slurm":
+            raise ValueError("--slurm needs --executor slurm")
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"mgk reproduce: {e}") from None
+    if not runs:
+        raise SystemExit("mgk reproduce: --only leaves no run")
+    if args.dry_run:
+        _dry_run(runs, args, out, params)
+        return 0
+    threads = args.threads or None
+    todo = [r for r in runs if r.data is None or Path(r.data).exists()]
+    missing = [r for r in runs if r.data is not None and not Path(r.data).exists()]
+    for r in dict.fromkeys((r.task, r.data) for r in missing):
+        print(f"mgk reproduce: no data for {r[0]} at {r[1]}: its runs are reported as not run "
+              f"(pass --data {r[0]}=PATH)", file=sys.stderr)
+    records = {}
+    if not args.report_only:
+        print(f"mgk reproduce {exp.name}: {len(todo)} runs, {sum(ex.run_state(r) == 'finished' for r in todo)} "
+              f"finished earlier; out {out}", flush=True)
+        if args.executor == "local":
+            done = ex.run_local(todo, args.jobs, threads)
+        else:
+            done = ex.run_submitit(todo, args.executor, out / "submitit", jobs=args.jobs, params=params,
+                                   threads=threads)
+        records = dict(zip(map(id, todo), done))
+    recs = []
+    for r in runs:
+        if id(r) in records:
+            recs.append(records[id(r)])
+        elif r.data is not None and not Path(r.data).exists():
+            recs.append({"status": "not run", "error": f"no data at {r.data}"})
+        else:
+            state = ex.run_state(r)
+            recs.append({**ex.read_record(r.run_dir), "log": str(r.run_dir / "reproduce.log"),
+                         "status": "skipped" if state == "finished" else state})
+    command = "mgk reproduce " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["reproduce"] else sys.argv[1:])
+    rep = write_report(out, exp, args.scale, runs, recs, command)
+    failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
+    print(f"report: {out / 'REPORT.md'} ({len(runs) - len(failed)}/{len(runs)} runs finished)")
+    return 1 if failed else 0

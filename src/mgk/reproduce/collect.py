@@ -1,0 +1,144 @@
+"""Reading the finished runs of a grid into one summary (the content of report.json).
+
+Everything comes from the run directories that ``mgk train`` / ``mgk eval`` write: results.json, config.yaml,
+env.json, metrics.jsonl, eval.json, the checkpoint (attention parameter count) and reproduce.json (peak memory,
+exit codes). Accuracy per run is :func:`mgk.tasks.lra_table.run_accuracy` (test, else validation), the same rule
+as ``mgk table``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from pathlib import Path
+
+from .experiments import Experiment
+from .grid import Run
+
+__all__ = ["run_figures", "attention_params", "attention_flops", "aggregate", "file_facts", "PROTOCOL_FIELDS"]
+
+PROTOCOL_FIELDS = ("max_len", "batch_size", "steps", "lr", "warmup_steps", "schedule", "weight_decay", "adam_eps",
+                   "d_model", "num_layers", "ffn_dim", "head_dim", "num_keys", "dropout", "attn_dropout", "pooling",
+                   "precision", "grad_clip", "segment_len", "val_fraction", "split_seed", "truncate")
+
+
+def _json(path: Path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def attention_params(run_dir: Path) -> int | None:
+    """Parameters of the attention modules (state-dict entries under ``.attn.``, less the ``sigma2`` and Soft-E
+    ``pi`` buffers) of the run's checkpoint; None without one."""
+    import torch
+
+    for name in ("best.pt", "last.pt"):
+        path = Path(run_dir) / "checkpoints" / name
+        if path.is_file():
+            state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+            return int(sum(v.numel() for k, v in state.items()
+                           if ".attn." in k and not k.endswith((".sigma2", ".pi"))))
+    return None
+
+
+def attention_flops(cfg: dict) -> int | None:
+    """Analytic FLOPs of the attention layers in one forward pass of one sequence of ``max_len`` (``segment_len``
+    for LM) tokens, all layers: :func:`mgk.bench.attention.analytic_flops` (CPU-kernel form for MGK)."""
+    from ..bench.attention import analytic_flops
+
+    kind = cfg.get("attention")
+    if kind in ("mgk", "smgk") and cfg.get("pi") == "hard_e":
+        kind = "mgk-hard"
+    elif kind == "mgk" and cfg.get("pi") == "soft_e":
+        kind = "mgk-softe"
+    length = cfg["segment_len"] if cfg.get("task") == "lm" else cfg["max_len"]
+    try:
+        per_layer = analytic_flops(kind, cfg["num_heads"], length, 1, cfg["d_model"], cfg["head_dim"],
+                                   causal=cfg.get("task") == "lm", backward=False, num_keys=cfg.get("num_keys", 2),
+                                   mixture_kernel=True)
+    except (ValueError, KeyError):
+        return None
+    towers = 2 if cfg.get("task") == "retrieval" else 1
+    return per_layer * cfg["num_layers"] * towers
+
+
+def run_figures(run: Run, metric: str) -> dict:
+    """The figures of one run directory (``value`` None when it has none)."""
+    import yaml
+
+    d = run.run_dir
+    res = _json(d / "results.json") or {}
+    rec = _json(d / "reproduce.json") or {}
+    try:
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+    except OSError:
+        cfg = {}
+    out = {"row": run.row.key, "task": run.task, "seed": run.seed, "key": run.key, "run_dir": str(d),
+           "value": None, "split": None, "majority_acc": None}
+    if metric == "ppl":
+        ev = _json(run.eval_json) or {}
+        out.update(value=ev.get("ppl"), split=ev.get("split"), protocol=ev.get("protocol"))
+    elif res:
+        from ..tasks.lra_table import run_accuracy
+
+        acc, split = run_accuracy(res)
+        out.update(value=None if acc is None else 100 * acc, split=split)
+        if split:
+            out["majority_acc"] = 100 * res[split].get("majority_acc", float("nan"))
+    if res:
+        out.update(params=res.get("params"), s_per_step=res.get("seconds_per_step"), steps=res.get("steps"),
+                   best_step=res.get("best_step"), attention_params=attention_params(d),
+                   flops=attention_flops(cfg) if cfg else None)
+    out["peak_rss_mb"] = rec.get("peak_rss_mb")
+    out["config"] = {k: cfg.get(k) for k in PROTOCOL_FIELDS if k in cfg}
+    out["env"] = _json(d / "env.json")
+    return out
+
+
+def _mean_std(values):
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def aggregate(exp: Experiment, runs: list[Run], figures: list[dict]) -> list[dict]:
+    """Per row and task: mean, sample std (n - 1) and n over seeds, the paper's number and the run figures."""
+    rows = []
+    for row in exp.rows:
+        cells = {}
+        for task in dict.fromkeys(r.task for r in runs):
+            figs = [f for r, f in zip(runs, figures) if r.row.key == row.key and r.task == task]
+            if not figs:
+                continue
+            vals = [f["value"] for f in figs if isinstance(f["value"], (int, float)) and math.isfinite(f["value"])]
+            split0 = figs[0].get("split")
+            paper = row.paper.get(split0 or "valid") if exp.metric == "ppl" else row.paper.get(task)
+            cell = {"n": len(vals), "planned": len(figs), "values": vals,
+                    "seeds": [f["seed"] for f in figs if f["value"] in vals], "paper": paper,
+                    "splits": sorted({f["split"] for f in figs if f["split"]})}
+            if vals:
+                cell["mean"], cell["std"] = _mean_std(vals)
+            for name in ("params", "attention_params", "flops", "s_per_step", "peak_rss_mb", "majority_acc"):
+                xs = [f.get(name) for f in figs if isinstance(f.get(name), (int, float))]
+                cell[name] = statistics.fmean(xs) if xs and name in ("s_per_step", "peak_rss_mb",
+                                                                      "majority_acc") else (xs[0] if xs else None)
+            rows.append({"row": row.key, "label": row.label, "task": task, **cell})
+    return rows
+
+
+def file_facts(path: str | Path) -> list[dict]:
+    """``{path, bytes, sha256}`` of a data file, or of every file (not hidden) in a data folder, top level and one
+    below."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in list(p.glob("*")) + list(p.glob("*/*"))
+                                           if f.is_file() and not any(s.startswith(".") for s in f.parts[-2:]))
+    out = []
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        out.append({"path": str(f), "bytes": f.stat().st_size, "sha256": h.hexdigest()})
+    return out

@@ -1,0 +1,222 @@
+"""Running the grid: state of each run directory, one run as subprocesses, and the local / submitit executors.
+
+A run is *finished* when its ``results.json`` exists (and, for LM, its ``eval.json``) and its ``reproduce.json``
+carries the same key; finished runs are never run again. A run with ``checkpoints/last.pt`` but no results was
+interrupted and continues with ``mgk train --resume``; anything else starts from scratch. Each run's output goes
+to ``<run_dir>/reproduce.log``; ``reproduce.json`` records the key, the commands, exit codes, wall time and the
+peak resident memory of each process (from ``wait4``), written atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from .grid import Run
+
+__all__ = ["run_state", "execute_run", "run_local", "run_submitit", "slurm_parameters", "sbatch_preview",
+           "read_record"]
+
+RECORD = "reproduce.json"
+
+
+def read_record(run_dir: Path) -> dict:
+    """``reproduce.json`` of a run directory ({} when absent or unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_record(run_dir: Path, record: dict) -> None:
+    tmp = run_dir / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / RECORD)
+
+
+def run_state(run: Run) -> str:
+    """``finished``, ``evaluate`` (trained, LM evaluation missing), ``resume`` (checkpoint, no results),
+    ``new``, or ``conflict`` (results of another config in this directory: left alone)."""
+    d = run.run_dir
+    if (d / "results.json").is_file():
+        if read_record(d).get("key") != run.key:
+            return "conflict"
+        return "evaluate" if run.eval_args is not None and not run.eval_json.is_file() else "finished"
+    return "resume" if (d / "checkpoints" / "last.pt").is_file() else "new"
+
+
+def _child_env(threads: int | None) -> dict:
+    env = dict(os.environ)
+    if threads is not None:  # one thread per run by default: N runs share N cores without oversubscription
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[name] = str(threads)
+    return env
+
+
+def _spawn(cmd: list[str], log: Path, env: dict) -> tuple[int, float, float]:
+    """Run ``cmd`` appending to ``log``: (exit code, wall seconds, peak RSS in MB of that process)."""
+    t0 = time.time()
+    with open(log, "a") as fh:
+        fh.write(f"\n$ {shlex.join(cmd)}\n")
+        fh.flush()
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)  # wait4: the rusage of this child alone
+        p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, time.time() - t0, usage.ru_maxrss / 1024
+
+
+def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1) -> dict:
+    """Bring ``run`` to finished: train (or resume), then evaluate for LM. Returns its record (``status``:
+    ``skipped``, ``done`` or ``failed``; ``log``; per-command exit codes). Never raises for a failed command."""
+    state = run_state(run)
+    if state in ("finished", "conflict"):
+        rec = read_record(run.run_dir)
+        status = "skipped" if state == "finished" else "failed"
+        return {**rec, "status": status, "state": state, "log": str(run.run_dir / "reproduce.log"),
+                **({"error": "results.json of another config in this directory (left alone)"}
+                   if state == "conflict" else {})}
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    log = run.run_dir / "reproduce.log"
+    rec = read_record(run.run_dir)
+    rec.update({"key": run.key, "row": run.row.key, "task": run.task, "seed": run.seed,
+                "train_args": list(run.train_args), "eval_args": list(run.eval_args or []), "log": str(log)})
+    rec.setdefault("attempts", [])
+    env = _child_env(threads)
+    commands = []
+    if state in ("new", "resume"):
+        commands.append(("train", run.train_command(python, resume=state == "resume")))
+    if run.eval_args is not None:
+        commands.append(("eval", run.eval_command(python)))
+    rec["status"] = "done"
+    for name, cmd in commands:
+        rc, wall, rss = _spawn(cmd, log, env)
+        rec["attempts"].append({"what": name, "state": state, "command": shlex.join(cmd), "rc": rc,
+                                "wall_s": round(wall, 2), "peak_rss_mb": round(rss, 1),
+                                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        if name == "train" and rc == 0:
+            rec["peak_rss_mb"] = round(rss, 1)
+        if rc != 0:
+            rec.update(status="failed", error=f"`mgk {name}` exited with {rc}; see {log}")
+            break
+        if name == "train":  # recorded before the LM evaluation starts, so that a crash there keeps it
+            _write_record(run.run_dir, rec)
+    rec["state"] = state
+    _write_record(run.run_dir, rec)
+    return rec
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _announce(run: Run, rec: dict, i: int, n: int) -> None:
+    what = {"skipped": "finished earlier, skipped", "done": "done", "failed": f"FAILED ({rec.get('error')})"}
+    _say(f"[{i}/{n}] {run.task} {run.row.key} seed {run.seed}: {what.get(rec['status'], rec['status'])}")
+
+
+def run_local(runs: list[Run], jobs: int, threads: int | None = 1) -> list[dict]:
+    """Run the grid with ``jobs`` processes at once on this machine (plain subprocesses)."""
+    records: dict[int, dict] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(execute_run, r, sys.executable, threads): i for i, r in enumerate(runs)}
+        for k, fut in enumerate(as_completed(futures), 1):
+            i = futures[fut]
+            records[i] = fut.result()
+            _announce(runs[i], records[i], k, len(runs))
+    return [records[i] for i in range(len(runs))]
+
+
+# --------------------------------------------------------------------------- submitit: local and Slurm
+
+_GENERIC = {"timeout_min": "time", "mem_gb": "mem", "nodes": "nodes", "cpus_per_task": "cpus_per_task",
+            "gpus_per_node": "gpus_per_node", "tasks_per_node": "ntasks_per_node", "name": "job_name",
+            "stderr_to_stdout": "stderr_to_stdout"}
+
+
+def _value(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def slurm_parameters(pairs) -> dict:
+    """``--slurm KEY=VALUE`` pairs -> submitit AutoExecutor parameters: the generic names (timeout_min, mem_gb,
+    nodes, cpus_per_task, gpus_per_node, tasks_per_node, name) as they are, any other sbatch option as
+    ``slurm_<key>`` (``partition=gpu`` -> ``slurm_partition``). ValueError naming an option sbatch lacks."""
+    import inspect
+
+    from submitit.slurm import slurm
+
+    known = set(inspect.signature(slurm._make_sbatch_string).parameters) - {"command", "folder"}
+    params = {"timeout_min": 24 * 60, "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 4, "gpus_per_node": 1}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--slurm expects KEY=VALUE, got {pair!r}")
+        k, v = (s.strip() for s in pair.split("=", 1))
+        k = k.replace("-", "_")
+        if k in _GENERIC:
+            params[k] = _value(v)
+        else:
+            bare = k[len("slurm_"):] if k.startswith("slurm_") else k
+            if bare not in known:
+                raise ValueError(f"--slurm {pair}: unknown option {bare!r} (generic: {', '.join(_GENERIC)}; "
+                                 f"sbatch: {', '.join(sorted(known))})")
+            params[f"slurm_{bare}"] = _value(v)
+    return params
+
+
+def sbatch_preview(params: dict, folder: Path, command: str) -> str:
+    """The sbatch script submitit would write for ``params`` (no cluster needed)."""
+    from submitit.slurm import slurm
+
+    kwargs = {}
+    for k, v in params.items():
+        if k in _GENERIC:
+            kwargs[_GENERIC[k]] = f"{v}GB" if k == "mem_gb" else v
+        else:
+            kwargs[k[len("slurm_"):]] = v
+    return slurm._make_sbatch_string(command=command, folder=str(folder), **kwargs)
+
+
+def _make_executor(kind: str, folder: Path, params: dict):
+    import submitit
+
+    if kind == "slurm":
+        ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+        ex.update_parameters(**params)
+        return ex
+    ex = submitit.LocalExecutor(folder=str(folder))
+    ex.update_parameters(timeout_min=params.get("timeout_min", 24 * 60))
+    return ex
+
+
+def run_submitit(runs: list[Run], kind: str, folder: Path, *, jobs: int, params: dict | None = None,
+                 threads: int | None = 1) -> list[dict]:
+    """Run each grid entry as a submitit job (``kind``: ``submitit-local`` or ``slurm``), at most ``jobs`` at once,
+    and wait for them. A job that dies is a failed run with its submitit log; the others go on."""
+    ex = _make_executor(kind, folder, params or {})
+    pending = list(enumerate(runs))
+    active: list = []
+    records: dict[int, dict] = {}
+    done = 0
+    while pending or active:
+        while pending and len(active) < max(1, jobs):
+            i, run = pending.pop(0)
+            active.append((i, ex.submit(execute_run, run, sys.executable, threads)))
+        time.sleep(0.5)
+        for i, job in [a for a in active if a[1].done()]:
+            active.remove((i, job))
+            try:
+                records[i] = job.result()
+            except Exception as exc:  # the job itself died (node failure, timeout): report, keep going
+                records[i] = {"status": "failed", "error": f"submitit job {job.job_id}: {str(exc)[-300:]}",
+                              "log": str(job.paths.stdout)}
+            done += 1
+            _announce(runs[i], records[i], done, len(runs))
+    return [records[i] for i in range(len(runs))]

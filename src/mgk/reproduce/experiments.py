@@ -1,0 +1,129 @@
+"""The paper's experiments as data: one :class:`Experiment` per table, one :class:`Row` per model setting.
+
+Paper numbers are those of T. Nguyen et al., "Improving Transformers with Probabilistic Attention Keys" (ICML 2022):
+Table 1 (softmax / MGK family on LRA), Table 2 (linear / MLK family), Table 4 (mixture-weight ablation, 1 head) and
+Table 3 (WikiText-103 perplexity). LRA numbers are test accuracy in % (mean of 5 seeds); WikiText-103 numbers are
+perplexities on valid and test. ``None`` marks a setting whose number we do not carry (the report prints "—").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Row", "Experiment", "EXPERIMENTS", "get_experiment", "TASK_LABELS"]
+
+TASK_LABELS = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
+               "pathfinder": "Pathfinder", "lm": "WikiText-103"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One model setting of a table.
+
+    ``key`` names it on the command line (``--only row=mgk-4``); ``paper`` maps a task (or, for language modelling,
+    a split: ``valid`` / ``test``) to the paper's number; ``overrides`` are extra ``--set key=value`` pairs.
+    """
+
+    key: str
+    attention: str
+    heads: int
+    pi: str = "learned"
+    paper: dict = field(default_factory=dict)
+    overrides: tuple = ()
+
+    @property
+    def label(self) -> str:
+        """Human name, e.g. ``sMGK x 4 (Soft-E)``."""
+        names = {"softmax": "softmax", "mgk": "MGK", "smgk": "sMGK", "linear": "linear", "mlk": "MLK",
+                 "smlk": "sMLK"}
+        pis = {"learned": "", "soft_e": " (Soft-E)", "hard_e": " (Hard-E)"}
+        return f"{names.get(self.attention, self.attention)} x {self.heads}{pis.get(self.pi, ' (' + self.pi + ')')}"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A table of the paper: rows x tasks. ``metric`` is ``acc`` (higher is better) or ``ppl`` (lower)."""
+
+    name: str
+    title: str
+    tasks: tuple
+    optional_tasks: tuple
+    rows: tuple
+    metric: str = "acc"
+
+
+def _lra(listops, text, retrieval) -> dict:
+    return {"listops": listops, "text": text, "retrieval": retrieval}
+
+
+_NONE = _lra(None, None, None)
+
+_SOFTMAX_FAMILY = (
+    Row("softmax-8", "softmax", 8, paper=_lra(37.03, 65.71, 81.74)),
+    Row("softmax-4", "softmax", 4, paper=_lra(36.89, 65.26, 81.54)),
+    Row("softmax-2", "softmax", 2, paper=_NONE),
+    Row("softmax-1", "softmax", 1, paper=_lra(36.81, 64.48, 77.9)),
+    Row("mgk-4", "mgk", 4, paper=_lra(36.98, 65.69, 82.23)),
+    Row("mgk-2", "mgk", 2, paper=_NONE),
+    Row("mgk-1", "mgk", 1, paper=_lra(37.13, 65.40, 80.63)),
+    Row("smgk-4", "smgk", 4, paper=_lra(37.25, 65.51, 82.79)),
+    Row("smgk-2", "smgk", 2, paper=_NONE),
+    Row("smgk-1", "smgk", 1, paper=_NONE),
+)
+
+_LINEAR_FAMILY = (
+    Row("linear-8", "linear", 8, paper=_lra(19.17, 65.85, 81.18)),
+    Row("linear-4", "linear", 4, paper=_NONE),
+    Row("linear-2", "linear", 2, paper=_NONE),
+    Row("linear-1", "linear", 1, paper=_NONE),
+    Row("mlk-4", "mlk", 4, paper=_lra(20.06, 65.7, 81.34)),
+    Row("mlk-2", "mlk", 2, paper=_NONE),
+    Row("mlk-1", "mlk", 1, paper=_NONE),
+    Row("smlk-4", "smlk", 4, paper=_NONE),
+    Row("smlk-2", "smlk", 2, paper=_NONE),
+    Row("smlk-1", "smlk", 1, paper=_NONE),
+)
+
+_PI_ABLATION = (
+    Row("mgk-1-learned", "mgk", 1, "learned", paper=_lra(37.13, 65.40, 80.63)),
+    Row("mgk-1-soft_e", "mgk", 1, "soft_e", paper=_lra(33.85, 65.25, 80.73)),
+    Row("mgk-1-hard_e", "mgk", 1, "hard_e", paper=_NONE),
+    Row("smgk-1-learned", "smgk", 1, "learned", paper=_NONE),
+    Row("smgk-1-soft_e", "smgk", 1, "soft_e", paper=_lra(37.05, 64.68, 81.44)),
+    Row("smgk-1-hard_e", "smgk", 1, "hard_e", paper=_lra(37.25, 64.7, 81.29)),
+)
+
+
+def _ppl(valid, test) -> dict:
+    return {"valid": valid, "test": test}
+
+
+_WT103 = (
+    Row("softmax-8", "softmax", 8, paper=_ppl(33.15, 34.29)),
+    Row("mgk-4", "mgk", 4, paper=_ppl(33.28, 34.21)),
+    Row("smgk-8", "smgk", 8, paper=_ppl(32.92, 33.99)),
+    Row("mgk-8", "mgk", 8, paper=_ppl(32.74, 33.93)),
+    Row("linear-8", "linear", 8, paper=_ppl(38.07, 39.08)),
+    Row("mlk-4", "mlk", 4, paper=_ppl(38.49, 39.46)),
+    Row("mlk-8", "mlk", 8, paper=_ppl(37.78, 38.99)),
+)
+
+_LRA_TASKS = ("listops", "text", "retrieval")
+_LRA_OPTIONAL = ("image", "pathfinder")
+
+EXPERIMENTS = {e.name: e for e in (
+    Experiment("lra-softmax-family", "LRA, softmax and MGK families (paper Table 1)", _LRA_TASKS, _LRA_OPTIONAL,
+               _SOFTMAX_FAMILY),
+    Experiment("lra-linear-family", "LRA, linear and MLK families (paper Table 2)", _LRA_TASKS, _LRA_OPTIONAL,
+               _LINEAR_FAMILY),
+    Experiment("lra-pi-ablation", "LRA, mixture weights of 1-head MGK / sMGK: learned, Soft-E, Hard-E "
+               "(paper Table 4)", _LRA_TASKS, _LRA_OPTIONAL, _PI_ABLATION),
+    Experiment("wt103", "WikiText-103 perplexity, sliding-window evaluation (paper Table 3)", ("lm",), (), _WT103,
+               metric="ppl"),
+)}
+
+
+def get_experiment(name: str) -> Experiment:
+    """The experiment called ``name``; ValueError listing the known names otherwise."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]

@@ -1,0 +1,82 @@
+"""Plots of a grid: validation curves of every row overlaid per task, and the metric against attention parameters."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .grid import Run
+
+__all__ = ["plot_learning_curves", "plot_accuracy_vs_params"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _curve(run: Run, name: str) -> dict[int, float]:
+    from ..train.records import read_metrics
+
+    return {r["step"]: r[name] for r in read_metrics(run.run_dir) if isinstance(r.get(name), (int, float))}
+
+
+def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Path]:
+    """``learning_curves_<task>.png``: per row, the validation metric (mean over seeds at each logged step)."""
+    plt = _pyplot()
+    name = "val/acc" if metric == "acc" else "val/ppl"
+    written = []
+    for task in dict.fromkeys(r.task for r in runs):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        drawn = False
+        for key, label in dict.fromkeys((r.row.key, r.row.label) for r in runs if r.task == task):
+            curves = [_curve(r, name) for r in runs if r.task == task and r.row.key == key]
+            steps = sorted(set().union(*curves)) if curves else []
+            pts = [(s, statistics.fmean(c[s] for c in curves if s in c)) for s in steps]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("optimiser step")
+        ax.set_ylabel(name)
+        ax.set_title(runs[[r.task for r in runs].index(task)].task_label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"learning_curves_{task}.png"
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
+    """``metric_vs_attention_params.png``: one point per row and task (mean over seeds)."""
+    cells = [c for c in rep["rows"] if c["n"] and c.get("attention_params")]
+    if not cells:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    labels = {t["task"]: t["label"] for t in rep["tasks"]}
+    for task in dict.fromkeys(c["task"] for c in cells):
+        mine = [c for c in cells if c["task"] == task]
+        ax.scatter([c["attention_params"] for c in mine], [c["mean"] for c in mine], label=labels.get(task, task))
+        for c in mine:
+            ax.annotate(c["row"], (c["attention_params"], c["mean"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_xlabel("attention parameters")
+    ax.set_ylabel("accuracy %" if rep["metric"] == "acc" else "perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "metric_vs_attention_params.png"
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
