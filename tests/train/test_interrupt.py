@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -126,3 +127,62 @@ def test_real_sigint_and_sigterm_then_exact_resume(tmp_path, th):
         assert line.endswith(f"continue with: mgk train --resume {out}")
         th.run(th.mgk_cmd("train", "--resume", str(out)))
         _assert_same_run(th, straight, out)
+
+
+def _children(pid):
+    """Pids whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _rank_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        return int(env.get(b"RANK", b"-1"))
+    except (OSError, ValueError):
+        return -1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the torchrun workers through Linux /proc")
+def test_torchrun_ranks_agree_on_the_stop_step(tmp_path, th):
+    """SIGTERM to rank 1 alone: both ranks stop after the same step (rank 0 writes last.pt and says it), and the
+    resumed run equals an uninterrupted one with the same two processes."""
+    args = ["train", "--attention", "mgk", "--pi", "soft_e", "--steps", "30",
+            *th.sets(*th.TINY, "dropout=0.0", "attn_dropout=0.0", "eval_every=5")]
+    straight, out = tmp_path / "straight", tmp_path / "stopped"
+    th.run_torchrun(2, [*args, "--out", str(straight)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mgk", *args,
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=th.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
+            if steps and steps[-1][0] >= 5:
+                rank1 = [p for p in _children(proc.pid) if _rank_of(p) == 1]
+                assert len(rank1) == 1, "rank 1 not found among torchrun's children"
+                os.kill(rank1[0], signal.SIGTERM)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be interrupted: {proc.stderr.read()}")
+            time.sleep(0.02)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    step = th.last_state(out)["loop_state"]["step"]
+    assert 5 <= step < 30 and th.metrics(out)[-1]["step"] == step
+    assert f"mgk train: stopped by SIGTERM at step {step} of 30;" in err
+    th.run_torchrun(2, ["train", "--resume", str(out)])
+    _assert_same_run(th, straight, out)

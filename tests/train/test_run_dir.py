@@ -13,9 +13,21 @@ import yaml
 from mgk.cli import main
 from mgk.data.listops import generate_listops, write_listops_tsv
 from mgk.train import evaluate as evaluate_mod
-from mgk.train.rundir import LOCK_NAME, RunDirLock, holder_pid
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+LOCK_NAME = ".mgk-lock"
+
+
+def RunDirLock(*args, **kwargs):  # imported late, so that each test fails alone on a checkout without it
+    from mgk.train.rundir import RunDirLock as cls
+
+    return cls(*args, **kwargs)
+
+
+def holder_pid(run_dir):
+    from mgk.train.rundir import holder_pid as fn
+
+    return fn(run_dir)
 
 
 def _one_line(excinfo) -> str:

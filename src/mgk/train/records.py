@@ -7,8 +7,9 @@ Layout of a run directory::
     metrics.jsonl    one JSON object per logged step: {"step": ..., "train/loss": ..., "val/acc": ...}
     tb/              TensorBoard events
     checkpoints/     last.pt (for --resume) and best.pt (best validation accuracy)
-    results.json     final figures (written once at the end)
+    results.json     final figures (written atomically, last: its presence means the run finished)
     plots/           learning_curves.png
+    .mgk-lock        the lock of a live run (see :mod:`mgk.train.rundir`)
 """
 from __future__ import annotations
 
