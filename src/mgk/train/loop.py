@@ -376,14 +376,18 @@ class Trainer:
         return logged[-1] if logged else 0.0
 
 
-def finished_results(run_dir: str | Path, steps: int) -> dict | None:
-    """results.json of ``run_dir`` when it reports at least ``steps`` steps (the run is finished), else None."""
-    path = Path(run_dir) / "results.json"
+def finished_results(run_dir: str | Path, cfg: RunConfig) -> dict | None:
+    """results.json of ``run_dir`` when the run is finished for ``cfg``: it reports at least ``cfg.steps`` steps and
+    ``cfg`` asks for nothing else than config.yaml says (a changed field goes through the resume checks); else
+    None."""
     try:
-        results = json.loads(path.read_text())
+        results = json.loads((Path(run_dir) / "results.json").read_text())
+        saved = records.read_config(Path(run_dir))
     except (OSError, ValueError):
         return None
-    return results if isinstance(results, dict) and results.get("steps", -1) >= steps else None
+    now = config_mod.to_dict(cfg)
+    same = all(saved.get(k) == v for k, v in now.items() if k not in ("steps", "progress"))
+    return results if same and isinstance(results, dict) and results.get("steps", -1) >= cfg.steps else None
 
 
 def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
@@ -397,7 +401,7 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
     device does not exist; RunDirError when the directory is in use or (new run) not empty; Interrupted on a
     signal."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    if resume and (done := finished_results(run_dir, cfg.steps)) is not None:
+    if resume and (done := finished_results(run_dir, cfg)) is not None:
         if rank0:
             tqdm.write(f"{run_dir} is finished ({done['steps']} steps, results.json): nothing to do; to train "
                        f"longer: mgk train --resume {shlex.quote(str(run_dir))} --steps N", file=sys.stderr)
