@@ -152,3 +152,26 @@ def test_table_reads_a_folder_of_runs_and_reports_missing_results(tmp_path, caps
         main(["table", str(tmp_path / "empty")])
     table, warnings = lra_table([])
     assert "| — |" in table and warnings == []
+
+
+def test_table_lists_unfinished_runs_and_goes_on(tmp_path, capsys):
+    """A run directory without results.json (failed, stopped or still training) is listed below the table."""
+    import os
+
+    import yaml
+
+    done = _run(tmp_path / "runs", "done", "listops", "mgk", 4, 0, test=0.4)
+    failed, running = tmp_path / "runs" / "failed", tmp_path / "runs" / "running"
+    for d, step in ((failed, 7), (running, 3)):
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump({"task": "text", "attention": "softmax", "num_heads": 8,
+                                                       "steps": 100}))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": step, "train/loss": 1.0}) + "\n")
+    (running / ".mgk-lock").write_text(f"{os.getpid()}\n")  # the pid a live training writes into its lock file
+    for argv in ([str(failed), str(done), str(running)], [str(tmp_path / "runs")]):
+        assert main(["table", *argv]) == 0
+        out = capsys.readouterr().out
+        assert "| mgk | 4 | 40.00 | — | — | — | — | 40.00 (1/5) |" in out
+        assert "unfinished (no results.json): 2 run(s)" in out
+        assert f"- {failed}: text softmax x 8, step 7 of 100, failed or stopped" in out
+        assert f"- {running}: text softmax x 8, step 3 of 100, running (pid {os.getpid()})" in out

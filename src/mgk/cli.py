@@ -29,7 +29,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>); "
+                                                "must be empty or new")
+    p.add_argument("--overwrite", action="store_true",
+                   help="clear --out first when it holds an earlier run (never a directory in use)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field (repeatable), e.g. --set batch_size=16 --set lr=3e-4")
@@ -43,6 +46,7 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
         cfg = config_mod.from_dict(read_config(run_dir))
         flags = [n for n in ("task", "preset", "data", "attention", "heads", "pi", "seed", "out")
                  if getattr(args, n) is not None]
+        flags += ["overwrite"] if args.overwrite else []
         if flags:
             raise SystemExit(f"mgk train --resume takes its config from {run_dir}/config.yaml; "
                              f"drop --{', --'.join(flags)} (use --set for steps or bookkeeping fields)")
@@ -72,7 +76,8 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
 
 
 def _run_train(args) -> int:
-    from .train.loop import fit
+    from .train.loop import Interrupted, fit
+    from .train.rundir import RunDirError
 
     try:
         cfg, run_dir, resume = _resolve_train_config(args)
@@ -80,9 +85,13 @@ def _run_train(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"mgk train: {e}") from None
     try:
-        fit(cfg, run_dir, resume=resume, device=args.device)
-    except (ValueError, FileNotFoundError) as e:  # bad data, config or checkpoint: one line naming the cause
+        fit(cfg, run_dir, resume=resume, device=args.device, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, RunDirError) as e:  # bad data, config, checkpoint or run directory
         raise SystemExit(f"mgk train: {e}") from None
+    except Interrupted as e:  # SIGINT / SIGTERM: one line with the --resume command, exit 128 + signal
+        if e.is_main:
+            print(f"mgk train: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 
@@ -111,6 +120,7 @@ def _run_eval(args) -> int:
     import json
 
     from .train.lm_eval import evaluate_run
+    from .train.rundir import RunDirError
 
     for name in ("context", "stride", "batch_size"):
         value = getattr(args, name)
@@ -120,7 +130,7 @@ def _run_eval(args) -> int:
         result = evaluate_run(args.run_dir, split=args.split, data=args.data, context=args.context,
                               stride=args.stride, batch_size=args.batch_size, device=args.device,
                               which=args.checkpoint, json_path=args.json, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RunDirError) as e:
         raise SystemExit(f"mgk eval: {e}") from None
     if result is not None:
         print(json.dumps({k: result[k] for k in ("split", "ppl", "nll", "tokens", "protocol", "context", "stride",
@@ -179,13 +189,15 @@ def _table_parser(sub) -> None:
 
 
 def _run_table(args) -> int:
-    from .tasks.lra_table import lra_table, read_results
+    from .tasks.lra_table import find_runs, lra_table, read_results
+    from .train.records import run_status
 
     try:
-        results = read_results(args.runs)
+        done, unfinished = find_runs(args.runs)
+        results = read_results(args.runs, files=done)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"mgk table: {e}") from None
-    table, warnings = lra_table([r for _, r in results])
+    table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
     print(table)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -212,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "data": _run_data,
                 "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and reports on its own)
+        print(f"mgk {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class RunConfig:
     # task and data
     task: str = _f("listops", "data")
     data: Optional[str] = _f(None, "data")  # folder with the release files; None = generate the embedded default
+    data_as_given: Optional[str] = _f(None, "data")  # --data as typed; ``data`` holds it as an absolute path
     max_len: int = _f(128, "data")  # longest input in tokens (a longer one is an error unless truncate)
     truncate: bool = _f(False, "data")
     gen_train: int = _f(6000, "data")  # sizes of the generated default data (used when data is None)

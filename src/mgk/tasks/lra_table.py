@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..config import RunConfig
 
-__all__ = ["COLUMNS", "KIND_ORDER", "find_results", "read_results", "run_accuracy", "setting", "lra_table",
-           "data_check"]
+__all__ = ["COLUMNS", "KIND_ORDER", "find_runs", "find_results", "read_results", "run_accuracy", "setting",
+           "lra_table", "data_check"]
 
 COLUMNS = (("listops", "ListOps"), ("text", "Text"), ("retrieval", "Retrieval"), ("image", "Image"),
            ("pathfinder", "Pathfinder"))
@@ -26,36 +26,47 @@ _NO_MIXTURE = ("softmax", "linear")
 DASH = "—"
 
 
-def find_results(paths) -> list[Path]:
-    """``results.json`` of each path: a run directory, a results.json file, or a folder whose sub-folders (any
-    depth) are run directories.
+def find_runs(paths) -> tuple[list[Path], list[Path]]:
+    """``(results.json files, unfinished run directories)`` of ``paths``: each a run directory, a results.json file,
+    or a folder whose sub-folders (any depth) are run directories. A run directory (it has config.yaml) without
+    results.json is unfinished: failed, stopped or still running.
 
     Raises:
-        FileNotFoundError: a path that does not exist or holds no results.json at all (the message names it).
+        FileNotFoundError: a path that does not exist or holds no run at all (the message names it).
     """
-    out: list[Path] = []
+    done: list[Path] = []
+    unfinished: list[Path] = []
     for p in map(Path, paths):
         if p.is_file() and p.name == "results.json":
-            out.append(p)
+            done.append(p)
         elif (p / "results.json").is_file():
-            out.append(p / "results.json")
-        elif p.is_dir() and (found := sorted(p.rglob("results.json"))):
-            out.extend(found)
+            done.append(p / "results.json")
+        elif (p / "config.yaml").is_file():
+            unfinished.append(p)
+        elif p.is_dir() and (runs := sorted({c.parent for c in p.rglob("config.yaml")}
+                                            | {r.parent for r in p.rglob("results.json")})):
+            done.extend(r / "results.json" for r in runs if (r / "results.json").is_file())
+            unfinished.extend(r for r in runs if not (r / "results.json").is_file())
         elif not p.exists():
             raise FileNotFoundError(f"{p}: no such run directory")
         else:
             raise FileNotFoundError(f"{p / 'results.json'} not found: is {p} a finished `mgk train` run?")
-    return out
+    return done, unfinished
 
 
-def read_results(paths) -> list[tuple[Path, dict]]:
-    """``(results.json path, its dict)`` for :func:`find_results` of ``paths``.
+def find_results(paths) -> list[Path]:
+    """The results.json files of :func:`find_runs` (unfinished runs left out)."""
+    return find_runs(paths)[0]
+
+
+def read_results(paths, files: list[Path] | None = None) -> list[tuple[Path, dict]]:
+    """``(results.json path, its dict)`` for :func:`find_results` of ``paths`` (or for ``files`` when given).
 
     Raises:
         ValueError: a results.json that is not valid JSON or lacks task/attention/num_heads (names the file).
     """
     out = []
-    for f in find_results(paths):
+    for f in find_results(paths) if files is None else files:
         try:
             res = json.loads(f.read_text())
         except json.JSONDecodeError as exc:
@@ -101,8 +112,10 @@ def _cell(values: list[float]) -> str:
     return f"{m:.2f} ± {sd:.2f} (n={len(values)})"
 
 
-def lra_table(results: list[dict]) -> tuple[str, list[str]]:
+def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, list[str]]:
     """The markdown LRA table of ``results`` (dicts of results.json) and warnings (runs left out).
+
+    ``unfinished``: one line per run directory without results.json, listed below the footnotes.
 
     Returns:
         ``(markdown, warnings)``: the table, a blank line and footnotes; warnings name runs of other tasks or
@@ -152,6 +165,9 @@ def lra_table(results: list[dict]) -> tuple[str, list[str]]:
         notes.append("† validation accuracy: at least one run of this cell has no test split.")
     notes.append("Avg: mean over the columns that have values"
                  + (" (k/5 = over k of the 5 columns)." if any_partial else " (all five)."))
+    if unfinished:
+        notes.append(f"Not in the table, unfinished (no results.json): {len(unfinished)} run(s)")
+        notes.extend(f"- {line}" for line in unfinished)
     if not cells:
         lines.append("| " + " | ".join([DASH] * (len(COLUMNS) + 3)) + " |")
     return "\n".join(lines + notes), warnings

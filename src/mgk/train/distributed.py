@@ -27,16 +27,37 @@ class Dist:
         return self.rank == 0
 
 
+def check_device(device: str) -> torch.device:
+    """``torch.device(device)`` when that device exists here; ValueError naming it otherwise (a bad string, CUDA
+    or MPS requested where there is none, a CUDA index beyond the devices present)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(f"--device {device}: no {dev.type} device on this machine; use --device cpu")
+    return dev
+
+
 def setup(device: str | None = None) -> Dist:
-    """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); pick the device."""
+    """Initialise the process group when launched by torchrun (WORLD_SIZE > 1); pick the device. ValueError
+    naming ``device`` when it does not exist here (:func:`check_device`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = check_device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local)
+        dev = torch.device("cuda", local if dev.index is None or world > 1 else dev.index)
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
@@ -55,6 +76,15 @@ def all_sum(values: list[float], device) -> list[float]:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
+
+
+def all_max(value: int, device) -> int:
+    """The largest of every rank's ``value`` (``value`` itself in one process)."""
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+    return value
 
 
 def gather_objects(obj) -> list:

@@ -38,6 +38,7 @@ from ..data import wikitext as wt
 from ..models import IGNORE_INDEX, TransformerLM
 from . import checkpoint, distributed
 from .records import read_config
+from .rundir import RunDirLock
 from .state import LoopState
 
 __all__ = ["evaluate_run", "evaluate_tokens", "window_plan"]
@@ -182,15 +183,28 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str 
     Returns the result dict (on rank 0; None elsewhere) with ppl, nll (per token), nll_sum, tokens (predicted),
     protocol ("segments" or "sliding"), context, stride, windows, split, file, checkpoint, step, ...
 
-    Raises FileNotFoundError naming what is missing; ValueError when the vocabulary does not match the checkpoint.
+    Raises FileNotFoundError naming what is missing; ValueError when the vocabulary does not match the checkpoint
+    or ``device`` does not exist here; :class:`~mgk.train.rundir.RunDirError` while a run trains in ``run_dir``
+    (the evaluation holds the directory's lock shared, so evaluations may run side by side).
     """
-    from ..tasks.lm import cache_dir
-
-    t0 = time.perf_counter()
     run_dir = Path(run_dir)
     cfg = config_mod.from_dict(read_config(run_dir))
     if cfg.task != "lm":
         raise ValueError(f"{run_dir} is a {cfg.task!r} run; mgk eval measures language-model perplexity")
+    if device is not None:
+        distributed.check_device(device)
+    with RunDirLock(run_dir, shared=True):
+        return _evaluate_locked(run_dir, cfg, split=split, data=data, context=context, stride=stride,
+                                batch_size=batch_size, device=device, which=which, json_path=json_path,
+                                progress=progress)
+
+
+def _evaluate_locked(run_dir: Path, cfg, *, split, data, context, stride, batch_size, device, which, json_path,
+                     progress) -> dict | None:
+    """:func:`evaluate_run` once the run directory is held."""
+    from ..tasks.lm import cache_dir
+
+    t0 = time.perf_counter()
     split = wt.split_name(split)
     path = _checkpoint_path(run_dir, which)
     ckpt = checkpoint.load(path)

@@ -11,6 +11,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,13 +28,14 @@ from ..config import RunConfig
 from ..models.config import config_differences
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
-from . import checkpoint, distributed, records
+from . import checkpoint, distributed, records, rundir
 from .evaluate import evaluate
+from .interrupt import Interrupted, SignalStop, StopSignals, signal_name
 from .precision import autocast, grad_scaler
 from .schedule import lr_factor
 from .state import LoopState
 
-__all__ = ["EpochSampler", "LoopState", "NonFiniteLoss", "Trainer", "fit"]
+__all__ = ["EpochSampler", "Interrupted", "LoopState", "NonFiniteLoss", "Trainer", "fit"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -47,14 +51,25 @@ def _say(run_dir: Path, message: str) -> None:
 class Trainer:
     """Trains ``cfg`` into ``run_dir`` (or continues it from checkpoints/last.pt when ``resume``).
 
-    Use: ``t = Trainer(cfg, run_dir); t.setup(); t.train(); results = t.finish()`` (what :func:`fit` does).
-    Raises ValueError for a batch size that does not split over ranks and accumulation steps.
+    Use: ``t = Trainer(cfg, run_dir); t.setup(); t.train(); results = t.finish()`` (what :func:`fit` does; call
+    ``t.close()`` when one of them raises). ``setup`` locks the run directory (:mod:`mgk.train.rundir`) and, for a
+    new run, requires it empty unless ``overwrite``; ``finish`` or ``close`` releases it. A relative ``cfg.data`` of
+    a new run is stored as an absolute path (``data_as_given`` keeps it as typed). With ``stop``
+    (:class:`~mgk.train.interrupt.StopSignals`), a recorded signal ends ``train`` after the current step with
+    last.pt written, raising :class:`~mgk.train.interrupt.Interrupted`.
+    Raises ValueError for a batch size that does not split over ranks and accumulation steps, or a device that does
+    not exist here.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
+                 overwrite: bool = False, stop: StopSignals | None = None):
+        if not resume and cfg.data is not None and cfg.data_as_given is None:
+            cfg = dataclasses.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data)), data_as_given=cfg.data)
         self.cfg = config_mod.validate(cfg)
         self.dist = distributed.setup(device)
-        self.run_dir, self.resume = Path(run_dir), resume
+        self.run_dir, self.resume, self.overwrite, self.stop = Path(run_dir), resume, overwrite, stop
+        self.lock: rundir.RunDirLock | None = None
+        self.saved_step: int | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
         if cfg.batch_size % (self.dist.world_size * cfg.grad_accum):
             raise ValueError(f"batch_size={cfg.batch_size} must be divisible by world_size ({self.dist.world_size}) "
@@ -67,7 +82,9 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Data, model, optimiser, then the checkpoint (resume) or fresh seeds, then the run's records."""
+        """The run directory's lock, data, model, optimiser, then the checkpoint (resume) or fresh seeds, then the
+        run's records. Raises :class:`~mgk.train.rundir.RunDirError` when the directory is in use or not empty."""
+        self._claim_run_dir()
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
@@ -79,11 +96,23 @@ class Trainer:
         self.net = DistributedDataParallel(self.model) if self.dist.world_size > 1 else self.model
         self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.batch_size, self.cfg.seed)
 
+    def _claim_run_dir(self) -> None:
+        """Rank 0 alone takes the lock (the ranks of one run must not block each other); every rank learns whether
+        it got it, so that all of them stop together."""
+        error = None
+        if self.dist.is_main:
+            try:
+                self.lock = rundir.claim(self.run_dir, resume=self.resume, overwrite=self.overwrite,
+                                         data=self.cfg.data)
+            except rundir.RunDirError as e:
+                error = e
+        if distributed.all_max(int(error is not None), self.dist.device):
+            raise error or rundir.RunDirError(f"rank 0 could not claim {self.run_dir}")
+
     def _setup_data(self) -> None:
         """Rank 0 finds or generates the files, then every rank builds the task; the model sizes come from it."""
         module = get_task(self.cfg.task)
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             data_dir = module.prepare(self.cfg, self.run_dir)
         distributed.barrier()
         if not self.dist.is_main:
@@ -120,6 +149,7 @@ class Trainer:
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.state = LoopState.from_checkpoint(ckpt)
+        self.saved_step = self.state.step
         rngs = ckpt["rng"]
         if len(rngs) == self.dist.world_size:
             checkpoint.set_rng_state(rngs[self.dist.rank])
@@ -150,31 +180,67 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------------------------
     def train(self) -> None:
-        """Optimiser steps until ``cfg.steps``, with logging, validation and checkpoints on their schedules."""
+        """Optimiser steps until ``cfg.steps``, with logging, validation and checkpoints on their schedules. A
+        signal recorded by ``self.stop`` ends it after the whole step (validation and checkpoint included, so that
+        resuming is exact), with last.pt written: :class:`~mgk.train.interrupt.Interrupted`."""
         cfg, d = self.cfg, self.dist
         bar = tqdm(total=cfg.steps, initial=self.state.step, disable=not (d.is_main and cfg.progress), unit="step",
                    dynamic_ncols=True)
         self.model.train()
-        while self.state.step < cfg.steps:
-            t0 = time.perf_counter()
-            train = self.train_step()
-            self.train_seconds += time.perf_counter() - t0
-            self.session_steps += 1
-            done = self.state.step
-            metrics = {}
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
-                metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/skipped": self.state.skipped})
-                bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
-            if self.splits["val"] is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
-                metrics.update({f"val/{k}": v for k, v in self.validate().items() if k != "count"})
-            if metrics and d.is_main:
-                metrics["time/seconds_per_step"] = self.train_seconds / max(1, self.session_steps)
-                self.log.log(done, metrics)
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                self.save_checkpoint()
-            bar.update(1)
-        bar.close()
+        if self.stop is not None:
+            self.stop.graceful = True
+        try:
+            while self.state.step < cfg.steps:
+                t0 = time.perf_counter()
+                train = self.train_step()
+                self.train_seconds += time.perf_counter() - t0
+                self.session_steps += 1
+                self._after_step(train, bar)
+                bar.update(1)
+                signum = distributed.all_max(self.stop.signum, d.device) if self.stop is not None else 0
+                if signum:  # every rank sees the same value, so all stop after the same step
+                    self._stop_after_step(signum)
+        finally:
+            if self.stop is not None:
+                self.stop.graceful = False
+            bar.close()
+
+    def _after_step(self, train: dict, bar) -> None:
+        """Logging, validation and checkpoint of the step just done, each on its schedule."""
+        cfg, done = self.cfg, self.state.step
+        metrics = {}
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
+            metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/skipped": self.state.skipped})
+            bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
+        if self.splits["val"] is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            metrics.update({f"val/{k}": v for k, v in self.validate().items() if k != "count"})
+        if metrics and self.dist.is_main:
+            metrics["time/seconds_per_step"] = self.train_seconds / max(1, self.session_steps)
+            self.log.log(done, metrics)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            self.save_checkpoint()
+
+    def _stop_after_step(self, signum: int) -> None:
+        """Write last.pt at the current step (unless just written), close the records and raise Interrupted."""
+        if self.saved_step != self.state.step:
+            self.save_checkpoint()
+        message = self.stop_message(signum)
+        if self.dist.is_main:
+            with open(self.run_dir / "train.log", "a") as f:
+                f.write(message + "\n")
+        self.close()
+        raise Interrupted(message, signum, self.state.step, is_main=self.dist.is_main)
+
+    def stop_message(self, signum: int) -> str:
+        """The one line said when a signal stops the run: where it stopped, what last.pt holds, how to go on."""
+        where = f"stopped by {signal_name(signum)} at step {self.state.step} of {self.cfg.steps}"
+        last = self.ckpt_dir / "last.pt"
+        if self.saved_step is None and not last.is_file():
+            return f"{where}; no checkpoint yet: start again with --overwrite --out {shlex.quote(str(self.run_dir))}"
+        held = f"{last} holds step {self.saved_step}" if self.saved_step is not None else f"{last} is kept"
+        launcher = "torchrun ... -m mgk train" if self.dist.world_size > 1 else "mgk train"
+        return f"{where}; {held}; continue with: {launcher} --resume {shlex.quote(str(self.run_dir))}"
 
     def train_step(self) -> dict:
         """One optimiser step over the global batch of ``state.step`` (accumulated over ``grad_accum`` micro-batches,
@@ -216,14 +282,15 @@ class Trainer:
         self.state.step = step + 1
         return train
 
-    def evaluate(self, dataset) -> dict:
-        """The task's metrics of the current model on ``dataset`` (every example counted once over ranks)."""
+    def evaluate(self, dataset, desc: str = "eval") -> dict:
+        """The task's metrics of the current model on ``dataset`` (every example counted once over ranks), with a
+        transient progress bar on rank 0 when ``cfg.progress``."""
         return evaluate(self.task, self.model, dataset, batch_size=self.cfg.eval_batch_size,
-                        precision=self.cfg.precision, dist_info=self.dist)
+                        precision=self.cfg.precision, dist_info=self.dist, progress=self.cfg.progress, desc=desc)
 
     def validate(self) -> dict:
         """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt."""
-        val = self.evaluate(self.splits["val"])
+        val = self.evaluate(self.splits["val"], desc="val")
         key, mode = self.task.best_metric
         best = self.state.best
         if best is None or (val[key] > best if mode == "max" else val[key] < best):
@@ -243,6 +310,7 @@ class Trainer:
                 "rng": distributed.gather_objects(checkpoint.rng_state())}
         if self.dist.is_main:
             checkpoint.save_atomic(ckpt, self.ckpt_dir / "last.pt")
+        self.saved_step = self.state.step
 
     # -- end ---------------------------------------------------------------------------------------------------
     def finish(self) -> dict | None:
@@ -256,16 +324,27 @@ class Trainer:
         if self.dist.is_main:
             for name in results.get("missing_splits", []):
                 _say(self.run_dir, f"{name} split absent: results.json reports the splits that exist")
-            (self.run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
             self.log.close()
+            self.log = None
             records.plot_learning_curves(self.run_dir)
+            records.write_results(self.run_dir, results)  # last: its presence means the run is finished
             summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                      for k, v in results[n].items())
                                 for n in ("val", "test") if results[n] is not None)
             _say(self.run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in "
                                f"{self.run_dir}")
-        distributed.teardown()
+        self.close()
         return results if self.dist.is_main else None
+
+    def close(self) -> None:
+        """Close the records, leave the process group and release the run directory (idempotent)."""
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        distributed.teardown()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def results(self) -> dict:
         """The results.json dict. Attention options the kind does not take are not reported as used (``pi`` is
@@ -277,23 +356,70 @@ class Trainer:
                    "attention_options": dict(self.task.model_config(cfg).attention.options),
                    "params": self.num_params, "steps": st.step, "seed": cfg.seed, "world_size": self.dist.world_size,
                    "precision": cfg.precision, "max_len": cfg.max_len, "best_step": st.best_step,
-                   "skipped_steps": st.skipped, "seconds_per_step": self.train_seconds / max(1, self.session_steps)}
+                   "skipped_steps": st.skipped, "seconds_per_step": self._seconds_per_step()}
         for name, ds in (("val", self.splits["val"]), ("test", self.splits["test"])):
             if ds is None:
                 results[name] = None
                 results.setdefault("missing_splits", []).append(name)
                 continue
-            m = st.best_val if name == "val" and st.best_val is not None else self.evaluate(ds)
+            m = st.best_val if name == "val" and st.best_val is not None else self.evaluate(ds, desc=name)
             results[name] = {**m, **self.task.describe(ds)}
         return results
 
+    def _seconds_per_step(self) -> float:
+        """Over this session's steps; a session that trained none (resumed after the last step) reports the last
+        logged value instead of 0."""
+        if self.session_steps:
+            return self.train_seconds / self.session_steps
+        logged = [r["time/seconds_per_step"] for r in records.read_metrics(self.run_dir)
+                  if "time/seconds_per_step" in r]
+        return logged[-1] if logged else 0.0
 
-def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None) -> dict | None:
+
+def finished_results(run_dir: str | Path, cfg: RunConfig) -> dict | None:
+    """results.json of ``run_dir`` when the run is finished for ``cfg``: it reports at least ``cfg.steps`` steps and
+    ``cfg`` asks for nothing else than config.yaml says (a changed field goes through the resume checks); else
+    None."""
+    try:
+        results = json.loads((Path(run_dir) / "results.json").read_text())
+        saved = records.read_config(Path(run_dir))
+    except (OSError, ValueError):
+        return None
+    now = config_mod.to_dict(cfg)
+    same = all(saved.get(k) == v for k, v in now.items() if k not in ("steps", "progress"))
+    return results if same and isinstance(results, dict) and results.get("steps", -1) >= cfg.steps else None
+
+
+def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
+        overwrite: bool = False) -> dict | None:
     """Train ``cfg`` into ``run_dir`` (or continue it from checkpoints/last.pt when ``resume``): :class:`Trainer`'s
-    setup, train and finish. Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss
-    is not finite and ``cfg.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model
-    config."""
-    trainer = Trainer(cfg, run_dir, resume=resume, device=device)
-    trainer.setup()
-    trainer.train()
-    return trainer.finish()
+    setup, train and finish, with SIGINT and SIGTERM handled (:mod:`mgk.train.interrupt`). Resuming a finished run
+    (results.json reports ``cfg.steps`` steps or more) changes nothing and returns its results.
+
+    Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss is not finite and
+    ``cfg.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model config or the
+    device does not exist; RunDirError when the directory is in use or (new run) not empty; Interrupted on a
+    signal."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if resume and (done := finished_results(run_dir, cfg)) is not None:
+        if rank0:
+            tqdm.write(f"{run_dir} is finished ({done['steps']} steps, results.json): nothing to do; to train "
+                       f"longer: mgk train --resume {shlex.quote(str(run_dir))} --steps N", file=sys.stderr)
+        return done if rank0 else None
+    trainer = None
+    with StopSignals() as stop:
+        try:
+            trainer = Trainer(cfg, run_dir, resume=resume, device=device, overwrite=overwrite, stop=stop)
+            trainer.setup()
+            trainer.train()
+            return trainer.finish()
+        except (SignalStop, KeyboardInterrupt) as e:
+            signum = e.signum if isinstance(e, SignalStop) else signal.SIGINT.value
+            if trainer is None:
+                raise Interrupted(f"stopped by {signal_name(signum)} before training started", signum, 0,
+                                  is_main=rank0) from None
+            raise Interrupted(trainer.stop_message(signum), signum, trainer.state.step,
+                              is_main=trainer.dist.is_main) from None
+        finally:
+            if trainer is not None:
+                trainer.close()

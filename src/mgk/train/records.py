@@ -7,8 +7,9 @@ Layout of a run directory::
     metrics.jsonl    one JSON object per logged step: {"step": ..., "train/loss": ..., "val/acc": ...}
     tb/              TensorBoard events
     checkpoints/     last.pt (for --resume) and best.pt (best validation accuracy)
-    results.json     final figures (written once at the end)
+    results.json     final figures (written atomically, last: its presence means the run finished)
     plots/           learning_curves.png
+    .mgk-lock        the lock of a live run (see :mod:`mgk.train.rundir`)
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def git_commit() -> str | None:
 def write_config(run_dir: Path, cfg_dict: dict) -> None:
     """Write config.yaml."""
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+
+
+def write_results(run_dir: Path, results: dict) -> None:
+    """Write results.json atomically (a temporary file renamed over it): readers such as ``mgk table`` never see
+    half a file."""
+    path = Path(run_dir) / "results.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def read_config(run_dir: Path) -> dict:
@@ -84,6 +94,28 @@ class MetricsLog:
         """Flush and close both sinks."""
         self._file.close()
         self.tb.close()
+
+
+def run_status(run_dir: Path) -> str:
+    """One line on a run directory without results.json: its task and model (from config.yaml), the last logged
+    step, and whether a live process still trains it (its lock, :mod:`mgk.train.rundir`) or it failed or was
+    stopped."""
+    from .rundir import holder_pid
+
+    run_dir = Path(run_dir)
+    try:
+        cfg = read_config(run_dir)
+        what = f"{cfg.get('task')} {cfg.get('attention')} x {cfg.get('num_heads')}"
+        total = cfg.get("steps")
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        what, total = "unreadable config.yaml", None
+    try:
+        step = read_metrics(run_dir)[-1]["step"]
+    except (OSError, ValueError, IndexError, KeyError):
+        step = 0
+    pid = holder_pid(run_dir)
+    state = f"running (pid {pid})" if pid is not None else "failed or stopped (resume it with --resume)"
+    return f"{run_dir}: {what}, step {step} of {total}, {state}"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
