@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from .grid import Run
 
 __all__ = ["run_state", "execute_run", "run_local", "run_submitit", "slurm_parameters", "sbatch_preview",
@@ -34,9 +35,7 @@ def read_record(run_dir: Path) -> dict:
 
 
 def _write_record(run_dir: Path, record: dict) -> None:
-    tmp = run_dir / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / RECORD)
+    write_text_atomic(run_dir / RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def run_state(run: Run) -> str:

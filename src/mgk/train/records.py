@@ -44,10 +44,7 @@ def write_config(run_dir: Path, cfg_dict: dict) -> None:
 def write_results(run_dir: Path, results: dict) -> None:
     """Write results.json atomically (a temporary file renamed over it): readers such as ``mgk table`` never see
     half a file."""
-    path = Path(run_dir) / "results.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(Path(run_dir) / "results.json", json.dumps(results, indent=2) + "\n")
 
 
 def read_config(run_dir: Path) -> dict:
