@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..functional import _mixture_flash
+from ..functional._soft_e import mgk_attention_soft_e
 from ..functional.mgk import mgk_attention, mgk_responsibilities
 from . import _float_bias, _recompute
 from .base import AttentionBase, _positive_int
@@ -106,6 +107,14 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         pi, update = self._soft_e_pi(S) if self.pi_mode == "soft_e" else (None, False)
         log_pi = self.mixture_log_weights(S, pi)
         mixture = "max" if self.pi_mode == "hard_e" else "sum"
+        if update and bias is None and not need_weights:
+            # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
+            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
+                                         is_causal=is_causal, dropout_p=self.attn_dropout, query_mask=query_mask,
+                                         backend=self.backend)
+            if fused is not None:
+                self._soft_e_apply(*fused[1:], k.shape[3])
+                return fused[0], None
         if bias is not None:
             result = _float_bias.mgk(q, k, v, log_pi, self.sigma2, mixture, mask, bias, is_causal,
                                      self.attn_dropout, need_weights)
@@ -121,7 +130,11 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     def _soft_e_update(self, q, k, log_pi, mask, is_causal, query_mask):
         resp, count = mgk_responsibilities(q, k, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
                                            is_causal=is_causal, query_mask=query_mask)
-        S = k.shape[3]
+        self._soft_e_apply(resp, count, k.shape[3])
+
+    @torch.no_grad()
+    def _soft_e_apply(self, resp, count, S):
+        """pi[:, :, :S] = resp / count where count > 0, after the all-reduce over DDP ranks."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Ranks may hold batches of different lengths: reduce over the whole buffer so that every rank sends
             # the same number of values, then update the positions any rank saw.

@@ -26,6 +26,16 @@ def _kinds(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def _model_kinds(text: str) -> list[tuple[str, int]]:
+    """--kinds of ``bench model``: as ``bench attention``'s, without the attention-only "reference" and
+    "mgk-sdpa"."""
+    kinds = _kinds(text)
+    for name, _ in kinds:
+        if name in ("reference", "mgk-sdpa"):
+            raise SystemExit(f"--kinds: {name!r} exists only in `mgk bench attention`")
+    return kinds
+
+
 def _lengths(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
@@ -91,13 +101,17 @@ def add_parser(sub) -> None:
     a.add_argument("--timeout", type=_positive(float), default=600.0,
                    help="seconds per row before it is reported as failed")
     a.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
-    m = kinds.add_parser("model", help="training/inference tokens per second of a preset's model")
+    m = kinds.add_parser("model", help="training/inference tokens per second and memory of a preset's model")
     m.add_argument("--task", default="listops")
     m.add_argument("--preset", default=None, help="default <task>-small")
+    m.add_argument("--kinds", type=_model_kinds, default=None,
+                   help="NAME:HEADS,... compared side by side, e.g. softmax:8,mgk:4 (default: the preset's own)")
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    m.add_argument("--steps", type=_positive(int), default=3)
+    m.add_argument("--steps", type=_positive(int), default=3, help="timed steps per row (median reported)")
     m.add_argument("--device", type=_device, default="cpu")
-    m.add_argument("--json", type=_json_path, default=None)
+    m.add_argument("--timeout", type=_positive(float), default=3600.0,
+                   help="seconds per row before it is reported as failed")
+    m.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
 
 
 def run(args) -> int:
@@ -112,15 +126,28 @@ def run(args) -> int:
         print(table(result))
         failed = [row for row in result["rows"] if "error" in row]
     else:
-        from .model import run as run_model
+        from ..tasks import all_presets
+        from .model import run as run_model, table as model_table
 
         preset = args.preset or f"{args.task}-small"
-        result = run_model(preset, args.overrides, steps=args.steps, device=args.device, timeout=3600)
-        for key, value in result.items():
-            print(f"{key}: {value:,.1f}" if isinstance(value, float) else f"{key}: {value}")
+        if preset not in all_presets():
+            raise SystemExit(f"--preset: unknown preset {preset!r}; choose from {', '.join(sorted(all_presets()))}")
+        from ..config import apply_overrides
+
+        try:
+            apply_overrides(all_presets()[preset], args.overrides)
+        except ValueError as exc:
+            raise SystemExit(f"--set: {exc}") from None
+        result = run_model(preset, args.overrides, kinds=args.kinds, steps=args.steps, device=args.device,
+                           timeout=args.timeout)
+        print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
+        print(model_table(result))
+        failed = [row for row in result["rows"] if "error" in row]
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.bench_command == "attention" and failed:
+        from ..atomic import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
+    if failed:
         print(f"mgk bench: {len(failed)} of {len(result['rows'])} rows failed (see the error column)")
         return 1
     return 0

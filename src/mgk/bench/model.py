@@ -1,13 +1,22 @@
-"""``mgk bench model``: training and inference tokens per second and peak memory of a whole preset's model.
+"""``mgk bench model``: training and inference tokens per second, seconds per step and peak memory of whole preset
+models, one row per attention kind, side by side.
 
-Inputs are random tokens at the preset's full length (the slowest case: no padding to trim); a training step is
-forward, backward and an AdamW step. Runs in a subprocess so that peak memory (``ru_maxrss`` growth on CPU,
-``max_memory_allocated`` on CUDA) belongs to this measurement alone.
+The model of a row is the one ``mgk train`` builds for the same preset: the task's own
+:meth:`mgk.tasks.base.Task.build_model` with the task's vocabulary and class count (a task built without data:
+the sizes are fixed by each task's data format; the language model's vocabulary is WikiText-103's unless
+``--set vocab_size=N``). Inputs are random tokens at the preset's full length (the slowest case: no padding to
+trim); a training step is the task's own loss, backward and an AdamW step.
+
+Every row runs in a fresh subprocess so that its peak memory (``ru_maxrss`` growth on CPU, with glibc told to serve
+large blocks from mmap so that freed memory leaves the resident set; ``max_memory_allocated`` on CUDA) belongs to
+that row alone, and a row that dies (out of memory, a signal) becomes a row with an ``error`` naming the exit
+status and the likely cause instead of stopping the table.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -15,63 +24,206 @@ import time
 
 import torch
 
+from .attention import machine
 
-def measure(preset: str, overrides: list[str], *, steps: int, device: str) -> dict:
-    """Tokens/s of training and inference, peak memory in MB and parameter count of ``preset`` (+ overrides)."""
+# WikiText-103's vocabulary (Merity et al. 2017): the size the LM presets train with.
+WT103_VOCAB_SIZE = 267_735
+
+# Bench kinds that are an attention kind plus options (the others are the registered attention kinds).
+KIND_OVERRIDES = {"mgk-hard": ["attention=mgk", "pi=hard_e"], "mgk-softe": ["attention=mgk", "pi=soft_e"]}
+
+
+def kind_overrides(kind: str | None, heads: int | None) -> list[str]:
+    """``--set`` overrides that select bench kind ``kind`` with ``heads`` heads (none for None: the preset's)."""
+    if kind is None:
+        return []
+    return [*KIND_OVERRIDES.get(kind, [f"attention={kind}"]), f"num_heads={heads}"]
+
+
+def bench_task(cfg):
+    """The :class:`~mgk.tasks.base.Task` of ``cfg.task`` without data splits: what ``mgk train`` builds for the
+    model (vocabulary size, class count, model class). ValueError for an unknown task."""
+    from ..data import image as im, listops as lo, pathfinder as pf, retrieval as rv, text as tx
+    from ..data.wikitext import EOS, Vocabulary
+    from ..tasks.classification import ClassificationTask
+    from ..tasks.lm import LMTask
+    from ..tasks.lra_common import LRAClassificationTask
+    from ..tasks.retrieval import RetrievalTask
+
+    if cfg.task == "listops":
+        return ClassificationTask("listops", {}, vocab_size=len(lo.VOCAB), num_classes=lo.NUM_CLASSES)
+    if cfg.task == "text":
+        return LRAClassificationTask("text", {}, vocab_size=tx.VOCAB_SIZE, num_classes=len(tx.CLASS_NAMES))
+    if cfg.task == "image":
+        return LRAClassificationTask("image", {}, vocab_size=im.VOCAB_SIZE, num_classes=len(im.CIFAR10_CLASSES))
+    if cfg.task == "pathfinder":
+        return LRAClassificationTask("pathfinder", {}, vocab_size=pf.VOCAB_SIZE, num_classes=len(pf.CLASS_NAMES))
+    if cfg.task == "retrieval":
+        return RetrievalTask("retrieval", {}, vocab_size=rv.VOCAB_SIZE, num_classes=rv.NUM_CLASSES)
+    if cfg.task == "lm":
+        size = cfg.vocab_size or WT103_VOCAB_SIZE
+        return LMTask("lm", {}, Vocabulary([EOS, *(f"w{i}" for i in range(1, size))]))
+    raise ValueError(f"mgk bench model: no benchmark for task {cfg.task!r}")
+
+
+def random_batch(task, cfg, device) -> tuple[dict, int]:
+    """A batch of random tokens at the preset's full length in the task's batch format, and its token count."""
+    B = cfg.batch_size
+    if cfg.task == "lm":
+        L = cfg.segment_len
+        tokens = torch.randint(0, task.vocab_size, (B, L + 1), device=device)
+        return {"input": tokens[:, :-1], "target": tokens[:, 1:]}, B * L
+    L = cfg.max_len
+    label = torch.randint(0, task.num_classes, (B,), device=device)
+    pad = torch.zeros(B, L, dtype=torch.bool, device=device)
+    if cfg.task == "retrieval":
+        docs = [torch.randint(0, task.vocab_size, (B, L), device=device) for _ in range(2)]
+        return {"tokens1": docs[0], "padding_mask1": pad, "tokens2": docs[1], "padding_mask2": pad,
+                "label": label}, 2 * B * L
+    return {"tokens": torch.randint(0, task.vocab_size, (B, L), device=device), "padding_mask": pad,
+            "label": label}, B * L
+
+
+def _timed(fn, steps: int) -> float:
+    """Median seconds of ``steps`` calls of ``fn``."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind: str | None = None,
+            heads: int | None = None) -> dict:
+    """One row (in this process): tokens/s of training and inference, s/step, peak training memory in MB and the
+    parameter count of ``preset`` with ``overrides`` and bench kind ``kind`` (None: the preset's attention)."""
     import resource
 
-    from ..config import apply_overrides, encoder_config
-    from ..models import LRAClassifier
+    from ..config import apply_overrides
     from ..tasks import all_presets
 
-    cfg = apply_overrides(all_presets()[preset], overrides)
-    cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 256, num_classes=cfg.num_classes or 10)
+    cfg = apply_overrides(all_presets()[preset], [*kind_overrides(kind, heads), *overrides])
+    task = bench_task(cfg)
     torch.manual_seed(0)
     dev = torch.device(device)
-    model = LRAClassifier.from_config(encoder_config(cfg)).to(dev)
+    model = task.build_model(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    B, L = cfg.batch_size, cfg.max_len
-    tokens = torch.randint(0, cfg.vocab_size, (B, L), device=dev)
-    labels = torch.randint(0, cfg.num_classes, (B,), device=dev)
+    batch, tokens = random_batch(task, cfg, dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     def train_step():
-        """One training step on the fixed batch: forward, cross-entropy, backward and an AdamW step."""
+        """Forward, the task's loss, backward and an AdamW step on the fixed batch."""
         opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(tokens), labels).backward()
+        loss, _ = task.loss(model, batch)
+        (loss / cfg.batch_size).backward()
         opt.step()
+        sync()
 
     def infer():
         """One forward pass on the fixed batch without gradients."""
         with torch.no_grad():
-            model(tokens)
+            task.loss(model, batch)
+        sync()
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model.train()
-    train_step()
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
         train_step()
-        times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        train_step()
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB -> MiB
+    step_s = _timed(train_step, steps)
     model.eval()
     infer()
-    itimes = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        infer()
-        itimes.append(time.perf_counter() - t0)
-    return {"preset": preset, "overrides": overrides, "attention": cfg.attention, "num_heads": cfg.num_heads,
-            "batch": B, "length": L, "params": sum(p.numel() for p in model.parameters()),
-            "train_tokens_per_s": B * L / statistics.median(times),
-            "infer_tokens_per_s": B * L / statistics.median(itimes), "train_peak_mem_mb": peak}
+    infer_s = _timed(infer, steps)
+    return {"kind": kind or cfg.attention, "preset": preset, "overrides": overrides, "attention": cfg.attention,
+            "num_heads": cfg.num_heads, "attn_dropout": cfg.attn_dropout, "batch": cfg.batch_size,
+            "length": cfg.segment_len if cfg.task == "lm" else cfg.max_len, "tokens_per_step": tokens,
+            "params": sum(p.numel() for p in model.parameters()), "train_s_per_step": step_s,
+            "train_tokens_per_s": tokens / step_s, "infer_s_per_step": infer_s,
+            "infer_tokens_per_s": tokens / infer_s, "train_peak_mem_mb": peak}
 
 
-def run(preset: str, overrides: list[str], *, steps: int, device: str, timeout: float) -> dict:
-    """:func:`measure` in a fresh subprocess."""
-    code = ("import json; from mgk.bench.model import measure; "
-            f"print(json.dumps(measure({preset!r}, {overrides!r}, steps={steps}, device={device!r})))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise RuntimeError(f"mgk bench model {preset} failed: {p.stderr.strip()[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def failure(returncode: int, stderr: str) -> str:
+    """One line saying why a row's subprocess failed: its exit status, the likely cause for a signal, and the
+    last line of its error output (never empty)."""
+    tail = (stderr.strip().splitlines() or [""])[-1].strip()
+    if returncode < 0 or returncode in (128 + signal.SIGKILL, 128 + signal.SIGSEGV):
+        number = -returncode if returncode < 0 else returncode - 128
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        cause = {signal.SIGKILL: "likely out of memory (the kernel's OOM killer sends SIGKILL)",
+                 signal.SIGSEGV: "a crash in native code", signal.SIGTERM: "terminated from outside",
+                 signal.SIGINT: "interrupted"}.get(number, "killed by a signal")
+        text = f"killed by {name} (exit {returncode}): {cause}"
+    else:
+        text = f"exit status {returncode}"
+        if "out of memory" in tail.lower() or "MemoryError" in tail:
+            text += ": out of memory"
+    return f"{text}; last error line: {tail}" if tail else f"{text}; no error output"
+
+
+def run_row(code: str, timeout: float) -> dict:
+    """Run Python ``code`` (which prints one JSON row last) in a fresh subprocess: the row, or ``{"error": ...}``
+    naming the exit status and likely cause when it dies or times out."""
+    # Large blocks straight from mmap and back on free: the resident set follows live memory (glibc only).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:g} s"}
+    if p.returncode == 0:
+        lines = p.stdout.strip().splitlines()
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            return {"error": "exit status 0 but no result row; last error line: "
+                             + ((p.stderr.strip().splitlines() or ["none"])[-1])}
+    return {"error": failure(p.returncode, p.stderr)}
+
+
+def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | None, steps: int, device: str,
+        timeout: float) -> dict:
+    """:func:`measure` for every ``(kind, heads)`` of ``kinds`` (None: the preset's own attention), each in its
+    own subprocess. Returns ``{"rows": [...], "machine", "torch", "settings", "date"}``; a failed row holds
+    ``kind``, ``preset`` and ``error``."""
+    rows = []
+    for kind, heads in kinds or [(None, None)]:
+        args = dict(steps=steps, device=device, kind=kind, heads=heads)
+        code = ("import json; from mgk.bench.model import measure; "
+                f"print(json.dumps(measure({preset!r}, {overrides!r}, **{args!r})))")
+        row = run_row(code, timeout)
+        if "error" in row:
+            row = {"kind": kind or "preset", "preset": preset, "num_heads": heads, **row}
+        rows.append(row)
+    return {"rows": rows, "machine": machine(), "torch": torch.__version__,
+            "settings": {"preset": preset, "overrides": overrides, "steps": steps, "device": device},
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def table(result: dict) -> str:
+    """Markdown table of a :func:`run` result; ratios are relative to the first row that succeeded."""
+    lines = ["| kind | heads | preset | params | train tok/s | x first | s/step | infer tok/s | x first | "
+             "train peak MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ok = [row for row in result["rows"] if "error" not in row]
+    base = ok[0] if ok else None
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['kind']} | {row.get('num_heads') or ''} | {row['preset']} | error: {row['error']} "
+                         "| | | | | | |")
+            continue
+        lines.append(f"| {row['kind']} | {row['num_heads']} | {row['preset']} | {row['params']:,} | "
+                     f"{row['train_tokens_per_s']:,.0f} | {row['train_tokens_per_s'] / base['train_tokens_per_s']:.2f}"
+                     f" | {row['train_s_per_step']:.3f} | {row['infer_tokens_per_s']:,.0f} | "
+                     f"{row['infer_tokens_per_s'] / base['infer_tokens_per_s']:.2f} | "
+                     f"{row['train_peak_mem_mb']:,.0f} |")
+    return "\n".join(lines)
+

@@ -229,17 +229,19 @@ def dropout_mask(seed: int, offset: int, B: int, H: int, L: int, S: int, p: floa
 
 # The kernel as two torch custom ops, so that torch.compile keeps it in its graphs (as an opaque call) instead of
 # falling back to the SDPA form; autograd is registered on the forward op.
+# The forward's third output is the Soft-E statistics (empty unless ``stats``); it has no gradient.
 @torch.library.custom_op("mgk::mixture_flash_forward", mutates_args=(), device_types="cpu")
 def _forward_op(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor, rowbias: torch.Tensor,
-                causal: bool, hard: bool, dropout_p: float, seed: int,
-                offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _load().forward(q, k, bias, v, rowbias, causal, hard, dropout_p, seed, offset)
-    return out, lse
+                query_ok: torch.Tensor, causal: bool, hard: bool, dropout_p: float, seed: int, offset: int,
+                stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, resp = _load().forward(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats)
+    return out, lse, resp
 
 
 @_forward_op.register_fake
-def _(q, k, bias, v, rowbias, causal, hard, dropout_p, seed, offset):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]))
+def _(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats):
+    resp = q.new_empty((k.shape[0], k.shape[1], k.shape[2]) if stats else (0,))
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1])), resp
 
 
 @torch.library.custom_op("mgk::mixture_flash_backward", mutates_args=(), device_types="cpu")
@@ -259,20 +261,21 @@ def _(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard, dropout_p, see
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, bias, v, rowbias, *flags = inputs
-    out, lse = output
+    q, k, bias, v, rowbias, _query_ok, *flags = inputs
+    out, lse, resp = output
     ctx.save_for_backward(q, k, bias, v, rowbias, out, lse)
-    ctx.flags = tuple(flags)  # causal, hard, dropout_p, seed, offset: backward regenerates the same mask
+    ctx.mark_non_differentiable(lse, resp)
+    ctx.flags = tuple(flags[:5])  # causal, hard, dropout_p, seed, offset: backward regenerates the same mask
 
 
-def _backward(ctx, grad_out, grad_lse):
-    # lse is an auxiliary output for the backward pass; nothing differentiates through it (grad_lse is ignored).
+def _backward(ctx, grad_out, grad_lse, grad_resp):
+    # lse is an auxiliary output for the backward pass and resp a statistic: nothing differentiates through them.
     # With dropout, out is the dropped output and delta = rowsum(dO * out) = sum_j A_ij dA_ij still holds.
     q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
     grad_out = grad_out.contiguous()
     delta = (grad_out * out).sum(-1)
     dq, dk, dbias, dv, drb = _backward_op(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
-    return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None
+    return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("mgk::mixture_flash_forward", _backward, setup_context=_setup_context)
@@ -280,7 +283,7 @@ torch.library.register_autograd("mgk::mixture_flash_forward", _backward, setup_c
 
 def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
                   rowbias: torch.Tensor | None, is_causal: bool, hard: bool = False, dropout_p: float = 0.0,
-                  seed: tuple[int, int] | None = None) -> torch.Tensor:
+                  seed: tuple[int, int] | None = None):
     """MGK through the C++ kernel (check :func:`usable` first).
 
     Args: q (B, H, L, D); k (B, H, M, S, D), already divided by sigma_r^2; bias (B, H, M, S); v (B, H, S, Dv);
@@ -293,19 +296,43 @@ def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch
         softmax_j(max_r s_ijr)``, and ``Z_ij = keep_ij / (1 - dropout_p)`` with ``keep`` = :func:`dropout_mask`
         (Z = 1 without dropout). Rows that see no key are 0. Differentiable once (a second derivative raises).
     """
+    return _call(q, k, bias, v, rowbias, None, is_causal, hard, dropout_p, seed, stats=False)[0]
+
+
+def mixture_flash_with_responsibilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
+                                        rowbias: torch.Tensor | None, query_ok: torch.Tensor | None,
+                                        is_causal: bool, dropout_p: float = 0.0,
+                                        seed: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mixture_flash` (mixture "sum") that also returns the Soft-E statistics from the same score GEMMs.
+
+    Args: as :func:`mixture_flash`, plus query_ok (B, H, L) bool or None: True = a real query (the others add no
+        responsibility). Masked keys must carry a -inf bias in every component.
+    Returns:
+        ``(out, resp)``: out as :func:`mixture_flash`; resp (B, H, M, S) without gradient: for each key j and
+        component r the sum over the real queries i that see j of ``softmax_r(s_ijr)`` (as :func:`responsibilities`;
+        the E-step of the paper's "+Soft-E" ablation).
+    """
+    return _call(q, k, bias, v, rowbias, query_ok, is_causal, False, dropout_p, seed, stats=True)
+
+
+def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, stats):
     B, H, L, D = q.shape
     M, S, Dv = k.shape[2], k.shape[3], v.shape[-1]
     dropout_p = float(dropout_p)
     if dropout_p > 0.0 and seed is None:
         seed = draw_dropout_seed()
     seed, offset = seed if dropout_p > 0.0 else (0, 0)
+    # reshape is a view for the contiguous inputs the callers pass; contiguous() then copies nothing.
     qf = q.reshape(B * H, L, D).contiguous()
     kf = k.reshape(B * H, M, S, D).contiguous()
     bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
     vf = v.reshape(B * H, S, Dv).contiguous()
     rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else qf.new_empty(0)
-    out, _ = _forward_op(qf, kf, bf, vf, rf, bool(is_causal), bool(hard), dropout_p, int(seed), int(offset))
-    return out.view(B, H, L, Dv)
+    okf = (query_ok.expand(B, H, L).reshape(B * H, L).contiguous() if query_ok is not None
+           else qf.new_empty(0, dtype=torch.bool))
+    out, _, resp = _forward_op(qf, kf, bf, vf, rf, okf, bool(is_causal), bool(hard), dropout_p, int(seed),
+                               int(offset), bool(stats))
+    return out.view(B, H, L, Dv), (resp.view(B, H, M, S) if stats else None)
 
 
 def softmax_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_padding: torch.Tensor | None = None,

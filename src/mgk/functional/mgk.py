@@ -326,16 +326,22 @@ def _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask):
         rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv)
     query_ok = None if query_mask is None else query_mask.view(B, 1, L).expand(B, H, L)
     resp = _mixture_flash.responsibilities(q, k * inv.view(M, 1, 1), bias, rowbias, query_ok, key_ok, is_causal)
-    # count[h, j] = number of (b, i) with a real query i that may see key j.
-    real = (torch.ones(B, L, dtype=q.dtype, device=q.device) if query_mask is None else query_mask.to(q.dtype))
+    return resp.sum(0), responsibility_counts(B, H, L, S, query_mask, key_ok, is_causal, q.dtype, q.device)
+
+
+def responsibility_counts(B: int, H: int, L: int, S: int, query_mask: Tensor | None, key_ok: Tensor | None,
+                          is_causal: bool, dtype, device) -> Tensor:
+    """(H, S): the number of (b, i) with a real query i (``query_mask`` (B, L) bool, None = all) that may see key
+    j, for masks that are at most key padding (``key_ok`` broadcastable to (B, H, S), None = all) plus
+    bottom-right ``is_causal``; computed from the masks, without an L x S tensor."""
+    real = torch.ones(B, L, dtype=dtype, device=device) if query_mask is None else query_mask.to(dtype)
     if is_causal:  # query i sees j when i >= j - (S - L): a suffix count of real queries
         suffix = F.pad(real.flip(-1).cumsum(-1).flip(-1), (0, 1))  # suffix[b, t] = real queries at i >= t
-        first = (torch.arange(S, device=q.device) - (S - L)).clamp(0, L)
+        first = (torch.arange(S, device=device) - (S - L)).clamp(0, L)
         per_key = suffix[:, first]  # (B, S)
     else:
         per_key = real.sum(-1, keepdim=True).expand(B, S)
     seen = per_key.unsqueeze(1).expand(B, H, S)
     if key_ok is not None:
-        seen = seen * key_ok.to(q.dtype)
-    return resp.sum(0), seen.sum(0)
-
+        seen = seen * key_ok.expand(B, H, S).to(dtype)
+    return seen.sum(0)

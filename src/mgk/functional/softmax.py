@@ -10,8 +10,45 @@ from torch import Tensor
 from . import _mixture_flash
 from . import masks as _masks
 from ._checks import check_qkv, compute_dtype, full_precision
+from .mgk import BackendError
 
-SOFTMAX_BACKENDS = ("sdpa", "explicit")
+SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
+
+
+def _kernel_unserved(q: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> str | None:
+    """Why our CPU kernel cannot serve a softmax call (None when it can)."""
+    if mask is not None and mask.shape[-2] != 1:
+        return "attn_mask depends on the query: the kernel takes at most key padding plus is_causal"
+    if q.device.type != "cpu":
+        return f"the C++ kernel runs on CPU tensors, got {q.device.type}"
+    if not _mixture_flash.usable(q, v, dropout_p):
+        return ("needs float32/float64 (or 16-bit, computed in float32), head sizes >= 1, 0 <= dropout_p < 1 and "
+                f"a built kernel ({_mixture_flash.build_error() or 'not loaded'})")
+    return None
+
+
+def select_softmax_backend(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
+                           dropout_p: float = 0.0) -> str:
+    """The implementation :func:`softmax_attention` runs for these inputs when ``backend`` is None.
+
+    * "kernel": CPU inputs with attention dropout (``dropout_p > 0``) and a mask that is at most key padding:
+      SDPA has no fused CPU kernel with dropout and builds the (L, S) weights, our kernel (one component, no bias;
+      :func:`mgk.functional._mixture_flash.softmax_flash`) keeps O(L + S) memory per head;
+    * "sdpa": everything else (its fused flash kernel serves CPU calls without dropout).
+
+    "explicit" (the (B, H, L, S) weights built) is only used when asked for. Arguments as
+    :func:`softmax_attention`; raises as it does for bad masks."""
+    B, H, L, S, _, _ = check_qkv(query, key, value, mixture=False)
+    mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
+    dt = compute_dtype(query, key, value)
+    return _select(query.to(dt), value.to(dt), mask, dropout_p)
+
+
+def _select(q: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> str:
+    """select_softmax_backend on checked inputs in the compute dtype."""
+    if dropout_p > 0.0 and _kernel_unserved(q, v, mask, dropout_p) is None:
+        return "kernel"
+    return "sdpa"
 
 
 def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
@@ -27,13 +64,15 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
         is_causal: causal masking aligned bottom-right (query i sees keys j <= i + S - L).
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
         scale: score scale, default 1 / sqrt(D).
-        backend: None or "sdpa" (``F.scaled_dot_product_attention``), or "explicit"
-            (:func:`softmax_attention_reference`, the (B, H, L, S) weights built). Both serve every input.
+        backend: None (:func:`select_softmax_backend` picks), "kernel" (our CPU kernel, O(L + S) memory also with
+            dropout; CPU, masks at most key padding), "sdpa" (``F.scaled_dot_product_attention``) or "explicit"
+            (:func:`softmax_attention_reference`, the (B, H, L, S) weights built). "sdpa" and "explicit" serve
+            every input. Dropout masks differ between backends (each draws its own); the expectation is the same.
     Returns:
         (B, H, L, Dv) in query's dtype. Rows that may attend to no key are exactly zero.
     Raises:
-        ValueError naming the argument for wrong ranks, sizes, mixed dtypes or backend; MaskError for a non-bool
-        mask.
+        ValueError naming the argument for wrong ranks, sizes, mixed dtypes or backend; BackendError (a
+        ValueError) when backend="kernel" cannot serve the inputs; MaskError for a non-bool mask.
 
     Masked keys and values are replaced by zeros before the call, so NaN/inf padding cannot leak. 16-bit inputs and
     autocast are computed in float32 (scores with |q||k| ~ 1e3 lose whole units in bf16) and cast back.
@@ -49,21 +88,37 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if backend == "kernel":
+        why = _kernel_unserved(q, v, mask, dropout_p)
+        if why is not None:
+            raise BackendError(f"backend='kernel' cannot serve these inputs: {why}")
+    elif backend is None:
+        backend = _select(q, v, mask, dropout_p)
     with full_precision(query.device):
-        if dropout_p > 0.0 and (mask is None or mask.shape[-2] == 1) and _mixture_flash.usable(q, v, dropout_p):
-            # SDPA has no fused CPU kernel with dropout (it builds the L x S weights); ours keeps O(L + S) memory.
-            _, k, v, _, q = _masks.prepare(mask, k, v, q)
-            out = _mixture_flash.softmax_flash(q, k, v, key_padding=mask, is_causal=is_causal, dropout_p=dropout_p,
-                                               scale=scale)
-            return out.to(out_dtype)
-        if mask is None and is_causal and L == S:
-            # SDPA's own causal flag skips masked blocks; it is top-left aligned, which equals ours when L == S.
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
-            return out.to(out_dtype)
-        mask = _masks.combine(mask, is_causal, L, S, query.device)
-        mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-        return _masks.zero_rows(out, empty).to(out_dtype)
+        if backend == "kernel":
+            return _kernel(q, k, v, mask, is_causal, dropout_p, scale).to(out_dtype)
+        return _sdpa(q, k, v, mask, is_causal, dropout_p, scale).to(out_dtype)
+
+
+def _kernel(q, k, v, mask, is_causal, dropout_p, scale):
+    """Our CPU kernel with one component and no bias; masked keys and values zeroed first (NaN padding)."""
+    L, S = q.shape[2], k.shape[2]
+    if L == 0 or S == 0:
+        return v.new_zeros(*q.shape[:3], v.shape[-1])
+    _, k, v, _, q = _masks.prepare(mask, k, v, q)
+    return _mixture_flash.softmax_flash(q, k, v, key_padding=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                        scale=scale)
+
+
+def _sdpa(q, k, v, mask, is_causal, dropout_p, scale):
+    L, S = q.shape[2], k.shape[2]
+    if mask is None and is_causal and L == S:
+        # SDPA's own causal flag skips masked blocks; it is top-left aligned, which equals ours when L == S.
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    mask = _masks.combine(mask, is_causal, L, S, q.device)
+    mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return _masks.zero_rows(out, empty)
 
 
 def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,

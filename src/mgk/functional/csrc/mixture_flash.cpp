@@ -294,14 +294,67 @@ inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias
   }
 }
 
+// Soft-E statistics of one (query block, key block), fused into the forward pass: for each query row i that is
+// real (query_ok) and each key j it sees, resp_r[j] += softmax_r(s_ijr), from the M score blocks the forward has
+// just computed (bias and causal -inf included). Keys with every score -inf (masked, or above the causal diagonal)
+// add nothing. resp points at the (M, S) statistics of this slice, offset to the block's first key.
+template <typename T>
+inline void add_responsibilities(const T* sc, int64_t M, size_t blk, int bq, int bk, const uint8_t* query_ok,
+                                 T* resp, int64_t S) {
+  const int W = V<T>::size();
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const V<T> vninf(ninf), zero(T(0)), one(T(1));
+  for (int i = 0; i < bq; ++i) {
+    if (query_ok != nullptr && !query_ok[i]) continue;
+    const int64_t o = static_cast<int64_t>(i) * kBlockK;
+    int j = 0;
+    for (; j + W <= bk; j += W) {
+      V<T> m = V<T>::loadu(sc + o + j);
+      for (int64_t r = 1; r < M; ++r) m = at::vec::maximum(m, V<T>::loadu(sc + r * blk + o + j));
+      const V<T> live = m != vninf;
+      const V<T> ms = V<T>::blendv(zero, m, live);
+      V<T> total(T(0));
+      for (int64_t r = 0; r < M; ++r) total = total + vexp<T>(V<T>::loadu(sc + r * blk + o + j) - ms);
+      const V<T> w = V<T>::blendv(zero, one / total, live);
+      for (int64_t r = 0; r < M; ++r) {
+        T* x = resp + r * S + j;
+        (V<T>::loadu(x) + vexp<T>(V<T>::loadu(sc + r * blk + o + j) - ms) * w).store(x);
+      }
+    }
+    for (; j < bk; ++j) {
+      T m = sc[o + j];
+      for (int64_t r = 1; r < M; ++r) m = nanmax(m, sc[r * blk + o + j]);
+      if (m == ninf) continue;
+      T total = 0;
+      for (int64_t r = 0; r < M; ++r) total += std::exp(sc[r * blk + o + j] - m);
+      for (int64_t r = 0; r < M; ++r) resp[r * S + j] += std::exp(sc[r * blk + o + j] - m) / total;
+    }
+  }
+}
+
 template <typename T>
 void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* rowbias, T* out, T* lse,
-                  const Shapes<T>& sh, const Dropout& drop) {
+                  const Shapes<T>& sh, const Dropout& drop, const uint8_t* query_ok, T* resp) {
   const int64_t qblock = task_block(kBlockQ, 16, sh.BH, sh.L);
   const int64_t nqb = (sh.L + qblock - 1) / qblock;
   const int64_t offset = sh.S - sh.L;
+  // With resp (Soft-E statistics), several tasks add to the same keys: each thread sums into its own buffer over
+  // the slices of its task range, added in task order afterwards (the result does not depend on thread timing).
+  struct Partial {
+    int64_t begin, bh_lo;
+    std::vector<T> resp;
+  };
+  std::vector<std::unique_ptr<Partial>> partials;
+  std::mutex partials_lock;
   at::parallel_for(0, sh.BH * nqb, grain_for(sh, sh.BH * nqb), [&](int64_t begin, int64_t end) {
     SerialBlas serial;
+    std::unique_ptr<Partial> part;
+    if (resp) {
+      part = std::make_unique<Partial>();
+      part->begin = begin;
+      part->bh_lo = begin / nqb;
+      part->resp.assign(static_cast<size_t>(((end - 1) / nqb - part->bh_lo + 1) * sh.M * sh.S), T(0));
+    }
     T* sc = scratch<T>(0, static_cast<size_t>(sh.M) * kBlockQ * kBlockK);
     T* p = scratch<T>(1, static_cast<size_t>(kBlockQ) * kBlockK);
     T* acc = scratch<T>(2, static_cast<size_t>(kBlockQ) * sh.Dv);
@@ -329,6 +382,10 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
           finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
                            mnew);
         }
+        if (part)
+          add_responsibilities<T>(sc, sh.M, static_cast<size_t>(kBlockQ) * kBlockK, bq, bk,
+                                  query_ok ? query_ok + bh * sh.L + q0 : nullptr,
+                                  part->resp.data() + (bh - part->bh_lo) * sh.M * sh.S + k0, sh.S);
         // Hard-E: the key's score is the best component's, max_r s_r, instead of their log-sum-exp.
         const int64_t terms = sh.hard ? 1 : sh.M;
         if (sh.hard) max_over_components<T>(sc, sh.M, static_cast<size_t>(kBlockQ) * kBlockK, bq, bk, sc);
@@ -367,7 +424,16 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
         }
       }
     }
+    if (part) {
+      std::lock_guard<std::mutex> guard(partials_lock);
+      partials.push_back(std::move(part));
+    }
   });
+  std::sort(partials.begin(), partials.end(), [](const auto& x, const auto& y) { return x->begin < y->begin; });
+  for (const auto& part : partials) {
+    T* d = resp + part->bh_lo * sh.M * sh.S;
+    for (size_t x = 0; x < part->resp.size(); ++x) d[x] += part->resp[x];
+  }
 }
 
 // s = exp(s - LSE_i) in place for each row i (rows whose LSE is -inf see no key: 0).
@@ -582,24 +648,35 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
 
 }  // namespace
 
-// q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), v (BH, S, Dv), rowbias (BH, M, L) or empty -> out, lse.
+// q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), v (BH, S, Dv), rowbias (BH, M, L) or empty -> out, lse, and
+// with stats the Soft-E statistics resp (BH, M, S) of the real queries (query_ok (BH, L) bool, or empty: all);
+// resp is empty without stats.
 std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
-                                                 torch::Tensor v, torch::Tensor rowbias, bool causal, bool hard,
-                                                 double dropout_p, int64_t seed, int64_t offset) {
+                                                 torch::Tensor v, torch::Tensor rowbias, torch::Tensor query_ok,
+                                                 bool causal, bool hard, double dropout_p, int64_t seed,
+                                                 int64_t offset, bool stats) {
   const Dropout drop = make_dropout(dropout_p, seed, offset);
   check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
   TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
+  TORCH_CHECK(!(stats && hard), "Soft-E statistics are defined for the sum mixture only");
+  TORCH_CHECK(query_ok.numel() == 0 || (query_ok.scalar_type() == at::kBool && query_ok.is_contiguous() &&
+                                        query_ok.dim() == 2 && query_ok.size(0) == q.size(0) &&
+                                        query_ok.size(1) == q.size(1)),
+              "query_ok must be contiguous bool (BH, L)");
   const bool has_rb = rowbias.numel() > 0;
   if (has_rb) check(rowbias, "rowbias", 3);
   auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options());
+  auto resp = stats ? torch::zeros({k.size(0), k.size(1), k.size(2)}, q.options()) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_forward", [&] {
     Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, hard};
     forward_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
                            v.data_ptr<scalar_t>(), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
-                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh, drop);
+                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh, drop,
+                           query_ok.numel() ? reinterpret_cast<const uint8_t*>(query_ok.data_ptr<bool>()) : nullptr,
+                           stats ? resp.data_ptr<scalar_t>() : nullptr);
   });
-  return {out, lse};
+  return {out, lse, resp};
 }
 
 // Gradients of the forward above given dout and the forward's out/lse (delta = rowsum(dout * out)).

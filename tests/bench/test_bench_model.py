@@ -1,0 +1,76 @@
+"""`mgk bench model`: the JSON schema, the model the training task builds, and rows whose subprocess dies.
+(No timing is asserted: speed claims live in BENCHMARKS.md.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mgk.bench.model import bench_task, failure, measure, run_row, table
+from mgk.config import apply_overrides
+from mgk.tasks import all_presets, listops
+
+TINY = ["max_len=16", "batch_size=2", "d_model=16", "ffn_dim=16", "head_dim=4", "classifier_dim=8"]
+
+
+def test_cli_writes_one_json_row_per_kind_with_the_issue_schema(tmp_path):
+    out = tmp_path / "model.json"
+    cmd = [sys.executable, "-m", "mgk", "bench", "model", "--preset", "listops-small", "--kinds",
+           "softmax:2,mgk:2", "--steps", "1", "--json", str(out), *(x for kv in TINY for x in ("--set", kv))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert [(r["kind"], r["num_heads"]) for r in result["rows"]] == [("softmax", 2), ("mgk", 2)]
+    for row in result["rows"]:
+        assert row["preset"] == "listops-small"
+        for key in ("train_tokens_per_s", "infer_tokens_per_s", "train_peak_mem_mb", "train_s_per_step",
+                    "infer_s_per_step", "params"):
+            assert isinstance(row[key], (int, float)) and row[key] >= 0, key
+        assert row["train_tokens_per_s"] > 0 and row["tokens_per_step"] == 2 * 16
+    assert {"machine", "torch", "settings", "date"} <= set(result)
+    assert "| softmax | 2 | listops-small |" in p.stdout and "| mgk | 2 | listops-small |" in p.stdout
+
+
+def test_parameter_count_is_that_of_the_model_the_training_task_builds(tmp_path):
+    """Issue 17.12: the benchmark used a vocabulary of 256 (151,066 parameters for listops-small MGK-4 where
+    `mgk train` builds 135,706). Compare with the task built from (generated) data, as `mgk train` does."""
+    cfg = apply_overrides(all_presets()["listops-small"],
+                          ["gen_train=8", "gen_val=2", "gen_test=2", "attention=mgk", "num_heads=4"])
+    trained = listops.build(cfg, listops.prepare(cfg, tmp_path)).build_model(cfg)
+    expected = sum(p.numel() for p in trained.parameters())
+    assert expected == 135_706
+    assert measure("listops-small", [], steps=1, device="cpu", kind="mgk", heads=4)["params"] == expected
+
+
+@pytest.mark.parametrize("preset", ["text-small", "retrieval-small", "image-small", "pathfinder-small",
+                                    "lm-small"])
+def test_every_task_has_a_bench_model_with_its_own_sizes(preset):
+    cfg = all_presets()[preset]
+    task = bench_task(cfg)
+    assert task.name == cfg.task and task.vocab_size > 0
+    assert task.model_config(cfg).vocab_size == task.vocab_size
+
+
+def test_a_row_killed_by_sigkill_names_the_signal_and_out_of_memory():
+    row = run_row("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout=120)
+    assert row["error"].startswith("killed by SIGKILL (exit -9): likely out of memory"), row
+
+
+def test_a_row_that_exits_without_output_reports_its_status():
+    row = run_row("import os; os._exit(3)", timeout=120)
+    assert row["error"] == "exit status 3; no error output"
+    row = run_row("raise MemoryError('cannot allocate 23 GB')", timeout=120)
+    assert row["error"].startswith("exit status 1: out of memory; last error line: MemoryError"), row
+
+
+@pytest.mark.parametrize("code,expected", [(137, "killed by SIGKILL (exit 137)"), (-11, "killed by SIGSEGV"),
+                                           (-15, "killed by SIGTERM (exit -15): terminated")])
+def test_failure_text_is_never_empty(code, expected):
+    assert failure(code, "").startswith(expected)
+
+
+def test_table_shows_a_failed_row_with_its_error():
+    result = {"rows": [{"kind": "softmax", "num_heads": 8, "preset": "p", "error": "killed by SIGKILL (exit -9)"}]}
+    assert "error: killed by SIGKILL (exit -9)" in table(result)
