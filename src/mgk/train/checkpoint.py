@@ -59,3 +59,36 @@ def set_rng_state(state: dict) -> None:
 
 def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def align_optimizer_state(optimizer_state: dict, saved_model: dict, model: torch.nn.Module) -> dict:
+    """Optimizer state of a checkpoint whose model registered its parameters in another order, re-indexed for
+    ``model``.
+
+    torch keys optimizer state by parameter position. 0.1.0 registered an MGK layer's mixture keys on the layer
+    itself (``attn.pi_logits`` first, ``attn.k_proj`` last); they now live in the submodule ``attn.mixture``, so the
+    same parameters come in another order. The saved model's state-dict order gives the old positions, its names
+    (moved under ``mixture.`` where needed) the new ones. State of one parameter group only; anything else is
+    returned unchanged (``load_state_dict`` then checks the sizes as usual)."""
+    from ..attention.mixture_keys import _OLD_NAMES
+
+    new_order = [name for name, _ in model.named_parameters()]
+    known = set(new_order)
+
+    def upgraded(key: str) -> str | None:
+        if key in known:
+            return key
+        for old in _OLD_NAMES:
+            if key == old or key.endswith("." + old):
+                moved = key[: len(key) - len(old)] + "mixture." + old
+                return moved if moved in known else None
+        return None
+
+    old_order = [n for n in (upgraded(k) for k in saved_model) if n is not None]
+    groups = optimizer_state.get("param_groups", [])
+    if old_order == new_order or len(groups) != 1 or sorted(old_order) != sorted(new_order) \
+            or list(groups[0]["params"]) != list(range(len(new_order))):
+        return optimizer_state
+    position = {name: i for i, name in enumerate(new_order)}
+    state = {position[old_order[i]]: s for i, s in optimizer_state["state"].items()}
+    return {**optimizer_state, "state": state}

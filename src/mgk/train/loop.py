@@ -145,7 +145,7 @@ class Trainer:
         if diffs:
             raise ValueError(f"checkpoint {path} was made with another model config: " + "; ".join(diffs))
         self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.optimizer.load_state_dict(checkpoint.align_optimizer_state(ckpt["optimizer"], ckpt["model"], self.model))
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.state = LoopState.from_checkpoint(ckpt)
