@@ -6,7 +6,7 @@ import statistics
 import yaml
 
 from mgk.reproduce import expand, get_experiment
-from mgk.reproduce.executor import execute_run, run_state
+from mgk.reproduce.executor import execute_run, record_path, run_state
 from mgk.reproduce.grid import parse_only
 from mgk.reproduce.report import build_report, render
 
@@ -27,7 +27,7 @@ def _fake_run(run, acc):
     (d / "results.json").write_text(json.dumps(res))
     (d / "metrics.jsonl").write_text(json.dumps({"step": 3, "val/acc": acc / 2}) + "\n"
                                      + json.dumps({"step": 6, "val/acc": acc}) + "\n")
-    (d / "reproduce.json").write_text(json.dumps({"key": run.key, "peak_rss_mb": 400.0, "status": "done"}))
+    (record_path(d)).write_text(json.dumps({"key": run.key, "peak_rss_mb": 400.0, "status": "done"}))
 
 
 def test_report_aggregates_seeds_beside_the_paper(tmp_path):
@@ -80,11 +80,11 @@ def test_run_states_and_a_foreign_directory_is_left_alone(tmp_path):
     assert run_state(run) == "resume"
     _results = run.run_dir / "results.json"
     _results.write_text("{}")
-    (run.run_dir / "reproduce.json").write_text(json.dumps({"key": "something-else"}))
+    (record_path(run.run_dir)).write_text(json.dumps({"key": "something-else"}))
     assert run_state(run) == "conflict"
     before = _results.stat().st_mtime_ns
     rec = execute_run(run, "/nonexistent/python")  # would fail loudly if it tried to run anything
     assert rec["status"] == "failed" and "another config" in rec["error"]
     assert _results.stat().st_mtime_ns == before
-    (run.run_dir / "reproduce.json").write_text(json.dumps({"key": run.key}))
+    (record_path(run.run_dir)).write_text(json.dumps({"key": run.key}))
     assert run_state(run) == "finished" and execute_run(run, "/nonexistent/python")["status"] == "skipped"

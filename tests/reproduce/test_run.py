@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mgk.reproduce.executor import record_path
+
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("MGK_DATA_ROOT", REPO / ".." / "shared" / "data"))
 LISTOPS_GRID = ["lra-softmax-family", "--scale", "smoke", "--only", "row=softmax-8,mgk-4", "--only", "task=listops"]
@@ -29,7 +31,7 @@ def _finished(out: Path) -> dict:
 
 
 def _attempts(run_dir: Path) -> list:
-    return json.loads((run_dir / "reproduce.json").read_text())["attempts"]
+    return json.loads((record_path(run_dir)).read_text())["attempts"]
 
 
 def test_smoke_grid_reports_every_row_and_resumes_without_rerunning(tmp_path):
@@ -51,6 +53,7 @@ def test_smoke_grid_reports_every_row_and_resumes_without_rerunning(tmp_path):
     (interrupted / "results.json").unlink()
     import shutil
     shutil.rmtree(lost)
+    record_path(lost).unlink()  # the harness's record lives beside the run directory
     p = _reproduce(*LISTOPS_GRID, "--seeds", "0,1", "--jobs", "2", "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("finished earlier, skipped") == 2

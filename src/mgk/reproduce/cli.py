@@ -120,7 +120,7 @@ def run(args) -> int:
             recs.append({"status": "not run", "error": f"no data at {r.data}"})
         else:
             state = ex.run_state(r)
-            recs.append({**ex.read_record(r.run_dir), "log": str(r.run_dir / "reproduce.log"),
+            recs.append({**ex.read_record(r.run_dir), "log": str(ex.log_path(r.run_dir)),
                          "status": "skipped" if state == "finished" else state})
     command = "mgk reproduce " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["reproduce"] else sys.argv[1:])
     rep = write_report(out, exp, args.scale, runs, recs, command)

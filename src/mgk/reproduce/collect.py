@@ -1,7 +1,7 @@
 """Reading the finished runs of a grid into one summary (the content of report.json).
 
 Everything comes from the run directories that ``mgk train`` / ``mgk eval`` write: results.json, config.yaml,
-env.json, metrics.jsonl, eval.json, the checkpoint (attention parameter count) and reproduce.json (peak memory,
+env.json, metrics.jsonl, eval.json, the checkpoint (attention parameter count) and <run>.reproduce.json (peak memory,
 exit codes). Accuracy per run is :func:`mgk.tasks.lra_table.run_accuracy` (test, else validation), the same rule
 as ``mgk table``.
 """
@@ -13,6 +13,7 @@ import math
 import statistics
 from pathlib import Path
 
+from .executor import record_path
 from .experiments import Experiment
 from .grid import Run
 
@@ -71,7 +72,7 @@ def run_figures(run: Run, metric: str) -> dict:
 
     d = run.run_dir
     res = _json(d / "results.json") or {}
-    rec = _json(d / "reproduce.json") or {}
+    rec = _json(record_path(d)) or {}
     try:
         cfg = yaml.safe_load((d / "config.yaml").read_text())
     except OSError:

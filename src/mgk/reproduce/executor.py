@@ -1,10 +1,11 @@
 """Running the grid: state of each run directory, one run as subprocesses, and the local / submitit executors.
 
-A run is *finished* when its ``results.json`` exists (and, for LM, its ``eval.json``) and its ``reproduce.json``
+A run is *finished* when its ``results.json`` exists (and, for LM, its ``eval.json``) and its record (``<run_dir>.reproduce.json``)
 carries the same key; finished runs are never run again. A run with ``checkpoints/last.pt`` but no results was
 interrupted and continues with ``mgk train --resume``; anything else starts from scratch. Each run's output goes
-to ``<run_dir>/reproduce.log``; ``reproduce.json`` records the key, the commands, exit codes, wall time and the
-peak resident memory of each process (from ``wait4``), written atomically.
+to ``<run_dir>.reproduce.log`` beside the run directory (which holds only what ``mgk train`` writes, since
+``mgk train`` refuses a non-empty new directory); ``<run_dir>.reproduce.json`` records the key, the commands,
+exit codes, wall time and the peak resident memory of each process (from ``wait4``), written atomically.
 """
 from __future__ import annotations
 
@@ -21,21 +22,31 @@ from ..atomic import write_text_atomic
 from .grid import Run
 
 __all__ = ["run_state", "execute_run", "run_local", "run_submitit", "slurm_parameters", "sbatch_preview",
-           "read_record"]
+           "read_record", "record_path", "log_path"]
 
-RECORD = "reproduce.json"
+
+def record_path(run_dir: Path) -> Path:
+    """``<run_dir>.reproduce.json``: the harness's record of a run, kept beside its directory."""
+    run_dir = Path(run_dir)
+    return run_dir.with_name(run_dir.name + ".reproduce.json")
+
+
+def log_path(run_dir: Path) -> Path:
+    """``<run_dir>.reproduce.log``: the output of every command run for it."""
+    run_dir = Path(run_dir)
+    return run_dir.with_name(run_dir.name + ".reproduce.log")
 
 
 def read_record(run_dir: Path) -> dict:
-    """``reproduce.json`` of a run directory ({} when absent or unreadable)."""
+    """The record of a run directory ({} when absent or unreadable)."""
     try:
-        return json.loads((Path(run_dir) / RECORD).read_text())
+        return json.loads(record_path(run_dir).read_text())
     except (OSError, json.JSONDecodeError):
         return {}
 
 
 def _write_record(run_dir: Path, record: dict) -> None:
-    write_text_atomic(run_dir / RECORD, json.dumps(record, indent=2) + "\n")
+    write_text_atomic(record_path(run_dir), json.dumps(record, indent=2) + "\n")
 
 
 def run_state(run: Run) -> str:
@@ -76,11 +87,11 @@ def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1)
     if state in ("finished", "conflict"):
         rec = read_record(run.run_dir)
         status = "skipped" if state == "finished" else "failed"
-        return {**rec, "status": status, "state": state, "log": str(run.run_dir / "reproduce.log"),
+        return {**rec, "status": status, "state": state, "log": str(log_path(run.run_dir)),
                 **({"error": "results.json of another config in this directory (left alone)"}
                    if state == "conflict" else {})}
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    log = run.run_dir / "reproduce.log"
+    run.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path(run.run_dir)
     rec = read_record(run.run_dir)
     rec.update({"key": run.key, "row": run.row.key, "task": run.task, "seed": run.seed,
                 "train_args": list(run.train_args), "eval_args": list(run.eval_args or []), "log": str(log)})
@@ -88,7 +99,9 @@ def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1)
     env = _child_env(threads)
     commands = []
     if state in ("new", "resume"):
-        commands.append(("train", run.train_command(python, resume=state == "resume")))
+        # A "new" directory that is not empty holds a start that died before its first checkpoint: start over.
+        restart = state == "new" and run.run_dir.is_dir() and any(run.run_dir.iterdir())
+        commands.append(("train", run.train_command(python, resume=state == "resume", overwrite=restart)))
     if run.eval_args is not None:
         commands.append(("eval", run.eval_command(python)))
     rec["status"] = "done"

@@ -47,11 +47,12 @@ class Run:
         """Where ``mgk eval --json`` writes the final perplexity."""
         return self.run_dir / "eval.json"
 
-    def train_command(self, python: str, resume: bool = False) -> list[str]:
-        """The ``mgk train`` command line; ``resume``: continue the run directory from its last checkpoint."""
+    def train_command(self, python: str, resume: bool = False, overwrite: bool = False) -> list[str]:
+        """The ``mgk train`` command line; ``resume``: continue the run directory from its last checkpoint;
+        ``overwrite``: start over in a directory a failed start left behind."""
         if resume:
             return [python, "-m", "mgk", "train", "--resume", str(self.run_dir), "--set", "progress=false"]
-        return [python, "-m", "mgk", *self.train_args, "--out", str(self.run_dir)]
+        return [python, "-m", "mgk", *self.train_args, "--out", str(self.run_dir), *(["--overwrite"] * overwrite)]
 
     def eval_command(self, python: str) -> list[str] | None:
         """The ``mgk eval`` command line (LM runs), or None."""
