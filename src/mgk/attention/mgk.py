@@ -75,7 +75,9 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             sigma2 = [math.sqrt(self.head_dim)] * M
         elif isinstance(sigma2, (int, float)):
             sigma2 = [float(sigma2)] * M
-        sigma2 = torch.as_tensor(sigma2, dtype=torch.float32).reshape(-1)
+        # float64, so that a float64 module is exact (sqrt(D) / 3 is not a float32 number); each call casts the
+        # variances to its compute dtype
+        sigma2 = torch.as_tensor(sigma2, dtype=torch.float64).reshape(-1)
         if sigma2.numel() != M or not bool(torch.all(sigma2 > 0)):
             raise ValueError(f"sigma2 must be positive with one value per component ({M}), got {sigma2.tolist()}")
         self.register_buffer("sigma2", sigma2)
