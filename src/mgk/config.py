@@ -64,6 +64,14 @@ class RunConfig:
     pi: str = _f("learned", "attention_option")
     pi_shape: str = _f("head", "attention_option")
     sigma2: Optional[list] = _f(None, "attention_option")  # per-component variances; None = sqrt(head_dim)
+    pi_norm: str = _f("softmax", "attention_option")  # "none": free log-weights (the authors' LM MGK / MLK)
+    # the form of linear / MLK attention (mgk.functional.linear_attention); defaults = eq. 6 / eq. 14
+    normalize: str = _f("row", "attention_option")  # "length": the authors' LRA form; "none"
+    feature_map: str = _f("elu", "attention_option")  # "elu_sum": the authors' LM form
+    output_scale: float = _f(1.0, "attention_option")  # the authors' LM: 1/sqrt(head_dim)
+    attn_eps: float = _f(1e-6, "attention_option")  # the denominator's eps (the authors' LM: 1e-5 with eps_mode add)
+    eps_mode: str = _f("guard", "attention_option")  # "guard": replaces a zero denominator; "add": den + eps
+    mix: str = _f("features", "attention_option")  # MLK: "keys" mixes raw keys before phi (the authors' LRA form)
     pooling: str = _f("mean", "model")
     classifier_dim: int = _f(128, "model")
     vocab_size: int = _f(0, "model")  # filled in by the task
@@ -158,8 +166,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.attention not in attention_kinds():
         raise ValueError(f"config field attention must be one of {attention_kinds()}, got {cfg.attention!r}")
     choices = {"precision": ("32", "bf16", "fp16"), "schedule": ("linear", "cosine", "constant"),
-               "nonfinite": ("stop", "skip"), "pooling": ("mean", "cls"), "pi_shape": ("head", "position"),
-               "pi": ("learned", "soft_e", "hard_e")}
+               "nonfinite": ("stop", "skip"), "pooling": ("mean", "cls"), "pi_shape": ("head", "position", "layer"),
+               "pi": ("learned", "soft_e", "hard_e"), "pi_norm": ("softmax", "none"),
+               "normalize": ("row", "length", "none"), "feature_map": ("elu", "elu_sum"), "eps_mode": ("guard", "add"),
+               "mix": ("features", "keys")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"config field {name} must be one of {allowed}, got {getattr(cfg, name)!r}")

@@ -517,7 +517,7 @@ def test_wrong_shapes_and_dtypes_name_the_argument():
         (lambda: mlk_attention(q, k.unsqueeze(2), v, log_pi=torch.zeros(3, 1)), "log_pi"),
         (lambda: linear_attention(q, k, v, eps=-1.0), "eps"),
         (lambda: linear_attention(q, k, v, is_causal=True, chunk_size=0), "chunk_size"),
-        (lambda: linear_attention(q, k, v, feature_map="elu"), "feature_map"),
+        (lambda: linear_attention(q, k, v, feature_map="relu"), "feature_map"),  # unknown name
         (lambda: linear_attention(q, k, v, feature_map=lambda x: x.sum(-2)), "feature_map"),
         (lambda: linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_pi_t=torch.zeros(1)), "log_pi_t"),
         (lambda: linear_attention_step(q[:, :, 0], k[:, 0, 0], v[:, :, 0]), "key_t"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..functional._linear_forms import linear_form
 from ..functional.linear import linear_attention, mlk_attention
 from . import module_masks
 from .base import AttentionBase
@@ -23,39 +24,62 @@ class _KeyMasksOnly:
         return attn_mask, is_causal
 
 
-class LinearAttention(_KeyMasksOnly, AttentionBase):
+class _FormOptions:
+    """The form options of linear and MLK attention (:func:`mgk.functional.linear_attention`), checked once."""
+
+    def _set_form(self, eps, normalize, feature_map, output_scale, eps_mode, mix="features") -> None:
+        linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
+                    eps_mode=eps_mode, mix=mix)  # ValueError naming a bad option, at construction
+        self.eps, self.output_scale = float(eps), float(output_scale)
+        self.normalize, self.feature_map, self.eps_mode, self.mix = normalize, feature_map, eps_mode, mix
+
+    def _form_kwargs(self) -> dict:
+        return {"eps": self.eps, "normalize": self.normalize, "feature_map": self.feature_map,
+                "output_scale": self.output_scale, "eps_mode": self.eps_mode}
+
+    def _form_repr(self) -> str:
+        fm = self.feature_map if isinstance(self.feature_map, str) else getattr(self.feature_map, "__name__", "callable")
+        return (f", normalize={self.normalize!r}, feature_map={fm!r}, output_scale={self.output_scale}, "
+                f"eps={self.eps}, eps_mode={self.eps_mode!r}")
+
+
+class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
     """Linear attention with H heads of size D and the feature map ``elu(x) + 1`` (Katharopoulos et al. 2020).
 
     Args:
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
         dropout: accepted so that one constructor call builds every attention kind, but unused: linear attention
             never forms attention weights, so there is nothing to drop (the output is deterministic in training).
-        eps: added to the denominator of :func:`mgk.functional.linear_attention`.
+        normalize, feature_map, output_scale, eps, eps_mode: the form, as :func:`mgk.functional.linear_attention`:
+            defaults "row", "elu", 1.0, 1e-6, "guard" (eq. 6 with an exact denominator). The authors' LRA form is
+            normalize="length" (its scale uses the padded tensor length, so outputs depend on the padding); their
+            LM type-34 form is feature_map="elu_sum", output_scale=head_dim**-0.5, eps=1e-5, eps_mode="add".
 
     ``forward`` is :meth:`AttentionBase.forward`. Only ``key_padding_mask`` and ``is_causal`` can be expressed: an
     ``attn_mask`` equal to the causal mask is taken as ``is_causal=True``, any other raises
     :class:`mgk.functional.MaskError`; float masks may hold only 0 (allowed) and -inf (not allowed). ``need_weights=True`` returns the explicit
-    (B, H, L, S) normalised weights (O(L S) memory).
+    (B, H, L, S) weights W with ``output = W @ v`` per head (O(L S) memory).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, eps: float = 1e-6, **kwargs):
+    def __init__(self, embed_dim: int, num_heads: int, *, eps: float = 1e-6, normalize: str = "row",
+                 feature_map="elu", output_scale: float = 1.0, eps_mode: str = "guard", **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
-        self.eps = float(eps)
+        self._set_form(eps, normalize, feature_map, output_scale, eps_mode)
         self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None)
 
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key))
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask):
-        result = linear_attention(q, k, v, attn_mask=mask, is_causal=is_causal, eps=self.eps,
-                                  return_weights=need_weights)
+        result = linear_attention(q, k, v, attn_mask=mask, is_causal=is_causal, return_weights=need_weights,
+                                  **self._form_kwargs())
         return result if need_weights else (result, None)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", eps={self.eps} (dropout unused)"
+        return super().extra_repr() + self._form_repr() + " (dropout unused)"
 
 
-class MLKAttention(MixtureKeysMixin, _KeyMasksOnly, AttentionBase):
+class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase):
     """Linear attention with a mixture of M linear keys per position (MLK / sMLK, paper eq. 14).
 
     The key feature is ``phi~(k_j) = sum_r pi_r phi(k_jr)``; see :func:`mgk.functional.mlk_attention`.
@@ -69,9 +93,19 @@ class MLKAttention(MixtureKeysMixin, _KeyMasksOnly, AttentionBase):
             in the same submodule ``mixture`` (:class:`mgk.attention.mixture_keys.MixtureKeys`).
         pi: only "learned" (log-softmax of learned logits, never clamped). Soft-E and Hard-E are defined through
             the Gaussian kernel of MGK and are rejected.
-        pi_shape: "head" (logits (H, M)) or "position" (logits (H, M, max_len), needs ``max_len``).
+        pi_shape: "head" (logits (H, M)), "position" (logits (H, M, max_len), needs ``max_len``) or "layer"
+            (logits (1, M) shared by all heads and positions).
+        pi_norm: "softmax" (the default) or "none" (free log-weights, pi = exp(pi_logits), initialised at 1/M), as
+            :class:`mgk.attention.mixture_keys.MixtureKeys`.
         max_len: longest key sequence, for pi_shape="position".
-        eps: added to the denominator.
+        mix: "features" (the default, eq. 14: ``sum_r pi_r phi(k_r)``) or "keys" (``phi(sum_r pi_r k_r)``).
+        normalize, feature_map, output_scale, eps, eps_mode: as :class:`LinearAttention`.
+
+    The authors' forms: LRA "MLK" is mix="keys", pi_shape="layer", pi_norm="none", normalize="length"
+    (``lra/attention_linear.py:20-21, 38-47``); LM type 400 is mix="features", pi_shape="position", pi_norm="none",
+    feature_map="elu_sum", output_scale=head_dim**-0.5, eps=1e-5, eps_mode="add"
+    (``language-modeling/lmtool-fwms/src/mem_transformer.py:405-542``), with exp of free log-weights in place of
+    their weights clamped to [0, 1].
 
     Masks as :class:`LinearAttention`.
 
@@ -80,16 +114,18 @@ class MLKAttention(MixtureKeysMixin, _KeyMasksOnly, AttentionBase):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_keys: int = 2, keys: str = "separate",
-                 pi: str = "learned", pi_shape: str = "head", max_len: int | None = None, eps: float = 1e-6,
-                 **kwargs):
+                 pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", max_len: int | None = None,
+                 mix: str = "features", eps: float = 1e-6, normalize: str = "row", feature_map="elu",
+                 output_scale: float = 1.0, eps_mode: str = "guard", **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
         if pi != "learned":
             why = ("Soft-E and Hard-E are MGK ablations built on the Gaussian kernel" if pi in PI_MODES
                    else "unknown mode")
             raise ValueError(f"MLKAttention supports only pi='learned', got pi={pi!r} ({why})")
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, num_keys=num_keys, keys=keys, pi=pi,
-                                   pi_shape=pi_shape, max_len=max_len, bias=self.q_proj.bias is not None)
-        self.eps = float(eps)
+                                   pi_shape=pi_shape, pi_norm=pi_norm, max_len=max_len,
+                                   bias=self.q_proj.bias is not None)
+        self._set_form(eps, normalize, feature_map, output_scale, eps_mode, mix)
 
     def mixture_log_weights(self, S: int) -> Tensor:
         """log pi broadcastable to (B, H, M, S). Raises ValueError when S > max_len for per-position weights."""
@@ -98,10 +134,11 @@ class MLKAttention(MixtureKeysMixin, _KeyMasksOnly, AttentionBase):
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask):
         log_pi = self.mixture_log_weights(k.shape[3])
-        result = mlk_attention(q, k, v, log_pi=log_pi, attn_mask=mask, is_causal=is_causal, eps=self.eps,
-                               return_weights=need_weights)
+        result = mlk_attention(q, k, v, log_pi=log_pi, attn_mask=mask, is_causal=is_causal, mix=self.mix,
+                               return_weights=need_weights, **self._form_kwargs())
         return result if need_weights else (result, None)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", num_keys={self.num_keys}, keys={self.keys!r}, pi={self.pi_mode!r}, "
-                f"pi_shape={self.pi_shape!r}, max_len={self.max_len}, eps={self.eps} (dropout unused)")
+                f"pi_shape={self.pi_shape!r}, pi_norm={self.pi_norm!r}, max_len={self.max_len}, mix={self.mix!r}"
+                + self._form_repr() + " (dropout unused)")

@@ -13,9 +13,9 @@ from ..functional._soft_e import mgk_attention_soft_e
 from ..functional.mgk import mgk_attention, mgk_responsibilities
 from . import _float_bias, _recompute
 from .base import AttentionBase, _positive_int
-from .mixture_keys import KEY_MODES, PI_MODES, PI_SHAPES, MixtureKeys, MixtureKeysMixin
+from .mixture_keys import KEY_MODES, PI_MODES, PI_NORMS, PI_SHAPES, MixtureKeys, MixtureKeysMixin
 
-__all__ = ["MGKAttention", "KEY_MODES", "PI_MODES", "PI_SHAPES"]
+__all__ = ["MGKAttention", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES"]
 
 # Soft-E: the pi each checkpointed forward read, per checkpoint region (weakly keyed: freed with the graph) and per
 # module, replayed in call order by the region's recomputation. Outside the modules so that they stay picklable.
@@ -32,9 +32,16 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             ``k_r = x W_k - mu_r`` with ``mu_1 = 0``, others initialised from N(0, 0.5^2)).
         pi: "learned" (log-softmax of learned logits, never clamped), "soft_e" (a buffer set by the E-step in
             training, paper "+Soft-E"), or "hard_e" (max over components, paper "+Hard-E").
-        pi_shape: for pi="learned", "head" (logits (H, M)) or "position" (logits (H, M, max_len)).
-        sigma2: per-component variances: None (sqrt(head_dim) for all), a float, or a sequence of M floats
-            (the authors' LM code used ``[sqrt(D), sqrt(D) / 3]``).
+        pi_shape: for pi="learned", "head" (logits (H, M)), "position" (logits (H, M, max_len)) or "layer" (logits
+            (1, M) shared by all heads and positions, the authors' LRA form).
+        pi_norm: for pi="learned", "softmax" (the default) or "none": free log-weights, pi = exp(pi_logits), not
+            normalised over the components (initialised at 1/M); with pi_shape="position" and
+            ``sigma2=(sqrt(D), sqrt(D) / 3)`` this is the authors' LM MGK
+            (``language-modeling/lmtool-fwms/src/mem_transformer.py:81-231``, update_mode ``rbf2keys``) without
+            its clamp's dead gradient and without its ``+1e-6`` in the row normaliser. See
+            :class:`mgk.attention.mixture_keys.MixtureKeys`.
+        sigma2: per-component variances: None (sqrt(head_dim) for all), a float, or a sequence (list or tuple) of
+            M floats (the authors' LM code used ``(sqrt(D), sqrt(D) / 3)``, ``mem_transformer.py:150-151``).
         max_len: longest key sequence; required by pi="soft_e" and pi_shape="position".
 
     The keys and weights live in the submodule ``mixture`` (:class:`mgk.attention.mixture_keys.MixtureKeys`,
@@ -58,16 +65,20 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     backend: str | None = None  # mgk_attention's backend; None lets mgk.functional.select_backend pick
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_keys: int = 2, keys: str = "separate",
-                 pi: str = "learned", pi_shape: str = "head", sigma2=None, max_len: int | None = None, **kwargs):
+                 pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", sigma2=None,
+                 max_len: int | None = None, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
         M = _positive_int(num_keys, "num_keys")
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, num_keys=M, keys=keys, pi=pi,
-                                   pi_shape=pi_shape, max_len=max_len, bias=self.q_proj.bias is not None)
+                                   pi_shape=pi_shape, pi_norm=pi_norm, max_len=max_len,
+                                   bias=self.q_proj.bias is not None)
         if sigma2 is None:
             sigma2 = [math.sqrt(self.head_dim)] * M
         elif isinstance(sigma2, (int, float)):
             sigma2 = [float(sigma2)] * M
-        sigma2 = torch.as_tensor(sigma2, dtype=torch.float32).reshape(-1)
+        # float64, so that a float64 module is exact (sqrt(D) / 3 is not a float32 number); each call casts the
+        # variances to its compute dtype
+        sigma2 = torch.as_tensor(sigma2, dtype=torch.float64).reshape(-1)
         if sigma2.numel() != M or not bool(torch.all(sigma2 > 0)):
             raise ValueError(f"sigma2 must be positive with one value per component ({M}), got {sigma2.tolist()}")
         self.register_buffer("sigma2", sigma2)
@@ -152,4 +163,5 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", num_keys={self.num_keys}, keys={self.keys!r}, pi={self.pi_mode!r}, "
-                f"sigma2={self.sigma2.tolist()}, max_len={self.max_len}")
+                f"pi_shape={self.pi_shape!r}, pi_norm={self.pi_norm!r}, sigma2={self.sigma2.tolist()}, "
+                f"max_len={self.max_len}")

@@ -3,6 +3,8 @@ mixture weights log pi (Nguyen et al., ICML 2022, eq. 9-10 for MGK and eq. 14 fo
 paper's sMGK / sMLK variants)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -10,7 +12,8 @@ from .base import _positive_int
 
 KEY_MODES = ("separate", "shifted")
 PI_MODES = ("learned", "soft_e", "hard_e")
-PI_SHAPES = ("head", "position")
+PI_SHAPES = ("head", "position", "layer")
+PI_NORMS = ("softmax", "none")
 
 # Checkpoints written before the keys moved into this submodule kept them directly on the attention module.
 _OLD_NAMES = ("k_proj.weight", "k_proj.bias", "key_shift", "pi_logits", "pi")
@@ -26,7 +29,14 @@ class MixtureKeys(nn.Module):
         pi: "learned" (log-softmax of learned logits ``pi_logits``, never clamped, so weights at the boundary keep a
             gradient), "soft_e" (a buffer ``pi`` of shape (H, M, max_len), initialised to 1/M and written by an
             E-step; see :class:`mgk.MGKAttention`), or "hard_e" (no weights: the max over components).
-        pi_shape: for pi="learned", "head" (logits (H, M)) or "position" (logits (H, M, max_len)).
+        pi_shape: for pi="learned", "head" (logits (H, M)), "position" (logits (H, M, max_len)) or "layer" (logits
+            (1, M), one set shared by every head and position, as the authors' LRA code, ``lra/attention.py:139``).
+        pi_norm: for pi="learned", "softmax" (pi = softmax of the logits over the M components, the default) or
+            "none" (``pi_logits`` are free log-weights, pi = exp(pi_logits) > 0, not normalised over the components:
+            with pi_shape="position" also a learned prior over key positions, the authors' LM form,
+            ``language-modeling/lmtool-fwms/src/mem_transformer.py:119-120, 198``). Under "none" they start at
+            log(1/M), so pi starts at 1/M (the authors' 0.5 for M = 2) and the first forward equals the softmax
+            form's; unlike the authors' clamp to [0, 1], exp keeps a gradient everywhere (pi may exceed 1).
         max_len: longest key sequence; required by pi="soft_e" and pi_shape="position".
         bias: whether the key projections have biases.
 
@@ -35,7 +45,8 @@ class MixtureKeys(nn.Module):
     """
 
     def __init__(self, kdim: int, num_heads: int, head_dim: int, *, num_keys: int = 2, keys: str = "separate",
-                 pi: str = "learned", pi_shape: str = "head", max_len: int | None = None, bias: bool = True):
+                 pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", max_len: int | None = None,
+                 bias: bool = True):
         super().__init__()
         M = self.num_keys = _positive_int(num_keys, "num_keys")
         if keys not in KEY_MODES:
@@ -44,7 +55,11 @@ class MixtureKeys(nn.Module):
             raise ValueError(f"pi must be one of {PI_MODES}, got {pi!r}")
         if pi_shape not in PI_SHAPES:
             raise ValueError(f"pi_shape must be one of {PI_SHAPES}, got {pi_shape!r}")
-        self.keys, self.pi_mode, self.pi_shape = keys, pi, pi_shape
+        if pi_norm not in PI_NORMS:
+            raise ValueError(f"pi_norm must be one of {PI_NORMS}, got {pi_norm!r}")
+        if pi_norm != "softmax" and pi != "learned":
+            raise ValueError(f"pi_norm={pi_norm!r} applies to learned weights only (pi='learned'), got pi={pi!r}")
+        self.keys, self.pi_mode, self.pi_shape, self.pi_norm = keys, pi, pi_shape, pi_norm
         self.max_len = None if max_len is None else _positive_int(max_len, "max_len")
         needs_len = pi == "soft_e" or (pi == "learned" and pi_shape == "position")
         if needs_len and self.max_len is None:
@@ -58,7 +73,9 @@ class MixtureKeys(nn.Module):
             self.k_proj = nn.Linear(kdim, H * D, bias=bias)
             self.key_shift = nn.Parameter(torch.randn(M - 1, H, D) * 0.5)
         if pi == "learned":
-            self.pi_logits = nn.Parameter(torch.zeros((H, M) if pi_shape == "head" else (H, M, self.max_len)))
+            shape = {"head": (H, M), "layer": (1, M)}.get(pi_shape) or (H, M, self.max_len)
+            start = 0.0 if pi_norm == "softmax" else -math.log(M)  # pi = 1/M either way
+            self.pi_logits = nn.Parameter(torch.full(shape, start))
         elif pi == "soft_e":
             self.register_buffer("pi", torch.full((H, M, self.max_len), 1.0 / M))
 
@@ -89,9 +106,9 @@ class MixtureKeys(nn.Module):
         if self.pi_mode == "soft_e":
             pi = self.pi[:, :, :S] if pi is None else pi
             return pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
-        if self.pi_shape == "head":
-            return torch.log_softmax(self.pi_logits, dim=1).unsqueeze(0).unsqueeze(-1)
-        return torch.log_softmax(self.pi_logits[:, :, :S], dim=1).unsqueeze(0)
+        logits = self.pi_logits[:, :, :S] if self.pi_shape == "position" else self.pi_logits.unsqueeze(-1)
+        log_pi = torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits
+        return log_pi.unsqueeze(0)
 
 
 def upgrade_state_dict(state_dict: dict, prefix: str, name: str = "mixture") -> None:
@@ -116,6 +133,7 @@ class MixtureKeysMixin:
     num_keys = property(lambda self: self.mixture.num_keys)
     pi_mode = property(lambda self: self.mixture.pi_mode)
     pi_shape = property(lambda self: self.mixture.pi_shape)
+    pi_norm = property(lambda self: self.mixture.pi_norm)
     max_len = property(lambda self: self.mixture.max_len)
 
     def _keys(self, key: Tensor) -> Tensor:

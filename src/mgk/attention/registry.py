@@ -14,10 +14,14 @@ from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention
 from .softmax import MultiheadAttention
 
-_MIXTURE = {"num_keys": (int,), "pi": (str,), "pi_shape": (str,), "sigma2": (type(None), int, float, list, tuple),
-            "max_len": (type(None), int)}
+_MIXTURE = {"num_keys": (int,), "pi": (str,), "pi_shape": (str,), "pi_norm": (str,),
+            "sigma2": (type(None), int, float, list, tuple), "max_len": (type(None), int)}
+# The form of linear attention (mgk.functional.linear_attention); "attn_eps" is the modules' ``eps`` (a run's
+# config also has the optimiser's adam_eps).
+_LINEAR = {"normalize": (str,), "feature_map": (str,), "output_scale": (int, float), "attn_eps": (int, float),
+           "eps_mode": (str,)}
 # MLK takes "pi" so that soft_e / hard_e reach it and are refused with its own message (only "learned" is defined).
-_MLK = {k: v for k, v in _MIXTURE.items() if k != "sigma2"}
+_MLK = {**{k: v for k, v in _MIXTURE.items() if k != "sigma2"}, **_LINEAR, "mix": (str,)}
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 _KIND_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {}
@@ -37,8 +41,7 @@ def attention_kinds() -> tuple[str, ...]:
 
 
 def attention_options(kind: str) -> dict[str, tuple[type, ...]]:
-    """The options ``kind`` takes, name -> accepted types (empty for "softmax" and "linear"). ValueError for an
-    unknown kind."""
+    """The options ``kind`` takes, name -> accepted types (empty for "softmax"). ValueError for an unknown kind."""
     _check_kind(kind)
     return dict(_KIND_OPTIONS[kind])
 
@@ -60,8 +63,10 @@ def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int 
                     dropout: float = 0.0, bias: bool = True, **options) -> nn.Module:
     """Build the attention module ``kind`` ("softmax", "mgk", "smgk", "linear", "mlk", "smlk").
 
-    ``options`` are the kind's own (:func:`attention_options`): num_keys, pi, pi_shape, sigma2, max_len for the
-    mixture kinds (Nguyen et al. 2022, Sections 2-3), none for softmax and linear attention.
+    ``options`` are the kind's own (:func:`attention_options`): num_keys, pi, pi_shape, pi_norm, sigma2, max_len for
+    the mixture kinds (Nguyen et al. 2022, Sections 2-3); normalize, feature_map, output_scale, attn_eps, eps_mode
+    for linear attention (:func:`mgk.functional.linear_attention`), and those plus mix for MLK (no sigma2); none for
+    softmax.
     Raises ValueError for an unknown kind, or an option the kind does not take (naming both).
     """
     check_options(kind, options)
@@ -76,6 +81,14 @@ def _check_kind(kind: str) -> None:
 register("softmax", MultiheadAttention, {})
 register("mgk", lambda e, h, **kw: MGKAttention(e, h, keys="separate", **kw), _MIXTURE)
 register("smgk", lambda e, h, **kw: MGKAttention(e, h, keys="shifted", **kw), _MIXTURE)
-register("linear", LinearAttention, {})
-register("mlk", lambda e, h, **kw: MLKAttention(e, h, keys="separate", **kw), _MLK)
-register("smlk", lambda e, h, **kw: MLKAttention(e, h, keys="shifted", **kw), _MLK)
+
+def _eps(kw: dict) -> dict:
+    """The registry's ``attn_eps`` as the modules' ``eps``."""
+    if "attn_eps" in kw:
+        kw["eps"] = kw.pop("attn_eps")
+    return kw
+
+
+register("linear", lambda e, h, **kw: LinearAttention(e, h, **_eps(kw)), _LINEAR)
+register("mlk", lambda e, h, **kw: MLKAttention(e, h, keys="separate", **_eps(kw)), _MLK)
+register("smlk", lambda e, h, **kw: MLKAttention(e, h, keys="shifted", **_eps(kw)), _MLK)

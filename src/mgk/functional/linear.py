@@ -22,16 +22,18 @@ Two implementations (``backend=``) compute the same numbers; :func:`select_linea
   across chunks an exclusive cumulative sum of per-chunk states (B, H, L / c, D', Dv). Never an L x D' x Dv tensor;
 * "explicit": the (B, H, L, S) normalised weights and their product with v (the only one that returns weights).
 
-``eps`` replaces only a denominator that is exactly zero (a row whose visible keys all have zero features), so
-every other row is normalised exactly: constant values give that constant (Katharopoulos et al. add eps to every
-denominator, which biases each output toward 0 by den / (den + eps)).
+By default ``eps`` replaces only a denominator that is exactly zero (a row whose visible keys all have zero
+features), so every other row is normalised exactly: constant values give that constant (Katharopoulos et al. add
+eps to every denominator, which biases each output toward 0 by den / (den + eps); ``eps_mode="add"`` does that).
+
+Options select the other forms of the Transformer-MGK authors' released code (``normalize``, ``feature_map``,
+``output_scale``, ``eps_mode``, ``mix``; see :mod:`mgk.functional._linear_forms`).
 
 Sums and denominators run in float32 (float64 for float64 inputs) with autocast off; the output has query's dtype.
 :func:`linear_attention_step` is the recurrent form for causal decoding, one position at a time.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,6 +43,8 @@ from torch import Tensor
 
 from . import masks as _masks
 from ._checks import check_qkv, check_same, check_same_dtype, check_tensor, compute_dtype, full_precision
+from ._linear_forms import (EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE, LinearForm, denominator, elu_feature_map,
+                            elu_sum_feature_map, linear_form)
 from .mgk import BackendError
 from .mgk import _check as _check_mixture
 from .mgk import _log_prior
@@ -49,22 +53,9 @@ LINEAR_BACKENDS = ("chunked", "explicit")
 
 FeatureMap = Callable[[Tensor], Tensor]
 
-
-def elu_feature_map(x: Tensor) -> Tensor:
-    """``elu(x) + 1``, the positive feature map of Katharopoulos et al. (2020); shape-preserving."""
-    return F.elu(x) + 1.0
-
-
-def _options(eps, feature_map, chunk_size) -> FeatureMap:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if feature_map is None:
-        return elu_feature_map
-    if not callable(feature_map):
-        raise ValueError(f"feature_map must be a callable mapping (..., D) to (..., D'), got {type(feature_map).__name__}")
-    return feature_map
+__all__ = ["EPS_MODES", "FEATURE_MAPS", "LINEAR_BACKENDS", "MIX", "NORMALIZE", "LinearAttentionState",
+           "elu_feature_map", "elu_sum_feature_map", "linear_attention", "linear_attention_step", "mlk_attention",
+           "select_linear_backend"]
 
 
 def _key_padding(attn_mask, B: int, H: int, L: int, S: int) -> Tensor | None:
@@ -89,23 +80,38 @@ def _features(fm: FeatureMap, x: Tensor, name: str) -> Tensor:
     return out
 
 
-def _key_features(fm: FeatureMap, key: Tensor, log_pi: Tensor | None, keep: Tensor | None) -> Tensor:
-    """``phi~(k_j) = sum_r pi_jr phi(k_jr)`` for key (B, H, M, S, D); padded keys give exactly zero features.
+def _key_features(form: LinearForm, key: Tensor, log_pi: Tensor | None, keep: Tensor | None) -> Tensor:
+    """Key features (B, H, S, D') of key (B, H, M, S, D); padded keys give exactly zero features.
 
-    ``log_pi`` is None (uniform) or broadcastable to (B, H, M, S); ``keep`` is (B?, H?, S) bool or None."""
+    ``mix="features"``: ``phi~(k_j) = sum_r pi_jr phi(k_jr)`` (eq. 14); ``mix="keys"``: ``phi(sum_r pi_jr k_jr)``.
+    ``log_pi`` is None (uniform) or
+    broadcastable to (B, H, M, S); ``keep`` is (B?, H?, S) bool or None."""
     zero = torch.zeros((), dtype=key.dtype, device=key.device)
     if keep is not None:
         key = torch.where(keep[..., None, :, None], key, zero)  # finite input to phi, zero gradient at padding
-    feats = _features(fm, key, "key")  # (B, H, M, S, D')
     M = key.shape[2]
     if M == 1 and log_pi is None:
-        phi = feats[:, :, 0]
+        phi = _features(form.feature_map, key[:, :, 0], "key")
     else:
-        pi = _log_prior(log_pi, M, key.dtype, key.device).exp()  # (B?, H?, M, S?)
-        phi = (pi.unsqueeze(-1) * feats).sum(dim=2)
+        pi = _log_prior(log_pi, M, key.dtype, key.device).exp().unsqueeze(-1)  # (B?, H?, M, S?, 1)
+        if form.mix == "keys":
+            phi = _features(form.feature_map, (pi * key).sum(dim=2), "key")
+        else:
+            phi = (pi * _features(form.feature_map, key, "key")).sum(dim=2)
     if keep is not None:
         phi = torch.where(keep.unsqueeze(-1), phi, zero)
     return phi
+
+
+def _scaled(phi: Tensor, scale: float | None) -> Tensor:
+    return phi if scale is None else phi * scale
+
+
+def _finish(num: Tensor, den: Tensor | None, form: LinearForm, empty: Tensor | None) -> Tensor:
+    """The output from the numerator (.., Dv) and the row sums (.., 1): divided under normalize="row", then
+    multiplied by ``output_scale``."""
+    out = num / denominator(den, form, empty) if form.normalize == "row" else num
+    return out if form.output_scale == 1.0 else out * form.output_scale
 
 
 def _empty_rows(keep: Tensor | None, is_causal: bool, L: int, S: int, device) -> Tensor | None:
@@ -169,14 +175,6 @@ def _causal(phi_q, phi_k, v, chunk: int):
     return _chunked_prefix(phi_q, phi_k[:, :, off:], v[:, :, off:], kv0, z0, chunk)
 
 
-def _denominator(den: Tensor, eps: float, empty: Tensor | None) -> Tensor:
-    """``den`` where it is not zero; ``eps`` (1 for eps = 0) where it is exactly zero; 1 on rows that see no key
-    (their numerators are exactly 0, so they give exactly 0 with finite gradients)."""
-    guard = torch.full((), eps if eps > 0 else 1.0, dtype=den.dtype, device=den.device)
-    den = torch.where(den == 0, guard, den)
-    return den if empty is None else torch.where(empty, torch.ones((), dtype=den.dtype, device=den.device), den)
-
-
 def select_linear_backend(return_weights: bool = False) -> str:
     """The implementation linear and MLK attention run when ``backend`` is None: "explicit" when the weights are
     asked for (only it builds them), "chunked" otherwise."""
@@ -194,7 +192,7 @@ def _backend(backend: str | None, return_weights: bool) -> str:
     return backend
 
 
-def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights, backend):
+def _run(query, key, value, log_pi, keep, is_causal, form: LinearForm, chunk_size, return_weights, backend):
     """Shared core of linear and MLK attention; key is (B, H, M, S, D), already checked."""
     out_dtype = query.dtype
     L, S = query.shape[2], key.shape[3]
@@ -205,8 +203,8 @@ def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return
         empty = _empty_rows(keep, is_causal, L, S, query.device)
         if empty is not None:  # rows that see no key: inert (NaN queries there must not reach any gradient); they
             q = torch.where(empty, zero, q)  # meet only zero key features, so their num and den are exactly 0
-        phi_q = _features(fm, q, "query")
-        phi_k = _key_features(fm, k, log_pi, keep)
+        phi_q = _scaled(_features(form.feature_map, q, "query"), form.length_scale(L))
+        phi_k = _scaled(_key_features(form, k, log_pi, keep), form.length_scale(S))
         check_same("feature_map(query)", phi_q.shape[-1], "feature_map(key)", phi_k.shape[-1], "feature size D'")
         if keep is not None:
             v = torch.where(keep.unsqueeze(-1), v, zero)
@@ -214,7 +212,8 @@ def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return
             weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, L, S); padded keys and empty rows are already 0
             if is_causal:
                 weights = torch.where(_masks.causal_mask(L, S, query.device), weights, zero)
-            weights = weights / _denominator(weights.sum(dim=-1, keepdim=True), eps, empty)
+            # the weights are returned such that out = weights @ v
+            weights = _finish(weights, weights.sum(dim=-1, keepdim=True), form, empty)
             out = weights @ v
         else:
             if is_causal:
@@ -222,17 +221,20 @@ def _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return
             else:
                 num = phi_q @ (phi_k.transpose(-1, -2) @ v)
                 den = (phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)).squeeze(-1)
-            out = num / _denominator(den.unsqueeze(-1), eps, empty)
+            out = _finish(num, den.unsqueeze(-1), form, empty)
     out = out.to(out_dtype)
     return (out, weights.to(out_dtype)) if return_weights else out
 
 
 def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
-                     is_causal: bool = False, eps: float = 1e-6, feature_map: FeatureMap | None = None,
+                     is_causal: bool = False, eps: float = 1e-6, feature_map: FeatureMap | str | None = None,
+                     normalize: str = "row", output_scale: float = 1.0, eps_mode: str = "guard",
                      chunk_size: int = 64, return_weights: bool = False, backend: str | None = None):
     """Linear attention ``o_i = phi(q_i)^T sum_j phi(k_j) v_j^T / phi(q_i)^T sum_j phi(k_j)``.
 
-    Katharopoulos et al. (2020), "Transformers are RNNs", eq. 6; the paper's linear baseline.
+    Katharopoulos et al. (2020), "Transformers are RNNs", eq. 6; the paper's linear baseline. ``normalize``,
+    ``feature_map``, ``output_scale`` and ``eps_mode`` select other forms (see below and
+    :mod:`mgk.functional._linear_forms`).
 
     Args:
         query: (B, H, L, D) floating.
@@ -241,11 +243,21 @@ def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Te
         attn_mask: bool key-padding mask broadcastable to (B, 1, 1, S) or (B, H, 1, S), True = real key. Masks
             with a query dimension (L > 1) are rejected: use ``is_causal`` for causality.
         is_causal: causal, aligned bottom-right (query i sees keys j <= i + S - L).
-        eps: used in place of a denominator that is exactly zero (every other row is normalised exactly).
-        feature_map: callable (..., D) -> (..., D') applied to queries and keys; default ``elu(x) + 1``. It should
-            be non-negative so that the weights form a distribution.
+        normalize: "row" (the default: divide by ``phi(q_i) . sum_j phi~(k_j)``), "length" (no
+            denominator; query features times L^(-1/4) and key features times S^(-1/4), L and S the tensor lengths
+            *including padding*, so the output depends on how far a batch is padded: the authors' LRA form) or
+            "none" (no denominator, no scale).
+        feature_map: "elu" or None (``elu(x) + 1``, the default), "elu_sum" (elu+1 divided by its sum over the
+            head dimension: the authors' LM form) or a callable (..., D) -> (..., D'), applied to queries and keys.
+            It should be non-negative so that normalised weights form a distribution.
+        output_scale: finite float > 0 multiplying the output (the authors' LM uses 1/sqrt(D)); default 1.
+        eps: with normalize="row", the denominator's eps, used as ``eps_mode`` says.
+        eps_mode: "guard" (the default: ``eps`` replaces only a denominator that is exactly zero, so every other row
+            is normalised exactly) or "add" (``den + eps`` on every row, Katharopoulos et al. 2020 and the authors'
+            LM with eps = 1e-5).
         chunk_size: positions per chunk of the causal prefix sums (speed and memory only).
-        return_weights: also return the explicit (B, H, L, S) normalised weights (O(L S) memory).
+        return_weights: also return the explicit (B, H, L, S) weights W with ``output = W @ value`` (normalised
+            rows times ``output_scale`` under normalize="row"; O(L S) memory).
         backend: None (:func:`select_linear_backend`), "chunked" or "explicit".
     Returns:
         (B, H, L, Dv) in query's dtype, and the weights when ``return_weights``. Rows that may attend to no key
@@ -255,16 +267,18 @@ def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Te
         non-bool mask or a mask that is not a key-padding mask.
     """
     B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
-    fm = _options(eps, feature_map, chunk_size)
+    form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
+                       eps_mode=eps_mode, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
     name = _backend(backend, return_weights)
-    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, eps, fm, chunk_size, return_weights, name)
+    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, form, chunk_size, return_weights, name)
 
 
 def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
                   attn_mask: Tensor | None = None, is_causal: bool = False, eps: float = 1e-6,
-                  feature_map: FeatureMap | None = None, chunk_size: int = 64, return_weights: bool = False,
-                  backend: str | None = None):
+                  feature_map: FeatureMap | str | None = None, normalize: str = "row", output_scale: float = 1.0,
+                  eps_mode: str = "guard", mix: str = "features", chunk_size: int = 64,
+                  return_weights: bool = False, backend: str | None = None):
     """Attention with a mixture of linear keys (MLK, paper eq. 14).
 
     Linear attention whose key feature is ``phi~(k_j) = sum_r pi_jr phi(k_jr)``:
@@ -276,17 +290,22 @@ def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         value: (B, H, S, Dv).
         log_pi: log mixture weights broadcastable to (B, H, M, S); default uniform ``-log M``. Entries of -inf
             switch a component off. Not normalised here (un-normalised weights rescale a key's mass).
-        attn_mask, is_causal, eps, feature_map, chunk_size, return_weights, backend: as :func:`linear_attention`.
+        mix: "features" (the default, eq. 14: mix the feature-mapped keys) or "keys" (``phi~(k_j) =
+            phi(sum_r pi_jr k_jr)``: mix the raw keys before the feature map, the authors' LRA form; with
+            position-independent weights it is one effective key projection).
+        attn_mask, is_causal, eps, feature_map, normalize, output_scale, eps_mode, chunk_size, return_weights,
+            backend: as :func:`linear_attention`.
     Returns:
         As :func:`linear_attention`.
     Raises:
         ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for masks.
     """
     B, H, L, S, M, D, _ = _check_mixture(query, key, value, log_pi, "sum", None)
-    fm = _options(eps, feature_map, chunk_size)
+    form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
+                       eps_mode=eps_mode, mix=mix, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
     name = _backend(backend, return_weights)
-    return _run(query, key, value, log_pi, keep, is_causal, eps, fm, chunk_size, return_weights, name)
+    return _run(query, key, value, log_pi, keep, is_causal, form, chunk_size, return_weights, name)
 
 
 @dataclass(frozen=True)
@@ -302,13 +321,52 @@ class LinearAttentionState:
     k_sum: Tensor
 
 
+def _step_log_pi(log_pi_t, mlk: bool, B: int, H: int, M: int) -> Tensor | None:
+    if log_pi_t is None:
+        return None
+    if not mlk:
+        raise ValueError("log_pi_t is only used with MLK keys key_t of shape (B, H, M, D); pass None")
+    if not isinstance(log_pi_t, Tensor) or not log_pi_t.is_floating_point() or log_pi_t.dim() > 3 or any(
+            a not in (1, b) for a, b in zip((1,) * (3 - log_pi_t.dim()) + tuple(log_pi_t.shape), (B, H, M))):
+        shape = tuple(log_pi_t.shape) if isinstance(log_pi_t, Tensor) else type(log_pi_t).__name__
+        raise ValueError(f"log_pi_t must be a floating tensor broadcastable to (B, H, M) = {(B, H, M)}, got {shape}")
+    return log_pi_t.unsqueeze(-1)
+
+
+def _step_keep(key_mask_t, B: int, H: int) -> Tensor | None:
+    if key_mask_t is None:
+        return None
+    if not isinstance(key_mask_t, Tensor) or key_mask_t.dtype != torch.bool or key_mask_t.dim() > 2 or any(
+            a not in (1, b) for a, b in zip((1,) * (2 - key_mask_t.dim()) + tuple(key_mask_t.shape), (B, H))):
+        what = (f"{key_mask_t.dtype} {tuple(key_mask_t.shape)}" if isinstance(key_mask_t, Tensor)
+                else type(key_mask_t).__name__)
+        raise _masks.MaskError(f"key_mask_t must be a bool tensor broadcastable to (B, H) = {(B, H)} "
+                               f"(True = real key), got {what}")
+    return key_mask_t.reshape((1,) * (2 - key_mask_t.dim()) + tuple(key_mask_t.shape)).unsqueeze(-1)
+
+
+def _step_lengths(form: LinearForm, lengths) -> tuple[float | None, float | None]:
+    """(query, key) feature scales of a step: L^(-1/4), S^(-1/4) from ``lengths`` under normalize="length"."""
+    if form.normalize != "length":
+        return None, None
+    ok = isinstance(lengths, tuple) and len(lengths) == 2 and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+    if not ok:
+        raise ValueError(f"normalize='length' in a step needs lengths=(L, S), the full query and key tensor lengths "
+                         f"whose fourth roots scale the features, got {lengths!r}")
+    return form.length_scale(lengths[0]), form.length_scale(lengths[1])
+
+
 def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state: LinearAttentionState | None = None,
                           *, log_pi_t: Tensor | None = None, key_mask_t: Tensor | None = None,
-                          feature_map: FeatureMap | None = None, eps: float = 1e-6):
+                          feature_map: FeatureMap | str | None = None, eps: float = 1e-6, normalize: str = "row",
+                          output_scale: float = 1.0, eps_mode: str = "guard", mix: str = "features",
+                          lengths: tuple[int, int] | None = None):
     """One step of causal linear attention (key_t (B, H, D)) or MLK (key_t (B, H, M, D)), the recurrent form.
 
     Adds position t to the running sums, then attends from ``query_t`` (the diagonal is included). Running it over
-    t = 0..L-1 gives the outputs of :func:`linear_attention` / :func:`mlk_attention` with ``is_causal=True``.
+    t = 0..L-1 gives the outputs of :func:`linear_attention` / :func:`mlk_attention` with ``is_causal=True`` and
+    the same options.
 
     Args:
         query_t: (B, H, D); key_t: (B, H, D) or (B, H, M, D); value_t: (B, H, Dv).
@@ -317,7 +375,9 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
             4-dim key_t.
         key_mask_t: bool broadcastable to (B, H); False marks a padding step (its key and value are not added,
             e.g. left padding in batched decoding). None: every step is real.
-        feature_map, eps: as :func:`linear_attention`.
+        feature_map, eps, normalize, output_scale, eps_mode: as :func:`linear_attention`; mix: as
+            :func:`mlk_attention`.
+        lengths: (L, S), the whole query and key tensor lengths; required by normalize="length" only.
     Returns:
         ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen) and the new
         :class:`LinearAttentionState` (the old one is not modified).
@@ -331,37 +391,21 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
     check_same_dtype(query_t=query_t, key_t=key_t, value_t=value_t)
     B, H, D = query_t.shape
     key = key_t.unsqueeze(-2) if mlk else key_t.unsqueeze(2).unsqueeze(3)  # (B, H, M, 1, D)
-    M = key.shape[2]
     check_same("query_t", B, "key_t", key_t.shape[0], "batch size")
     check_same("query_t", H, "key_t", key_t.shape[1], "number of heads")
     check_same("query_t", D, "key_t", key_t.shape[-1], "head_dim")
     check_same("key_t", B, "value_t", value_t.shape[0], "batch size")
     check_same("key_t", H, "value_t", value_t.shape[1], "number of heads")
-    fm = _options(eps, feature_map, 1)
-    log_pi = None
-    if log_pi_t is not None:
-        if not mlk:
-            raise ValueError("log_pi_t is only used with MLK keys key_t of shape (B, H, M, D); pass None")
-        if not isinstance(log_pi_t, Tensor) or not log_pi_t.is_floating_point() or log_pi_t.dim() > 3 or any(
-                a not in (1, b) for a, b in zip((1,) * (3 - log_pi_t.dim()) + tuple(log_pi_t.shape), (B, H, M))):
-            shape = tuple(log_pi_t.shape) if isinstance(log_pi_t, Tensor) else type(log_pi_t).__name__
-            raise ValueError(f"log_pi_t must be a floating tensor broadcastable to (B, H, M) = {(B, H, M)}, "
-                             f"got {shape}")
-        log_pi = log_pi_t.unsqueeze(-1)
-    keep = None
-    if key_mask_t is not None:
-        if not isinstance(key_mask_t, Tensor) or key_mask_t.dtype != torch.bool or key_mask_t.dim() > 2 or any(
-                a not in (1, b) for a, b in zip((1,) * (2 - key_mask_t.dim()) + tuple(key_mask_t.shape), (B, H))):
-            what = (f"{key_mask_t.dtype} {tuple(key_mask_t.shape)}" if isinstance(key_mask_t, Tensor)
-                    else type(key_mask_t).__name__)
-            raise _masks.MaskError(f"key_mask_t must be a bool tensor broadcastable to (B, H) = {(B, H)} "
-                                   f"(True = real key), got {what}")
-        keep = key_mask_t.reshape((1,) * (2 - key_mask_t.dim()) + tuple(key_mask_t.shape)).unsqueeze(-1)
+    form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
+                       eps_mode=eps_mode, mix=mix)
+    q_scale, k_scale = _step_lengths(form, lengths)
+    log_pi = _step_log_pi(log_pi_t, mlk, B, H, key.shape[2])
+    keep = _step_keep(key_mask_t, B, H)
     dt = compute_dtype(query_t, key_t, value_t)
     with full_precision(query_t.device):
         q, k, v = query_t.to(dt), key.to(dt), value_t.to(dt)
-        phi_q = _features(fm, q, "query_t")
-        phi_k = _key_features(fm, k, log_pi, keep)[:, :, 0]  # (B, H, D')
+        phi_q = _scaled(_features(form.feature_map, q, "query_t"), q_scale)
+        phi_k = _scaled(_key_features(form, k, log_pi, keep)[:, :, 0], k_scale)  # (B, H, D')
         check_same("feature_map(query_t)", phi_q.shape[-1], "feature_map(key_t)", phi_k.shape[-1], "feature size D'")
         if keep is not None:
             v = torch.where(keep, v, torch.zeros((), dtype=dt, device=v.device))
@@ -378,5 +422,5 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
             z = state.k_sum.to(dt) + z
         num = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)
         den = (phi_q * z).sum(dim=-1, keepdim=True)
-        out = (num / _denominator(den, eps, None)).to(query_t.dtype)
+        out = _finish(num, den, form, None).to(query_t.dtype)
     return out, LinearAttentionState(kv, z)
