@@ -29,11 +29,11 @@ AUTHORS_LRA = dict(
     weight_decay=0.0, adam_eps=1e-6,  # lra/run_tasks.py:196-200, defaults :74-75 (AdamW betas 0.9, 0.999)
     schedule="onecycle",  # lra/run_tasks.py:202-208 (OneCycleLR, pct_start warmup/steps, linear), :260-261
     precision="fp16",  # lra/run_tasks.py:158, 210; lra/model_wrapper.py:64 (autocast + GradScaler; attention fp32)
-    eval_batch_size=32,  # dev batches of the training batch size (lra/run_tasks.py:190-192)
 )
 
 # Per task: Nystromformer cfg (batch, lr, warm-up, steps, eval_frequency / num_eval_steps), except Retrieval's batch
-# 24 and warm-up 8000 from the authors' lra/README.md commands.
+# 24 and warm-up 8000 from the authors' lra/README.md commands. Dev batches have the training batch size
+# (lra/run_tasks.py:190-192), so eval_batch_size = batch_size: added below.
 LRA_TASKS = {
     "listops": dict(max_len=2000, batch_size=32, lr=1e-4, warmup_steps=1000, steps=5000, eval_every=50,
                     eval_batches=62),  # Nystromformer cfg "listops"
@@ -46,6 +46,8 @@ LRA_TASKS = {
     "pathfinder": dict(max_len=1024, batch_size=256, lr=1e-4, warmup_steps=312, steps=62400, eval_every=312,
                        eval_batches=312),  # Nystromformer cfg "pathfinder32"
 }
+for _values in LRA_TASKS.values():
+    _values["eval_batch_size"] = _values["batch_size"]
 
 # The WikiText-103 LM (LM/ = language-modeling/lmtool-fwms/src; README = its README commands).
 AUTHORS_LM = dict(
