@@ -129,7 +129,7 @@ def test_new_fields_validate_and_parse():
             config_mod.validate(config_mod.apply_overrides(config_mod.RunConfig(), [bad]))
     with pytest.raises(ValueError, match="onecycle"):
         config_mod.validate(config_mod.apply_overrides(config_mod.RunConfig(), ["schedule=onecycle",
-                                                                               "warmup_steps=0"]))
+                                                                               "warmup_steps=1"]))
 
 
 def _lrs_and_betas(schedule, steps=100, warmup=20, lr=1e-3):

@@ -178,8 +178,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ValueError(f"config field {name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by grad_accum ({cfg.grad_accum})")
-    if cfg.schedule == "onecycle" and not 1 <= cfg.warmup_steps < cfg.steps:
-        raise ValueError(f"schedule onecycle needs 1 <= warmup_steps < steps (its pct_start is warmup_steps/steps), "
+    if cfg.schedule == "onecycle" and not 2 <= cfg.warmup_steps < cfg.steps:  # OneCycleLR divides by warmup - 1
+        raise ValueError(f"schedule onecycle needs 2 <= warmup_steps < steps (its pct_start is warmup_steps/steps), "
                          f"got warmup_steps={cfg.warmup_steps}, steps={cfg.steps}")
     return cfg
 

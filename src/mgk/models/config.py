@@ -68,8 +68,8 @@ class LMConfig:
 
 
 # Model-config names -> the run-config keys a user sets (``--set KEY=...``), for messages.
-_RUN_KEYS = {"kind": "attention", "dropout": "dropout", "attention.dropout": "attn_dropout", "cutoffs": "adaptive_cutoffs",
-             "attention.bias": "attn_bias"}
+_RUN_KEYS = {"kind": "attention", "dropout": "dropout", "attention.dropout": "attn_dropout",
+             "cutoffs": "adaptive_cutoffs", "attention.bias": "attn_bias"}
 
 
 def _flat(cfg) -> dict:

@@ -47,7 +47,8 @@ PRESETS = {
     "wt103-paper": with_known_options(RunConfig(**AUTHORS_LM, attention="softmax", num_heads=8,
                                                 checkpoint_every=4000, log_every=200),
                                       AUTHORS_ATTENTION_OPTIONS["wt103-paper"]),
-    # Our protocol on the paper's model (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021): 16 post-LN layers, d_model 128, head_dim 16,
+    # Our protocol on the paper's model (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021):
+    # 16 post-LN layers, d_model 128, head_dim 16,
     # FFN 2048, 256-token segments without memory, batch 96, Adam lr 2.5e-4 (AdamW with weight_decay 0 is Adam),
     # 2000 warm-up steps then cosine to 0, clip 0.25, dropout 0.1; 500k steps as in lmtool-fwp's script (above).
     # Heads: the paper's baseline is --attention softmax --heads 8; MGK runs use 4 or 8 heads. Final numbers:

@@ -284,7 +284,8 @@ class Trainer:
                    "head_dim": cfg.head_dim, "pi": cfg.pi if "pi" in takes else None,
                    "attention_options": dict(self.task.model_config(cfg).attention.options),
                    "params": self.num_params, "params_attention": self.num_attention_params,
-                   "protocol": records.protocol(cfg), "steps": st.step, "seed": cfg.seed, "world_size": self.dist.world_size,
+                   "protocol": records.protocol(cfg), "steps": st.step, "seed": cfg.seed,
+                   "world_size": self.dist.world_size,
                    "precision": cfg.precision, "max_len": cfg.max_len, "best_step": st.best_step,
                    "skipped_steps": st.skipped, "seconds_per_step": self.train_seconds / max(1, self.session_steps)}
         for name, ds in (("val", self.splits["val"]), ("test", self.splits["test"])):

@@ -44,8 +44,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, lr: floa
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule == "onecycle":
-        if not 1 <= warmup_steps < total_steps:
-            raise ValueError(f"schedule onecycle needs 1 <= warmup_steps < steps, got {warmup_steps}, {total_steps}")
+        if not 2 <= warmup_steps < total_steps:  # torch divides by warmup_steps - 1
+            raise ValueError(f"schedule onecycle needs 2 <= warmup_steps < steps, got {warmup_steps}, {total_steps}")
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=lr, total_steps=total_steps, pct_start=warmup_steps / total_steps,
             anneal_strategy="linear", cycle_momentum=True, base_momentum=0.85, max_momentum=0.95, div_factor=25.0,
