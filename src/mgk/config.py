@@ -51,6 +51,8 @@ class RunConfig:
     adaptive_cutoffs: Optional[list] = _f(None, "lm")  # adaptive input/softmax cutoffs; None = [20000, 40000, 200000]
     eval_context: int = _f(0, "lm")  # sliding-window context for final evaluation (0 = segment mode)
     eval_stride: int = _f(0, "lm")  # sliding-window stride (0 = segment mode)
+    adaptive_softmax: str = _f("torch", "lm")  # "torch" (nn.AdaptiveLogSoftmaxWithLoss: tail projections, no biases)
+    # or "authors" (the paper code's tied table with per-word and cluster biases, no projections)
     # model (Nguyen et al. 2022, Section 4.1: the LRA encoder of Nystromformer, Xiong et al. 2021)
     attention: str = _f("mgk", "attention")
     num_heads: int = _f(4, "attention")
@@ -60,6 +62,7 @@ class RunConfig:
     ffn_dim: int = _f(128, "model")
     dropout: float = _f(0.1, "model")
     attn_dropout: float = _f(0.1, "attention")
+    attn_bias: bool = _f(True, "attention")  # biases of the attention projections
     num_keys: int = _f(2, "attention_option")
     pi: str = _f("learned", "attention_option")
     pi_shape: str = _f("head", "attention_option")
@@ -74,6 +77,8 @@ class RunConfig:
     mix: str = _f("features", "attention_option")  # MLK: "keys" mixes raw keys before phi (the authors' LRA form)
     pooling: str = _f("mean", "model")
     classifier_dim: int = _f(128, "model")
+    classifier_activation: str = _f("gelu", "model")  # "gelu" or "relu" (LRA head)
+    init: str = _f("torch", "model")  # "torch" (module defaults) or "paper" (the authors': mgk.models.init)
     vocab_size: int = _f(0, "model")  # filled in by the task
     num_classes: int = _f(0, "model")  # filled in by the task
     # optimisation
@@ -84,7 +89,9 @@ class RunConfig:
     weight_decay: float = _f(0.0, "optim")
     adam_eps: float = _f(1e-6, "optim")
     warmup_steps: int = _f(100, "optim")
-    schedule: str = _f("linear", "optim")  # linear warm-up then "linear" decay, "cosine" decay or "constant"
+    schedule: str = _f("linear", "optim")  # linear warm-up then "linear" decay, "cosine" decay or "constant";
+    # "cosine_global": cosine of step/steps after the warm-up (Transformer-XL's CosineAnnealingLR); "onecycle":
+    # torch's OneCycleLR (pct_start = warmup_steps/steps, linear, beta1 cycling 0.85-0.95; the authors' LRA)
     grad_clip: float = _f(0.0, "optim")  # 0 = off
     precision: str = _f("32", "optim")  # "32", "bf16" or "fp16"
     nonfinite: str = _f("stop", "optim")  # "stop" the run, or "skip" the step and count it
@@ -93,6 +100,8 @@ class RunConfig:
     log_every: int = _f(25, "run")
     eval_every: int = _f(250, "run")
     eval_batch_size: int = _f(64, "run")
+    eval_batches: int = _f(0, "run")  # batches per validation (0 = the whole split); > 0: a different seeded
+    # slice of an endless reshuffled pass over the split each time (the authors' LRA), the whole split at the end
     checkpoint_every: int = _f(250, "run")
     progress: bool = _f(True, "run")
 
@@ -151,6 +160,8 @@ def override_keys(pairs: list[str]) -> set[str]:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Raise ValueError naming the field for values out of range."""
+    if cfg.eval_batches < 0:
+        raise ValueError(f"config field eval_batches must be >= 0 (0 = the whole split), got {cfg.eval_batches}")
     positive = ("max_len", "num_heads", "head_dim", "d_model", "num_layers", "ffn_dim", "num_keys", "steps",
                 "batch_size", "grad_accum", "log_every", "eval_every", "eval_batch_size", "checkpoint_every")
     for name in positive:
@@ -165,16 +176,22 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     if cfg.attention not in attention_kinds():
         raise ValueError(f"config field attention must be one of {attention_kinds()}, got {cfg.attention!r}")
-    choices = {"precision": ("32", "bf16", "fp16"), "schedule": ("linear", "cosine", "constant"),
+    from .train.schedule import SCHEDULES
+
+    choices = {"precision": ("32", "bf16", "fp16"), "schedule": SCHEDULES,
                "nonfinite": ("stop", "skip"), "pooling": ("mean", "cls"), "pi_shape": ("head", "position", "layer"),
                "pi": ("learned", "soft_e", "hard_e"), "pi_norm": ("softmax", "none"),
                "normalize": ("row", "length", "none"), "feature_map": ("elu", "elu_sum"), "eps_mode": ("guard", "add"),
-               "mix": ("features", "keys")}
+               "mix": ("features", "keys"), "init": ("torch", "paper"),
+               "classifier_activation": ("gelu", "relu"), "adaptive_softmax": ("torch", "authors")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"config field {name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by grad_accum ({cfg.grad_accum})")
+    if cfg.schedule == "onecycle" and not 2 <= cfg.warmup_steps < cfg.steps:  # OneCycleLR divides by warmup - 1
+        raise ValueError(f"schedule onecycle needs 2 <= warmup_steps < steps (its pct_start is warmup_steps/steps), "
+                         f"got warmup_steps={cfg.warmup_steps}, steps={cfg.steps}")
     return cfg
 
 
@@ -201,10 +218,16 @@ def fields_of(group: str) -> tuple[str, ...]:
 
 def explicit_fields(cfg: RunConfig, given: Iterable[str] = ()) -> set[str]:
     """Fields set on purpose: those named in ``given`` (CLI flags, ``--set`` keys) and those whose value differs
-    from RunConfig's default (set by the preset)."""
-    default = RunConfig()
-    return set(given) | {f.name for f in dataclasses.fields(RunConfig)
-                         if getattr(cfg, f.name) != getattr(default, f.name)}
+    from RunConfig's default (set by the preset), except attention options that a ``*-paper`` preset sets as the
+    authors' form of some kinds (:data:`mgk.tasks.authors.AUTHORS_ATTENTION_OPTIONS`, e.g. ``sigma2`` of the LM's
+    MGK): those are defaults for the kinds that take them, so ``--attention softmax`` still runs from that preset."""
+    from .tasks.authors import authors_option_values
+
+    default, given = RunConfig(), set(given)
+    soft = authors_option_values()
+    return given | {f.name for f in dataclasses.fields(RunConfig)
+                    if getattr(cfg, f.name) != getattr(default, f.name)
+                    and getattr(cfg, f.name) not in soft.get(f.name, [])}
 
 
 def check_attention_options(cfg: RunConfig, explicit: Iterable[str]) -> None:
@@ -228,7 +251,7 @@ def attention_config(cfg: RunConfig, *, max_len: int | None = None) -> Attention
               "max_len": cfg.max_len if max_len is None else max_len}
     options = {k: v for k, v in values.items() if k in attention_options(cfg.attention)}
     return AttentionConfig(kind=cfg.attention, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                           dropout=cfg.attn_dropout, options=options)
+                           dropout=cfg.attn_dropout, options=options, bias=cfg.attn_bias)
 
 
 def encoder_config(cfg: RunConfig) -> EncoderConfig:
@@ -236,7 +259,8 @@ def encoder_config(cfg: RunConfig) -> EncoderConfig:
     task)."""
     return EncoderConfig(vocab_size=cfg.vocab_size, num_classes=cfg.num_classes, max_len=cfg.max_len,
                          d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim, dropout=cfg.dropout,
-                         pooling=cfg.pooling, classifier_dim=cfg.classifier_dim, attention=attention_config(cfg))
+                         pooling=cfg.pooling, classifier_dim=cfg.classifier_dim, attention=attention_config(cfg),
+                         classifier_activation=cfg.classifier_activation, init=cfg.init)
 
 
 def lm_config(cfg: RunConfig, vocab_size: int | None = None) -> LMConfig:
@@ -245,7 +269,8 @@ def lm_config(cfg: RunConfig, vocab_size: int | None = None) -> LMConfig:
     cutoffs = None if cfg.adaptive_cutoffs is None else tuple(int(c) for c in cfg.adaptive_cutoffs)
     return LMConfig(vocab_size=cfg.vocab_size if vocab_size is None else vocab_size, d_model=cfg.d_model,
                     num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim, dropout=cfg.dropout, cutoffs=cutoffs,
-                    attention=attention_config(cfg, max_len=max(cfg.max_len, cfg.segment_len)))
+                    attention=attention_config(cfg, max_len=max(cfg.max_len, cfg.segment_len)),
+                    adaptive_softmax=cfg.adaptive_softmax, init=cfg.init)
 
 
 __all__ = ["RunConfig", "GROUPS", "apply_overrides", "validate", "to_dict", "from_dict", "fields_of",

@@ -26,6 +26,7 @@ class AttentionConfig:
     head_dim: int = 32
     dropout: float = 0.0
     options: dict = field(default_factory=dict)
+    bias: bool = True  # biases of the q/k/v/output projections (the authors' LM has none)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class EncoderConfig:
     pooling: str = "mean"
     classifier_dim: int = 128
     attention: AttentionConfig = AttentionConfig()
+    classifier_activation: str = "gelu"  # "relu" in the authors' code (lra/model_wrapper.py:35-39)
+    init: str = "torch"  # "paper": embeddings from N(0, 0.02) (lra/model.py:20-24); see mgk.models.init
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,13 @@ class LMConfig:
     cutoffs: tuple | None = None
     div_value: float = 1.0
     attention: AttentionConfig = AttentionConfig(kind="softmax", num_heads=8, head_dim=16)
+    adaptive_softmax: str = "torch"  # "authors": mgk.models.adaptive_authors (per-word and cluster biases)
+    init: str = "torch"  # "paper": the authors' N(0, 0.02) initialisation (mgk.models.init)
 
 
 # Model-config names -> the run-config keys a user sets (``--set KEY=...``), for messages.
-_RUN_KEYS = {"kind": "attention", "dropout": "dropout", "attention.dropout": "attn_dropout", "cutoffs": "adaptive_cutoffs"}
+_RUN_KEYS = {"kind": "attention", "dropout": "dropout", "attention.dropout": "attn_dropout",
+             "cutoffs": "adaptive_cutoffs", "attention.bias": "attn_bias"}
 
 
 def _flat(cfg) -> dict:
@@ -78,10 +84,11 @@ def _flat(cfg) -> dict:
     return out
 
 
-def config_differences(a, b, *, ignore=("dropout", "attn_dropout")) -> list[str]:
+def config_differences(a, b, *, ignore=("dropout", "attn_dropout", "init")) -> list[str]:
     """``"key: a != b"`` for every field of two model configs (attention options included) that differs, named by
-    its run-config key (``attention``, ``num_heads``, ``pi``, ...). Dropout rates are ignored by default: they do
-    not change any parameter, so a run may be resumed with others."""
+    its run-config key (``attention``, ``num_heads``, ``pi``, ...). Dropout rates and the initialisation are ignored
+    by default: they do not change any parameter's shape or the computation of trained weights, so a run may be
+    resumed with others."""
     fa, fb = _flat(a), _flat(b)
     keys = [k for k in dict.fromkeys([*fa, *fb]) if k not in ignore]
     return [f"{k}: {fa.get(k)!r} != {fb.get(k)!r}" for k in keys if fa.get(k) != fb.get(k)]

@@ -6,6 +6,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..data import pathfinder as pf
 from ..data.cache import resolve_cache_dir, seeded_split
+from .authors import AUTHORS_ATTENTION_OPTIONS, AUTHORS_LRA, LRA_TASKS, with_known_options
 from .lra_common import LRAClassificationTask, check_max_len, label_line
 
 PRESETS = {
@@ -14,10 +15,14 @@ PRESETS = {
     "pathfinder-small": RunConfig(task="pathfinder", max_len=1024, gen_train=1600, gen_val=200, gen_test=200,
                                   lr=5e-4, steps=300, warmup_steps=30, batch_size=32, attn_dropout=0.0,
                                   eval_every=100, checkpoint_every=100, log_every=10),
-    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): Pathfinder-32 curv_contour_length_14, 1024 pixels, 2 classes, batch 256, AdamW lr 1e-4
-    # eps 1e-6, 312 warm-up steps then linear decay, 62400 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
-    "pathfinder-paper": RunConfig(task="pathfinder", max_len=1024, lr=1e-4, steps=62400, warmup_steps=312,
-                                  batch_size=256, eval_every=2000, checkpoint_every=2000, log_every=100),
+    # Paper, keeping the authors' values (Nguyen et al. 2022, Section 4.1; sources in mgk.tasks.authors):
+    # Pathfinder-32 curv_contour_length_14, 1024 pixels, 2 classes, batch 256, AdamW lr 1e-4 eps 1e-6, OneCycle
+    # (312 of 62400 steps up), fp16, ReLU head, N(0, 0.02) embeddings, validation every 312 steps on 312 batches
+    # (Nystromformer cfg "pathfinder32"); 2 layers, d_model 64, FFN 128, head_dim 32. Seeded split, pixel 0 not
+    # padding (README deviations).
+    "pathfinder-paper": with_known_options(RunConfig(task="pathfinder", **AUTHORS_LRA, **LRA_TASKS["pathfinder"],
+                                                     checkpoint_every=2000, log_every=100),
+                                           AUTHORS_ATTENTION_OPTIONS["pathfinder-paper"]),
 }
 
 

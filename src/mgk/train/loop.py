@@ -29,10 +29,10 @@ from ..models.config import config_differences
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
 from . import checkpoint, distributed, records, rundir
-from .evaluate import evaluate
+from .evaluate import eval_slice, evaluate
 from .interrupt import Interrupted, SignalStop, StopSignals, signal_name
 from .precision import autocast, grad_scaler
-from .schedule import lr_factor
+from .schedule import build_scheduler, check_resumable
 from .state import LoopState
 
 __all__ = ["EpochSampler", "Interrupted", "LoopState", "NonFiniteLoss", "Trainer", "fit"]
@@ -126,6 +126,7 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         self.model = self.task.build_model(self.cfg).to(self.dist.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.num_attention_params = records.attention_parameters(self.model)
 
     def _setup_optimizer(self) -> None:
         """AdamW, linear warm-up then the configured decay (Nguyen et al. 2022, Section 4; Loshchilov & Hutter
@@ -133,8 +134,8 @@ class Trainer:
         cfg = self.cfg
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(
-            s, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, schedule=cfg.schedule))
+        self.scheduler = build_scheduler(self.optimizer, schedule=cfg.schedule, lr=cfg.lr,
+                                         warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         self.scaler = grad_scaler(self.dist.device, cfg.precision)
 
     def _load_checkpoint(self) -> None:
@@ -146,6 +147,7 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was made with another model config: " + "; ".join(diffs))
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(checkpoint.align_optimizer_state(ckpt["optimizer"], ckpt["model"], self.model))
+        check_resumable(self.scheduler, ckpt["scheduler"], self.cfg.steps)
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.state = LoopState.from_checkpoint(ckpt)
@@ -175,7 +177,8 @@ class Trainer:
         for note in self.task.notes:
             _say(self.run_dir, note)
         _say(self.run_dir, f"model: {cfg.attention} x {cfg.num_heads} heads (head_dim {cfg.head_dim}), "
-                           f"{self.num_params:,} parameters; world size {self.dist.world_size}; precision "
+                           f"{self.num_params:,} parameters in total, {self.num_attention_params:,} in attention; "
+                           f"protocol {records.protocol_line(cfg)}; world size {self.dist.world_size}; precision "
                            f"{cfg.precision}" + (f"; resuming at step {self.state.step}" if self.resume else ""))
 
     # -- training ----------------------------------------------------------------------------------------------
@@ -282,15 +285,20 @@ class Trainer:
         self.state.step = step + 1
         return train
 
-    def evaluate(self, dataset, desc: str = "eval") -> dict:
-        """The task's metrics of the current model on ``dataset`` (every example counted once over ranks), with a
-        transient progress bar on rank 0 when ``cfg.progress``."""
+    def evaluate(self, dataset, index=None, desc: str = "eval") -> dict:
+        """The task's metrics of the current model on ``dataset`` (or its examples ``index``), every example counted
+        once over ranks, with a transient progress bar on rank 0 when ``cfg.progress``."""
         return evaluate(self.task, self.model, dataset, batch_size=self.cfg.eval_batch_size,
-                        precision=self.cfg.precision, dist_info=self.dist, progress=self.cfg.progress, desc=desc)
+                        precision=self.cfg.precision, dist_info=self.dist, index=index, progress=self.cfg.progress,
+                        desc=desc)
 
     def validate(self) -> dict:
         """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt."""
-        val = self.evaluate(self.splits["val"], desc="val")
+        ds, cfg = self.splits["val"], self.cfg
+        index = None if not cfg.eval_batches else eval_slice(  # the authors' fixed number of dev batches
+            len(ds), batches=cfg.eval_batches, batch_size=cfg.eval_batch_size,
+            round_index=-(-self.state.step // cfg.eval_every) - 1, seed=cfg.seed)
+        val = self.evaluate(ds, index=index, desc="val")
         key, mode = self.task.best_metric
         best = self.state.best
         if best is None or (val[key] > best if mode == "max" else val[key] < best):
@@ -354,7 +362,9 @@ class Trainer:
         results = {"task": cfg.task, "attention": cfg.attention, "num_heads": cfg.num_heads,
                    "head_dim": cfg.head_dim, "pi": cfg.pi if "pi" in takes else None,
                    "attention_options": dict(self.task.model_config(cfg).attention.options),
-                   "params": self.num_params, "steps": st.step, "seed": cfg.seed, "world_size": self.dist.world_size,
+                   "params": self.num_params, "params_attention": self.num_attention_params,
+                   "protocol": records.protocol(cfg), "steps": st.step, "seed": cfg.seed,
+                   "world_size": self.dist.world_size,
                    "precision": cfg.precision, "max_len": cfg.max_len, "best_step": st.best_step,
                    "skipped_steps": st.skipped, "seconds_per_step": self._seconds_per_step()}
         for name, ds in (("val", self.splits["val"]), ("test", self.splits["test"])):
@@ -362,7 +372,8 @@ class Trainer:
                 results[name] = None
                 results.setdefault("missing_splits", []).append(name)
                 continue
-            m = st.best_val if name == "val" and st.best_val is not None else self.evaluate(ds, desc=name)
+            partial = cfg.eval_batches > 0  # validations saw a slice; the reported val figure is the whole split
+            m = st.best_val if name == "val" and st.best_val is not None and not partial else self.evaluate(ds, desc=name)
             results[name] = {**m, **self.task.describe(ds)}
         return results
 

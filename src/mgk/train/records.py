@@ -7,7 +7,9 @@ Layout of a run directory::
     metrics.jsonl    one JSON object per logged step: {"step": ..., "train/loss": ..., "val/acc": ...}
     tb/              TensorBoard events
     checkpoints/     last.pt (for --resume) and best.pt (best validation accuracy)
-    results.json     final figures (written atomically, last: its presence means the run finished)
+    results.json     final figures (written atomically, last: its presence means the run finished), with
+                     ``protocol``: the training-protocol fields (:func:`protocol`) so that a table can say which
+                     protocol each number came from
     plots/           learning_curves.png
     .mgk-lock        the lock of a live run (see :mod:`mgk.train.rundir`)
 """
@@ -34,6 +36,36 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# The run-config fields that make a training protocol (the authors' values or ours; see README "The paper's
+# protocol"). The attention-form fields are recorded when this version of the config has them.
+PROTOCOL_FIELDS = ("init", "schedule", "lr", "warmup_steps", "steps", "batch_size", "precision", "grad_clip",
+                   "eval_every", "eval_batches", "eval_batch_size", "attn_bias")
+LRA_PROTOCOL_FIELDS = ("classifier_activation", "pooling")
+LM_PROTOCOL_FIELDS = ("adaptive_softmax", "adaptive_cutoffs", "segment_len")
+FORM_FIELDS = ("normalize", "feature_map", "output_scale", "mix", "pi_norm", "pi_shape", "sigma2")
+
+
+def protocol(cfg) -> dict:
+    """The protocol fields of a RunConfig ``cfg`` (name -> value; LM or LRA fields by ``cfg.task``)."""
+    names = PROTOCOL_FIELDS + (LM_PROTOCOL_FIELDS if cfg.task == "lm" else LRA_PROTOCOL_FIELDS)
+    names += tuple(n for n in FORM_FIELDS if hasattr(cfg, n))
+    return {n: getattr(cfg, n) for n in names}
+
+
+def protocol_line(cfg) -> str:
+    """``"init paper, schedule onecycle, ..."``: the protocol fields that most often differ, for the log."""
+    keys = ("init", "schedule", "attn_bias") + (
+        ("adaptive_softmax",) if cfg.task == "lm" else ("classifier_activation",))
+    return ", ".join(f"{k} {getattr(cfg, k)}" for k in keys)
+
+
+def attention_parameters(model: torch.nn.Module) -> int:
+    """Parameters held by the model's attention modules (:class:`mgk.attention.base.AttentionBase`)."""
+    from ..attention.base import AttentionBase
+
+    return sum(p.numel() for m in model.modules() if isinstance(m, AttentionBase) for p in m.parameters())
 
 
 def write_config(run_dir: Path, cfg_dict: dict) -> None:

@@ -1,0 +1,69 @@
+"""A run records its protocol (results.json, config.yaml, the first log line) and resumes exactly under the authors'
+OneCycle schedule with fixed-size validations."""
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import yaml
+
+PROTOCOL_SETS = ["schedule=onecycle", "init=paper", "classifier_activation=relu", "attn_bias=false",
+                 "eval_batches=2", "checkpoint_every=3", "dropout=0.1", "attn_dropout=0.1"]
+
+
+@pytest.fixture
+def args(th):
+    return ["--attention", "mgk", "--steps", "15", *th.sets(*th.TINY, *PROTOCOL_SETS)]
+
+
+def _kill_after(th, args, out, min_step):
+    proc = subprocess.Popen(th.mgk_cmd("train", "--out", str(out), *args), env=th.env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
+            if steps and steps[-1][0] >= min_step:
+                proc.send_signal(signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
+            time.sleep(0.02)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_protocol_is_recorded_and_onecycle_resumes_exactly(tmp_path, th, args):
+    straight = tmp_path / "straight"
+    th.run(th.mgk_cmd("train", "--out", str(straight), *args))
+    results = json.loads((straight / "results.json").read_text())
+    proto = results["protocol"]
+    assert {k: proto[k] for k in ("init", "schedule", "attn_bias", "classifier_activation", "eval_batches")} == \
+        {"init": "paper", "schedule": "onecycle", "attn_bias": False, "classifier_activation": "relu",
+         "eval_batches": 2}
+    assert results["params_attention"] > 0 and results["val"]["count"] == 40  # final val: the whole split
+    cfg = yaml.safe_load((straight / "config.yaml").read_text())
+    assert (cfg["schedule"], cfg["init"], cfg["eval_batches"]) == ("onecycle", "paper", 2)
+    log = (straight / "train.log").read_text()
+    assert f"{results['params']:,} parameters in total, {results['params_attention']:,} in attention" in log
+    lrs = [v for _, v in th.series(straight, "train/lr")]
+    assert max(lrs) == pytest.approx(1e-3) and lrs[-1] < 1e-3 / 25  # OneCycle: up to lr, then below lr/25
+
+    killed = tmp_path / "killed"
+    _kill_after(th, args, killed, min_step=6)
+    step = int(torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["loop_state"]["step"])
+    assert 3 <= step < 15
+    th.run(th.mgk_cmd("train", "--resume", str(killed)))
+    for key in ("train/loss", "train/lr", "val/acc", "val/loss"):
+        assert th.series(killed, key) == th.series(straight, key), key
+    a, b = th.last_state(straight), th.last_state(killed)
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["optimizer"]["param_groups"][0]["betas"] == b["optimizer"]["param_groups"][0]["betas"]
+    assert a["scheduler"] == b["scheduler"]
+    assert json.loads((killed / "results.json").read_text())["val"] == results["val"]
