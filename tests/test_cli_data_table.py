@@ -91,6 +91,8 @@ def test_check_lm_reports_each_split_and_needs_train(tmp_path, capsys):
 
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=20, valid_lines=5, test_lines=5, num_words=30, seed=0)
+    # 20 train lines hold no <unk>: a valid split of other words would be an error (words outside the vocabulary)
+    (data / "wiki.valid.tokens").write_text((data / "wiki.train.tokens").read_text())
     (data / "wiki.test.tokens").unlink()
     rc, out, err = check(capsys, "lm", data)
     assert rc == 0 and "train: " in out and "20 lines" in out and "test: wiki.test.tokens or test.txt absent" in out

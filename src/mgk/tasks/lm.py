@@ -276,24 +276,3 @@ def build(cfg: RunConfig, data_dir: Path) -> LMTask:
     if corpus.cache_dir is not None:
         notes.append(f"data: cache {corpus.cache_dir}")
     return LMTask("lm", splits, corpus.vocab, notes)
-
-
-def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
-    """Validate a WikiText folder: ``(report lines, errors)``: each split file and its size; no train split is an
-    error (the vocabulary comes from it), absent valid/test splits are reported."""
-    lines, errors = [], []
-    if not Path(data).is_dir():
-        return lines, [f"{data}: not a folder (expected wiki.{{train,valid,test}}.tokens or {{train,valid,test}}.txt)"]
-    for split in wt.SPLITS:
-        path = wt.find_split_file(data, split)
-        if path is None:
-            (errors if split == "train" else lines).append(f"{split}: wiki.{split}.tokens or {split}.txt absent "
-                                                           f"in {data}")
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            num_lines = words = 0
-            for line in f:
-                num_lines += 1
-                words += len(line.split())
-        lines.append(f"{split}: {path} ({num_lines} lines, {words} words)")
-    return lines, errors
