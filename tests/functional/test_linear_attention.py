@@ -2,7 +2,6 @@
 formula, plus linear attention's own faults: float16 sums past 65504, padding that enters the denominators
 (elu(0) + 1 = 1 at a zero padded key), causal alignment when L != S, determinism of causal MLK; and the invariants
 (row-stochastic, padding and batch invariance, causality, linear = quadratic, precision, gradients)."""
-import math
 
 import pytest
 import torch
@@ -10,8 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mgk.functional import (LinearAttentionState, MaskError, linear_attention, linear_attention_step,
-                            mlk_attention)
+from mgk.functional import LinearAttentionState, MaskError, linear_attention, linear_attention_step, mlk_attention
 
 
 def elu1(x):
@@ -28,7 +26,8 @@ def allowed_pairs(L, S, causal):
 
 
 def reference(q, k, v, *, log_pi=None, keep=None, causal=False, eps=1e-6, fm=elu1):
-    """o_i = sum_j w_ij v_j / sum_j w_ij (eps only where that sum is exactly 0), w_ij = [j visible to i] phi(q_i) . sum_r pi_jr phi(k_jr).
+    """o_i = sum_j w_ij v_j / sum_j w_ij (eps only where that sum is exactly 0),
+    w_ij = [j visible to i] phi(q_i) . sum_r pi_jr phi(k_jr).
 
     q (B, H, L, D); k (B, H, M, S, D) or (B, H, S, D); keep (B, S) bool (True = real key) or None. float64."""
     q, k, v = q.double(), k.double(), v.double()

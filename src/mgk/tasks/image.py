@@ -13,8 +13,9 @@ PRESETS = {
     # dropout: with it SDPA leaves its fused kernel, which at 1024 tokens costs about 1.3-2x per step on CPU.
     "image-small": RunConfig(task="image", max_len=im.SEQ_LEN, lr=5e-4, steps=300, warmup_steps=30, batch_size=32,
                              attn_dropout=0.0, eval_every=100, checkpoint_every=100, log_every=10),
-    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): CIFAR-10 grey, 1024 pixels, 10 classes, batch 256, AdamW lr 1e-4 eps 1e-6, 175 warm-up
-    # steps then linear decay, 35000 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
+    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): CIFAR-10 grey, 1024 pixels, 10 classes, batch 256,
+    # AdamW lr 1e-4 eps 1e-6, 175 warm-up steps then linear decay, 35000 steps; 2 layers, d_model 64, FFN 128, head_dim
+    # 32.
     "image-paper": RunConfig(task="image", max_len=im.SEQ_LEN, lr=1e-4, steps=35000, warmup_steps=175,
                              batch_size=256, eval_every=1000, checkpoint_every=1000, log_every=100),
 }

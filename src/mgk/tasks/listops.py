@@ -13,9 +13,10 @@ from .lra_common import label_line, length_line
 PRESETS = {
     # Small CPU preset: generated short ListOps, the default of `mgk train` (about 2 minutes on 2 cores).
     "listops-small": RunConfig(task="listops"),
-    # Paper (Nguyen et al. 2022, Section 4.1, after Nystromformer, Xiong et al. 2021): 2 layers, d_model 64, FFN 128, head_dim 32, batch 32,
-    # AdamW lr 1e-4 eps 1e-6, 1000 warm-up steps then linear decay, 5000 steps, sequences up to 2000 tokens.
-    # On CPU, attention dropout > 0 keeps SDPA off its fused kernel (O(L*S) memory): add --set attn_dropout=0.
+    # Paper (Nguyen et al. 2022, Section 4.1, after Nystromformer, Xiong et al. 2021): 2 layers, d_model 64, FFN 128,
+    # head_dim 32, batch 32, AdamW lr 1e-4 eps 1e-6, 1000 warm-up steps then linear decay, 5000 steps, sequences up to
+    # 2000 tokens. On CPU, attention dropout > 0 keeps SDPA off its fused kernel (O(L*S) memory): add --set
+    # attn_dropout=0.
     "listops-paper": RunConfig(task="listops", max_len=2000, lr=1e-4, steps=5000, warmup_steps=1000,
                                batch_size=32, eval_every=500, checkpoint_every=500, log_every=50),
 }

@@ -1,4 +1,5 @@
-"""Word-level language modelling on WikiText-103 (Nguyen et al. 2022, Section 4.2; Merity et al. 2017): data, the standard LM batching, loss, perplexity.
+"""Word-level language modelling on WikiText-103 (Nguyen et al. 2022, Section 4.2; Merity et al. 2017): data, the
+standard LM batching, loss, perplexity.
 
 Batching (the iterator of Transformer-XL / pytorch ``word_language_model``): the train token stream is cut into
 ``batch_size`` contiguous streams (the last ``T mod batch_size`` tokens are dropped); each stream into segments of
@@ -35,11 +36,11 @@ _PAPER = {"task": "lm", "segment_len": 256, "max_len": 256, "d_model": 128, "num
           "adam_eps": 1e-8, "warmup_steps": 2000, "schedule": "cosine", "grad_clip": 0.25}
 
 PRESETS = {
-    # Paper (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021): 16 post-LN layers, d_model 128, head_dim 16,
-    # FFN 2048, 256-token segments without memory, batch 96, Adam lr 2.5e-4 (AdamW with weight_decay 0 is Adam),
-    # 2000 warm-up steps then cosine to 0, clip 0.25, dropout 0.1; 500k steps as in lmtool-fwp's script (above).
-    # Heads: the paper's baseline is --attention softmax --heads 8; MGK runs use 4 or 8 heads. Final numbers:
-    # `mgk eval RUN --split test --context 256 --stride 1`.
+    # Paper (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021): 16 post-LN layers, d_model 128,
+    # head_dim 16, FFN 2048, 256-token segments without memory, batch 96, Adam lr 2.5e-4 (AdamW with weight_decay 0 is
+    # Adam), 2000 warm-up steps then cosine to 0, clip 0.25, dropout 0.1; 500k steps as in lmtool-fwp's script (above).
+    # Heads: the paper's baseline is --attention softmax --heads 8; MGK runs use 4 or 8 heads. Final numbers: `mgk eval
+    # RUN --split test --context 256 --stride 1`.
     "wt103-small": RunConfig(**_PAPER, steps=500_000, eval_every=4000, checkpoint_every=4000, log_every=200,
                              eval_batch_size=32),
     # CPU preset for the shared 0.5% train prefix (--data .../wikitext-103: partial train, the full official valid

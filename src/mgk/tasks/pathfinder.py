@@ -14,8 +14,9 @@ PRESETS = {
     "pathfinder-small": RunConfig(task="pathfinder", max_len=1024, gen_train=1600, gen_val=200, gen_test=200,
                                   lr=5e-4, steps=300, warmup_steps=30, batch_size=32, attn_dropout=0.0,
                                   eval_every=100, checkpoint_every=100, log_every=10),
-    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): Pathfinder-32 curv_contour_length_14, 1024 pixels, 2 classes, batch 256, AdamW lr 1e-4
-    # eps 1e-6, 312 warm-up steps then linear decay, 62400 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
+    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): Pathfinder-32 curv_contour_length_14, 1024 pixels,
+    # 2 classes, batch 256, AdamW lr 1e-4 eps 1e-6, 312 warm-up steps then linear decay, 62400 steps; 2 layers, d_model
+    # 64, FFN 128, head_dim 32.
     "pathfinder-paper": RunConfig(task="pathfinder", max_len=1024, lr=1e-4, steps=62400, warmup_steps=312,
                                   batch_size=256, eval_every=2000, checkpoint_every=2000, log_every=100),
 }

@@ -19,9 +19,9 @@ PRESETS = {
     # Small CPU preset: 256 bytes per document, the paper's model, a few hundred steps (needs --data).
     "retrieval-small": RunConfig(task="retrieval", max_len=256, lr=5e-4, steps=600, warmup_steps=60, batch_size=32,
                                  eval_every=200, checkpoint_every=200, log_every=20),
-    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): AAN bytes, 4000 per document (2 x 4000), batch 24, AdamW lr 1e-4 eps 1e-6, 8000
-    # warm-up steps then linear decay, 30000 steps; two towers sharing the 2-layer encoder (d_model 64, FFN 128,
-    # head_dim 32), head on [x0, x1, x0*x1, x0-x1].
+    # Paper (Nguyen et al. 2022, Section 4.1; Tay et al. 2021, LRA): AAN bytes, 4000 per document (2 x 4000), batch 24,
+    # AdamW lr 1e-4 eps 1e-6, 8000 warm-up steps then linear decay, 30000 steps; two towers sharing the 2-layer encoder
+    # (d_model 64, FFN 128, head_dim 32), head on [x0, x1, x0*x1, x0-x1].
     "retrieval-paper": RunConfig(task="retrieval", max_len=4000, lr=1e-4, steps=30000, warmup_steps=8000,
                                  batch_size=24, eval_every=1000, checkpoint_every=1000, log_every=100),
 }

@@ -14,8 +14,9 @@ PRESETS = {
     # Small CPU preset: 512 bytes per review, the paper's model, a few hundred steps (needs --data).
     "text-small": RunConfig(task="text", max_len=512, lr=5e-4, steps=600, warmup_steps=60, batch_size=32,
                             eval_every=200, checkpoint_every=200, log_every=20),
-    # Paper (Nguyen et al. 2022, Section 4.1, after Nystromformer, Xiong et al. 2021): IMDb bytes, 1000 per review, batch 32, AdamW lr 1e-4 eps 1e-6,
-    # 8000 warm-up steps then linear decay, 20000 steps; 2 layers, d_model 64, FFN 128, head_dim 32.
+    # Paper (Nguyen et al. 2022, Section 4.1, after Nystromformer, Xiong et al. 2021): IMDb bytes, 1000 per review,
+    # batch 32, AdamW lr 1e-4 eps 1e-6, 8000 warm-up steps then linear decay, 20000 steps; 2 layers, d_model 64, FFN
+    # 128, head_dim 32.
     "text-paper": RunConfig(task="text", max_len=1000, lr=1e-4, steps=20000, warmup_steps=8000, batch_size=32,
                             eval_every=1000, checkpoint_every=1000, log_every=100),
     # The same with 4000 bytes per review (the paper's second Text setting).
