@@ -9,7 +9,6 @@ import pickle
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from mgk.data import image as im
@@ -18,8 +17,15 @@ from mgk.data import pathfinder as pf
 from mgk.data import retrieval as rv
 from mgk.data import text as tx
 from mgk.data import wikitext as wt
-from mgk.data.samples import cifar_batch, cifar_pickle_files, make_aan_dir, make_imdb_dir, make_pathfinder_tree
-from mgk.data.samples import image_folder_files, write_files
+from mgk.data.samples import (
+    cifar_batch,
+    cifar_pickle_files,
+    image_folder_files,
+    make_aan_dir,
+    make_imdb_dir,
+    make_pathfinder_tree,
+    write_files,
+)
 
 
 def rewrite_in_place(path: Path, data: bytes) -> None:

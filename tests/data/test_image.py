@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from mgk.data import image as im
-from mgk.data.samples import (cifar_batch, cifar_pickle_files, encode_image, image_folder_files, make_cifar_pickle_dir,
-                              write_files, write_tar)
+from mgk.data.samples import (
+    cifar_batch,
+    cifar_pickle_files,
+    encode_image,
+    image_folder_files,
+    make_cifar_pickle_dir,
+    write_files,
+    write_tar,
+)
 from mgk.tasks.text import LRAClassificationTask
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"  # the shared data copy next to the repository

@@ -1,6 +1,8 @@
 """Independent float64 references for the functional attention tests, written literally from the formulas.
 
-Nothing here imports the library: every quantity is spelled out from SPEC section 1 / paper eq. 9-10.
+Nothing here imports the library: every quantity is spelled out from the paper (Nguyen et al., ICML 2022, eq. 9-10
+for MGK; Vaswani et al., 2017, eq. 1 for softmax attention). :func:`refusal` states, independently of the library's
+selector, which inputs each ``mgk_attention`` backend is documented to refuse.
 
 Shapes: q (B, H, L, D); MGK keys k (B, H, M, S, D); softmax keys (B, H, S, D); v (B, H, S, Dv).
 Masks are bool, True = query i may attend to key j, broadcastable to (B, H, L, S).
@@ -187,3 +189,34 @@ def padding_mask(lengths, S, left=False):
         else:
             m[b, ..., :n] = True
     return m
+
+
+def refusal(backend, *, mixture="sum", mask=None, dropout_p=0.0, return_weights=False, sigma2=None):
+    """Why ``mgk_attention(..., backend=backend)`` is documented to refuse these inputs (None when it serves them):
+    only "explicit" returns weights; Hard-E (mixture="max") has no dot-product form ("sdpa") and no Triton kernel;
+    the fused kernels ("kernel", "triton") take masks that are at most key padding; the C++ kernel takes dropout
+    0 <= p < 1 and the Triton kernels none, nor unequal or learned variances. The tests skip a refused
+    combination (test_backends checks the refusal)."""
+    if backend == "explicit":
+        return None
+    if return_weights:
+        return "only backend='explicit' returns the weights"
+    if mixture == "max" and backend in ("sdpa", "triton"):
+        return f"Hard-E (mixture='max') has no {backend} form"
+    if backend in ("kernel", "triton") and mask is not None and mask.dim() >= 2 and mask.shape[-2] != 1:
+        return f"backend={backend!r} takes masks that are at most key padding, this one depends on the query"
+    if backend == "kernel" and not 0.0 <= dropout_p < 1.0 or backend == "triton" and dropout_p != 0.0:
+        return f"backend={backend!r} does not take dropout_p={dropout_p}"
+    if backend == "triton" and isinstance(sigma2, torch.Tensor) and (
+            sigma2.requires_grad or not bool((sigma2 == sigma2.reshape(-1)[0]).all())):
+        return "the Triton kernels take equal fixed variances"
+    return None
+
+
+def skip_if_refused(backend, **kw):
+    """``pytest.skip`` naming the reason when :func:`refusal` says ``backend`` cannot serve ``kw``."""
+    import pytest
+
+    why = refusal(backend, **kw)
+    if why is not None:
+        pytest.skip(why)

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mgk.functional import (BackendError, linear_attention, linear_attention_step, mgk_attention,
-                            mgk_responsibilities, mlk_attention, select_backend, softmax_attention,
-                            softmax_attention_reference)
+from mgk.functional import (
+    BackendError,
+    linear_attention,
+    linear_attention_step,
+    mgk_attention,
+    mgk_responsibilities,
+    mlk_attention,
+    select_backend,
+    softmax_attention,
+    softmax_attention_reference,
+)
 
 from .reference import make_inputs, mgk_reference, padding_mask
 

@@ -123,7 +123,9 @@ def test_kernel_with_row_bias_and_dropout_gradcheck():
                          [(1, 2, 6, 3), (1, 2, 2, 7, 3), (1, 2, 2, 7), (1, 2, 7, 2), (1, 2, 2, 6)])
     for causal in (False, True):
         for hard in (False, True):
-            fn = lambda *t: _mixture_flash.mixture_flash(*t, causal, hard, 0.4, seed=(5, 6))  # noqa: E731
+            def fn(*t, causal=causal, hard=hard):
+                return _mixture_flash.mixture_flash(*t, causal, hard, 0.4, seed=(5, 6))
+
             assert torch.autograd.gradcheck(fn, (q, k, bias, v, rb))
 
 

@@ -1,6 +1,7 @@
 """Linear and MLK attention (mgk.functional.linear) against an explicit float64 quadratic form written from the
-formula, plus the linear-attention cases of TEST_CASES.md (R06, R08, R10, R24; invariants 5-12)."""
-import math
+formula, plus linear attention's own faults: float16 sums past 65504, padding that enters the denominators
+(elu(0) + 1 = 1 at a zero padded key), causal alignment when L != S, determinism of causal MLK; and the invariants
+(row-stochastic, padding and batch invariance, causality, linear = quadratic, precision, gradients)."""
 
 import pytest
 import torch
@@ -8,8 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mgk.functional import (LinearAttentionState, MaskError, linear_attention, linear_attention_step,
-                            mlk_attention)
+from mgk.functional import LinearAttentionState, MaskError, linear_attention, linear_attention_step, mlk_attention
 
 
 def elu1(x):
@@ -26,7 +26,8 @@ def allowed_pairs(L, S, causal):
 
 
 def reference(q, k, v, *, log_pi=None, keep=None, causal=False, eps=1e-6, fm=elu1):
-    """o_i = sum_j w_ij v_j / sum_j w_ij (eps only where that sum is exactly 0), w_ij = [j visible to i] phi(q_i) . sum_r pi_jr phi(k_jr).
+    """o_i = sum_j w_ij v_j / sum_j w_ij (eps only where that sum is exactly 0),
+    w_ij = [j visible to i] phi(q_i) . sum_r pi_jr phi(k_jr).
 
     q (B, H, L, D); k (B, H, M, S, D) or (B, H, S, D); keep (B, S) bool (True = real key) or None. float64."""
     q, k, v = q.double(), k.double(), v.double()
@@ -67,7 +68,7 @@ def key_mask(keep):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Linear = quadratic (invariant 10), L != S, M in {1, 2, 3}, chunk sizes, padding
+# Linear = quadratic (causal = the masked quadratic form), L != S, M in {1, 2, 3}, chunk sizes, padding
 # ---------------------------------------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(B=st.sampled_from([1, 2, 3]), H=st.sampled_from([1, 2]), L=st.sampled_from([1, 2, 5, 9]),
@@ -110,7 +111,8 @@ def test_chunked_causal_matches_reference(L, S, chunk):
 
 
 def test_last_query_equals_last_row_of_full_causal_run():
-    """R10: one query against 6 keys equals row 5 of the full causal run (not attention to key 0 only)."""
+    """Bottom-right causal alignment: one query against 6 keys equals row 5 of the full causal run (not attention
+    to key 0 only)."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 2, 6, 8), torch.randn(2, 2, 6, 4)
     full_lin = linear_attention(q, k[:, :, 0], v, is_causal=True)
@@ -124,7 +126,7 @@ def test_last_query_equals_last_row_of_full_causal_run():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_length_one_gives_v0(causal):
-    """R25/R10: with a single key the weight is 1 (eps=0 to remove its bias)."""
+    """Length one: with a single key the weight is 1 (eps=0 to remove its bias)."""
     torch.manual_seed(1)
     q, k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 2, 1, 4), torch.randn(3, 2, 1, 5)
     torch.testing.assert_close(mlk_attention(q, k, v, is_causal=causal, eps=0.0), v, rtol=1e-6, atol=1e-6)
@@ -133,12 +135,12 @@ def test_length_one_gives_v0(causal):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Padding (R01, R03, R08)
+# Padding: inert content, no padding in the denominators, rows that see no key are zero
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["linear", "mlk"])
 @pytest.mark.parametrize("content", ["zero", "huge", "nan"])
 def test_right_padding_in_denominator(kind, content):
-    """R08/R03: A (5 real, right-padded to 8, padded raw keys 0 / 1e30 / NaN) batched with B (8 real) gives A's
+    """A (5 real, right-padded to 8, padded raw keys 0 / 1e30 / NaN) batched with B (8 real) gives A's
     real outputs equal to A alone. Zero keys have features elu(0)+1 = 1, so masking must act after phi."""
     torch.manual_seed(2)
     H, D = 2, 4
@@ -161,8 +163,8 @@ def test_right_padding_in_denominator(kind, content):
 
 @pytest.mark.parametrize("content", ["zero", "nan"])
 def test_left_padding_causal_mlk(content):
-    """R08 with causal MLK and left padding: A padded at the front equals A alone; rows that see only padding are
-    exactly zero (R01), even with v = 1e3 / NaN at the padding."""
+    """Causal MLK with left padding: A padded at the front equals A alone; rows that see only padding are
+    exactly zero, even with v = 1e3 / NaN at the padding."""
     torch.manual_seed(3)
     q, k, v = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 2, 8, 4), torch.randn(2, 2, 8, 3)
     k[0, :, :, :3] = 0.0 if content == "zero" else float("nan")
@@ -184,7 +186,7 @@ def test_left_padding_causal_mlk(content):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", ["linear", "mlk"])
 def test_fully_padded_row_is_zero_with_finite_grads(kind, causal):
-    """R01: batch 1 has no real key: its outputs are exactly 0 (not the mean of v = 1e3) and every grad is finite."""
+    """Batch 1 has no real key: its outputs are exactly 0 (not the mean of v = 1e3) and every grad is finite."""
     torch.manual_seed(4)
     q = torch.randn(2, 2, 5, 4, requires_grad=True)
     k = (torch.randn(2, 2, 5, 4) if kind == "linear" else torch.randn(2, 2, 2, 5, 4)).requires_grad_()
@@ -244,7 +246,7 @@ def test_per_head_key_padding():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MLK identities (invariant 10)
+# MLK identities: pi = (1, 0) is linear attention on key 1
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("causal", [False, True])
 def test_mlk_with_one_component_equals_linear(causal):
@@ -326,7 +328,7 @@ def test_recurrent_step_16bit_keeps_float32_state():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Precision (R06, invariant 11) and determinism (R24)
+# Precision (float16 sums past 65504, bf16 autocast) and determinism of causal MLK
 # ---------------------------------------------------------------------------------------------------------------
 def _large_inputs(L, D, M, seed):
     g = torch.Generator().manual_seed(seed)
@@ -354,7 +356,7 @@ def test_bf16_autocast_long_large_activations(kind, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_float16_inputs_do_not_overflow(causal):
-    """R06 on CPU: float16 inputs whose sums pass 65504 give a finite result within rel 1e-2 of float32."""
+    """On CPU: float16 inputs whose sums pass 65504 give a finite result within rel 1e-2 of float32."""
     q, k, v = _large_inputs(4096, 16, 2, seed=12)
     ref = mlk_attention(q, k, v, is_causal=causal)
     out = mlk_attention(q.half(), k.half(), v.half(), is_causal=causal)
@@ -363,7 +365,7 @@ def test_float16_inputs_do_not_overflow(causal):
 
 
 def test_causal_mlk_is_deterministic():
-    """R24: two causal MLK runs at L = 4096 are bitwise equal on CPU."""
+    """Two causal MLK runs at L = 4096 are bitwise equal on CPU."""
     torch.manual_seed(13)
     q, k, v = torch.randn(1, 2, 4096, 8), torch.randn(1, 2, 2, 4096, 8), torch.randn(1, 2, 4096, 8)
     log_pi = torch.log_softmax(torch.randn(1, 2, 2, 1), dim=2)
@@ -373,7 +375,7 @@ def test_causal_mlk_is_deterministic():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Gradients (invariant 12)
+# Gradients: gradcheck in float64 at tiny shapes
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("causal,L,S", [(False, 3, 4), (True, 3, 3), (True, 2, 4), (True, 4, 3)])
 def test_gradcheck_linear(causal, L, S):

@@ -1,11 +1,18 @@
-"""Mask conventions (R04) and argument validation of the functional attention API."""
+"""Mask conventions (bool only, True = may attend; a float 0/1 mask is never taken as an additive bias) and argument
+validation of the functional attention API."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mgk.functional import (MaskError, causal_mask, mgk_attention, mgk_responsibilities, softmax_attention,
-                            softmax_attention_reference)
+from mgk.functional import (
+    MaskError,
+    causal_mask,
+    mgk_attention,
+    mgk_responsibilities,
+    softmax_attention,
+    softmax_attention_reference,
+)
 
 from .reference import causal_allowed, make_inputs, padding_mask
 
@@ -96,7 +103,8 @@ def test_all_true_mask_equals_none(fn, causal):
 
 @pytest.mark.parametrize("fn", FNS, ids=FN_IDS)
 def test_polarity_probe(fn):
-    """R04: the mask's real set is 0-3. Changing a padded key changes nothing; changing a real key changes outputs."""
+    """Polarity: the mask's real set is 0-3. Changing a padded key changes nothing; changing a real key changes
+    outputs."""
     q, k, v = make_inputs(B=1, H=2, L=6, S=6, M=2, D=4, dtype=F64, seed=2)
     mask = padding_mask([4], 6)
     base = fn(q, k, v, attn_mask=mask)

@@ -1,40 +1,41 @@
-"""mgk_attention (fast path, backend="explicit", return_weights=True) against the literal float64 reference."""
+"""mgk_attention on every backend (and its weights, backend="explicit" with return_weights=True) against the
+literal float64 reference of the paper's eq. 9-10."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from mgk.functional import _mixture_flash, mgk_attention
+from mgk.functional import BackendError, mgk_attention
 
-from .reference import (make_inputs, mgk_reference, normalised_log_pi, padding_mask, random_mask)
+from .reference import (
+    make_inputs,
+    mgk_reference,
+    normalised_log_pi,
+    padding_mask,
+    random_mask,
+    refusal,
+    skip_if_refused,
+)
 
-PATHS = ("fast", "fast-sdpa", "explicit", "weights")  # fast: C++ kernel on CPU; fast-sdpa: the SDPA form
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-9), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
 
-def run(path, q, k, v, **kw):
-    """Call mgk_attention on one of the three paths; returns (out, weights or None)."""
-    if path == "fast":
-        return mgk_attention(q, k, v, **kw), None
-    if path == "fast-sdpa":  # Hard-E has no SDPA form: it takes the selector's path
-        return mgk_attention(q, k, v, backend=None if kw.get("mixture") == "max" else "sdpa", **kw), None
-    if path == "explicit":
-        return mgk_attention(q, k, v, backend="explicit", **kw), None
-    out, w = mgk_attention(q, k, v, return_weights=True, **kw)
-    return out, w
-
-
-def check(path, q, k, v, dtype, ref_kw=None, **kw):
+def check(backend, q, k, v, dtype, ref_kw=None, **kw):
+    """``backend``'s output, and on "explicit" also the returned weights, equal the reference to TOL[dtype]."""
     ref_kw = dict(kw) if ref_kw is None else ref_kw
+    skip_if_refused(backend, mixture=kw.get("mixture", "sum"), mask=kw.get("attn_mask"))
     ref_out, ref_w = mgk_reference(q, k, v, **ref_kw)
-    out, w = run(path, q, k, v, **kw)
+    out = mgk_attention(q, k, v, backend=backend, **kw)
     assert out.dtype == q.dtype
     assert out.shape == ref_out.shape
     torch.testing.assert_close(out.to(torch.float64), ref_out, **TOL[dtype])
-    if w is not None:
+    if backend == "explicit":
+        out, w = mgk_attention(q, k, v, backend=backend, return_weights=True, **kw)
+        torch.testing.assert_close(out.to(torch.float64), ref_out, **TOL[dtype])
         assert w.shape == ref_w.shape
         torch.testing.assert_close(w.to(torch.float64), ref_w, **TOL[dtype])
 
@@ -53,18 +54,16 @@ def sigma2_for(kind, M, D, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("M", [1, 2, 3])
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("sig", ["default", "float", "scalar_tensor", "unequal"])
-def test_unmasked_random_inputs(dtype, M, path, sig):
+def test_unmasked_random_inputs(dtype, M, backend, sig):
     q, k, v = make_inputs(B=2, H=2, L=5, S=6, M=M, D=4, Dv=3, dtype=dtype, seed=M)
     s2 = sigma2_for(sig, M, 4, dtype)
-    check(path, q, k, v, dtype, sigma2=s2)
+    check(backend, q, k, v, dtype, sigma2=s2)
 
 
 @pytest.mark.parametrize("M", [1, 2, 3])
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("pi_kind", ["per_head", "per_position", "full", "flat_heads", "unnormalised"])
-def test_custom_log_pi(M, path, pi_kind):
+def test_custom_log_pi(M, backend, pi_kind):
     B, H, S = 2, 2, 6
     dtype = torch.float64
     q, k, v = make_inputs(B=B, H=H, L=4, S=S, M=M, D=3, dtype=dtype, seed=10 + M)
@@ -74,24 +73,22 @@ def test_custom_log_pi(M, path, pi_kind):
     if pi_kind == "unnormalised":  # docs: an un-normalised prior only rescales a key's mass; formula still literal
         log_pi = log_pi + torch.linspace(-1.0, 2.0, S, dtype=dtype)
     s2 = torch.tensor([0.8, 1.7, 3.0][:M], dtype=dtype)
-    check(path, q, k, v, dtype, log_pi=log_pi, sigma2=s2)
+    check(backend, q, k, v, dtype, log_pi=log_pi, sigma2=s2)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_log_pi_changes_output(path):
+def test_log_pi_changes_output(backend):
     """The prior really enters: a non-uniform pi differs from the default uniform one (guards against ignoring it)."""
     q, k, v = make_inputs(B=1, H=1, L=4, S=5, M=2, D=3, dtype=torch.float64, seed=3)
     lp = torch.log(torch.tensor([0.95, 0.05], dtype=torch.float64)).view(1, 2, 1)
-    a, _ = run(path, q, k, v)
-    b, _ = run(path, q, k, v, log_pi=lp)
+    a = mgk_attention(q, k, v, backend=backend)
+    b = mgk_attention(q, k, v, log_pi=lp, backend=backend)
     assert (a - b).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("M", [1, 2, 3])
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mask_kind", ["random", "random_heads", "padding", "left_padding", "zero_real", "LS"])
-def test_bool_masks(dtype, M, path, mask_kind):
+def test_bool_masks(dtype, M, backend, mask_kind):
     B, H, L, S = 2, 2, 5, 6
     q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=4, dtype=dtype, seed=20 + M)
     if mask_kind == "random":
@@ -107,44 +104,42 @@ def test_bool_masks(dtype, M, path, mask_kind):
     else:  # 2-dim (L, S) mask
         mask = random_mask(1, 1, L, S, seed=M, empty_rows=[(0, 0, 1)])[0, 0]
     sig = torch.tensor([0.9, 2.2, 1.4][:M], dtype=dtype)
-    check(path, q, k, v, dtype, sigma2=sig, attn_mask=mask, ref_kw=dict(sigma2=sig, mask=mask))
+    check(backend, q, k, v, dtype, sigma2=sig, attn_mask=mask, ref_kw=dict(sigma2=sig, mask=mask))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("LS,M", [((5, 5), 2), ((3, 6), 1), ((3, 6), 3), ((6, 3), 2), ((6, 3), 1), ((1, 4), 2),
                                   ((4, 1), 2)])
 @pytest.mark.parametrize("with_padding", [False, True])
-def test_causal_bottom_right(dtype, path, LS, M, with_padding):
+def test_causal_bottom_right(dtype, backend, LS, M, with_padding):
     L, S = LS
     B, H = 2, 1
     q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=3, dtype=dtype, seed=30 + L * 7 + S)
     mask = padding_mask([S, max(1, S - 2)], S, left=True) if with_padding else None
-    check(path, q, k, v, dtype, attn_mask=mask, is_causal=True, ref_kw=dict(mask=mask, is_causal=True))
+    check(backend, q, k, v, dtype, attn_mask=mask, is_causal=True, ref_kw=dict(mask=mask, is_causal=True))
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_causal_last_query_equals_last_row_of_full(path):
-    """R10: a single query against 6 keys equals row 5 of the full causal run (never attends only to key 0)."""
+def test_causal_last_query_equals_last_row_of_full(backend):
+    """Causal attention aligned bottom-right: a single query against 6 keys equals row 5 of the full causal run
+    (never attends only to key 0)."""
     q, k, v = make_inputs(B=1, H=2, L=6, S=6, M=2, D=4, dtype=torch.float64, seed=5)
-    full, _ = run(path, q, k, v, is_causal=True)
-    last, _ = run(path, q[:, :, 5:], k, v, is_causal=True)
+    full = mgk_attention(q, k, v, is_causal=True, backend=backend)
+    last = mgk_attention(q[:, :, 5:], k, v, is_causal=True, backend=backend)
     torch.testing.assert_close(last, full[:, :, 5:], atol=1e-12, rtol=1e-10)
-    first_only, _ = run(path, q[:, :, 5:], k[:, :, :, :1], v[:, :, :1])
+    first_only = mgk_attention(q[:, :, 5:], k[:, :, :, :1], v[:, :, :1], backend=backend)
     assert (last - first_only).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("M", [1, 2, 3])
-@pytest.mark.parametrize("path", ["fast", "explicit", "weights"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_hard_e_max(dtype, M, path, masked):
-    """mixture='max': kernel max_r exp(-|q-k_r|^2/(2 s_r)); pi unused; the default path still computes it."""
+def test_hard_e_max(dtype, M, backend, masked):
+    """mixture='max': kernel max_r exp(-|q-k_r|^2/(2 s_r)); pi unused."""
     B, H, L, S = 2, 2, 4, 5
     q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=3, dtype=dtype, seed=40 + M)
     sig = torch.tensor([0.7, 1.9, 1.1][:M], dtype=dtype)
     mask = random_mask(B, H, L, S, seed=M, empty_rows=[(0, 0, 1)]) if masked else None
-    check(path, q, k, v, dtype, sigma2=sig, mixture="max", attn_mask=mask,
+    check(backend, q, k, v, dtype, sigma2=sig, mixture="max", attn_mask=mask,
           ref_kw=dict(sigma2=sig, mixture="max", mask=mask))
 
 
@@ -168,14 +163,16 @@ def test_chunking_does_not_change_explicit_path():
                                    atol=1e-12, rtol=1e-10)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+# The backend fixture is a plain parameter (nothing to reset between examples), so hypothesis may share it.
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     B=st.integers(1, 3), H=st.integers(1, 2), L=st.sampled_from([1, 2, 5, 9]), S=st.sampled_from([1, 2, 5, 9]),
     D=st.sampled_from([1, 2, 4, 8]), M=st.integers(1, 3), causal=st.booleans(), use_mask=st.booleans(),
     unequal=st.booleans(), use_pi=st.booleans(), mixture=st.sampled_from(["sum", "max"]),
     seed=st.integers(0, 2**16),
 )
-def test_hypothesis_all_paths_match_reference(B, H, L, S, D, M, causal, use_mask, unequal, use_pi, mixture, seed):
+def test_hypothesis_each_backend_matches_reference(backend, B, H, L, S, D, M, causal, use_mask, unequal, use_pi,
+                                                   mixture, seed):
     q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=D, Dv=2, dtype=torch.float64, seed=seed)
     g = torch.Generator().manual_seed(seed)
     mask = (torch.rand(B, 1, L, S, generator=g) < 0.7) if use_mask else None
@@ -184,15 +181,21 @@ def test_hypothesis_all_paths_match_reference(B, H, L, S, D, M, causal, use_mask
     kw = dict(sigma2=sig, mixture=mixture, attn_mask=mask, is_causal=causal, log_pi=log_pi)
     ref_out, ref_w = mgk_reference(q, k, v, sigma2=sig, mixture=mixture, mask=mask, is_causal=causal,
                                    log_pi=log_pi, log_space=True)
-    for path in PATHS:
-        out, w = run(path, q, k, v, **kw)
-        assert torch.isfinite(out).all()
+    why = refusal(backend, mixture=mixture, mask=mask)
+    if why is not None:
+        with pytest.raises(BackendError, match=f"backend='{backend}' cannot serve"):
+            mgk_attention(q, k, v, backend=backend, **kw)
+        return
+    out = mgk_attention(q, k, v, backend=backend, **kw)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, atol=1e-9, rtol=1e-9)
+    if backend == "explicit":
+        out, w = mgk_attention(q, k, v, backend=backend, return_weights=True, **kw)
         torch.testing.assert_close(out, ref_out, atol=1e-9, rtol=1e-9)
-        if w is not None:
-            torch.testing.assert_close(w, ref_w, atol=1e-9, rtol=1e-9)
-            visible = ref_w.sum(-1) > 0.5
-            torch.testing.assert_close(w.sum(-1)[visible], torch.ones_like(w.sum(-1)[visible]))
-            assert (w >= 0).all()
+        torch.testing.assert_close(w, ref_w, atol=1e-9, rtol=1e-9)
+        visible = ref_w.sum(-1) > 0.5
+        torch.testing.assert_close(w.sum(-1)[visible], torch.ones_like(w.sum(-1)[visible]))
+        assert (w >= 0).all()
 
 
 def test_reference_literal_and_log_space_agree():

@@ -1,4 +1,5 @@
-"""mgk_responsibilities (Soft-E E-step statistics) against an explicit-loop float64 computation (inv. 13)."""
+"""mgk_responsibilities (Soft-E E-step statistics) against an explicit-loop float64 computation; padded queries
+contribute no responsibility."""
 from __future__ import annotations
 
 import math

@@ -4,8 +4,9 @@ Sampling: ``samples`` examples are drawn without replacement from the split with
 ``seed``; every head of every layer is measured on each, so a layer's rank distribution holds ``samples x H``
 attention matrices (a retrieval example holds two documents, each its own matrix). Each matrix is the sequence's
 real tokens only (padding cut away). The model runs in ``dtype`` (float64 by default, so that rounding stays many
-orders of magnitude below the rank threshold; on a 1000 x 1000 map of rank about 90, float32 gives the same rank). Examples go through the model
-``batch_size`` at a time and are reduced to statistics at once, so memory stays bounded by one batch's weights.
+orders of magnitude below the rank threshold; on a 1000 x 1000 map of rank about 90, float32 gives the same rank).
+Examples go through the model ``batch_size`` at a time and are reduced to statistics at once, so memory stays
+bounded by one batch's weights.
 """
 from __future__ import annotations
 

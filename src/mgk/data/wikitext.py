@@ -126,10 +126,11 @@ def iter_line_words(path: str | os.PathLike) -> Iterator[list[str]]:
         WikiTextFormatError: naming the file and line: bytes that are not UTF-8, or an empty file (no line at all).
     """
     path = Path(path)
-    lineno = 0
+    num_lines = 0
     try:
         with open(path, encoding="utf-8-sig") as f:
-            for lineno, line in enumerate(f, start=1):
+            for line in f:
+                num_lines += 1
                 words = line.split()
                 words.append(EOS)
                 yield words
@@ -137,7 +138,7 @@ def iter_line_words(path: str | os.PathLike) -> Iterator[list[str]]:
         bad = _first_bad_utf8_line(path)
         raise WikiTextFormatError(f"{path}: line {bad}: not valid UTF-8 ({exc.reason}); WikiText files are UTF-8 "
                                   "text") from None
-    if lineno == 0:
+    if num_lines == 0:
         raise WikiTextFormatError(f"{path}: line 1: empty file (a WikiText split has at least one line)")
 
 

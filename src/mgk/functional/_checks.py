@@ -10,7 +10,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_tensor(x, name: str, ndim: int, layout: str) -> Tensor:
-    """Raise ValueError naming ``name`` unless ``x`` is a floating tensor with ``ndim`` dims (layout for the message)."""
+    """Raise ValueError naming ``name`` unless ``x`` is a floating tensor with ``ndim`` dims (``layout`` names them
+    in the message)."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
     if x.dim() != ndim:

@@ -76,7 +76,8 @@ def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
     if s.numel() == 1:
         s = s.expand(M)
     if s.numel() != M:
-        raise ValueError(f"sigma2 must have one variance per mixture component, shape ({M},); got {tuple(sigma2.shape)}")
+        raise ValueError(f"sigma2 must have one variance per mixture component, shape ({M},); "
+                         f"got {tuple(sigma2.shape)}")
     if torch.compiler.is_compiling() or s.device.type != "cpu":
         return s
     if not bool(torch.all(s > 0)) or not bool(torch.all(torch.isfinite(s))):
@@ -278,8 +279,8 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         kernel_ok = (M > 1 and (mask is None or mask.shape[-2] == 1) and not torch.compiler.is_compiling()
                      and _mixture_flash.usable(q, k[:, :, 0], 0.0))
         if backend == "kernel" and not kernel_ok:
-            raise BackendError("backend='kernel' cannot serve these inputs: it needs CPU float tensors, M > 1, "
-                               f"masks that are at most key padding and a built kernel ({_mixture_flash.build_error()})")
+            raise BackendError("backend='kernel' cannot serve these inputs: it needs CPU float tensors, M > 1, masks "
+                               f"that are at most key padding and a built kernel ({_mixture_flash.build_error()})")
         if kernel_ok and backend != "explicit":
             return _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask)
         valid = _masks.combine(mask, is_causal, L, S, query.device)

@@ -1,4 +1,5 @@
-"""Word-level language modelling on WikiText-103 (Nguyen et al. 2022, Section 4.2; Merity et al. 2017): data, the standard LM batching, loss, perplexity.
+"""Word-level language modelling on WikiText-103 (Nguyen et al. 2022, Section 4.2; Merity et al. 2017): data, the
+standard LM batching, loss, perplexity.
 
 Batching (the iterator of Transformer-XL / pytorch ``word_language_model``): the train token stream is cut into
 ``batch_size`` contiguous streams (the last ``T mod batch_size`` tokens are dropped); each stream into segments of
