@@ -80,7 +80,8 @@ def lra_mgk(q: Tensor, k1: Tensor, k2: Tensor, pi: Tensor, v: Tensor,
             key_padding_mask: Tensor | None = None) -> Tensor:
     """The authors' LRA MGK (learned pi): two Gaussian keys of variance sqrt(D), one clamped pi pair per layer.
 
-    ``a_ij = c(pi_0) exp(-|q_i - k1_j|^2 / (2 sqrt D) - 1e6 p_j) + c(pi_1) exp(-|q_i - k2_j|^2 / (2 sqrt D) - 1e6 p_j)``,
+    ``a_ij = c(pi_0) exp(-|q_i - k1_j|^2 / (2 sqrt D) - 1e6 p_j)
+    + c(pi_1) exp(-|q_i - k2_j|^2 / (2 sqrt D) - 1e6 p_j)``,
     ``p_j`` = 1 for a padded key, ``A_ij = a_ij / sum_j a_ij``, ``out = A v``. No log-space shift (a far query
     underflows to 0/0). Mirrors ``lra/attention.py:124`` (variance), ``:139`` (pi of shape (2,)),
     ``:218-223`` (kernels, mixture, normalisation), ``:233`` (value product; attention dropout omitted here).

@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from mgk.cli import main
-from mgk.data.samples import (cifar_pickle_files, imdb_files, make_aan_dir, make_imdb_dir, make_pathfinder_tree,
-                              write_files, write_tar)
+from mgk.data.samples import (
+    cifar_pickle_files,
+    imdb_files,
+    make_aan_dir,
+    make_imdb_dir,
+    make_pathfinder_tree,
+    write_files,
+    write_tar,
+)
 from mgk.tasks.lra_table import lra_table
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # the shared data copy next to the repository

@@ -99,7 +99,7 @@ def test_each_authors_value_cites_its_source():
             hits = [i for i, ln in enumerate(lines) if re.search(rf"\b{key}=", ln)]
             assert hits, key
             for i in hits:
-                cont = i + 1 < len(lines) and not re.search(r"\b\w+=", lines[i + 1].split("#")[0]) is None \
+                cont = i + 1 < len(lines) and re.search(r"\b\w+=", lines[i + 1].split("#")[0]) is not None \
                     and lines[i].rstrip().endswith(",") and lines[i + 1].startswith(" " * 16)
                 assert cites[i] or (cont and cites[i + 1]), (key, lines[i])
 

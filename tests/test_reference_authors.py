@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from reference_authors import (lm_linear_type34, lm_mgk, lm_mlk_type400, lra_linear, lra_mgk, lra_mlk)
+from reference_authors import lm_linear_type34, lm_mgk, lm_mlk_type400, lra_linear, lra_mgk, lra_mlk
 
 B, H, L, D = 2, 3, 7, 4
 

@@ -3,8 +3,7 @@
 Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention`; the math is in :mod:`mgk.functional`.
 """
-from .attention import MGKAttention, MultiheadAttention, attention_kinds, build_attention
-from .attention import LinearAttention, MLKAttention
+from .attention import LinearAttention, MGKAttention, MLKAttention, MultiheadAttention, attention_kinds, build_attention
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]

@@ -44,7 +44,8 @@ class RunConfig:
     val_fraction: float = _f(0.1, "data")  # share of train carved out as validation where a release has no val split
     split_seed: int = _f(0, "data")  # seed of such carved splits (fixed, documented, independent of the training seed)
     level: str = _f("curv_contour_length_14", "data")  # Pathfinder difficulty folder
-    cache_dir: Optional[str] = _f(None, "data")  # tokenised-array cache: None = <data dir>/.mgk-cache when writable, else
+    # tokenised-array cache: None = <data dir>/.mgk-cache when writable, else
+    cache_dir: Optional[str] = _f(None, "data")
     # $XDG_CACHE_HOME/mgk (~/.cache/mgk); "off" disables caching
     # language modelling (Nguyen et al. 2022, Section 4.2: WikiText-103, small setting of Schlag et al. 2021)
     segment_len: int = _f(256, "lm")  # training/eval segment length in tokens
@@ -274,4 +275,5 @@ def lm_config(cfg: RunConfig, vocab_size: int | None = None) -> LMConfig:
 
 
 __all__ = ["RunConfig", "GROUPS", "apply_overrides", "validate", "to_dict", "from_dict", "fields_of",
-           "explicit_fields", "override_keys", "check_attention_options", "attention_config", "encoder_config", "lm_config"]
+           "explicit_fields", "override_keys", "check_attention_options", "attention_config", "encoder_config",
+           "lm_config"]

@@ -40,11 +40,10 @@ def test_projection_flops_of_mgk4_are_five_eighths_of_softmax8():
 
 def test_analytic_count_matches_torch_flop_counter_for_softmax():
     """FlopCounterMode counts matmuls and SDPA; our formula for softmax must agree with it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from mgk.bench.attention import build_kind
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     module = build_kind("softmax", 4, 64, 16, 128)
     x = torch.randn(2, 128, 64)

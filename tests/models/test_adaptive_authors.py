@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mgk.models import TransformerLM
 from mgk.models.adaptive_authors import AuthorsAdaptiveSoftmax

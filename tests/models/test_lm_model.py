@@ -8,7 +8,6 @@ from mgk.attention import attention_kinds
 from mgk.attention.registry import attention_options
 from mgk.models import IGNORE_INDEX, TiedAdaptiveSoftmax, TransformerLM, sinusoidal_positions
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from mgk.config import RunConfig, encoder_config, fields_of, lm_config
-from mgk.models import (EncoderConfig, LMConfig, LRAClassifier, RetrievalModel, TransformerLM,
-                        config_differences)
+from mgk.models import EncoderConfig, LMConfig, LRAClassifier, RetrievalModel, TransformerLM, config_differences
 
 
 @pytest.mark.parametrize("kind", ["softmax", "mgk", "smgk", "linear", "mlk"])

@@ -11,7 +11,6 @@ from mgk.tasks import all_presets, get_task
 from mgk.tasks.lm import LMSegments, LMTask, StreamSampler, make_batch, summarise
 from mgk.train.evaluate import evaluate
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
@@ -87,7 +86,8 @@ def test_loss_returns_summed_nll_and_token_count():
     batch = make_batch(ds, torch.arange(len(ds)), "cpu")  # 3 full segments + one of 5 tokens
     back, sums = LMTask.loss(ConstNLL(), batch)
     assert int(sums["count"]) == 29 and float(sums["loss"]) == pytest.approx(58.0)
-    assert float(back.detach()) == pytest.approx(58.0 / 8)  # / segment width: the loop's / batch then gives a token mean
+    assert float(back.detach()) == pytest.approx(58.0 / 8)
+    # / segment width: the loop's / batch then gives a token mean
     m = summarise(sums)
     assert m["count"] == 29 and m["loss"] == pytest.approx(2.0) and m["ppl"] == pytest.approx(math.exp(2.0))
 

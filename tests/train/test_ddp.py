@@ -1,9 +1,8 @@
 """torchrun with 2 CPU processes (gloo) equals one process with the same global batch."""
 import json
 
-import torch
 import pytest
-
+import torch
 
 
 @pytest.fixture

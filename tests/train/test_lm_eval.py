@@ -15,7 +15,6 @@ from mgk.tasks.lm import LMSegments, LMTask
 from mgk.train.evaluate import evaluate
 from mgk.train.lm_eval import evaluate_tokens, window_plan
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
@@ -24,13 +23,13 @@ def test_window_plan_scores_every_token_once_with_bounded_context(n, context, st
     starts, lengths, scored = window_plan(n, context, stride)
     assert int(scored.sum()) == n - 1 and bool(torch.all(lengths <= context))
     seen = []
-    for k, (s, l, c) in enumerate(zip(starts.tolist(), lengths.tolist(), scored.tolist())):
-        preds = list(range(s + 1, s + l + 1))  # tokens predicted by this window
+    for k, (s, w, c) in enumerate(zip(starts.tolist(), lengths.tolist(), scored.tolist())):
+        preds = list(range(s + 1, s + w + 1))  # tokens predicted by this window
         if k == 0:
-            assert s == 0 and c == l  # the first window scores everything it predicts
+            assert s == 0 and c == w  # the first window scores everything it predicts
         else:
             assert s == starts[k - 1] + stride and c <= stride
-        seen += preds[l - c:]
+        seen += preds[w - c:]
     assert seen == list(range(1, n))
     with pytest.raises(ValueError):
         window_plan(n, context, context + 1)

@@ -11,7 +11,6 @@ from mgk.tasks.classification import ClassificationTask
 from mgk.train.loop import NonFiniteLoss
 
 
-
 @pytest.fixture
 def small(th):
     """--set arguments of a small ListOps run, with ``extra`` key=value pairs."""

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 
-
 @pytest.fixture
 def resume_args(th):
     return ["--attention", "mgk", "--pi", "soft_e", "--steps", "30",

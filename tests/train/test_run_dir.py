@@ -72,7 +72,8 @@ def test_a_locked_directory_is_refused_by_train_resume_and_eval(run_v0_1_0, caps
     run_dir, _ = run_v0_1_0
     before = sorted(p.name for p in run_dir.rglob("*"))
     with RunDirLock(run_dir):  # as a live training process holds it
-        for argv in (["train", "--out", str(run_dir), "--overwrite"], ["train", "--resume", str(run_dir), "--steps", "6"],
+        for argv in (["train", "--out", str(run_dir), "--overwrite"],
+                     ["train", "--resume", str(run_dir), "--steps", "6"],
                      ["eval", str(run_dir), "--no-progress"]):
             with pytest.raises(SystemExit) as e:
                 main(argv)

@@ -16,7 +16,8 @@ def test_eval_of_a_0_1_0_run_gives_its_perplexity(run_v0_1_0, tmp_path):
     main(["eval", str(run_dir), "--split", "valid", "--json", str(tmp_path / "v.json"), "--no-progress",
           "--device", "cpu"])
     v = json.loads((tmp_path / "v.json").read_text())
-    assert v["ppl"] == pytest.approx(expected["eval_valid_best_ppl"], rel=1e-6)  # float32 rounding: MGK now centres q and k
+    assert v["ppl"] == pytest.approx(expected["eval_valid_best_ppl"], rel=1e-6)
+    # float32 rounding: MGK now centres q and k
     assert v["step"] == 4 and v["checkpoint"].endswith("best.pt")
 
 

@@ -3,7 +3,8 @@
 A module that changes state in its forward (Soft-E's E-step writes pi) must apply the change once, in the forward
 that produced the loss, and its recomputation during backward must replay that forward's inputs to the state, as
 BatchNorm's running statistics should (pytorch/pytorch#96136, "torch.utils.checkpoint should avoid updating
-BatchNorm statistics twice"). torch gives no public flag for this, so the checkpoint's own frames are recognised on the Python
+BatchNorm statistics twice"). torch gives no public flag for this, so the checkpoint's own frames are recognised on the
+Python
 stack; both implementations keep one object alive from the forward to its recomputation, which pairs them:
 
 - ``use_reentrant=True``: ``CheckpointFunction.forward(ctx, ...)`` runs the function under ``no_grad`` and

@@ -38,7 +38,8 @@ class _FormOptions:
                 "output_scale": self.output_scale, "eps_mode": self.eps_mode}
 
     def _form_repr(self) -> str:
-        fm = self.feature_map if isinstance(self.feature_map, str) else getattr(self.feature_map, "__name__", "callable")
+        fm = self.feature_map
+        fm = fm if isinstance(fm, str) else getattr(fm, "__name__", "callable")
         return (f", normalize={self.normalize!r}, feature_map={fm!r}, output_scale={self.output_scale}, "
                 f"eps={self.eps}, eps_mode={self.eps_mode!r}")
 
@@ -57,7 +58,8 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
 
     ``forward`` is :meth:`AttentionBase.forward`. Only ``key_padding_mask`` and ``is_causal`` can be expressed: an
     ``attn_mask`` equal to the causal mask is taken as ``is_causal=True``, any other raises
-    :class:`mgk.functional.MaskError`; float masks may hold only 0 (allowed) and -inf (not allowed). ``need_weights=True`` returns the explicit
+    :class:`mgk.functional.MaskError`; float masks may hold only 0 (allowed) and -inf (not allowed).
+    ``need_weights=True`` returns the explicit
     (B, H, L, S) weights W with ``output = W @ v`` per head (O(L S) memory).
     """
 

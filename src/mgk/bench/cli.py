@@ -117,7 +117,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """Run the chosen benchmark, print its table and write the JSON when asked."""
     if args.bench_command == "attention":
-        from .attention import run as run_attention, table
+        from .attention import run as run_attention
+        from .attention import table
 
         result = run_attention(args.kinds, args.lengths, batch=args.batch, embed_dim=args.embed_dim,
                                head_dim=args.head_dim, causal=args.causal, backward=args.backward,
@@ -127,7 +128,8 @@ def run(args) -> int:
         failed = [row for row in result["rows"] if "error" in row]
     else:
         from ..tasks import all_presets
-        from .model import run as run_model, table as model_table
+        from .model import run as run_model
+        from .model import table as model_table
 
         preset = args.preset or f"{args.task}-small"
         if preset not in all_presets():

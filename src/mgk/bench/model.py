@@ -43,7 +43,11 @@ def kind_overrides(kind: str | None, heads: int | None) -> list[str]:
 def bench_task(cfg):
     """The :class:`~mgk.tasks.base.Task` of ``cfg.task`` without data splits: what ``mgk train`` builds for the
     model (vocabulary size, class count, model class). ValueError for an unknown task."""
-    from ..data import image as im, listops as lo, pathfinder as pf, retrieval as rv, text as tx
+    from ..data import image as im
+    from ..data import listops as lo
+    from ..data import pathfinder as pf
+    from ..data import retrieval as rv
+    from ..data import text as tx
     from ..data.wikitext import EOS, Vocabulary
     from ..tasks.classification import ClassificationTask
     from ..tasks.lm import LMTask

@@ -43,11 +43,19 @@ from torch import Tensor
 
 from . import masks as _masks
 from ._checks import check_qkv, check_same, check_same_dtype, check_tensor, compute_dtype, full_precision
-from ._linear_forms import (EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE, LinearForm, denominator, elu_feature_map,
-                            elu_sum_feature_map, linear_form)
-from .mgk import BackendError
+from ._linear_forms import (
+    EPS_MODES,
+    FEATURE_MAPS,
+    MIX,
+    NORMALIZE,
+    LinearForm,
+    denominator,
+    elu_feature_map,
+    elu_sum_feature_map,
+    linear_form,
+)
+from .mgk import BackendError, _log_prior
 from .mgk import _check as _check_mixture
-from .mgk import _log_prior
 
 LINEAR_BACKENDS = ("chunked", "explicit")
 

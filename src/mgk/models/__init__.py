@@ -1,7 +1,7 @@
 """Models of the paper's experiments built on any registered attention kind."""
 from .adaptive import TiedAdaptiveSoftmax, resolve_cutoffs
-from .config import AttentionConfig, EncoderConfig, LMConfig, config_differences
 from .blocks import FeedForward, TransformerBlock
+from .config import AttentionConfig, EncoderConfig, LMConfig, config_differences
 from .lm import IGNORE_INDEX, TransformerLM, sinusoidal_positions
 from .lra import LRAClassifier, LRAEncoder, masked_mean
 from .retrieval import RetrievalModel

@@ -1,5 +1,6 @@
 """The causal decoder language model of the paper's WikiText-103 experiment (Nguyen et al. 2022, Section 4.2; the
-small setting of Schlag et al. 2021): tied adaptive input/softmax, sinusoidal positions, post-LN blocks with a ReLU FFN, any
+small setting of Schlag et al. 2021): tied adaptive input/softmax, sinusoidal positions, post-LN blocks with a ReLU FFN,
+any
 attention kind, no memory across segments."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The two-tower matching model of LRA "Retrieval" (Tay et al. 2021, Section 3; Nguyen et al. 2022, Section 4.1): one shared encoder, head on
+"""The two-tower matching model of LRA "Retrieval" (Tay et al. 2021, Section 3; Nguyen et al. 2022, Section 4.1):
+one shared encoder, head on
 ``[x0, x1, x0 * x1, x0 - x1]``."""
 from __future__ import annotations
 

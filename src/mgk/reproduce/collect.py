@@ -108,7 +108,6 @@ def aggregate(exp: Experiment, runs: list[Run], figures: list[dict]) -> list[dic
     """Per row and task: mean, sample std (n - 1) and n over seeds, the paper's number and the run figures."""
     rows = []
     for row in exp.rows:
-        cells = {}
         for task in dict.fromkeys(r.task for r in runs):
             figs = [f for r, f in zip(runs, figures) if r.row.key == row.key and r.task == task]
             if not figs:

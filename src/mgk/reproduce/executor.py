@@ -1,6 +1,7 @@
 """Running the grid: state of each run directory, one run as subprocesses, and the local / submitit executors.
 
-A run is *finished* when its ``results.json`` exists (and, for LM, its ``eval.json``) and its record (``<run_dir>.reproduce.json``)
+A run is *finished* when its ``results.json`` exists (and, for LM, its ``eval.json``) and its record
+(``<run_dir>.reproduce.json``)
 carries the same key; finished runs are never run again. A run with ``checkpoints/last.pt`` but no results was
 interrupted and continues with ``mgk train --resume``; anything else starts from scratch. Each run's output goes
 to ``<run_dir>.reproduce.log`` beside the run directory (which holds only what ``mgk train`` writes, since

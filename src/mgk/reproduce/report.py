@@ -75,7 +75,8 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
         finished = [json.loads((r.run_dir / "results.json").read_text()) for r in runs
                     if (r.run_dir / "results.json").is_file()]
         table = lra_table(finished)[0] if finished else None
-    return {"experiment": exp.name, "mgk_table": table, "title": exp.title, "scale": scale, "metric": exp.metric, "command": command,
+    return {"experiment": exp.name, "mgk_table": table, "title": exp.title, "scale": scale, "metric": exp.metric,
+            "command": command,
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seeds": sorted({r.seed for r in runs}),
             "tasks": tasks, "rows": aggregate(exp, runs, figures),
             "runs": [{k: f.get(k) for k in ("row", "task", "seed", "key", "run_dir", "status", "value", "split",

@@ -6,7 +6,8 @@ package's generator), the ``--set`` overrides and, for language modelling, the f
 - ``paper``: the ``*-paper`` presets (the paper's protocol, for a GPU cluster) on the LRA release files.
 - ``cpu``: a reduced setting per task that learns well above the majority class on 2 CPU cores with one thread per
   run (two runs side by side): ListOps 800 steps, 2-5 minutes a run; Text 300 steps of batch 32 at 512 bytes,
-  11-20 minutes a run on the shared machine (at 512 bytes, fewer steps stay at 50%). ListOps there is the package's *generated, short* ListOps
+  11-20 minutes a run on the shared machine (at 512 bytes, fewer steps stay at 50%). ListOps there is the package's
+  *generated, short* ListOps
   (lengths 10-100, depth 3): the LRA release (500-2000 tokens) stays at its majority plateau (~16%) for every model
   in the few hundred steps a CPU affords, so it would compare nothing. Text is IMDb bytes cut to 512.
 - ``smoke``: the cpu data at a few steps, seconds a run: checks a grid end to end before launching it.
@@ -53,7 +54,8 @@ _SETTINGS = {
                                                           "attn_dropout=0", "val_fraction=0.04", "eval_every=150",
                                                           "checkpoint_every=150", "log_every=15"),
                             label="Text (IMDb bytes, 512)",
-                            note="first 512 bytes of each review; 4% of train (1000 reviews) carved out as validation (the shared "
+                            note="first 512 bytes of each review; 4% of train (1000 reviews) carved out as validation "
+                                 "(the shared "
                                  "copy has no test split); attention dropout 0 keeps SDPA and the MGK kernel fused"),
         "retrieval": TaskSetting("retrieval-small", _DATA["retrieval"]),
         "image": TaskSetting("image-small", _DATA["image"]),

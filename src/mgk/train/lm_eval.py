@@ -92,12 +92,12 @@ def evaluate_tokens(model, tokens: Tensor, *, context: int, stride: int, batch_s
     bar = tqdm(total=total, disable=not progress or rank != 0, unit="window", desc=desc,
                dynamic_ncols=True, file=sys.stderr)
     for b in mine:
-        s, l, k = (t[b * batch_size:(b + 1) * batch_size] for t in (starts, lengths, scored))
-        width = int(l.max())
+        s, n, k = (t[b * batch_size:(b + 1) * batch_size] for t in (starts, lengths, scored))
+        width = int(n.max())
         offs = torch.arange(width, dtype=torch.int64).unsqueeze(0)
         pos = (s.unsqueeze(1) + offs).clamp(max=last)
-        pad = offs >= l.unsqueeze(1)  # a shorter last window is padded at its end (causal: inert)
-        keep = (offs >= (l - k).unsqueeze(1)) & ~pad  # the last k predictions of each window
+        pad = offs >= n.unsqueeze(1)  # a shorter last window is padded at its end (causal: inert)
+        keep = (offs >= (n - k).unsqueeze(1)) & ~pad  # the last k predictions of each window
         inputs = tokens[pos].long().masked_fill(pad, 0)
         targets = tokens[(pos + 1).clamp(max=last)].long().masked_fill(~keep, IGNORE_INDEX)
         nll = model(inputs.to(device), targets.to(device))

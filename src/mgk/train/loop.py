@@ -373,7 +373,8 @@ class Trainer:
                 results.setdefault("missing_splits", []).append(name)
                 continue
             partial = cfg.eval_batches > 0  # validations saw a slice; the reported val figure is the whole split
-            m = st.best_val if name == "val" and st.best_val is not None and not partial else self.evaluate(ds, desc=name)
+            reuse = name == "val" and st.best_val is not None and not partial
+            m = st.best_val if reuse else self.evaluate(ds, desc=name)
             results[name] = {**m, **self.task.describe(ds)}
         return results
 
