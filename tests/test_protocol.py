@@ -11,6 +11,7 @@ import torch
 from mgk import config as config_mod
 from mgk.models import LRAClassifier, RetrievalModel, TransformerLM
 from mgk.tasks import all_presets, authors
+from mgk.tasks.authors import authors_option_values
 from mgk.train.evaluate import eval_slice
 from mgk.train.schedule import build_scheduler, check_resumable, lr_factor
 
@@ -106,14 +107,14 @@ def test_each_authors_value_cites_its_source():
 
 def test_preset_attention_options_are_defaults_for_the_kinds_that_take_them():
     paper = all_presets()["wt103-paper"]
-    explicit = config_mod.explicit_fields(paper)
+    explicit = config_mod.explicit_fields(paper, soft=authors_option_values())
     config_mod.check_attention_options(paper, explicit)  # softmax: sigma2 / pi_shape simply not passed
     assert config_mod.attention_config(paper).options == {}
     mgk = dataclasses.replace(paper, attention="mgk", num_heads=4)
-    config_mod.check_attention_options(mgk, config_mod.explicit_fields(mgk, {"attention", "num_heads"}))
+    config_mod.check_attention_options(mgk, config_mod.explicit_fields(mgk, {"attention", "num_heads"}, soft=authors_option_values()))
     assert config_mod.attention_config(mgk, max_len=256).options["sigma2"] == [4.0, 4.0 / 3]
     with pytest.raises(ValueError, match="sigma2"):  # set on purpose for a kind that does not take it
-        config_mod.check_attention_options(paper, config_mod.explicit_fields(paper, {"sigma2"}))
+        config_mod.check_attention_options(paper, config_mod.explicit_fields(paper, {"sigma2"}, soft=authors_option_values()))
 
 
 def test_new_fields_validate_and_parse():

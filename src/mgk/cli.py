@@ -12,6 +12,7 @@ from .analyze import cli as analyze_cli
 from .bench import cli as bench_cli
 from .reproduce import cli as reproduce_cli
 from .tasks import all_presets
+from .tasks.authors import authors_option_values
 
 
 def _train_parser(sub) -> None:
@@ -68,8 +69,9 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
     # Only options set on purpose (flag, --set, preset) are refused for a kind that does not take them; defaults
     # of such options are simply not passed to the model.
     config_mod.validate(cfg)
-    config_mod.check_attention_options(cfg, config_mod.explicit_fields(cfg, given | config_mod.override_keys(
-        args.overrides)))
+    explicit = config_mod.explicit_fields(cfg, given | config_mod.override_keys(args.overrides),
+                                          soft=authors_option_values())
+    config_mod.check_attention_options(cfg, explicit)
     out = Path(args.out) if args.out else Path("runs") / f"{cfg.task}-{cfg.attention}{cfg.num_heads}-" \
                                                           f"{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, out, False

@@ -24,6 +24,10 @@ def _f(default, group: str):
     return dataclasses.field(default=default, metadata={"group": group})
 
 
+# Learning-rate schedules (mgk.train.schedule implements them).
+SCHEDULES = ("linear", "cosine", "constant", "cosine_global", "onecycle")
+
+
 @dataclass
 class RunConfig:
     """Everything a run needs. Lengths are in tokens, learning rates per optimiser step, steps are optimiser steps."""
@@ -177,8 +181,6 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     if cfg.attention not in attention_kinds():
         raise ValueError(f"config field attention must be one of {attention_kinds()}, got {cfg.attention!r}")
-    from .train.schedule import SCHEDULES
-
     choices = {"precision": ("32", "bf16", "fp16"), "schedule": SCHEDULES,
                "nonfinite": ("stop", "skip"), "pooling": ("mean", "cls"), "pi_shape": ("head", "position", "layer"),
                "pi": ("learned", "soft_e", "hard_e"), "pi_norm": ("softmax", "none"),
@@ -217,15 +219,14 @@ def fields_of(group: str) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata["group"] == group)
 
 
-def explicit_fields(cfg: RunConfig, given: Iterable[str] = ()) -> set[str]:
+def explicit_fields(cfg: RunConfig, given: Iterable[str] = (), soft: dict | None = None) -> set[str]:
     """Fields set on purpose: those named in ``given`` (CLI flags, ``--set`` keys) and those whose value differs
-    from RunConfig's default (set by the preset), except attention options that a ``*-paper`` preset sets as the
-    authors' form of some kinds (:data:`mgk.tasks.authors.AUTHORS_ATTENTION_OPTIONS`, e.g. ``sigma2`` of the LM's
-    MGK): those are defaults for the kinds that take them, so ``--attention softmax`` still runs from that preset."""
-    from .tasks.authors import authors_option_values
-
+    from RunConfig's default (set by the preset), except values listed in ``soft`` ({field: [values]}): attention
+    options that a ``*-paper`` preset sets as the authors' form of some kinds
+    (:func:`mgk.tasks.authors.authors_option_values`, e.g. ``sigma2`` of the LM's MGK) are defaults for the kinds
+    that take them, so ``--attention softmax`` still runs from that preset."""
     default, given = RunConfig(), set(given)
-    soft = authors_option_values()
+    soft = soft or {}
     return given | {f.name for f in dataclasses.fields(RunConfig)
                     if getattr(cfg, f.name) != getattr(default, f.name)
                     and getattr(cfg, f.name) not in soft.get(f.name, [])}

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-SCHEDULES = ("linear", "cosine", "constant", "cosine_global", "onecycle")
+from ..config import SCHEDULES
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
