@@ -111,10 +111,11 @@ def test_preset_attention_options_are_defaults_for_the_kinds_that_take_them():
     config_mod.check_attention_options(paper, explicit)  # softmax: sigma2 / pi_shape simply not passed
     assert config_mod.attention_config(paper).options == {}
     mgk = dataclasses.replace(paper, attention="mgk", num_heads=4)
-    config_mod.check_attention_options(mgk, config_mod.explicit_fields(mgk, {"attention", "num_heads"}, soft=authors_option_values()))
+    soft = authors_option_values()
+    config_mod.check_attention_options(mgk, config_mod.explicit_fields(mgk, {"attention", "num_heads"}, soft=soft))
     assert config_mod.attention_config(mgk, max_len=256).options["sigma2"] == [4.0, 4.0 / 3]
     with pytest.raises(ValueError, match="sigma2"):  # set on purpose for a kind that does not take it
-        config_mod.check_attention_options(paper, config_mod.explicit_fields(paper, {"sigma2"}, soft=authors_option_values()))
+        config_mod.check_attention_options(paper, config_mod.explicit_fields(paper, {"sigma2"}, soft=soft))
 
 
 def test_new_fields_validate_and_parse():

@@ -29,8 +29,8 @@ def test_attention_options_only_for_kinds_that_take_them():
     soft = encoder_config(RunConfig(attention="softmax", pi="soft_e", sigma2=[1.0, 2.0]))
     assert soft.attention.options == {}
     mgk = encoder_config(RunConfig(attention="mgk", pi="soft_e", sigma2=[1.0, 2.0], max_len=40)).attention
-    assert mgk.options == {"num_keys": 2, "pi": "soft_e", "pi_shape": "head", "sigma2": [1.0, 2.0], "pi_norm": "softmax",
-                           "max_len": 40}
+    assert mgk.options == {"num_keys": 2, "pi": "soft_e", "pi_shape": "head", "sigma2": [1.0, 2.0],
+                           "pi_norm": "softmax", "max_len": 40}
     assert "sigma2" not in encoder_config(RunConfig(attention="mlk")).attention.options
     assert set(fields_of("attention_option")) == {"num_keys", "pi", "pi_shape", "sigma2", "pi_norm", "normalize",
                                                   "feature_map", "output_scale", "attn_eps", "eps_mode", "mix"}
