@@ -1,13 +1,15 @@
 """Shared pytest fixtures: one thread for tiny tensors, the MGK backends available here, one closeness check;
 ``th``, the end-to-end training helpers (a tiny config ``th.TINY``, ``th.sets``, subprocess runners ``th.run``,
-``th.run_torchrun``, ``th.mgk_cmd``, ``th.env``, run-directory readers ``th.metrics``, ``th.series``,
-``th.last_state``); ``run_v0_1_0``, a copy of the 0.1.0 run-directory fixture."""
+``th.run_torchrun``, ``th.mgk_cmd``, ``th.env``, ``th.kill_after``, run-directory readers ``th.metrics``,
+``th.series``, ``th.last_state``); ``run_v0_1_0``, a copy of the 0.1.0 run-directory fixture."""
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -126,11 +128,34 @@ def last_state(run_dir):
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
 
 
+def kill_after(args, out, min_step):
+    """Start a run, SIGKILL it once metrics show step >= min_step; return the step the checkpoint holds."""
+    proc = subprocess.Popen(mgk_cmd("train", "--out", str(out), *args), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            steps = series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
+            if steps and steps[-1][0] >= min_step:
+                proc.send_signal(signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
+            time.sleep(0.02)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    return int(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["loop_state"]["step"])
+
+
 @pytest.fixture(scope="session")
 def th():
     """The helpers above as one namespace (tests take them as a fixture instead of importing this file)."""
     return types.SimpleNamespace(TINY=list(TINY), sets=sets, env=env, mgk_cmd=mgk_cmd, run=run,
-                                 run_torchrun=run_torchrun, metrics=metrics, series=series, last_state=last_state)
+                                 run_torchrun=run_torchrun, kill_after=kill_after, metrics=metrics, series=series,
+                                 last_state=last_state)
 
 
 @pytest.fixture

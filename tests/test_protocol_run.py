@@ -1,9 +1,6 @@
 """A run records its protocol (results.json, config.yaml, the first log line) and resumes exactly under the authors'
 OneCycle schedule with fixed-size validations."""
 import json
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -16,26 +13,6 @@ PROTOCOL_SETS = ["schedule=onecycle", "init=paper", "classifier_activation=relu"
 @pytest.fixture
 def args(th):
     return ["--attention", "mgk", "--steps", "15", *th.sets(*th.TINY, *PROTOCOL_SETS)]
-
-
-def _kill_after(th, args, out, min_step):
-    proc = subprocess.Popen(th.mgk_cmd("train", "--out", str(out), *args), env=th.env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline:
-            steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
-            if steps and steps[-1][0] >= min_step:
-                proc.send_signal(signal.SIGKILL)
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
-            time.sleep(0.02)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
 
 
 def test_protocol_is_recorded_and_onecycle_resumes_exactly(tmp_path, th, args):
@@ -55,7 +32,7 @@ def test_protocol_is_recorded_and_onecycle_resumes_exactly(tmp_path, th, args):
     assert max(lrs) == pytest.approx(1e-3) and lrs[-1] < 1e-3 / 25  # OneCycle: up to lr, then below lr/25
 
     killed = tmp_path / "killed"
-    _kill_after(th, args, killed, min_step=6)
+    th.kill_after(args, killed, min_step=6)
     step = int(torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["loop_state"]["step"])
     assert 3 <= step < 15
     th.run(th.mgk_cmd("train", "--resume", str(killed)))

@@ -1,8 +1,6 @@
 """A run killed with SIGKILL and resumed equals an uninterrupted run, bit for bit, on CPU."""
 import json
-import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -14,34 +12,12 @@ def resume_args(th):
             *th.sets(*th.TINY, "checkpoint_every=3", "dropout=0.1", "attn_dropout=0.1")]
 
 
-def _kill_after_checkpoint(th, args, out, min_step):
-    """Start a run, SIGKILL it once metrics show step >= min_step; return the step the checkpoint holds."""
-    proc = subprocess.Popen(th.mgk_cmd("train", "--out", str(out), *args), env=th.env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline:
-            steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
-            if steps and steps[-1][0] >= min_step:
-                proc.send_signal(signal.SIGKILL)
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
-            time.sleep(0.02)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    return int(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["loop_state"]["step"])
-
-
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, th, resume_args):
     straight = tmp_path / "straight"
     th.run(th.mgk_cmd("train", "--out", str(straight), *resume_args))
 
     killed = tmp_path / "killed"
-    ckpt_step = _kill_after_checkpoint(th, resume_args, killed, min_step=10)
+    ckpt_step = th.kill_after(resume_args, killed, min_step=10)
     assert 3 <= ckpt_step < 30
     assert not (killed / "results.json").exists()
     th.run(th.mgk_cmd("train", "--resume", str(killed)))

@@ -43,7 +43,32 @@ def resolve_cutoffs(cutoffs, vocab_size: int) -> tuple[list[int], list[int]]:
     return kept, [c for c in cutoffs if c >= vocab_size]
 
 
-class TiedAdaptiveSoftmax(nn.Module):
+class ChunkedNLL:
+    """``nll`` shared by the adaptive softmaxes: checks, float32 with autocast off (a log-softmax over 20k+ words in
+    bf16 is too coarse), and query chunks of ``self.chunk`` rows without gradient. The class provides
+    ``vocab_size``, ``chunk`` and ``_nll(hidden (N, E) float32, target (N,)) -> (N,)``."""
+
+    vocab_size: int
+    chunk: int
+
+    def nll(self, hidden: Tensor, target: Tensor) -> Tensor:
+        """Negative log-likelihood of ``target`` (N,) int ids under ``hidden`` (N, E), float32 (N,).
+
+        Runs in float32 with autocast off (a log-softmax over 20k+ words in bf16 is too coarse)."""
+        if hidden.shape[0] != target.shape[0]:
+            raise ValueError(f"hidden has {hidden.shape[0]} rows but target has {target.shape[0]}")
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.vocab_size):
+            raise ValueError(f"target ids must be in [0, {self.vocab_size}), got [{int(target.min())}, "
+                             f"{int(target.max())}]")
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden = hidden.float()
+            if torch.is_grad_enabled() or hidden.shape[0] <= self.chunk:
+                return self._nll(hidden, target)
+            return torch.cat([self._nll(hidden[i:i + self.chunk], target[i:i + self.chunk])
+                              for i in range(0, hidden.shape[0], self.chunk)])
+
+
+class TiedAdaptiveSoftmax(ChunkedNLL, nn.Module):
     """Adaptive input embedding and adaptive log-softmax sharing their weights (see the module docstring).
 
     Args:
@@ -122,22 +147,6 @@ class TiedAdaptiveSoftmax(nn.Module):
             logp = F.log_softmax(F.linear(hidden, self.weight), dim=-1)
             return -logp.gather(1, target.unsqueeze(1)).squeeze(1)
         return -self.softmax(hidden, target).output
-
-    def nll(self, hidden: Tensor, target: Tensor) -> Tensor:
-        """Negative log-likelihood of ``target`` (N,) int ids under ``hidden`` (N, E), float32 (N,).
-
-        Runs in float32 with autocast off (a log-softmax over 20k+ words in bf16 is too coarse)."""
-        if hidden.shape[0] != target.shape[0]:
-            raise ValueError(f"hidden has {hidden.shape[0]} rows but target has {target.shape[0]}")
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.vocab_size):
-            raise ValueError(f"target ids must be in [0, {self.vocab_size}), got [{int(target.min())}, "
-                             f"{int(target.max())}]")
-        with torch.autocast(hidden.device.type, enabled=False):
-            hidden = hidden.float()
-            if torch.is_grad_enabled() or hidden.shape[0] <= self.chunk:
-                return self._nll(hidden, target)
-            return torch.cat([self._nll(hidden[i:i + self.chunk], target[i:i + self.chunk])
-                              for i in range(0, hidden.shape[0], self.chunk)])
 
     def log_prob(self, hidden: Tensor) -> Tensor:
         """Log-probabilities of every word, (N, E) -> (N, V) float32 (sums to 1 over V)."""

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adaptive import resolve_cutoffs
+from .adaptive import ChunkedNLL, resolve_cutoffs
 
 __all__ = ["AuthorsAdaptiveSoftmax"]
 
 
-class AuthorsAdaptiveSoftmax(nn.Module):
+class AuthorsAdaptiveSoftmax(ChunkedNLL, nn.Module):
     """Tied adaptive input / adaptive log-softmax with per-word biases and cluster biases (module docstring).
 
     Args:
@@ -118,22 +118,6 @@ class AuthorsAdaptiveSoftmax(nn.Module):
                 logp = head[rows, width - c] + inner.gather(1, local.unsqueeze(1)).squeeze(1)
             out = out.index_copy(0, rows, -logp)
         return out
-
-    def nll(self, hidden: Tensor, target: Tensor) -> Tensor:
-        """Negative log-likelihood of ``target`` (N,) int ids under ``hidden`` (N, E), float32 (N,).
-
-        Runs in float32 with autocast off. ValueError for mismatched rows or ids outside [0, V)."""
-        if hidden.shape[0] != target.shape[0]:
-            raise ValueError(f"hidden has {hidden.shape[0]} rows but target has {target.shape[0]}")
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.vocab_size):
-            raise ValueError(f"target ids must be in [0, {self.vocab_size}), got [{int(target.min())}, "
-                             f"{int(target.max())}]")
-        with torch.autocast(hidden.device.type, enabled=False):
-            hidden = hidden.float()
-            if torch.is_grad_enabled() or hidden.shape[0] <= self.chunk:
-                return self._nll(hidden, target)
-            return torch.cat([self._nll(hidden[i:i + self.chunk], target[i:i + self.chunk])
-                              for i in range(0, hidden.shape[0], self.chunk)])
 
     def log_prob(self, hidden: Tensor) -> Tensor:
         """Log-probabilities of every word, (N, E) -> (N, V) float32 (sums to 1 over V)."""
