@@ -54,9 +54,8 @@ LRA_NON_EMBEDDING = {
 
 @pytest.mark.parametrize("task", sorted(LRA_NON_EMBEDDING))
 def test_lra_paper_presets_have_the_authors_counts(task):
-    """Total = the authors' non-embedding count + 64 (V + P) for our vocabulary V and position table P = max_len,
-    + num_layers * (H - 1) * 2 for MGK: our learned mixture weights are per head (H, 2), the authors' one (2,) per
-    layer."""
+    """Total = the authors' non-embedding count + 64 (V + P) for our vocabulary V and position table P = max_len
+    (the presets set the authors' one (2,) mixture weight per layer, ``pi_shape="layer"``)."""
     from mgk.tasks import get_task
 
     classes = {"listops": 10, "text": 2, "retrieval": 2}[task]
@@ -66,8 +65,7 @@ def test_lra_paper_presets_have_the_authors_counts(task):
                                   num_classes=classes)
         model_cls = RetrievalModel if task == "retrieval" else LRAClassifier
         model = model_cls.from_config(config_mod.encoder_config(cfg))
-        extra = cfg.num_layers * (heads - 1) * 2 if kind == "mgk" else 0
-        expected = authors_count + extra + cfg.d_model * (vocab + cfg.max_len)
+        expected = authors_count + cfg.d_model * (vocab + cfg.max_len)
         assert sum(p.numel() for p in model.parameters()) == expected, (task, kind, heads)
     assert get_task(task) is not None
 
@@ -183,3 +181,20 @@ def test_eval_slice_walks_an_endless_reshuffled_stream():
     assert torch.equal(eval_slice(10, batches=2, batch_size=3, round_index=3, seed=1), rounds[3])  # pure
     assert not torch.equal(eval_slice(10, batches=2, batch_size=3, round_index=3, seed=2), rounds[3])
     assert not torch.equal(rounds[0], rounds[1])
+
+
+@pytest.mark.parametrize("pi", ["soft_e", "hard_e"])
+def test_lra_paper_presets_run_the_pi_ablations(pi):
+    """The presets' learned-weight shape (one (2,) per layer, not normalised) does not apply to Soft-E's buffer or
+    Hard-E: ``--preset listops-paper --attention mgk --pi soft_e`` builds; setting the shape on purpose is refused."""
+    paper = all_presets()["listops-paper"]
+    cfg = dataclasses.replace(paper, attention="mgk", num_heads=1, pi=pi, vocab_size=16, num_classes=10)
+    config_mod.validate(cfg)
+    soft = authors_option_values()
+    config_mod.check_attention_options(cfg, config_mod.explicit_fields(cfg, {"attention", "num_heads", "pi"},
+                                                                       soft=soft))
+    options = config_mod.encoder_config(cfg).attention.options
+    assert options["pi"] == pi and options["pi_shape"] == "head" and options["pi_norm"] == "softmax"
+    LRAClassifier.from_config(config_mod.encoder_config(cfg))
+    with pytest.raises(ValueError, match="pi_shape.*learned"):
+        config_mod.check_attention_options(cfg, {"pi_shape"})

@@ -24,6 +24,8 @@ def _f(default, group: str):
     return dataclasses.field(default=default, metadata={"group": group})
 
 
+# Options that parametrise learned mixture weights only (pi="learned").
+LEARNED_PI_OPTIONS = ("pi_shape", "pi_norm")
 # Learning-rate schedules (mgk.train.schedule implements them).
 SCHEDULES = ("linear", "cosine", "constant", "cosine_global", "onecycle")
 
@@ -242,6 +244,9 @@ def check_attention_options(cfg: RunConfig, explicit: Iterable[str]) -> None:
         if name in explicit and name not in takes:
             raise ValueError(f"option {name!r} does not apply to attention {cfg.attention!r} "
                              f"({cfg.attention} takes {', '.join(takes) or 'no options'})")
+        if name in explicit and name in LEARNED_PI_OPTIONS and cfg.pi != "learned" \
+                and getattr(cfg, name) != getattr(RunConfig(), name):
+            raise ValueError(f"option {name!r} shapes learned mixture weights (pi='learned'), not pi={cfg.pi!r}")
 
 
 def attention_config(cfg: RunConfig, *, max_len: int | None = None) -> AttentionConfig:
@@ -251,6 +256,8 @@ def attention_config(cfg: RunConfig, *, max_len: int | None = None) -> Attention
 
     values = {**{k: getattr(cfg, k) for k in fields_of("attention_option")},
               "max_len": cfg.max_len if max_len is None else max_len}
+    if cfg.pi != "learned":  # Soft-E's buffer and Hard-E have no learned weights to shape (a preset may set them)
+        values.update({k: getattr(RunConfig(), k) for k in LEARNED_PI_OPTIONS})
     options = {k: v for k, v in values.items() if k in attention_options(cfg.attention)}
     return AttentionConfig(kind=cfg.attention, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                            dropout=cfg.attn_dropout, options=options, bias=cfg.attn_bias)

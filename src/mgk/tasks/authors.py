@@ -68,13 +68,18 @@ AUTHORS_LM = dict(
 
 _SQRT_D = math.sqrt(16)  # LM head_dim 16
 AUTHORS_ATTENTION_OPTIONS = {
-    # lra/attention_linear.py:57-64 (no denominator, features scaled by L^(-1/4)); MLK mixes raw keys :38-40
-    **{f"{task}-paper": {"normalize": "length", "feature_map": "elu", "mix": "keys"} for task in LRA_TASKS},
+    # lra/attention_linear.py:57-64 (no denominator, features scaled by L^(-1/4)); MLK mixes raw keys :38-40;
+    # MGK and MLK: one (2,) mixture weight per layer shared by heads and positions, not normalised over the
+    # components (lra/attention.py:124, 222-223; attention_linear.py:21, 46), without the clamp (free log-weights)
+    **{f"{task}-paper": {"normalize": "length", "feature_map": "elu", "mix": "keys", "pi_shape": "layer",
+                         "pi_norm": "none"} for task in LRA_TASKS},
     # LM MGK (attn_type 200, rbf2keys): sigma^2 = (sqrt(D), sqrt(D)/3) LM/mem_transformer.py:108, 150-151;
     # per-head, per-position pi not normalised over components :119-120, 198. LM linear / MLK (types 34, 400):
     # elu+1 divided by its sum, output times 1/sqrt(D), row denominator (cfwl; LM/mem_transformer.py:443, 498-540).
     "wt103-paper": {"sigma2": [_SQRT_D, _SQRT_D / 3], "pi_shape": "position", "pi_norm": "none",
-                    "normalize": "row", "feature_map": "elu_sum", "output_scale": 1 / _SQRT_D, "mix": "features"},
+                    "normalize": "row", "feature_map": "elu_sum", "output_scale": 1 / _SQRT_D, "mix": "features",
+                    # the fast-weight layers add 1e-5 to the denominator (cfwl; LM/mem_transformer.py:498-540)
+                    "attn_eps": 1e-5, "eps_mode": "add"},
 }
 
 
