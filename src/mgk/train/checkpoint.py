@@ -76,6 +76,7 @@ def align_optimizer_state(optimizer_state: dict, saved_model: dict, model: torch
     known = set(new_order)
 
     def upgraded(key: str) -> str | None:
+        """The current name of a saved parameter name, or None for buffers and unknown names."""
         if key in known:
             return key
         for old in _OLD_NAMES:

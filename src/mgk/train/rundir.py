@@ -62,6 +62,8 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
+        """Take the lock (exclusive, or shared for readers such as ``mgk eval``) without waiting; RunDirError
+        naming the directory and the holder's pid when another process holds it. Returns self."""
         if fcntl is None or self._fd is not None:
             return self
         try:
@@ -86,6 +88,7 @@ class RunDirLock:
         return self
 
     def release(self) -> None:
+        """Drop the lock (the OS also drops it when the process dies, however it dies)."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
