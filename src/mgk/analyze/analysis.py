@@ -67,6 +67,7 @@ class _Layer:
         self.longest = 0
 
     def add(self, maps, x, is_causal: bool, settings: Settings) -> None:
+        """Accumulate the statistics of one sequence's (H, n, n) float64 attention maps and its layer input x."""
         n = maps.shape[-1]
         self.longest = max(self.longest, n)
         for mode in stats.RANK_MODES:
@@ -83,6 +84,7 @@ class _Layer:
             self.pairs = p if self.pairs is None else self.pairs + p
 
     def result(self, index: int, settings: Settings) -> dict:
+        """This layer's entry of analysis.json: rank, redundancy and mixture summaries over what was added."""
         rel_rank = [r / n for r, n in zip(self.ranks[settings.rank_mode], self.lengths)]
         out = {"layer": index, "module": self.name, "kind": type(self.module).__name__,
                "num_heads": self.module.num_heads,

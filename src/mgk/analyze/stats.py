@@ -48,6 +48,7 @@ def js_divergence(p: Tensor, q: Tensor) -> Tensor:
     m = (p + q) / 2
 
     def kl(a: Tensor) -> Tensor:
+        """KL(a || m) in bits along the last dimension (terms with a = 0 contribute 0)."""
         ratio = torch.where(a > 0, a / torch.where(m > 0, m, torch.ones_like(m)), torch.ones_like(a))
         return (a * torch.log2(ratio)).sum(dim=-1)
 

@@ -89,6 +89,7 @@ class WeightRecorder:
 
     def _keeper(self, index: int, name: str):
         def hook(module, args, kwargs, output):
+            """Forward hook: keep the (B, H, L, S) weights of a self-attention call of layer ``index``."""
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs.get("key")
             if (key is not None and key is not query) or kwargs.get("attn_mask") is not None:

@@ -116,6 +116,7 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
     batch, tokens = random_batch(task, cfg, dev)
 
     def sync():
+        """Wait for queued CUDA work, so that a timer measures it (no-op on CPU)."""
         if dev.type == "cuda":
             torch.cuda.synchronize()
 

@@ -44,12 +44,25 @@ def resolve_cutoffs(cutoffs, vocab_size: int) -> tuple[list[int], list[int]]:
 
 
 class ChunkedNLL:
-    """``nll`` shared by the adaptive softmaxes: checks, float32 with autocast off (a log-softmax over 20k+ words in
-    bf16 is too coarse), and query chunks of ``self.chunk`` rows without gradient. The class provides
-    ``vocab_size``, ``chunk`` and ``_nll(hidden (N, E) float32, target (N,)) -> (N,)``."""
+    """What the adaptive softmaxes share: their sizes (``_set_sizes``) and ``nll``: checks, float32 with autocast
+    off (a log-softmax over 20k+ words in bf16 is too coarse), and query chunks of ``self.chunk`` rows without
+    gradient. The class provides ``_nll(hidden (N, E) float32, target (N,)) -> (N,)``."""
 
     vocab_size: int
     chunk: int
+
+    def _set_sizes(self, vocab_size: int, dim: int, cutoffs, scale_embedding: bool, chunk: int) -> list[int]:
+        """Sizes shared by the adaptive softmaxes: the cutoffs below ``vocab_size`` (returned; the others are
+        dropped with a note in ``self.notes``), the embedding scale sqrt(dim) (or 1) and the nll chunk."""
+        kept, dropped = resolve_cutoffs(cutoffs, vocab_size)
+        self.vocab_size, self.dim, self.chunk = vocab_size, dim, chunk
+        self.cutoffs = kept
+        self.scale = math.sqrt(dim) if scale_embedding else 1.0
+        self.notes = []
+        if dropped:
+            self.notes.append(f"model: adaptive cutoffs {dropped} >= vocabulary size {vocab_size} dropped; "
+                              f"using {kept if kept else 'none (plain tied softmax)'}")
+        return kept
 
     def nll(self, hidden: Tensor, target: Tensor) -> Tensor:
         """Negative log-likelihood of ``target`` (N,) int ids under ``hidden`` (N, E), float32 (N,).
@@ -88,14 +101,7 @@ class TiedAdaptiveSoftmax(ChunkedNLL, nn.Module):
         super().__init__()
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        kept, dropped = resolve_cutoffs(cutoffs, vocab_size)
-        self.vocab_size, self.dim, self.chunk = vocab_size, dim, chunk
-        self.cutoffs = kept
-        self.scale = math.sqrt(dim) if scale_embedding else 1.0
-        self.notes = []
-        if dropped:
-            self.notes.append(f"model: adaptive cutoffs {dropped} >= vocabulary size {vocab_size} dropped; "
-                              f"using {kept if kept else 'none (plain tied softmax)'}")
+        kept = self._set_sizes(vocab_size, dim, cutoffs, scale_embedding, chunk)
         if kept:
             self.softmax = nn.AdaptiveLogSoftmaxWithLoss(dim, vocab_size, kept, div_value=div_value)
             self.weight = None

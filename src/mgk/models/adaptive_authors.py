@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .adaptive import ChunkedNLL, resolve_cutoffs
+from .adaptive import ChunkedNLL
 
 __all__ = ["AuthorsAdaptiveSoftmax"]
 
@@ -54,14 +54,7 @@ class AuthorsAdaptiveSoftmax(ChunkedNLL, nn.Module):
         if float(div_value) != 1.0:
             raise ValueError(f"adaptive_softmax='authors' has full-width clusters only (div_val 1), got "
                              f"div_value={div_value}; use adaptive_softmax='torch' for narrower clusters")
-        kept, dropped = resolve_cutoffs(cutoffs, vocab_size)
-        self.vocab_size, self.dim, self.chunk = vocab_size, dim, chunk
-        self.cutoffs = kept
-        self.scale = math.sqrt(dim) if scale_embedding else 1.0
-        self.notes = []
-        if dropped:
-            self.notes.append(f"model: adaptive cutoffs {dropped} >= vocabulary size {vocab_size} dropped; "
-                              f"using {kept if kept else 'none (plain tied softmax)'}")
+        kept = self._set_sizes(vocab_size, dim, cutoffs, scale_embedding, chunk)
         n = len(kept)
         bound = 1 / math.sqrt(dim)  # as nn.Linear(dim, V); init="paper" re-draws from N(0, 0.02)
         self.weight = nn.Parameter(torch.empty(vocab_size, dim).uniform_(-bound, bound))
