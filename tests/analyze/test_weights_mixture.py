@@ -117,3 +117,49 @@ def test_hard_e_counts_the_nearest_component():
     attn.key_shift.data[0, 0] = 0.0  # head 0's second component coincides with its first: tie -> first
     sums, _ = component_sums(attn, torch.randn(1, 4, 8, dtype=torch.float64), True)
     assert sums[:, 1].tolist() == [0.0, 0.0] and math.isclose(float(sums.sum()), 2 * 10)
+
+
+def test_per_layer_unnormalised_pi_is_reported_for_every_head():
+    """pi_shape="layer" holds one set of weights for all heads; pi_norm="none" reports exp(logits) as they are."""
+    for cls in (MGKAttention, MLKAttention):
+        attn = cls(8, 2, head_dim=4, pi_shape="layer", pi_norm="none").double()
+        with torch.no_grad():
+            attn.pi_logits.copy_(torch.log(torch.tensor([[0.9, 0.6]], dtype=torch.float64)))
+        pi = mixture_weights(attn, 5)
+        assert pi.shape == (2, 2, 1)
+        assert torch.allclose(pi[..., 0], torch.tensor([[0.9, 0.6], [0.9, 0.6]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "elu_sum"])
+def test_mlk_shares_use_the_modules_feature_map(feature_map):
+    """Shares written from eq. 14 with the module's own phi: pi_r phi(q_i).phi(k_jr) / sum_r' (same), averaged."""
+    torch.manual_seed(3)
+    attn = MLKAttention(8, 2, head_dim=4, feature_map=feature_map).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p))  # components far apart, so the feature maps give different shares
+    set_pi(attn, [[0.7, 0.3], [0.4, 0.6]])
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    elu1 = torch.nn.functional.elu
+    phi = ((lambda t: elu1(t) + 1) if feature_map == "elu" else
+           (lambda t: (elu1(t) + 1) / (elu1(t) + 1).sum(-1, keepdim=True)))
+    q = attn.q_proj(x).view(5, 2, 4).transpose(0, 1)  # (H, n, D)
+    keys = attn._keys(x)[0]  # (H, M, n, D)
+    pi = torch.tensor([[0.7, 0.3], [0.4, 0.6]], dtype=torch.float64)
+    expected = torch.zeros(2, 2, dtype=torch.float64)
+    for h in range(2):
+        for i in range(5):
+            for j in range(5):
+                w = torch.stack([pi[h, r] * phi(q[h, i]) @ phi(keys[h, r, j]) for r in range(2)])
+                expected[h] += w / w.sum()
+    sums, pairs = component_sums(attn, x, False)
+    assert torch.allclose(sums / pairs[:, None], expected / 25, atol=1e-12)
+    other = "elu" if feature_map == "elu_sum" else "elu_sum"
+    attn.feature_map = other  # the statistic follows the option: the two maps give different shares here
+    moved, _ = component_sums(attn, x, False)
+    assert not torch.allclose(moved, sums, atol=1e-6)
+
+
+def test_mlk_that_mixes_keys_has_no_component_shares():
+    attn = MLKAttention(8, 2, head_dim=4, mix="keys").double()
+    assert component_sums(attn, torch.randn(1, 4, 8, dtype=torch.float64), False) is None

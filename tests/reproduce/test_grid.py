@@ -111,7 +111,7 @@ def test_dry_run_lists_exact_commands_and_slurm_parameters(tmp_path):
 
 
 def test_cli_refuses_bad_arguments(tmp_path):
-    for args, msg in ((["--seeds", "0,a"], "--seeds"), (["--jobs", "0"], "--jobs"),
+    for args, msg in ((["--seeds", "0,a"], "--seeds"), (["--jobs", "0"], "--jobs"), (["--analyze", "-1"], "--analyze"),
                       (["--data", "lm=/x"], "no task 'lm'"), (["--slurm", "partition=x"], "--executor slurm")):
         p = _cli("lra-softmax-family", "--scale", "smoke", "--out", str(tmp_path), "--dry-run", *args)
         assert p.returncode != 0 and msg in p.stderr, (args, p.stderr)

@@ -64,10 +64,17 @@ def test_smoke_grid_reports_every_row_and_resumes_without_rerunning(tmp_path):
     last = _attempts(interrupted)[-1]
     assert last["state"] == "resume" and "--resume" in last["command"] and len(_attempts(interrupted)) == 2
     assert _attempts(lost)[-1]["state"] == "new" and len(_attempts(lost)) == 1
-    # A third pass runs nothing.
-    p = _reproduce(*LISTOPS_GRID, "--seeds", "0,1", "--out", str(out))
-    assert p.returncode == 0 and p.stdout.count("finished earlier, skipped") == 4
+    # A third pass runs nothing, and --analyze compares the rows (seed 0 of each), linked from REPORT.md.
+    p = _reproduce(*LISTOPS_GRID, "--seeds", "0,1", "--out", str(out), "--analyze", "4")
+    assert p.returncode == 0 and p.stdout.count("finished earlier, skipped") == 4, p.stdout + p.stderr
     assert _finished(out) == after
+    entry = json.loads((out / "report.json").read_text())["analysis"]["listops"]
+    assert entry["path"] == "analysis/listops/analysis.md" and entry["samples"] == 4
+    assert sorted((r["row"], r["seed"]) for r in entry["runs"]) == [("mgk-4", 0), ("softmax-8", 0)]
+    assert "](analysis/listops/analysis.md)" in (out / "REPORT.md").read_text()
+    compared = json.loads((out / "analysis" / "listops" / "analysis.json").read_text())["runs"]
+    assert sorted(compared) == ["mgk-4", "softmax-8"]
+    assert all(layer["rank"]["absolute"]["n"] > 0 for r in compared.values() for layer in r["layers"])
 
 
 def test_a_failed_run_is_reported_and_the_others_go_on(tmp_path):

@@ -79,9 +79,11 @@ class _Layer:
         if len(self.maps) < settings.examples:
             self.maps.append(maps.float().cpu())
         if has_mixture(self.module):
-            s, p = component_sums(self.module, x, is_causal)
-            self.sums = s if self.sums is None else self.sums + s
-            self.pairs = p if self.pairs is None else self.pairs + p
+            found = component_sums(self.module, x, is_causal)
+            if found is not None:
+                s, p = found
+                self.sums = s if self.sums is None else self.sums + s
+                self.pairs = p if self.pairs is None else self.pairs + p
 
     def result(self, index: int, settings: Settings) -> dict:
         """This layer's entry of analysis.json: rank, redundancy and mixture summaries over what was added."""
@@ -101,6 +103,7 @@ class _Layer:
 def _mixture_result(module, sums, pairs, longest: int) -> dict:
     pi = mixture_weights(module, max(1, longest))
     res = {"pi_mode": module.pi_mode, "pi_shape": getattr(module, "pi_shape", "head"),
+           "pi_norm": getattr(module, "pi_norm", "softmax"),
            "num_keys": module.num_keys, "positions": int(pi.shape[-1]) if pi is not None else 0,
            "pi": None if pi is None else [[stats.summary(pi[h, r].tolist()) for r in range(pi.shape[1])]
                                          for h in range(pi.shape[0])],
@@ -112,6 +115,8 @@ def _mixture_result(module, sums, pairs, longest: int) -> dict:
         res["share_kind"] = ("nearest component (Hard-E)" if module.pi_mode == "hard_e" else
                              "responsibility" if module.__class__.__name__ == "MGKAttention" else
                              "share of the linear kernel")
+    elif getattr(module, "mix", None) == "keys":
+        res["share_kind"] = "none: mix='keys' mixes the keys before the feature map, so no component has a share"
     return res
 
 

@@ -5,7 +5,10 @@
   k_jr|^2 / (2 sigma_r^2))`` of :func:`mgk.functional.mgk_responsibilities`, summed over the valid (query, key)
   pairs and divided by their number; for Hard-E (the k-means limit) the share of valid pairs whose nearest
   component (largest Gaussian log-kernel) is r; for MLK (paper eq. 14) the share of component r in each
-  unnormalised weight, ``pi_r phi(q_i).phi(k_jr) / sum_r' pi_r' phi(q_i).phi(k_jr')`` averaged the same way.
+  unnormalised weight, ``pi_r phi(q_i).phi(k_jr) / sum_r' pi_r' phi(q_i).phi(k_jr')`` averaged the same way, with
+  the module's own feature map phi (elu+1, elu_sum or a callable) and its pi (normalised or not; the ratio needs
+  only pi >= 0). MLK with ``mix="keys"`` mixes the keys before the feature map (``phi(sum_r pi_r k_r)``), so its
+  weight has no per-component parts: it has no shares (None).
 Queries and keys are the module's own projections of the recorded layer input.
 """
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..attention import MGKAttention, MLKAttention
-from ..functional import causal_mask, elu_feature_map, gaussian_log_kernel, mgk_responsibilities
+from ..functional import causal_mask, gaussian_log_kernel, mgk_responsibilities
 
 __all__ = ["has_mixture", "mixture_weights", "component_sums"]
 
@@ -25,18 +28,19 @@ def has_mixture(module) -> bool:
 
 
 def mixture_weights(module, length: int) -> Tensor | None:
-    """pi of ``module`` as float64 (H, M, P): P = 1 for per-head weights, else the first ``length`` key positions
-    (per-position learned weights, or the Soft-E buffer). None for Hard-E, which has no pi."""
+    """pi of ``module`` as float64 (H, M, P): P = 1 for per-head (or per-layer: repeated for each head) weights,
+    else the first ``length`` key positions (per-position learned weights, or the Soft-E buffer). Un-normalised
+    weights (``pi_norm="none"``) are reported as they are, ``exp`` of the free log-weights. None for Hard-E."""
     if getattr(module, "pi_mode", None) == "hard_e":
         return None
     if isinstance(module, MGKAttention) and module.pi_mode == "soft_e":
         return module.pi[:, :, :length].detach().to(torch.float64).cpu()
-    pi = module.mixture_log_weights(length).detach().to(torch.float64).exp()[0]  # (H, M, 1) or (H, M, length)
-    return pi.cpu()
+    pi = module.mixture_log_weights(length).detach().to(torch.float64).exp()[0]  # (H or 1, M, 1 or length)
+    return pi.expand(module.num_heads, -1, -1).cpu()  # pi_shape="layer": one set, shared by every head
 
 
 @torch.no_grad()
-def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor] | None:
     """Summed component shares over the valid (query, key) pairs of one sequence.
 
     Args:
@@ -44,16 +48,20 @@ def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
         x: the layer input of one sequence cut to its real tokens, (1, n, E).
         is_causal: whether the layer attends causally (pairs with j > i are not valid).
     Returns:
-        ``(sums (H, M), pairs (H,))`` float64: dividing gives each head's share of each component.
+        ``(sums (H, M), pairs (H,))`` float64: dividing gives each head's share of each component; None for MLK
+        with ``mix="keys"`` (no per-component parts).
     """
+    if isinstance(module, MLKAttention) and module.mix == "keys":
+        return None
     q = module._split(module.q_proj(x))  # (1, H, n, D): the module's own projections, no second implementation
     k = module._keys(x)  # (1, H, M, n, D)
     n = x.shape[1]
     valid = causal_mask(n, n, x.device) if is_causal else torch.ones(n, n, dtype=torch.bool, device=x.device)
     if isinstance(module, MLKAttention):
         log_pi = module.mixture_log_weights(n)  # (1, H, M, 1) or (1, H, M, n)
-        fk = elu_feature_map(k.to(torch.float64))  # (1, H, M, n, D)
-        part = torch.einsum("bhld,bhmsd->bhlms", elu_feature_map(q.to(torch.float64)), fk)
+        phi = module.feature_map_fn()
+        fk = phi(k.to(torch.float64))  # (1, H, M, n, D)
+        part = torch.einsum("bhld,bhmsd->bhlms", phi(q.to(torch.float64)), fk)
         part = part * log_pi.to(torch.float64).exp().unsqueeze(2)  # (1, H, n, M, n)
         share = part / part.sum(dim=3, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
         share = share * valid.view(1, 1, n, 1, n)

@@ -37,6 +37,10 @@ class _FormOptions:
         return {"eps": self.eps, "normalize": self.normalize, "feature_map": self.feature_map,
                 "output_scale": self.output_scale, "eps_mode": self.eps_mode}
 
+    def feature_map_fn(self):
+        """The feature map phi this module applies (a callable, shape-preserving), resolved from its option."""
+        return linear_form(**self._form_kwargs()).feature_map
+
     def _form_repr(self) -> str:
         fm = self.feature_map
         fm = fm if isinstance(fm, str) else getattr(fm, "__name__", "callable")

@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
                         "gpus_per_node, partition, account, qos, constraint, ...")
     p.add_argument("--dry-run", action="store_true", help="print the runs, their state and commands; run nothing")
     p.add_argument("--report-only", action="store_true", help="write the report from what exists; run nothing")
+    p.add_argument("--analyze", type=int, default=0, metavar="N",
+                   help="also run `mgk analyze --compare` on each task's finished rows (one seed each) with N "
+                        "examples, into <out>/analysis/<task>/, linked from REPORT.md (default 0: no analysis)")
 
 
 def _seeds(text: str) -> list[int]:
@@ -84,6 +87,8 @@ def run(args) -> int:
         data = parse_data(args.data, (*exp.tasks, *exp.optional_tasks))
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        if args.analyze < 0:
+            raise ValueError(f"--analyze must be >= 0 (examples per analysis), got {args.analyze}")
         out = Path(args.out or f"runs/reproduce/{exp.name}-{args.scale}").absolute()
         runs = expand(exp, args.scale, seeds, out, only=only, data=data, data_root=args.data_root)
         params = ex.slurm_parameters(args.slurm) if args.executor != "local" else None
@@ -123,7 +128,12 @@ def run(args) -> int:
             recs.append({**ex.read_record(r.run_dir), "log": str(ex.log_path(r.run_dir)),
                          "status": "skipped" if state == "finished" else state})
     command = "mgk reproduce " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["reproduce"] else sys.argv[1:])
-    rep = write_report(out, exp, args.scale, runs, recs, command)
+    analysis = None
+    if args.analyze:
+        from .analysis import analyse_grid
+
+        analysis = analyse_grid(runs, out, args.analyze)
+    rep = write_report(out, exp, args.scale, runs, recs, command, analysis=analysis)
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
     print(f"report: {out / 'REPORT.md'} ({len(runs) - len(failed)}/{len(runs)} runs finished)")
     return 1 if failed else 0

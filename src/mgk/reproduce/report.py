@@ -54,8 +54,9 @@ def _data_facts(runs: list[Run], figures: list[dict]) -> dict:
     return facts
 
 
-def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dict], command: str) -> dict:
-    """Everything report.json holds."""
+def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dict], command: str,
+                 analysis: dict | None = None) -> dict:
+    """Everything report.json holds; ``analysis``: what :func:`mgk.reproduce.analysis.analyse_grid` returned."""
     figures = [run_figures(r, exp.metric) for r in runs]
     for f, rec in zip(figures, records):
         f["status"], f["log"], f["error"] = rec.get("status"), rec.get("log"), rec.get("error")
@@ -81,7 +82,7 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
             "tasks": tasks, "rows": aggregate(exp, runs, figures),
             "runs": [{k: f.get(k) for k in ("row", "task", "seed", "key", "run_dir", "status", "value", "split",
                                             "log", "error")} for f in figures],
-            "data": _data_facts(runs, figures), "machine": machine_facts(),
+            "data": _data_facts(runs, figures), "machine": machine_facts(), "analysis": analysis or {},
             "versions": {k: sorted({str(e.get(k)) for e in envs}) for k in ("mgk", "torch", "python",
                                                                             "git_commit", "threads")}}
 
@@ -128,6 +129,16 @@ def _table(rep: dict, task: dict) -> list[str]:
     return lines
 
 
+def _analysis_line(entry: dict | None) -> list[str]:
+    if not entry:
+        return []
+    runs = ", ".join(f"{r['row']} (seed {r['seed']})" for r in entry["runs"])
+    if entry.get("error"):
+        return [f"Analysis of {runs} failed: {entry['error']}.", ""]
+    return [f"Why it works (`mgk analyze --compare`, {entry['samples']} validation examples; {runs}): rank, head "
+            f"redundancy, attention maps and mixture weights in [{entry['path']}]({entry['path']}).", ""]
+
+
 def render(rep: dict) -> str:
     """REPORT.md text."""
     out = [f"# {rep['title']}", "", f"Experiment `{rep['experiment']}`, scale `{rep['scale']}`, seeds "
@@ -147,6 +158,7 @@ def render(rep: dict) -> str:
                                                           if task["overrides"] else "") + f"; {proto}.", ""]
         if task.get("eval"):
             out += [f"Final evaluation: `mgk eval --context {task['eval'][0]} --stride {task['eval'][1]}`.", ""]
+        out += _analysis_line(rep.get("analysis", {}).get(task["task"]))
     finished = sum(r["status"] in ("done", "skipped") for r in rep["runs"])
     pending = [r for r in rep["runs"] if r["status"] in _PENDING]
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped", *_PENDING)]
@@ -171,9 +183,9 @@ def render(rep: dict) -> str:
 
 
 def write_report(out: Path, exp: Experiment, scale: str, runs: list[Run], records: list[dict],
-                 command: str) -> dict:
+                 command: str, analysis: dict | None = None) -> dict:
     """Write report.json, REPORT.md and the plots under ``out``; returns the report dict."""
-    rep = build_report(exp, scale, runs, records, command)
+    rep = build_report(exp, scale, runs, records, command, analysis)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
     (out / "REPORT.md").write_text(render(rep))

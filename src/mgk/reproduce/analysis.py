@@ -1,0 +1,40 @@
+"""``mgk reproduce --analyze N``: ``mgk analyze --compare`` over the finished rows of each task, linked from REPORT.md.
+
+One run per row (the lowest seed that finished), so the figures overlay the rows as the paper's analysis does
+(softmax against MGK with fewer heads); written to ``<out>/analysis/<task>/``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .executor import run_state
+from .grid import Run
+
+__all__ = ["analyse_grid"]
+
+
+def analyse_grid(runs: list[Run], out: Path, samples: int, *, progress: bool = False) -> dict:
+    """Analyse the finished runs of each task; returns ``{task: entry}`` for report.json, where entry holds
+    ``path`` (analysis.md, relative to ``out``), ``runs`` (the row and seed of each analysed run) and
+    ``samples``, or ``error`` when the analysis could not be made (the report still gets written)."""
+    from ..analyze.analysis import Settings
+    from ..analyze.cli import analyse_dirs
+
+    settings = Settings(samples=samples).check()
+    entries = {}
+    for task in dict.fromkeys(r.task for r in runs):
+        chosen = {}
+        for r in sorted((r for r in runs if r.task == task and run_state(r) in ("finished", "evaluate")),
+                        key=lambda r: r.seed):
+            chosen.setdefault(r.row.key, r)
+        if not chosen:
+            continue
+        where = out / "analysis" / task
+        entry = {"samples": samples, "runs": [{"row": r.row.key, "seed": r.seed} for r in chosen.values()]}
+        try:
+            analyse_dirs([r.run_dir for r in chosen.values()], where, settings, progress=progress)
+            entry["path"] = str((where / "analysis.md").relative_to(out))
+        except (FileNotFoundError, ValueError, RuntimeError) as e:  # reported, not fatal: the table still matters
+            entry["error"] = f"{type(e).__name__}: {e}"
+        entries[task] = entry
+    return entries
