@@ -6,6 +6,8 @@ import pytest
 import torch
 import yaml
 
+from mgk.train.schedule import build_scheduler
+
 PROTOCOL_SETS = ["schedule=onecycle", "init=paper", "classifier_activation=relu", "attn_bias=false",
                  "eval_batches=2", "checkpoint_every=3", "dropout=0.1", "attn_dropout=0.1"]
 
@@ -28,8 +30,19 @@ def test_protocol_is_recorded_and_onecycle_resumes_exactly(tmp_path, th, args):
     assert (cfg["schedule"], cfg["init"], cfg["eval_batches"]) == ("onecycle", "paper", 2)
     log = (straight / "train.log").read_text()
     assert f"{results['params']:,} parameters in total, {results['params_attention']:,} in attention" in log
-    lrs = [v for _, v in th.series(straight, "train/lr")]
-    assert max(lrs) == pytest.approx(1e-3) and lrs[-1] < 1e-3 / 25  # OneCycle: up to lr, then below lr/25
+    logged = th.series(straight, "train/lr")
+    assert max(v for _, v in logged) == pytest.approx(1e-3) and logged[-1][1] < 1e-3 / 25  # OneCycle: up, then down
+    # Each step's lr is the one that step used: torch's OneCycleLR after step - 1 scheduler steps.
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    ref = build_scheduler(opt, schedule="onecycle", lr=1e-3, warmup_steps=cfg["warmup_steps"], total_steps=15)
+    used = []
+    for _ in range(15):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        ref.step()
+    assert [v for _, v in logged] == [used[s - 1] for s, _ in logged]
+    assert logged[0] == (1, pytest.approx(1e-3 / 25)) and logged[-1] == (15, pytest.approx(1e-3 / 25 / 1e4))
+    assert min(v for _, v in logged) > 0
 
     killed = tmp_path / "killed"
     th.kill_after(args, killed, min_step=6)

@@ -78,6 +78,7 @@ class Trainer:
         self.micro_batch = self.local_batch // cfg.grad_accum
         self.state = LoopState()
         self.train_seconds, self.session_steps = 0.0, 0
+        self.step_lr = float("nan")
         self.log = None
 
     # -- setup -------------------------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class Trainer:
         metrics = {}
         if done % cfg.log_every == 0 or done == cfg.steps:
             metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
-            metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/skipped": self.state.skipped})
+            metrics.update({"train/lr": self.step_lr, "train/skipped": self.state.skipped})
             bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
         if self.splits["val"] is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
             metrics.update({f"val/{k}": v for k, v in self.validate().items() if k != "count"})
@@ -281,6 +282,9 @@ class Trainer:
         else:
             self.state.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
+        # The lr this step used, logged under its number (after scheduler.step() the scheduler holds the next
+        # step's, which past a OneCycle run's last step is an extrapolation below zero).
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.state.step = step + 1
         return train
