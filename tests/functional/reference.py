@@ -194,8 +194,8 @@ def padding_mask(lengths, S, left=False):
 def refusal(backend, *, mixture="sum", mask=None, dropout_p=0.0, return_weights=False, sigma2=None):
     """Why ``mgk_attention(..., backend=backend)`` is documented to refuse these inputs (None when it serves them):
     only "explicit" returns weights; Hard-E (mixture="max") has no dot-product form ("sdpa") and no Triton kernel;
-    the fused kernels ("kernel", "triton") take masks that are at most key padding; the C++ kernel takes dropout
-    0 <= p < 1 and the Triton kernels none, nor unequal or learned variances. The tests skip a refused
+    the fused kernels ("kernel", "triton") take masks that are at most key padding and dropout 0 <= p < 1; the
+    Triton kernels take no unequal or learned variances. The tests skip a refused
     combination (test_backends checks the refusal)."""
     if backend == "explicit":
         return None
@@ -205,7 +205,7 @@ def refusal(backend, *, mixture="sum", mask=None, dropout_p=0.0, return_weights=
         return f"Hard-E (mixture='max') has no {backend} form"
     if backend in ("kernel", "triton") and mask is not None and mask.dim() >= 2 and mask.shape[-2] != 1:
         return f"backend={backend!r} takes masks that are at most key padding, this one depends on the query"
-    if backend == "kernel" and not 0.0 <= dropout_p < 1.0 or backend == "triton" and dropout_p != 0.0:
+    if backend in ("kernel", "triton") and not 0.0 <= dropout_p < 1.0:
         return f"backend={backend!r} does not take dropout_p={dropout_p}"
     if backend == "triton" and isinstance(sigma2, torch.Tensor) and (
             sigma2.requires_grad or not bool((sigma2 == sigma2.reshape(-1)[0]).all())):

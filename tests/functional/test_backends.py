@@ -49,7 +49,7 @@ def test_hard_e_on_each_backend_that_takes_it(backend, assert_close):
 
 @pytest.mark.parametrize("backend,kw,why", [
     ("kernel", dict(dropout_p=1.0), "dropout"), ("kernel", dict(return_weights=True), "return_weights"),
-    ("sdpa", dict(return_weights=True), "return_weights"), ("triton", dict(dropout_p=0.1), "dropout"),
+    ("sdpa", dict(return_weights=True), "return_weights"), ("triton", dict(dropout_p=1.0), "dropout"),
     ("kernel", dict(attn_mask=torch.ones(5, 5, dtype=torch.bool).tril()), "depends on the query")])
 def test_a_backend_that_cannot_serve_the_inputs_is_refused_with_the_reason(backend, kw, why):
     q, k, v = make_inputs(B=1, H=1, L=5, S=5, M=2, D=4, Dv=3, seed=0)

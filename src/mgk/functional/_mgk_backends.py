@@ -9,7 +9,7 @@ serves which inputs is decided in one place only, :func:`mgk.functional.mgk.sele
 
 * :func:`explicit`: the (B, H, L, M, S) log-kernel in query chunks (paper eq. 9-10 as written).
 * :func:`kernel`: our C++ CPU kernel (:mod:`._mixture_flash`), the component weights summed before the value product.
-* :func:`triton`: the same algorithm as Triton kernels (:mod:`._mixture_triton`).
+* :func:`triton`: the same algorithm, attention dropout included, as Triton kernels (:mod:`._mixture_triton`).
 * :func:`sdpa`: MGK as dot-product attention with the per-key bias folded into extra head dimensions
   (``|q - k|^2 = |q|^2 - 2 q.k + |k|^2``): one CPU flash call per component merged through the log-sum-exps
   (:mod:`._component_flash`), or one ``F.scaled_dot_product_attention`` over the M*S concatenated keys.
@@ -166,11 +166,13 @@ def kernel(q, k, v, log_prior, s2, mask, call: Call):
 
 
 def triton(q, k, v, log_prior, s2, mask, call: Call):
-    """The Triton kernels (sum mixture, equal fixed variances); masks at most key padding, plus ``is_causal``."""
+    """The Triton kernels (sum mixture, equal fixed variances); masks at most key padding, plus ``is_causal``;
+    attention dropout inside, on the mixed weight (the C++ kernel's mask for the same (seed, offset))."""
     q, k, v, mask, empty = _inert(q, k, v, mask, call, fused_causal=call.is_causal)
     B, H, M, S, _ = k.shape
     bias = _key_bias(k, s2, log_prior, mask, False, float("-inf")).expand(B, H, M, S)
-    out = _mixture_triton.MixtureTriton.apply(q, k * (1.0 / s2).view(M, 1, 1), bias, v, call.is_causal)
+    out = _mixture_triton.MixtureTriton.apply(q, k * (1.0 / s2).view(M, 1, 1), bias, v, call.is_causal,
+                                              call.dropout_p)
     return _masks.zero_rows(out.to(q.dtype), empty), None
 
 

@@ -139,8 +139,8 @@ def _unserved(backend, q, v, s2, mask, mixture, dropout_p, return_weights, trans
         return "forward-mode AD and torch.func transforms need backend='explicit' (the fused paths have no such rule)"
     if backend == "sdpa":
         return "mixture='max' (Hard-E) has no dot-product form" if mixture == "max" else None
-    if dropout_p != 0.0 and (backend == "triton" or not 0.0 < dropout_p < 1.0):
-        return f"dropout_p={dropout_p}: the Triton kernels have no dropout, the C++ kernel takes 0 <= p < 1"
+    if dropout_p != 0.0 and not 0.0 < dropout_p < 1.0:
+        return f"dropout_p={dropout_p}: the fused kernels (C++ and Triton) take 0 <= dropout_p < 1"
     if mask is not None and mask.shape[-2] != 1:
         return "attn_mask depends on the query: the fused kernels take at most key padding plus is_causal"
     if q.shape[-1] == 0 or v.shape[-1] == 0:
@@ -185,7 +185,8 @@ def select_backend(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor 
     """The implementation :func:`mgk_attention` runs for these inputs when ``backend`` is None: the first of
     ``BACKENDS`` that can serve them, in this order:
 
-    * "triton": CUDA tensors with ``MGK_TRITON=1``, mixture "sum", equal fixed variances;
+    * "triton": CUDA tensors with ``MGK_TRITON=1``, mixture "sum", equal fixed variances; attention dropout runs
+      inside it, with the C++ kernel's mask;
     * "kernel": CPU tensors, once our C++ kernel is built (``MGK_CPU_KERNEL=0`` switches it off); attention
       dropout runs inside it (a counter-based mask regenerated in backward);
     * "sdpa": mixture "sum", anything else the above refuse (masks that depend on the query);
@@ -215,8 +216,8 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         mixture: "sum" (logsumexp over components) or "max" (Hard-E).
         attn_mask: bool broadcastable to (B, H, L, S), True = may attend.
         is_causal: causal masking aligned bottom-right (query i sees keys j <= i + S - L).
-        dropout_p: dropout on attention weights: "kernel" and "explicit" drop each key's mixed weight, "sdpa"
-            each (key, component) pair; all keep the expectation.
+        dropout_p: dropout on attention weights: "kernel", "triton" and "explicit" drop each key's mixed weight,
+            "sdpa" each (key, component) pair; all keep the expectation.
         return_weights: also return the (B, H, L, S) attention weights (served by "explicit" only).
         backend: None (:func:`select_backend` picks) or one of "kernel", "triton", "sdpa", "explicit".
         chunk_size: queries per chunk of "explicit" (memory O(chunk * M * S) per head; one chunk inside a
