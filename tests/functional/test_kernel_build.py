@@ -35,11 +35,12 @@ def _hold(path: Path, text: str = "pid 4242") -> int:
 
 def test_build_name_covers_source_torch_python_compiler_and_flags():
     base = dict(source=b"kernel", torch_version="2.5.0", python="cpython 3.11.7", compiler="c++",
-                cflags=["-O3"], ldflags=["-fopenmp"])
+                cflags=["-O3"], ldflags=["-fopenmp"], source_path="/a/mixture_flash.cpp")
     name = _mixture_flash._build_name(**base)
     assert name == _mixture_flash._build_name(**base)
     for key, other in [("source", b"kernel2"), ("torch_version", "2.6.0"), ("python", "cpython 3.12.1"),
-                       ("compiler", "clang++"), ("cflags", ["-O2"]), ("ldflags", [])]:
+                       ("compiler", "clang++"), ("cflags", ["-O2"]), ("ldflags", []),
+                       ("source_path", "/b/mixture_flash.cpp")]:
         assert _mixture_flash._build_name(**{**base, key: other}) != name, key
 
 

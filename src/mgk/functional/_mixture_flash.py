@@ -57,11 +57,12 @@ def _flags() -> tuple[list[str], list[str]]:
 
 
 def _build_name(source: bytes, torch_version: str, python: str, compiler: str, cflags: list[str],
-                ldflags: list[str]) -> str:
-    """Extension name: one per (kernel source, torch version, Python version, compiler, flags), so environments
-    used in turn keep their builds side by side instead of rebuilding one shared folder."""
+                ldflags: list[str], source_path: str = "") -> str:
+    """Extension name: one per (kernel source and its path, torch version, Python version, compiler, flags), so
+    environments and checkouts used in turn keep their builds side by side instead of rebuilding one shared folder
+    (ninja records the source's path: two checkouts of the same source would otherwise rebuild each other's)."""
     h = hashlib.sha256(source)
-    for part in (torch_version, python, compiler, " ".join(cflags), " ".join(ldflags)):
+    for part in (torch_version, python, compiler, " ".join(cflags), " ".join(ldflags), source_path):
         h.update(b"\0" + part.encode())
     return f"mgk_mixture_flash_{torch.backends.cpu.get_cpu_capability().lower()}_{h.hexdigest()[:12]}"
 
@@ -100,7 +101,7 @@ def build_folder() -> tuple[str, Path]:
     cflags, ldflags = _flags()
     python = f"{sys.implementation.name} {sys.version} {getattr(sys, 'abiflags', '')}"
     name = _build_name(_SOURCE.read_bytes(), torch.__version__, python, os.environ.get("CXX", "c++"), cflags,
-                       ldflags)
+                       ldflags, str(_SOURCE.resolve()))
     return name, Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
