@@ -94,14 +94,15 @@ def run(cmd, timeout=300):
     return p
 
 
-def run_torchrun(nproc, args, timeout=400):
-    """``torchrun --standalone --nproc_per_node=nproc -m mgk ARGS``, failing with its output if it exits non-zero.
+def run_torchrun(nproc, args, timeout=400, script=None):
+    """``torchrun --standalone --nproc_per_node=nproc -m mgk ARGS`` (``SCRIPT ARGS`` when ``script`` is given),
+    failing with its output if it exits non-zero.
 
     One retry, only for gloo's rare abort at process-group set-up or tear-down on this kind of VM ("terminate called
     without an active exception", no Python error on either rank; seen about once in ten launches). Any other
     failure, including a collective mismatch (gloo's EnforceNotMet), fails at once."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "mgk",
-           *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *(["-m", "mgk"] if script is None else [str(script)]), *args]
     for attempt in range(2):
         p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
         out = p.stderr + p.stdout

@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 try:
     import fcntl
@@ -282,6 +283,46 @@ def _backward(ctx, grad_out, grad_lse, grad_resp):
 torch.library.register_autograd("mgk::mixture_flash_forward", _backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The custom op's autograd (same saved tensors, same backward) around the bare C++ functions, for eager calls:
+    the custom op's dispatch through torch.library costs tens of microseconds per call, which at a few hundred
+    tokens is a visible share of the attention."""
+
+    @staticmethod
+    def forward(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats):
+        return tuple(_module.forward(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse, grad_resp):
+        q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)
+        dq, dk, dbias, dv, drb = _module.backward(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
+        return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None, None, None
+
+
+def _eager_ok() -> bool:
+    """Whether the bare C++ functions may stand in for the custom op: not while torch.compile traces, under a
+    torch.func transform, forward-mode AD or a dispatch mode (FlopCounterMode, FakeTensorMode), all of which must
+    see the op itself."""
+    return (_module is not None and not torch.compiler.is_compiling() and _forward_ad._current_level < 0
+            and not torch._C._are_functorch_transforms_active() and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def _run_forward(*args):
+    """(out, lse, resp) of the kernel's forward, with autograd, through :class:`_Eager` or the custom op."""
+    if not _eager_ok():
+        return _forward_op(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:5]):
+        return _Eager.apply(*args)
+    return tuple(_module.forward(*args))
+
+
 def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
                   rowbias: torch.Tensor | None, is_causal: bool, hard: bool = False, dropout_p: float = 0.0,
                   seed: tuple[int, int] | None = None):
@@ -331,8 +372,8 @@ def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, st
     rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else qf.new_empty(0)
     okf = (query_ok.expand(B, H, L).reshape(B * H, L).contiguous() if query_ok is not None
            else qf.new_empty(0, dtype=torch.bool))
-    out, _, resp = _forward_op(qf, kf, bf, vf, rf, okf, bool(is_causal), bool(hard), dropout_p, int(seed),
-                               int(offset), bool(stats))
+    out, _, resp = _run_forward(qf, kf, bf, vf, rf, okf, bool(is_causal), bool(hard), dropout_p, int(seed),
+                                int(offset), bool(stats))
     return out.view(B, H, L, Dv), (resp.view(B, H, M, S) if stats else None)
 
 

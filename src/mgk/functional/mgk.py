@@ -80,7 +80,8 @@ def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
                          f"got {tuple(sigma2.shape)}")
     if torch.compiler.is_compiling() or s.device.type != "cpu":
         return s
-    if not bool(torch.all(s > 0)) or not bool(torch.all(torch.isfinite(s))):
+    # One read of the M values instead of four reductions: this runs on every call.
+    if not all(x > 0 and math.isfinite(x) for x in s.tolist()):
         raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")
     return s
 
@@ -103,8 +104,8 @@ def _centre(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> tuple
     shift is exactly zero (it is detached); in floating point it removes a common offset before the distance is
     expanded. Masked keys (which may hold NaN) are left out with ``torch.where``."""
     kd = k.detach()
-    zero = torch.zeros((), dtype=kd.dtype, device=kd.device)
     alive = None if mask is None else mask.any(dim=-2)  # (B?, H?, S)
+    zero = None if alive is None and not is_causal else torch.zeros((), dtype=kd.dtype, device=kd.device)
     if is_causal:
         first = 0 if alive is None else alive.to(torch.int8).argmax(dim=-1)  # (B?, H?); 0 when none is alive
         pick = torch.arange(k.shape[3], device=k.device) == (first if alive is None else first.unsqueeze(-1))
