@@ -310,8 +310,13 @@ def _eager_ok() -> bool:
     """Whether the bare C++ functions may stand in for the custom op: not while torch.compile traces, under a
     torch.func transform, forward-mode AD or a dispatch mode (FlopCounterMode, FakeTensorMode), all of which must
     see the op itself."""
-    return (_module is not None and not torch.compiler.is_compiling() and _forward_ad._current_level < 0
-            and not torch._C._are_functorch_transforms_active() and torch._C._len_torch_dispatch_stack() == 0)
+    if _module is None or torch.compiler.is_compiling():
+        return False
+    try:  # torch internals: a torch without them takes the custom op (slower per call, same results)
+        return (_forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+                and torch._C._len_torch_dispatch_stack() == 0)
+    except AttributeError:
+        return False
 
 
 def _run_forward(*args):
