@@ -70,8 +70,8 @@ class _Layer:
         """Accumulate the statistics of one sequence's (H, n, n) float64 attention maps and its layer input x."""
         n = maps.shape[-1]
         self.longest = max(self.longest, n)
-        for mode in stats.RANK_MODES:
-            self.ranks[mode] += stats.numerical_rank(maps, settings.rank_tol, mode).tolist()
+        for mode, ranks in stats.numerical_ranks(maps, settings.rank_tol).items():  # one SVD for both rules
+            self.ranks[mode] += ranks.tolist()
         self.lengths += [n] * maps.shape[0]
         self.js.append(stats.pairwise_js(maps))
         self.l2.append(stats.pairwise_l2(maps))

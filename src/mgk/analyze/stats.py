@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["numerical_rank", "js_divergence", "pairwise_js", "pairwise_l2", "effective_heads", "summary",
+__all__ = ["numerical_rank", "numerical_ranks", "js_divergence", "pairwise_js", "pairwise_l2", "effective_heads", "summary",
            "RANK_MODES"]
 
 RANK_MODES = ("absolute", "relative")
@@ -31,13 +31,18 @@ def numerical_rank(maps: Tensor, tol: float = 1e-6, mode: str = "absolute") -> T
     """
     if mode not in RANK_MODES:
         raise ValueError(f"rank mode must be one of {RANK_MODES}, got {mode!r}")
+    return numerical_ranks(maps, tol)[mode]
+
+
+def numerical_ranks(maps: Tensor, tol: float = 1e-6) -> dict[str, Tensor]:
+    """:func:`numerical_rank` under every mode of ``RANK_MODES`` from one SVD: ``{mode: ranks (...)}``."""
     if not tol >= 0:
         raise ValueError(f"rank tolerance must be >= 0, got {tol}")
     if maps.dim() < 2:
         raise ValueError(f"maps must have shape (..., L, S), got {tuple(maps.shape)}")
     s = torch.linalg.svdvals(maps.detach().to(torch.float64))
-    cut = tol * s[..., :1] if mode == "relative" else torch.tensor(tol, dtype=torch.float64)
-    return (s > cut).sum(dim=-1)
+    cuts = {"absolute": torch.tensor(tol, dtype=torch.float64), "relative": tol * s[..., :1]}
+    return {mode: (s > cuts[mode]).sum(dim=-1) for mode in RANK_MODES}
 
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:
