@@ -19,7 +19,7 @@ mgk bench model --preset listops-paper --kinds "$kinds" --steps "$steps" "${mode
 mgk bench model --preset listops-paper --kinds "$kinds" --steps "$steps" "${model_set[@]}" --set attn_dropout=0 \
     --json "$out/model_listops_paper_no_dropout.json"
 # Text at 4000 bytes; the other paper-length LRA presets and the LM preset for the whole-model table.
-for preset in text-4k text-paper retrieval-paper wt103-small; do
+for preset in text-4k text-paper retrieval-paper wt103-paper; do
     mgk bench model --preset "$preset" --kinds "$kinds" --steps "$steps" "${model_set[@]}" \
         --json "$out/model_${preset//-/_}.json"
 done

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mgk.bench.model import bench_task, failure, measure, run_row, table
 from mgk.config import apply_overrides
@@ -74,3 +75,29 @@ def test_failure_text_is_never_empty(code, expected):
 def test_table_shows_a_failed_row_with_its_error():
     result = {"rows": [{"kind": "softmax", "num_heads": 8, "preset": "p", "error": "killed by SIGKILL (exit -9)"}]}
     assert "error: killed by SIGKILL (exit -9)" in table(result)
+
+
+def test_lm_batch_is_frequency_ranked_like_real_text():
+    """Word ids are frequency ranks: most tokens of a bench batch fall in the adaptive softmax's head shortlist
+    (20,000 of 267,735 ids), as in WikiText-103, not in its widest tail cluster as a uniform draw would put them."""
+    from mgk.bench.model import random_batch
+
+    cfg = apply_overrides(all_presets()["wt103-paper"], ["batch_size=4", "segment_len=256"])
+    task = bench_task(cfg)
+    batch, tokens = random_batch(task, cfg, "cpu")
+    assert tokens == 4 * 256 and batch["input"].shape == (4, 256)
+    assert torch.equal(batch["input"][:, 1:], batch["target"][:, :-1])
+    head = (batch["target"] < 20000).double().mean().item()
+    assert 0.7 < head < 0.9, head  # Zipf over 267,735 ranks: about 79% below 20,000 (uniform: 7.5%)
+    assert int(batch["target"].max()) < task.vocab_size
+
+
+def test_micro_batches_split_the_step_as_training_does():
+    from mgk.bench.model import micro_batches
+
+    batch = {"tokens": torch.arange(12).view(6, 2), "label": torch.arange(6)}
+    parts = micro_batches(batch, 3)
+    assert [p["label"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert torch.equal(torch.cat([p["tokens"] for p in parts]), batch["tokens"])
+    with pytest.raises(ValueError, match="grad_accum=4 must divide batch_size=6"):
+        micro_batches(batch, 4)

@@ -75,7 +75,12 @@ def random_batch(task, cfg, device) -> tuple[dict, int]:
     B = cfg.batch_size
     if cfg.task == "lm":
         L = cfg.segment_len
-        tokens = torch.randint(0, task.vocab_size, (B, L + 1), device=device)
+        # Word ids are ranked by frequency (as the real vocabulary is), so draw them Zipf-like (p ~ 1 / rank): a
+        # uniform draw would put most tokens in the adaptive softmax's widest tail clusters, whose logits real
+        # text rarely needs, and measure a step no real batch takes.
+        weights = 1.0 / torch.arange(1, task.vocab_size + 1, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.multinomial(weights, B * (L + 1), replacement=True, generator=gen).view(B, L + 1).to(device)
         return {"input": tokens[:, :-1], "target": tokens[:, 1:]}, B * L
     L = cfg.max_len
     label = torch.randint(0, task.num_classes, (B,), device=device)
@@ -86,6 +91,16 @@ def random_batch(task, cfg, device) -> tuple[dict, int]:
                 "label": label}, 2 * B * L
     return {"tokens": torch.randint(0, task.vocab_size, (B, L), device=device), "padding_mask": pad,
             "label": label}, B * L
+
+
+def micro_batches(batch: dict, grad_accum: int) -> list[dict]:
+    """``batch`` cut along its first dimension into ``grad_accum`` equal parts (ValueError when it does not
+    divide), the micro-batches of one optimiser step."""
+    size = len(next(iter(batch.values())))
+    if grad_accum < 1 or size % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum} must divide batch_size={size}")
+    step = size // grad_accum
+    return [{k: v[i:i + step] for k, v in batch.items()} for i in range(0, size, step)]
 
 
 def _timed(fn, steps: int) -> float:
@@ -120,11 +135,15 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    micro = micro_batches(batch, cfg.grad_accum)
+
     def train_step():
-        """Forward, the task's loss, backward and an AdamW step on the fixed batch."""
+        """Forward, the task's loss and backward over ``grad_accum`` micro-batches (as ``mgk train`` splits the
+        batch), then one AdamW step, on the fixed batch."""
         opt.zero_grad(set_to_none=True)
-        loss, _ = task.loss(model, batch)
-        (loss / cfg.batch_size).backward()
+        for part in micro:
+            loss, _ = task.loss(model, part)
+            (loss / cfg.batch_size).backward()
         opt.step()
         sync()
 
