@@ -99,8 +99,9 @@ def run_torchrun(nproc, args, timeout=400, script=None):
     failing with its output if it exits non-zero.
 
     One retry, only for gloo's rare abort at process-group set-up or tear-down on this kind of VM ("terminate called
-    without an active exception", no Python error on either rank; seen about once in ten launches). Any other
-    failure, including a collective mismatch (gloo's EnforceNotMet), fails at once."""
+    without an active exception", no Python error on either rank; seen about once in ten launches), with
+    ``--overwrite`` added for an ``mgk train --out`` run. Any other failure, including a collective mismatch (gloo's
+    EnforceNotMet), fails at once."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *(["-m", "mgk"] if script is None else [str(script)]), *args]
     for attempt in range(2):
@@ -110,6 +111,9 @@ def run_torchrun(nproc, args, timeout=400, script=None):
         if p.returncode == 0 or not flaky or attempt == 1:
             break
         print(f"torchrun aborted inside gloo without a Python error; retrying once:\n{p.stderr[-2000:]}")
+        if script is None and "--out" in args and "--overwrite" not in args:
+            # the aborted attempt may have left its run directory (or finished it before tear-down): start over
+            cmd = [*cmd, "--overwrite"]
     assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return p
 

@@ -12,8 +12,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["numerical_rank", "numerical_ranks", "js_divergence", "pairwise_js", "pairwise_l2", "effective_heads", "summary",
-           "RANK_MODES"]
+__all__ = ["numerical_rank", "numerical_ranks", "js_divergence", "pairwise_js", "pairwise_l2", "effective_heads",
+           "summary", "RANK_MODES"]
 
 RANK_MODES = ("absolute", "relative")
 
