@@ -101,6 +101,16 @@ def test_bad_input_is_one_clear_line(runs, tmp_path):
     (run / "data" / "basic_test.tsv").unlink()
     with pytest.raises(SystemExit, match="no 'test' split"):
         analyze(str(run), "--split", "test", "--out", str(tmp_path / "x"))
+    for args, message in ((["--device", "foo"], "--device 'foo': not a device"),
+                          (["--rank-tol", "inf"], "rank tolerance must be finite"),
+                          (["--data", str(tmp_path / "nowhere")], "--data .*nowhere: no such folder"),
+                          (["--out", str(run / "config.yaml")], "--out .* is a file"),
+                          (["--compare"], "--compare needs at least two")):
+        with pytest.raises(SystemExit, match=message):
+            analyze(str(run), *args)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
+            analyze(str(run), "--device", "cuda", "--out", str(tmp_path / "x"))
 
 
 def test_language_model_run_causal_soft_e(tmp_path, th):

@@ -101,3 +101,5 @@ def test_micro_batches_split_the_step_as_training_does():
     assert torch.equal(torch.cat([p["tokens"] for p in parts]), batch["tokens"])
     with pytest.raises(ValueError, match="grad_accum=4 must divide batch_size=6"):
         micro_batches(batch, 4)
+    with pytest.raises(ValueError, match="grad_accum must be >= 1, got 0"):
+        micro_batches(batch, 0)

@@ -48,8 +48,8 @@ class Settings:
             raise ValueError(f"examples must be >= 0, got {self.examples}")
         if self.rank_mode not in stats.RANK_MODES:
             raise ValueError(f"rank mode must be one of {stats.RANK_MODES}, got {self.rank_mode!r}")
-        if not self.rank_tol >= 0:
-            raise ValueError(f"rank tolerance must be >= 0, got {self.rank_tol}")
+        if not 0 <= self.rank_tol < float("inf"):
+            raise ValueError(f"rank tolerance must be finite and >= 0, got {self.rank_tol}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         return self

@@ -105,7 +105,8 @@ def _mixture_rows(results: dict) -> list[str]:
             for h in range(layer["num_heads"]):
                 pi = ("unused (Hard-E)" if mix["pi"] is None else
                       ", ".join(f"{c['mean']:.3f}" if c["n"] == 1 else _fmt(c) for c in mix["pi"][h]))
-                share = ", ".join(f"{v:.3f}" for v in mix["shares"][h]) if "shares" in mix else "-"
+                share = (", ".join(f"{v:.3f}" for v in mix["shares"][h]) if "shares" in mix else
+                         mix.get("share_kind", "-"))
                 rows.append(f"| {lab} | {layer['layer']} | {h} | {pi} | {share} |")
     return rows
 

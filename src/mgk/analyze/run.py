@@ -66,6 +66,8 @@ def load_run(run_dir: str | os.PathLike, *, data: str | os.PathLike | None = Non
     cfg = config_mod.from_dict(ckpt["config"]) if "config" in ckpt else config_mod.from_dict(read_config(run_dir))
     data_dir = _data_dir(run_dir, cfg, data)
     if not data_dir.exists():
+        if data is not None:
+            raise FileNotFoundError(f"--data {data}: no such folder")
         raise FileNotFoundError(f"data folder {data_dir} of run {run_dir} does not exist; pass --data")
     task = get_task(cfg.task).build(cfg, data_dir)
     cfg = dataclasses.replace(cfg, vocab_size=task.vocab_size, num_classes=task.num_classes)

@@ -97,7 +97,9 @@ def micro_batches(batch: dict, grad_accum: int) -> list[dict]:
     """``batch`` cut along its first dimension into ``grad_accum`` equal parts (ValueError when it does not
     divide), the micro-batches of one optimiser step."""
     size = len(next(iter(batch.values())))
-    if grad_accum < 1 or size % grad_accum:
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if size % grad_accum:
         raise ValueError(f"grad_accum={grad_accum} must divide batch_size={size}")
     step = size // grad_accum
     return [{k: v[i:i + step] for k, v in batch.items()} for i in range(0, size, step)]
