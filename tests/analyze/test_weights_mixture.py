@@ -163,3 +163,16 @@ def test_mlk_shares_use_the_modules_feature_map(feature_map):
 def test_mlk_that_mixes_keys_has_no_component_shares():
     attn = MLKAttention(8, 2, head_dim=4, mix="keys").double()
     assert component_sums(attn, torch.randn(1, 4, 8, dtype=torch.float64), False) is None
+
+
+def test_run_labels_name_the_options_that_change_the_weights():
+    from mgk.analyze.run import run_label
+    from mgk.config import RunConfig
+
+    assert run_label(RunConfig(attention="softmax", num_heads=8)) == "softmax-8"
+    assert run_label(RunConfig(attention="mgk", num_heads=4, pi="soft_e")) == "mgk-4 soft_e"
+    assert run_label(RunConfig(attention="mlk", num_heads=4)) == "mlk-4"
+    assert run_label(RunConfig(attention="mlk", num_heads=4, mix="keys", feature_map="elu_sum")) == \
+        "mlk-4 mix=keys feature_map=elu_sum"
+    linear = RunConfig(attention="linear", num_heads=8, feature_map="elu_sum")
+    assert run_label(linear) == "linear-8 feature_map=elu_sum"

@@ -72,6 +72,7 @@ def test_smoke_grid_reports_every_row_and_resumes_without_rerunning(tmp_path):
     assert entry["path"] == "analysis/listops/analysis.md" and entry["samples"] == 4
     assert sorted((r["row"], r["seed"]) for r in entry["runs"]) == [("mgk-4", 0), ("softmax-8", 0)]
     assert "](analysis/listops/analysis.md)" in (out / "REPORT.md").read_text()
+    assert f"analysis: listops: {out / 'analysis' / 'listops' / 'analysis.md'}" in p.stdout
     compared = json.loads((out / "analysis" / "listops" / "analysis.json").read_text())["runs"]
     assert sorted(compared) == ["mgk-4", "softmax-8"]
     assert all(layer["rank"]["absolute"]["n"] > 0 for r in compared.values() for layer in r["layers"])

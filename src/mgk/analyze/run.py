@@ -82,8 +82,12 @@ def load_run(run_dir: str | os.PathLike, *, data: str | os.PathLike | None = Non
 
 
 def run_label(cfg: config_mod.RunConfig) -> str:
-    """Short name of a run for tables and legends, e.g. "softmax-8", "mgk-4", "smgk-4 soft_e"."""
+    """Short name of a run for tables and legends, e.g. "softmax-8", "mgk-4", "smgk-4 soft_e", "mlk-4 mix=keys"."""
     label = f"{cfg.attention}-{cfg.num_heads}"
     if cfg.attention in ("mgk", "smgk") and cfg.pi != "learned":
         label += f" {cfg.pi}"
+    if cfg.attention in ("linear", "mlk", "smlk"):  # the linear forms that change the weights being analysed
+        label += "".join(f" {name}={value}" for name, value, default in (
+            ("mix", cfg.mix, "features"), ("feature_map", cfg.feature_map, "elu")) if value != default
+            and not (name == "mix" and cfg.attention == "linear"))
     return label

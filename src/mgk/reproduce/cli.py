@@ -132,7 +132,10 @@ def run(args) -> int:
     if args.analyze:
         from .analysis import analyse_grid
 
+        print(f"mgk reproduce: analysing the finished rows of each task ({args.analyze} examples)", flush=True)
         analysis = analyse_grid(runs, out, args.analyze)
+        for task, entry in analysis.items():
+            print(f"analysis: {task}: " + (f"{out / entry['path']}" if "path" in entry else entry["error"]))
     rep = write_report(out, exp, args.scale, runs, recs, command, analysis=analysis)
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
     print(f"report: {out / 'REPORT.md'} ({len(runs) - len(failed)}/{len(runs)} runs finished)")
