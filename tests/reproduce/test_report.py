@@ -3,6 +3,7 @@ the paper's number, the split, the majority class, failures and the state of eac
 import json
 import statistics
 
+import pytest
 import yaml
 
 from mgk.reproduce import expand, get_experiment
@@ -88,3 +89,22 @@ def test_run_states_and_a_foreign_directory_is_left_alone(tmp_path):
     assert _results.stat().st_mtime_ns == before
     (record_path(run.run_dir)).write_text(json.dumps({"key": run.key}))
     assert run_state(run) == "finished" and execute_run(run, "/nonexistent/python")["status"] == "skipped"
+
+
+def test_a_harness_killed_after_the_run_finished_leaves_its_key(tmp_path, monkeypatch):
+    """The run writes results.json, then the harness dies before its own record: the next pass must see a finished
+    run of this config, not a foreign directory (the record with the key is written before any command runs)."""
+    from mgk.reproduce import executor
+
+    [run] = expand(get_experiment("lra-softmax-family"), "smoke", [0], tmp_path,
+                   only=parse_only(["row=mgk-4", "task=listops"]))
+
+    def finish_then_die(cmd, log, env):
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "results.json").write_text("{}")
+        raise KeyboardInterrupt  # as a SIGKILL of the harness right after the training process exits
+
+    monkeypatch.setattr(executor, "_spawn", finish_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        execute_run(run, "/nonexistent/python")
+    assert run_state(run) == "finished"

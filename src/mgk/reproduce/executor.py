@@ -106,6 +106,9 @@ def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1)
     if run.eval_args is not None:
         commands.append(("eval", run.eval_command(python)))
     rec["status"] = "done"
+    # The key is on disk before any command runs: a harness killed between the run's results.json and the record
+    # below must not leave a finished run that the next pass takes for another config's directory.
+    _write_record(run.run_dir, {**rec, "status": "running"})
     for name, cmd in commands:
         rc, wall, rss = _spawn(cmd, log, env)
         rec["attempts"].append({"what": name, "state": state, "command": shlex.join(cmd), "rc": rc,
