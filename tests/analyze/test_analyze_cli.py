@@ -101,7 +101,7 @@ def test_bad_input_is_one_clear_line(runs, tmp_path):
     (run / "data" / "basic_test.tsv").unlink()
     with pytest.raises(SystemExit, match="no 'test' split"):
         analyze(str(run), "--split", "test", "--out", str(tmp_path / "x"))
-    for args, message in ((["--device", "foo"], "--device 'foo': not a device"),
+    for args, message in ((["--device", "foo"], "--device 'foo' is not a torch device"),
                           (["--rank-tol", "inf"], "rank tolerance must be finite"),
                           (["--data", str(tmp_path / "nowhere")], "--data .*nowhere: no such folder"),
                           (["--out", str(run / "config.yaml")], "--out .* is a file"),

@@ -220,3 +220,17 @@ def skip_if_refused(backend, **kw):
     why = refusal(backend, **kw)
     if why is not None:
         pytest.skip(why)
+
+
+def assert_checkpoint_regenerates_dropout(f, q, k, v):
+    """Gradients of ``f(q, k, v)`` with dropout equal bitwise with and without ``torch.utils.checkpoint``: the
+    recomputed forward draws the same (seed, offset) because checkpointing restores the generator state."""
+    from torch.utils.checkpoint import checkpoint
+
+    grads = []
+    for wrap in (lambda *t: f(*t), lambda *t: checkpoint(f, *t, use_reentrant=False)):
+        torch.manual_seed(1)
+        out = wrap(q, k, v)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -10,7 +10,7 @@ import torch
 
 from mgk.functional import _mixture_flash, mgk_attention, softmax_attention
 
-from .reference import causal_allowed, make_inputs, padding_mask
+from .reference import assert_checkpoint_regenerates_dropout, causal_allowed, make_inputs, padding_mask
 
 F64 = torch.float64
 
@@ -230,17 +230,9 @@ def test_one_thread_and_two_threads(B, H, L, S, bitwise):
 def test_activation_checkpointing_regenerates_the_same_mask():
     """torch.utils.checkpoint restores the generator state before recomputing, so the recomputed forward draws the
     same (seed, offset) and the gradients equal those without checkpointing."""
-    from torch.utils.checkpoint import checkpoint
-
     q, k, v = (t.requires_grad_() for t in make_inputs(B=1, H=2, L=80, S=80, M=2, D=8, Dv=8, seed=12, dtype=F64))
-    f = lambda q, k, v: mgk_attention(q, k, v, is_causal=True, dropout_p=0.25)  # noqa: E731
-    grads = []
-    for wrap in (lambda *t: f(*t), lambda *t: checkpoint(f, *t, use_reentrant=False)):
-        torch.manual_seed(1)
-        out = wrap(q, k, v)
-        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    assert_checkpoint_regenerates_dropout(
+        lambda q, k, v: mgk_attention(q, k, v, is_causal=True, dropout_p=0.25), q, k, v)
 
 
 def test_invalid_or_full_dropout_leaves_the_kernel():

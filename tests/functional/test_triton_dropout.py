@@ -21,7 +21,7 @@ import torch
 
 from mgk.functional import _mixture_flash, mgk_attention
 
-from .reference import causal_allowed, make_inputs, padding_mask
+from .reference import assert_checkpoint_regenerates_dropout, causal_allowed, make_inputs, padding_mask
 
 F64 = torch.float64
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -127,10 +127,10 @@ def test_seed_draw_is_the_cpu_kernel_draw_and_follows_the_generator():
     from mgk.functional import _triton_dropout
 
     torch.manual_seed(0)
-    a = _triton_dropout.draw_dropout_seed("cpu").tolist()
+    a = _mixture_flash.draw_dropout_seed_tensor("cpu").tolist()
     torch.manual_seed(0)
     assert tuple(a) == _mixture_flash.draw_dropout_seed()
-    assert _triton_dropout.draw_dropout_seed("cpu").tolist() != a  # each call advances the generator
+    assert _mixture_flash.draw_dropout_seed_tensor("cpu").tolist() != a  # each call advances the generator
     assert [_triton_dropout.threshold(p) for p in (0.0, 0.5, 2.0 ** -33, 1.0)] == [0, 2 ** 31, 1, 2 ** 32]
 
 
@@ -182,9 +182,8 @@ def test_mgk_attention_with_padding_and_dropout_equals_formula(causal):
     torch.manual_seed(11)
     out = mgk_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p, backend="triton")
     torch.manual_seed(11)
-    from mgk.functional import _triton_dropout
 
-    seed, offset = _triton_dropout.draw_dropout_seed(DEVICE).tolist()
+    seed, offset = _mixture_flash.draw_dropout_seed_tensor(DEVICE).tolist()
     allowed = mask.cpu().expand(B, H, L, S) & (causal_allowed(L, S) if causal else True)
     qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     s2 = math.sqrt(D)
@@ -248,17 +247,9 @@ def test_mean_over_draws_approaches_the_output_without_dropout():
 
 @here
 def test_activation_checkpointing_regenerates_the_same_mask():
-    from torch.utils.checkpoint import checkpoint
-
     q, k, v = (t.to(DEVICE).requires_grad_() for t in make_inputs(B=1, H=2, L=16, S=16, M=2, D=8, Dv=8, seed=12))
-    f = lambda q, k, v: mgk_attention(q, k, v, is_causal=True, dropout_p=0.25, backend="triton")  # noqa: E731
-    grads = []
-    for wrap in (lambda *t: f(*t), lambda *t: checkpoint(f, *t, use_reentrant=False)):
-        torch.manual_seed(1)
-        out = wrap(q, k, v)
-        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    assert_checkpoint_regenerates_dropout(
+        lambda q, k, v: mgk_attention(q, k, v, is_causal=True, dropout_p=0.25, backend="triton"), q, k, v)
 
 
 @here

@@ -94,17 +94,23 @@ def _interrupt(th, args, out, sig, min_step):
     """Start a run, send ``sig`` once its metrics show step >= min_step; (exit status, stderr)."""
     proc = subprocess.Popen(th.mgk_cmd("train", "--out", str(out), *args), env=th.env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    return _act_at_step(th, proc, out, min_step, lambda: proc.send_signal(sig), wait=240, finish=120)
+
+
+def _act_at_step(th, proc, out, min_step, act, *, wait, finish):
+    """Call ``act`` once ``out``'s metrics show step >= min_step (failing if ``proc`` ends first, or after ``wait``
+    seconds without acting), then wait up to ``finish`` seconds for ``proc``; (exit status, stderr)."""
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + wait
         while time.time() < deadline:
             steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
             if steps and steps[-1][0] >= min_step:
-                proc.send_signal(sig)
+                act()
                 break
             if proc.poll() is not None:
                 pytest.fail(f"the run ended before it could be interrupted: {proc.stderr.read()}")
             time.sleep(0.02)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=finish)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -164,23 +170,14 @@ def test_torchrun_ranks_agree_on_the_stop_step(tmp_path, th):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mgk", *args,
            "--out", str(out)]
     proc = subprocess.Popen(cmd, env=th.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            steps = th.series(out, "train/loss") if (out / "metrics.jsonl").exists() else []
-            if steps and steps[-1][0] >= 5:
-                rank1 = [p for p in _children(proc.pid) if _rank_of(p) == 1]
-                assert len(rank1) == 1, "rank 1 not found among torchrun's children"
-                os.kill(rank1[0], signal.SIGTERM)
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be interrupted: {proc.stderr.read()}")
-            time.sleep(0.02)
-        _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
+
+    def sigterm_rank1():
+        rank1 = [p for p in _children(proc.pid) if _rank_of(p) == 1]
+        assert len(rank1) == 1, "rank 1 not found among torchrun's children"
+        os.kill(rank1[0], signal.SIGTERM)
+
+    returncode, err = _act_at_step(th, proc, out, 5, sigterm_rank1, wait=300, finish=180)
+    assert returncode != 0
     step = th.last_state(out)["loop_state"]["step"]
     assert 5 <= step < 30 and th.metrics(out)[-1]["step"] == step
     assert f"mgk train: stopped by SIGTERM at step {step} of 30;" in err

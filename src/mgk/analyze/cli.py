@@ -72,27 +72,17 @@ def analyse_dirs(run_dirs, out: Path, settings, *, data=None, which="best", devi
     return results
 
 
-def _check_device(device: str) -> None:
-    """ValueError naming --device when torch cannot parse it or it is a CUDA device without CUDA."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device!r}: not a device (cpu, cuda, cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available in this torch build or machine")
-
-
 def run(args) -> int:
     """Handler of ``mgk analyze``."""
+    from ..train.distributed import check_device
+
     if len(args.runs) > 1 and not args.compare:
         raise SystemExit("mgk analyze: several RUN_DIRs need --compare")
     if args.compare and len(args.runs) < 2:
         raise SystemExit("mgk analyze: --compare needs at least two RUN_DIRs")
     try:
         settings = _settings(args)
-        _check_device(args.device)
+        check_device(args.device)
         if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
             raise ValueError(f"--out {args.out} is a file, not a folder")
         out = Path(args.out) if args.out else (Path("analysis-compare") if args.compare

@@ -62,14 +62,12 @@ def _positive(kind):
 
 def _device(text: str) -> str:
     """--device: a torch device string that exists here."""
-    import torch
+    from ..train.distributed import check_device
 
     try:
-        dev = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("CUDA is not available on this machine")
+        check_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

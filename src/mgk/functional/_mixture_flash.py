@@ -219,8 +219,14 @@ def draw_dropout_seed() -> tuple[int, int]:
     """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (as flash-attention draws its
     Philox seed and offset), so ``torch.manual_seed`` controls the mask, each call advances the generator, and
     saving/restoring the generator state (resume, activation checkpointing) reproduces it."""
-    seed, offset = torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64).tolist()
+    seed, offset = draw_dropout_seed_tensor("cpu").tolist()
     return seed, offset
+
+
+def draw_dropout_seed_tensor(device: torch.device | str) -> torch.Tensor:
+    """(seed, offset) as a (2,) int64 tensor on ``device``, from torch's generator of that device (the Triton
+    kernels read it there, without a host synchronisation); on CPU the very draw of :func:`draw_dropout_seed`."""
+    return torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
 
 
 def dropout_mask(seed: int, offset: int, B: int, H: int, L: int, S: int, p: float) -> torch.Tensor:
@@ -270,14 +276,19 @@ def _setup_context(ctx, inputs, output):
     ctx.flags = tuple(flags[:5])  # causal, hard, dropout_p, seed, offset: backward regenerates the same mask
 
 
-def _backward(ctx, grad_out, grad_lse, grad_resp):
-    # lse is an auxiliary output for the backward pass and resp a statistic: nothing differentiates through them.
-    # With dropout, out is the dropped output and delta = rowsum(dO * out) = sum_j A_ij dA_ij still holds.
+def _gradients(ctx, grad_out, kernel_backward):
+    """The forward's input gradients from ``kernel_backward`` (the custom backward op, or the bare C++ function in
+    eager mode). lse is an auxiliary output for the backward pass and resp a statistic: nothing differentiates
+    through them. With dropout, out is the dropped output and delta = rowsum(dO * out) = sum_j A_ij dA_ij holds."""
     q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
     grad_out = grad_out.contiguous()
     delta = (grad_out * out).sum(-1)
-    dq, dk, dbias, dv, drb = _backward_op(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
+    dq, dk, dbias, dv, drb = kernel_backward(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
     return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None, None, None
+
+
+def _backward(ctx, grad_out, grad_lse, grad_resp):
+    return _gradients(ctx, grad_out, _backward_op)
 
 
 torch.library.register_autograd("mgk::mixture_flash_forward", _backward, setup_context=_setup_context)
@@ -294,16 +305,14 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        """Save what backward needs, as the custom op's autograd does (:func:`_setup_context`)."""
         _setup_context(ctx, inputs, output)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_resp):
-        q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1)
-        dq, dk, dbias, dv, drb = _module.backward(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
-        return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None, None, None
+        """Gradients of (q, k, bias, v, rowbias), shaped like them; None for the flags. Once differentiable."""
+        return _gradients(ctx, grad_out, _module.backward)
 
 
 def _eager_ok() -> bool:

@@ -36,7 +36,8 @@ try:  # Triton is optional: CPU-only installs do not have it
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
-from ._triton_dropout import draw_dropout_seed, threshold
+from ._mixture_flash import draw_dropout_seed_tensor
+from ._triton_dropout import threshold
 
 if triton is not None:
     from ._triton_dropout import keep_factor
@@ -249,7 +250,7 @@ def _blocks(D: int, Dv: int) -> dict:
 class MixtureTriton(torch.autograd.Function):
     """q (B, H, L, D), k (B, H, M, S, D) (divided by sigma_r^2), bias (B, H, M, S), v (B, H, S, Dv), is_causal
     (bottom-right), dropout_p in [0, 1), seed (the (2,) int64 (seed, offset) tensor on q's device, or None to draw
-    it with :func:`._triton_dropout.draw_dropout_seed` when ``dropout_p > 0``) -> (B, H, L, Dv) in float32."""
+    it with :func:`._mixture_flash.draw_dropout_seed_tensor` when ``dropout_p > 0``) -> (B, H, L, Dv) in float32."""
 
     @staticmethod
     def forward(ctx, q, k, bias, v, is_causal: bool, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
@@ -302,7 +303,7 @@ def _dropout_args(p: float, seed: torch.Tensor | None, device) -> tuple[torch.Te
     if p == 0.0:
         return torch.zeros(2, dtype=torch.int64, device=device), 0, 1.0, False
     if seed is None:
-        seed = draw_dropout_seed(device)
+        seed = draw_dropout_seed_tensor(device)
     elif seed.shape != (2,) or seed.dtype != torch.int64 or seed.device != torch.device(device):
         raise ValueError(f"seed must be a (2,) int64 tensor on {device}, got {tuple(seed.shape)} {seed.dtype} on "
                          f"{seed.device}")

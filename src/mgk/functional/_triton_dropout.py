@@ -16,8 +16,9 @@ same (seed, offset) both backends therefore drop the same weights, and :func:`dr
 ``_mixture_flash.dropout_mask``.
 
 The (seed, offset) pair lives in a (2,) int64 tensor on the inputs' device, drawn from torch's generator of that
-device (:func:`draw_dropout_seed`), and is read by the kernels: no host synchronisation on CUDA, and
-``torch.manual_seed`` and saved generator states (exact resume, activation checkpointing) control the mask.
+device (``_mixture_flash.draw_dropout_seed_tensor``, the CPU kernel's draw too), and is read by the kernels: no host
+synchronisation on CUDA, and ``torch.manual_seed`` and saved generator states (exact resume, activation
+checkpointing) control the mask.
 """
 from __future__ import annotations
 
@@ -28,13 +29,6 @@ try:  # Triton is optional: CPU-only installs do not have it
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
-
-
-def draw_dropout_seed(device: torch.device | str) -> torch.Tensor:
-    """(seed, offset) as a (2,) int64 tensor on ``device``, drawn from torch's generator of that device. On CPU
-    this is the same draw as ``_mixture_flash.draw_dropout_seed`` (so after one ``torch.manual_seed`` both
-    backends use the same mask); each call advances the generator."""
-    return torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
 
 
 def threshold(p: float) -> int:
