@@ -4,7 +4,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..functional.softmax import softmax_attention, softmax_attention_reference
-from . import _float_bias
 from .base import AttentionBase
 
 
@@ -24,10 +23,8 @@ class MultiheadAttention(AttentionBase):
         return self._split(self.k_proj(key))
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
-        if bias is not None:
-            result = _float_bias.softmax(q, k, v, mask, bias, is_causal, self.attn_dropout, need_weights)
-            return result if need_weights else (result, None)
         if need_weights:
-            return softmax_attention_reference(q, k, v, attn_mask=mask, is_causal=is_causal,
+            return softmax_attention_reference(q, k, v, attn_mask=mask, bias=bias, is_causal=is_causal,
                                                dropout_p=self.attn_dropout, return_weights=True)
-        return softmax_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=self.attn_dropout), None
+        return softmax_attention(q, k, v, attn_mask=mask, bias=bias, is_causal=is_causal,
+                                 dropout_p=self.attn_dropout), None

@@ -1,0 +1,106 @@
+"""The centre that MGK subtracts from queries and keys before it expands the squared distance.
+
+Why: every fast path computes ``-|q - k|^2 / (2 sigma^2)`` expanded, ``q.k / sigma^2 - |k|^2 / (2 sigma^2)`` (the
+``|q|^2`` term is constant along a row and cancels in the softmax), so that it is one matrix product. The scores
+depend only on ``q - k``, so any vector ``c`` may be subtracted from every query and key first; in exact arithmetic
+nothing changes, and the gradient through ``c`` is exactly zero (it is detached). In float arithmetic the expansion
+rounds by about ``eps (|q~| |k~| + |k~|^2) / sigma^2`` for ``q~ = q - c``, ``k~ = k - c`` (the fault of the matrix
+form of ``torch.cdist``, pytorch/pytorch#42479). Only keys with a non-negligible weight matter, and those lie within
+a few sigma of the query, so the error that reaches an output is about ``3 eps |q_i - c|^2 / (2 sigma^2)``: the
+centre must lie near the *queries*. A key far from everything (a beginning-of-sequence token or "attention sink"
+with a large norm) gets an inaccurate score, but its weight is ``exp(-|q - k|^2 / (2 sigma^2)) ~ 0`` either way.
+A centre built from keys fails exactly there: under causality row 1 sees only keys 0 and 1, so a far key 0 would
+pull any key statistic away from the queries.
+
+The choice, per (batch, head), from queries only (never from a key, never from a masked row):
+
+* ``is_causal``: the query of the first row that may attend to some key. Every row before it sees no key (its output
+  is zero whatever the centre), so the outputs at t depend only on positions <= t, bitwise. When that query is not
+  finite (its squared norm overflows or is NaN) the centre is 0, which depends on nothing.
+* otherwise: the coordinate-wise median of the queries of the rows that may attend to some key and whose squared
+  norm is finite. A minority of far queries does not move it. With L == S (self-attention) only the rows whose own
+  position is a key some row may attend to are used when there are any, so padded query rows, which a caller may
+  fill with anything (1e30, NaN), never set it.
+
+Limits: under ``is_causal`` a far query at that first row (distance R from the others) costs every row of the
+sequence about ``3 eps R^2 / (2 sigma^2)``: a causal centre can only depend on that row. Without causality the
+median fails only when most rows are far from one another.
+
+Decoding: the centre of a prefill (causal) is that of its first attending row, so it stays valid for every later
+step: a caller computes it once with :func:`mgk.functional.mgk_centre` and passes it as ``centre=`` to each step
+instead of re-centring the cached keys (which would cost more than the attention of one token).
+
+Cost: O(B H S) for key masks, O(B H L S) bool work only for masks that depend on the query (their ``any`` is needed
+by the masking anyway), plus one pass over the queries, O(B H L D) (O(B H L D log L) for the median).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _first_row(mask: Tensor | None, L: int, S: int, device) -> Tensor:
+    """(B?, H?) int64: the first query row that may attend to some key under bottom-right causality and ``mask``
+    (bool, 4 dims broadcastable to (B, H, L, S), True = may attend); L when none may."""
+    if mask is None:
+        return torch.full((1, 1), max(0, L - S) if S > 0 else L, dtype=torch.int64, device=device)
+    if mask.shape[-2] == 1:  # key padding: row i sees key j iff j <= i + S - L
+        alive = mask[..., 0, :].expand(*mask.shape[:-2], S)
+        first_key = alive.to(torch.int8).argmax(dim=-1)
+        row = (first_key - (S - L)).clamp_min(0)
+    else:
+        causal = torch.arange(S, device=device) <= (torch.arange(L, device=device) + (S - L)).unsqueeze(-1)
+        sees = (mask & causal).any(dim=-1)
+        alive, row = sees, sees.to(torch.int8).argmax(dim=-1)
+    none = ~alive.any(dim=-1) | (row >= L)
+    return torch.where(none, torch.full((), L, dtype=row.dtype, device=device), row)
+
+
+def _causal_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+    B, H, L, D = q.shape
+    first = _first_row(mask, L, S, q.device).expand(B, H)
+    row = torch.take_along_dim(q, first.clamp_max(L - 1)[..., None, None].expand(B, H, 1, D), dim=2)[:, :, 0]
+    ok = (first < L) & torch.isfinite((row * row).sum(-1))
+    return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))
+
+
+def _median_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+    B, H, L, D = q.shape
+    rows = torch.isfinite((q * q).sum(-1))  # (B, H, L)
+    if mask is not None:
+        sees = mask.any(dim=-1)  # (B?, H?, L?)
+        if L == S:  # self-attention: prefer rows whose own position is a real key
+            own = sees & mask.any(dim=-2)
+            sees = torch.where(own.any(dim=-1, keepdim=True), own, sees)
+        rows = rows & sees
+    elif S == 0:
+        rows = torch.zeros_like(rows)
+    nan = torch.full((), float("nan"), dtype=q.dtype, device=q.device)
+    c = torch.nanmedian(torch.where(rows.unsqueeze(-1), q, nan), dim=2).values  # NaN where no row qualifies
+    return torch.where(rows.any(dim=-1, keepdim=True), c, torch.zeros((), dtype=q.dtype, device=q.device))
+
+
+def choose_centre(q: Tensor, mask: Tensor | None, is_causal: bool, S: int) -> Tensor:
+    """The (B, H, D) centre of queries q (B, H, L, D) attending to S keys under ``mask`` (checked, bool, 4 dims or
+    None) and bottom-right ``is_causal``; detached, in q's dtype. See the module docstring for the rule."""
+    q = q.detach()
+    if q.shape[2] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], q.shape[3])
+    with torch.no_grad():
+        return _causal_centre(q, mask, S) if is_causal else _median_centre(q, mask, S)
+
+
+def check_centre(centre, B: int, H: int, D: int, dtype, device) -> Tensor:
+    """A caller's centre as a detached (B, H, D) tensor in ``dtype``; ValueError naming ``centre`` otherwise."""
+    if not isinstance(centre, Tensor) or not centre.is_floating_point() or centre.dim() > 3 or any(
+            a not in (1, b) for a, b in zip((1,) * (3 - centre.dim()) + tuple(centre.shape), (B, H, D))):
+        what = tuple(centre.shape) if isinstance(centre, Tensor) else type(centre).__name__
+        raise ValueError(f"centre must be None or a floating tensor broadcastable to (B, H, D) = {(B, H, D)}, "
+                         f"got {what}")
+    return centre.detach().to(device=device, dtype=dtype).expand(B, H, D)
+
+
+def apply_centre(q: Tensor, k: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """q - c and k - c for q (B, H, L, D), k (B, H, M, S, D), c (B, H, D)."""
+    c = c.unsqueeze(2)
+    return q - c, k - c.unsqueeze(2)
