@@ -17,21 +17,25 @@ The choice, per (batch, head), from queries only (never from a key, never from a
 * ``is_causal``: the query of the first row that may attend to some key. Every row before it sees no key (its output
   is zero whatever the centre), so the outputs at t depend only on positions <= t, bitwise. When that query is not
   finite (its squared norm overflows or is NaN) the centre is 0, which depends on nothing.
-* otherwise: the coordinate-wise median of the queries of the rows that may attend to some key and whose squared
-  norm is finite. A minority of far queries does not move it. With L == S (self-attention) only the rows whose own
+* otherwise: among the rows that may attend to some key and whose query has a finite squared norm, the query
+  nearest to their mean. A minority of far queries pulls the mean by their share of the distance, but the centre is
+  an actual query nearest to it, so it stays inside the bulk. With L == S (self-attention) only the rows whose own
   position is a key some row may attend to are used when there are any, so padded query rows, which a caller may
   fill with anything (1e30, NaN), never set it.
 
 Limits: under ``is_causal`` a far query at that first row (distance R from the others) costs every row of the
 sequence about ``3 eps R^2 / (2 sigma^2)``: a causal centre can only depend on that row. Without causality the
-median fails only when most rows are far from one another.
+choice fails only when far queries are about as many as the others. A row whose every visible key is far has
+scores of about ``-|q - k|^2 / (2 sigma^2)`` whatever the centre; the paths normalise each row by its own computed
+sum, so a row that sees one key still gives exactly its value.
 
 Decoding: the centre of a prefill (causal) is that of its first attending row, so it stays valid for every later
 step: a caller computes it once with :func:`mgk.functional.mgk_centre` and passes it as ``centre=`` to each step
 instead of re-centring the cached keys (which would cost more than the attention of one token).
 
-Cost: O(B H S) for key masks, O(B H L S) bool work only for masks that depend on the query (their ``any`` is needed
-by the masking anyway), plus one pass over the queries, O(B H L D) (O(B H L D log L) for the median).
+Cost: under ``is_causal`` O(B H S) for key masks (O(B H L S) bool work for masks that depend on the query, whose
+``any`` the masking needs anyway) and O(B H D) for the chosen row; otherwise about three passes over the queries,
+O(B H L D), as cheap as the centring itself.
 """
 from __future__ import annotations
 
@@ -64,9 +68,10 @@ def _causal_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
     return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
-def _median_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+def _central_query(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
     B, H, L, D = q.shape
-    rows = torch.isfinite((q * q).sum(-1))  # (B, H, L)
+    qq = (q * q).sum(-1)
+    rows = torch.isfinite(qq)  # (B, H, L): NaN, inf and overflowing rows are never chosen
     if mask is not None:
         sees = mask.any(dim=-1)  # (B?, H?, L?)
         if L == S:  # self-attention: prefer rows whose own position is a real key
@@ -75,9 +80,15 @@ def _median_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
         rows = rows & sees
     elif S == 0:
         rows = torch.zeros_like(rows)
-    nan = torch.full((), float("nan"), dtype=q.dtype, device=q.device)
-    c = torch.nanmedian(torch.where(rows.unsqueeze(-1), q, nan), dim=2).values  # NaN where no row qualifies
-    return torch.where(rows.any(dim=-1, keepdim=True), c, torch.zeros((), dtype=q.dtype, device=q.device))
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    kept = torch.where(rows.unsqueeze(-1), q, zero)
+    n = rows.sum(dim=-1, keepdim=True)  # (B, H, 1)
+    mean = kept.sum(dim=2) / n.clamp_min(1).to(q.dtype)  # (B, H, D)
+    # |q_i - mean|^2 up to a constant; expanded (one product), which is enough to rank the rows
+    d2 = torch.where(rows, qq - 2.0 * (kept @ mean.unsqueeze(-1)).squeeze(-1),
+                     torch.full((), float("inf"), dtype=q.dtype, device=q.device))
+    row = torch.take_along_dim(q, d2.argmin(dim=-1)[..., None, None].expand(B, H, 1, D), dim=2)[:, :, 0]
+    return torch.where(n > 0, row, zero)
 
 
 def choose_centre(q: Tensor, mask: Tensor | None, is_causal: bool, S: int) -> Tensor:
@@ -87,7 +98,7 @@ def choose_centre(q: Tensor, mask: Tensor | None, is_causal: bool, S: int) -> Te
     if q.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[3])
     with torch.no_grad():
-        return _causal_centre(q, mask, S) if is_causal else _median_centre(q, mask, S)
+        return _causal_centre(q, mask, S) if is_causal else _central_query(q, mask, S)
 
 
 def check_centre(centre, B: int, H: int, D: int, dtype, device) -> Tensor:

@@ -111,10 +111,10 @@ def _fused_unserved(backend, q, v, s2, mask, bias, mixture, dropout_p, automatic
     """Why the fused kernel ``backend`` ("kernel" or "triton") cannot serve a call (None when it can)."""
     if not dropout_p < 1.0:
         return f"dropout_p={dropout_p}: the fused kernels (C++ and Triton) take 0 <= dropout_p < 1"
+    if bias is not None and bias.shape[-2] != 1:  # first: its -inf entries have become a mask of its shape
+        return "bias depends on the query: the fused kernels take at most a per-key bias (B, H, 1, S)"
     if mask is not None and mask.shape[-2] != 1:
         return "attn_mask depends on the query: the fused kernels take at most key padding plus is_causal"
-    if bias is not None and bias.shape[-2] != 1:
-        return "bias depends on the query: the fused kernels take at most a per-key bias (B, H, 1, S)"
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         return "head_dim or the value size is 0"
     if backend == "kernel":
@@ -288,7 +288,7 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
 def mgk_centre(query: Tensor, key: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
     """The (B, H, D) vector :func:`mgk_attention` subtracts from query (B, H, L, D) and key (B, H, M, S, D) when
     ``centre`` is None (detached; float32 for 16-bit inputs): under ``is_causal`` the query of the first row that
-    may attend to some key, otherwise the coordinate-wise median of the queries of the rows that may (see
+    may attend to some key, otherwise the query of such a row nearest to their mean (see
     :mod:`mgk.functional._centre` for why). A decoder computes it at prefill and passes it to every later step.
 
     Raises ValueError / MaskError as :func:`mgk_attention` for the shapes, dtypes and mask."""

@@ -17,10 +17,10 @@ SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
 
 def _kernel_unserved(q: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float) -> str | None:
     """Why our CPU kernel cannot serve a softmax call (None when it can)."""
+    if bias is not None and bias.shape[-2] != 1:  # first: its -inf entries have become a mask of its shape
+        return "bias depends on the query: the kernel takes at most a per-key bias (B, H, 1, S)"
     if mask is not None and mask.shape[-2] != 1:
         return "attn_mask depends on the query: the kernel takes at most key padding plus is_causal"
-    if bias is not None and bias.shape[-2] != 1:
-        return "bias depends on the query: the kernel takes at most a per-key bias (B, H, 1, S)"
     if q.device.type != "cpu":
         return f"the C++ kernel runs on CPU tensors, got {q.device.type}"
     if not _mixture_flash.usable(q, v, dropout_p):
