@@ -86,6 +86,22 @@ def test_a_row_whose_every_key_is_switched_off_is_zero(backend):
     assert torch.isfinite(q.grad).all() and torch.isfinite(lp.grad).all()
 
 
+def test_a_head_whose_every_component_is_off_gives_zero_rows(backend, assert_close):
+    """One prior for every key position (the paper's per-head pi): switching a head off zeroes its rows only."""
+    q, k, v = make_inputs(B=2, H=2, L=5, S=5, M=2, D=4, dtype=F64, seed=7)
+    lp = torch.log(torch.tensor([[0.3, 0.7], [0.6, 0.4]], dtype=F64)).view(1, 2, 2, 1)
+    lp[0, 0] = -INF
+    lp.requires_grad_(True)
+    qg = q.clone().requires_grad_(True)
+    for causal in (False, True):
+        out = mgk_attention(qg, k, v, log_pi=lp, is_causal=causal, backend=backend)
+        assert (out[:, 0] == 0).all()
+        ref, _ = mgk_reference(q, k, v, log_pi=lp.detach(), is_causal=causal)
+        assert_close(backend, ref[:, 1], out[:, 1], **tol64(backend))
+        out.sum().backward()
+        assert torch.isfinite(lp.grad).all() and torch.isfinite(qg.grad).all() and (qg.grad[:, 0] == 0).all()
+
+
 @pytest.mark.parametrize("name", ["kernel", "explicit"])
 def test_soft_e_statistics_give_dead_components_no_responsibility_and_dead_keys_no_count(name, assert_close):
     q, k, _ = make_inputs(B=2, H=2, L=7, S=7, M=3, D=4, dtype=F64, seed=5)

@@ -60,16 +60,23 @@ def _first_row(mask: Tensor | None, L: int, S: int, device) -> Tensor:
     return torch.where(none, torch.full((), L, dtype=row.dtype, device=device), row)
 
 
+def _row(q: Tensor, index: Tensor) -> Tensor:
+    """q[b, h, index[b, h]] for q (B, H, L, D) and index (B, H): (B, H, D). (gather keeps L symbolic under
+    torch.compile, where take_along_dim would pin it.)"""
+    B, H, _, D = q.shape
+    return q.gather(2, index[..., None, None].expand(B, H, 1, D))[:, :, 0]
+
+
 def _causal_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
-    B, H, L, D = q.shape
+    B, H, L, _ = q.shape
     first = _first_row(mask, L, S, q.device).expand(B, H)
-    row = torch.take_along_dim(q, first.clamp_max(L - 1)[..., None, None].expand(B, H, 1, D), dim=2)[:, :, 0]
+    row = _row(q, first.clamp_max(L - 1))
     ok = (first < L) & torch.isfinite((row * row).sum(-1))
     return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
 def _central_query(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
-    B, H, L, D = q.shape
+    L = q.shape[2]
     qq = (q * q).sum(-1)
     rows = torch.isfinite(qq)  # (B, H, L): NaN, inf and overflowing rows are never chosen
     if mask is not None:
@@ -87,7 +94,7 @@ def _central_query(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
     # |q_i - mean|^2 up to a constant; expanded (one product), which is enough to rank the rows
     d2 = torch.where(rows, qq - 2.0 * (kept @ mean.unsqueeze(-1)).squeeze(-1),
                      torch.full((), float("inf"), dtype=q.dtype, device=q.device))
-    row = torch.take_along_dim(q, d2.argmin(dim=-1)[..., None, None].expand(B, H, 1, D), dim=2)[:, :, 0]
+    row = _row(q, d2.argmin(dim=-1))
     return torch.where(n > 0, row, zero)
 
 

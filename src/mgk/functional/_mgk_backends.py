@@ -109,12 +109,16 @@ def _rows(t: Tensor | None, a: int, b: int) -> Tensor | None:
 
 def _drop_dead_keys(mask, log_prior, call: Call):
     """A key whose every component has log_pi = -inf becomes a masked key, its log prior 0 (finite: the logsumexp's
-    backward at an all -inf key would be 0 * NaN)."""
+    backward at an all -inf key would be 0 * NaN). Returns (mask, log_prior, dead): with one prior for every key
+    position the mask is left alone (no masking pass over the keys) and ``dead`` (broadcastable to (B, H, L, 1))
+    marks the heads whose every key is off, whose rows the caller sets to zero; otherwise ``dead`` is None."""
     if not call.pi_given or call.mixture == "max":
-        return mask, log_prior
+        return mask, log_prior, None
     live = (log_prior > float("-inf")).any(dim=2, keepdim=True)  # (B?, H?, 1, S?)
     log_prior = torch.where(live, log_prior, torch.zeros((), dtype=log_prior.dtype, device=log_prior.device))
-    return (live if mask is None else mask & live), log_prior
+    if live.shape[-1] == 1:
+        return mask, log_prior, ~live
+    return (live if mask is None else mask & live), log_prior, None
 
 
 def _chunk_weights(qc, k, log_prior, s2, mask, bias, empty, mixture):
@@ -134,7 +138,7 @@ def _chunk_output(qc, k, v, log_prior, s2, mask, bias, empty, mixture, dropout_p
 
 def explicit(q, k, v, log_prior, s2, mask, bias, call: Call):
     """The explicit path; the only one that returns weights, runs under forward-mode AD and drops whole keys."""
-    mask, log_prior = _drop_dead_keys(mask, log_prior, call)
+    mask, log_prior, dead = _drop_dead_keys(mask, log_prior, call)
     mask = _masks.combine(mask, call.is_causal, q.shape[2], k.shape[3], q.device)
     mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
     # In training each chunk is checkpointed (recomputed in backward), so memory stays O(chunk * M * S) per head
@@ -154,7 +158,8 @@ def explicit(q, k, v, log_prior, s2, mask, bias, call: Call):
             outs.append(checkpoint(_chunk_output, *args, use_reentrant=False))
         else:
             outs.append(_chunk_output(*args))
-    return torch.cat(outs, dim=2), (torch.cat(weights, dim=2) if want else None)
+    out = _masks.zero_rows(torch.cat(outs, dim=2), dead)
+    return out, (_masks.zero_rows(torch.cat(weights, dim=2), dead) if want else None)
 
 
 def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor | None:
@@ -227,7 +232,7 @@ def triton(q, k, v, log_prior, s2, mask, bias, call: Call):
 
 def sdpa(q, k, v, log_prior, s2, mask, bias, call: Call):
     """MGK as dot-product attention over the M*S keys with the bias folded into extra head dimensions."""
-    mask, log_prior = _drop_dead_keys(mask, log_prior, call)
+    mask, log_prior, dead = _drop_dead_keys(mask, log_prior, call)
     L, S = q.shape[2], k.shape[3]
     # Causal with at most key padding and L == S: SDPA's own causal flag (top-left aligned, equal to ours when
     # L == S) on each component skips the masked blocks.
@@ -235,7 +240,7 @@ def sdpa(q, k, v, log_prior, s2, mask, bias, call: Call):
                     and L == S and _component_flash.available(q, call.dropout_p))
     q, k, v, mask, empty = _inert(q, k, v, mask, call, fused_causal)
     out = _folded(q, k, v, log_prior, s2, mask, bias, call.dropout_p, fused_causal)
-    return _masks.zero_rows(out, empty), None
+    return _masks.zero_rows(_masks.zero_rows(out, empty), dead), None
 
 
 def _over_components(t: Tensor, M: int, S: int) -> Tensor:
@@ -249,15 +254,15 @@ def _folded(q, k, v, log_prior, s2, mask, bias, dropout_p, causal):
     Dv = v.shape[-1]
     # SDPA's backward needs finite scores (0 * -inf would be NaN): masked keys and switched-off components take a
     # value below any real score. A bias that depends on the query becomes SDPA's float attn_mask.
-    dead = torch.finfo(q.dtype).min / 8
+    below = torch.finfo(q.dtype).min / 8
     query_bias = bias if bias is not None and bias.shape[-2] != 1 else None
     key_bias = None if query_bias is not None else bias
     if mask is not None and mask.shape[-2] == 1 and query_bias is None:
         # A mask that does not depend on the query goes into the bias: SDPA then runs without a mask and can take
         # its fused O(L + S)-memory kernel.
-        kb, mask = _key_bias(k, s2, log_prior, mask, key_bias, False, dead), None
+        kb, mask = _key_bias(k, s2, log_prior, mask, key_bias, False, below), None
     else:
-        kb = _key_bias(k, s2, log_prior, None, key_bias, False, dead)
+        kb = _key_bias(k, s2, log_prior, None, key_bias, False, below)
     cols_k, cols_q = [scaled_keys(k, s2), kb.unsqueeze(-1)], [q, q.new_ones(q.shape[:-1] + (1,))]
     if needs_qnorm(s2):
         cols_k.append((-0.5 / _per_component(s2, 1, 1)).expand(B, H, M, S, 1))
