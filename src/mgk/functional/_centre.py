@@ -25,9 +25,10 @@ The choice, per (batch, head), from queries only (never from a key, never from a
 
 Limits: under ``is_causal`` a far query at that first row (distance R from the others) costs every row of the
 sequence about ``3 eps R^2 / (2 sigma^2)``: a causal centre can only depend on that row. Without causality the
-choice fails only when far queries are about as many as the others. A row whose every visible key is far has
-scores of about ``-|q - k|^2 / (2 sigma^2)`` whatever the centre; the paths normalise each row by its own computed
-sum, so a row that sees one key still gives exactly its value.
+choice fails only when far queries are about as many as the others. A row whose every visible key is far from the
+centre (row 0 when key 0 is the far one) has scores of large magnitude; every path normalises a row by its own
+computed sum, so a row that sees one key still gives exactly that key's value, and a query far from every key gets
+nearly one-hot weights, which the rounding of such scores does not move.
 
 Decoding: the centre of a prefill (causal) is that of its first attending row, so it stays valid for every later
 step: a caller computes it once with :func:`mgk.functional.mgk_centre` and passes it as ``centre=`` to each step
