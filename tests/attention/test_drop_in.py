@@ -103,7 +103,7 @@ def test_float_masks_match_nn_multihead_attention():
     and bool masks give torch's result."""
     torch.manual_seed(2)
     ref = nn.MultiheadAttention(E, H, batch_first=True).eval()
-    ours = mgk.MultiheadAttention(E, H).eval()
+    ours = mgk.MultiheadAttention(E, H, batch_first=True).eval()
     with torch.no_grad():
         wq, wk, wv = ref.in_proj_weight.chunk(3)
         bq, bk, bv = ref.in_proj_bias.chunk(3)
@@ -131,12 +131,12 @@ def test_float_bias_on_mgk_scales_each_keys_mixture_weight(build, pi):
     minus_inf = torch.zeros(L, L).masked_fill(causal, float("-inf"))
     torch.testing.assert_close(m(x, attn_mask=minus_inf)[0], m(x, attn_mask=causal)[0], rtol=1e-5, atol=1e-6)
     out, w = m(x, key_padding_mask=torch.zeros(B, L).masked_fill(kpm, float("-inf")), attn_mask=causal,
-               need_weights=True)
-    plain, w0 = m(x, key_padding_mask=kpm, attn_mask=causal, need_weights=True)
+               need_weights=True, average_attn_weights=False)
+    plain, w0 = m(x, key_padding_mask=kpm, attn_mask=causal, need_weights=True, average_attn_weights=False)
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
     bias = torch.randn(L, L)
-    _, wb = m(x, attn_mask=bias, need_weights=True)
-    _, wn = m(x, need_weights=True)
+    _, wb = m(x, attn_mask=bias, need_weights=True, average_attn_weights=False)
+    _, wn = m(x, need_weights=True, average_attn_weights=False)
     expect = wn * bias.exp()
     torch.testing.assert_close(wb, expect / expect.sum(-1, keepdim=True), rtol=1e-4, atol=1e-6)
 
