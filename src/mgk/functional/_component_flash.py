@@ -23,8 +23,9 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def available(q: torch.Tensor, dropout_p: float) -> bool:
-    """The kernel exists for CPU tensors without dropout (the fused CPU kernels do not implement dropout)."""
-    return q.device.type == "cpu" and dropout_p == 0.0
+    """The kernel exists for CPU tensors without dropout (the fused CPU kernels do not implement dropout). Not used
+    under ``torch.export``: the aten op is CPU-only, and exported programs keep to device-independent operators."""
+    return q.device.type == "cpu" and dropout_p == 0.0 and not torch.compiler.is_exporting()
 
 
 class ComponentAttention(torch.autograd.Function):

@@ -194,8 +194,9 @@ def _remove_orphaned_lock(folder: Path) -> None:
 
 def available(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
     """True for CPU float32/float64 tensors (with or without dropout, ``0 <= dropout_p < 1``), once the kernel has
-    been built (builds it on the first call)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+    been built (builds it on the first call). False under ``torch.export``: an exported program then holds
+    PyTorch operators only, so it loads without mgk, runs on any device and can go on to ONNX."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or torch.compiler.is_exporting():
         return False
     if not 0.0 <= dropout_p < 1.0:  # p = 1 (and invalid values) take the reference path, which handles them
         return False

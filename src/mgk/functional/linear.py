@@ -156,11 +156,14 @@ def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
     Dv = v.shape[-1]
     if N == 0:
         return phi_q.new_zeros(B, H, 0, Dv), phi_q.new_zeros(B, H, 0)
-    c = min(chunk, N)
-    pad = (-N) % c
-    if pad:  # zero features contribute nothing; the padded query rows are dropped below
+    # With a symbolic length (torch.export / torch.compile with dynamic shapes) the chunk and the padding must not
+    # depend on it, or the traced graph would hold for some lengths only.
+    symbolic = isinstance(N, torch.SymInt)
+    c = chunk if symbolic else min(chunk, N)
+    n = (N + c - 1) // c
+    pad = n * c - N
+    if symbolic or pad:  # zero features contribute nothing; the padded query rows are dropped below
         phi_q, phi_k, v = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
-    n = (N + pad) // c
     qc = phi_q.reshape(B, H, n, c, Dq)
     kc = phi_k.reshape(B, H, n, c, Dq)
     vc = v.reshape(B, H, n, c, Dv)
