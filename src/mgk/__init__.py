@@ -2,9 +2,18 @@
 
 Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention`; the math is in :mod:`mgk.functional`.
+:func:`soft_e_step` applies the Soft-E update of pi after backward.
 """
-from .attention import LinearAttention, MGKAttention, MLKAttention, MultiheadAttention, attention_kinds, build_attention
+from .attention import (
+    LinearAttention,
+    MGKAttention,
+    MLKAttention,
+    MultiheadAttention,
+    attention_kinds,
+    build_attention,
+    soft_e_step,
+)
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention"]
+__all__ += ["LinearAttention", "MLKAttention", "soft_e_step"]
