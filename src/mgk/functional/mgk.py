@@ -78,8 +78,8 @@ def _variances(sigma2, M: int, D: int, dtype, device) -> Tensor:
     if s.numel() != M:
         raise ValueError(f"sigma2 must have one variance per mixture component, shape ({M},); "
                          f"got {tuple(sigma2.shape)}")
-    if torch.compiler.is_compiling() or s.device.type != "cpu":
-        return s
+    if s.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(s):
+        return s  # a traced or torch.func-wrapped tensor has no values to read (a module checked its own)
     # One read of the M values instead of four reductions: this runs on every call.
     if not all(x > 0 and math.isfinite(x) for x in s.tolist()):
         raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")

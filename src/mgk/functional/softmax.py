@@ -10,7 +10,7 @@ from torch import Tensor
 from . import _mixture_flash
 from . import masks as _masks
 from ._checks import check_qkv, compute_dtype, full_precision
-from .mgk import BackendError
+from .mgk import BackendError, _transformed
 
 SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
 
@@ -36,7 +36,8 @@ def select_softmax_backend(query: Tensor, key: Tensor, value: Tensor, *, attn_ma
       :func:`mgk.functional._mixture_flash.softmax_flash`) keeps O(L + S) memory per head;
     * "sdpa": everything else (its fused flash kernel serves CPU calls without dropout).
 
-    "explicit" (the (B, H, L, S) weights built) is only used when asked for. Arguments as
+    "explicit" (the (B, H, L, S) weights built) is used when asked for, and for forward-mode AD and torch.func
+    transforms (``jvp``, ``vmap``, ``grad``), which neither fused kernel has a rule for. Arguments as
     :func:`softmax_attention`; raises as it does for bad masks."""
     B, H, L, S, _, _ = check_qkv(query, key, value, mixture=False)
     mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
@@ -46,6 +47,8 @@ def select_softmax_backend(query: Tensor, key: Tensor, value: Tensor, *, attn_ma
 
 def _select(q: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> str:
     """select_softmax_backend on checked inputs in the compute dtype."""
+    if _transformed(q, v):
+        return "explicit"
     if dropout_p > 0.0 and _kernel_unserved(q, v, mask, dropout_p) is None:
         return "kernel"
     return "sdpa"
@@ -80,20 +83,20 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
     B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
     if backend not in (None, *SOFTMAX_BACKENDS):
         raise ValueError(f"backend must be None or one of {SOFTMAX_BACKENDS}, got {backend!r}")
-    if backend == "explicit":
-        return softmax_attention_reference(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                                           dropout_p=dropout_p, scale=scale)
     mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
     out_dtype = query.dtype
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
+    if backend is None:
+        backend = _select(q, v, mask, dropout_p)
+    if backend == "explicit":
+        return softmax_attention_reference(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                           dropout_p=dropout_p, scale=scale)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if backend == "kernel":
         why = _kernel_unserved(q, v, mask, dropout_p)
         if why is not None:
             raise BackendError(f"backend='kernel' cannot serve these inputs: {why}")
-    elif backend is None:
-        backend = _select(q, v, mask, dropout_p)
     with full_precision(query.device):
         if backend == "kernel":
             return _kernel(q, k, v, mask, is_causal, dropout_p, scale).to(out_dtype)
