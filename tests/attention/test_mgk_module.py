@@ -161,6 +161,23 @@ def test_soft_e_forward_twice_backward_once_is_one_e_step_over_both():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_soft_e_step_keeps_pi_a_distribution_after_a_non_finite_forward():
+    """A forward whose inputs hold NaN (its loss is NaN too, which the Trainer reports) gives NaN statistics: the step
+    leaves pi as it was (finite, summing to 1) at the positions they reach, and the next finite step updates it."""
+    m = make("mgk", "soft_e").train()
+    x = torch.randn(2, 5, 16)
+    x[1, 2] = float("nan")
+    before = m.pi.clone()
+    m(x)[0].sum().backward()
+    mgk.soft_e_step(m)
+    assert torch.equal(m.pi, before)
+    m.zero_grad()
+    m(torch.randn(2, 5, 16))[0].sum().backward()
+    mgk.soft_e_step(m)
+    assert torch.isfinite(m.pi).all() and not torch.equal(m.pi, before)
+    torch.testing.assert_close(m.pi.sum(1), torch.ones(2, 16))
+
+
 def test_learned_pi_at_the_boundary_still_learns():
     """The authors' code clamps pi to [0, 1], which freezes it at the boundary; log-softmax logits keep a gradient."""
     torch.manual_seed(0)
