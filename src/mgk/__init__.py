@@ -4,6 +4,7 @@ Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAtten
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``), and
 :func:`swap_attention`, which puts them into an existing model with its weights; the math is in
 :mod:`mgk.functional`.
+:func:`soft_e_step` applies the Soft-E update of pi after backward.
 """
 from .attention import (
     LinearAttention,
@@ -12,9 +13,10 @@ from .attention import (
     MultiheadAttention,
     attention_kinds,
     build_attention,
+    soft_e_step,
     swap_attention,
 )
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention", "swap_attention"]
+__all__ += ["LinearAttention", "MLKAttention", "soft_e_step", "swap_attention"]
