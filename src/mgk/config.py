@@ -241,12 +241,15 @@ def check_attention_options(cfg: RunConfig, explicit: Iterable[str]) -> None:
 
     takes = attention_options(cfg.attention)
     for name in fields_of("attention_option"):
-        if name in explicit and name not in takes:
+        if name in explicit and _OPTION_NAMES.get(name, name) not in takes:
             raise ValueError(f"option {name!r} does not apply to attention {cfg.attention!r} "
                              f"({cfg.attention} takes {', '.join(takes) or 'no options'})")
         if name in explicit and name in LEARNED_PI_OPTIONS and cfg.pi != "learned" \
                 and getattr(cfg, name) != getattr(RunConfig(), name):
             raise ValueError(f"option {name!r} shapes learned mixture weights (pi='learned'), not pi={cfg.pi!r}")
+
+
+_OPTION_NAMES = {"attn_eps": "eps"}  # run-config field -> the option of the attention kinds
 
 
 def attention_config(cfg: RunConfig, *, max_len: int | None = None) -> AttentionConfig:
@@ -258,6 +261,7 @@ def attention_config(cfg: RunConfig, *, max_len: int | None = None) -> Attention
               "max_len": cfg.max_len if max_len is None else max_len}
     if cfg.pi != "learned":  # Soft-E's buffer and Hard-E have no learned weights to shape (a preset may set them)
         values.update({k: getattr(RunConfig(), k) for k in LEARNED_PI_OPTIONS})
+    values = {_OPTION_NAMES.get(k, k): v for k, v in values.items()}
     options = {k: v for k, v in values.items() if k in attention_options(cfg.attention)}
     return AttentionConfig(kind=cfg.attention, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                            dropout=cfg.attn_dropout, options=options, bias=cfg.attn_bias)

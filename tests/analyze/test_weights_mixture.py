@@ -7,10 +7,10 @@ import torch
 from mgk.analyze import stats
 from mgk.analyze.mixture import component_sums, mixture_weights
 from mgk.analyze.weights import WeightRecorder
-from mgk.attention import MGKAttention, MLKAttention, MultiheadAttention
+from mgk.attention import MGKAttention, MLKAttention, MultiheadAttention, attention_kinds
 from mgk.models import LRAClassifier
 
-KINDS = ["softmax", "mgk", "smgk", "linear", "mlk"]
+KINDS = attention_kinds()
 
 
 def tiny_classifier(attention, heads=2, **options):

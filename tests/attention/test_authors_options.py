@@ -167,8 +167,8 @@ def test_bad_mixture_options_name_the_option():
 
 def test_registry_declares_the_options_with_types():
     linear = attention_options("linear")
-    assert {"normalize", "feature_map", "output_scale", "attn_eps", "eps_mode"} <= set(linear)
-    assert {"mix", "pi_norm", "normalize", "attn_eps"} <= set(attention_options("mlk")) - {"sigma2"}
+    assert {"normalize", "feature_map", "output_scale", "eps", "eps_mode"} <= set(linear)
+    assert {"mix", "pi_norm", "normalize", "eps"} <= set(attention_options("mlk")) - {"sigma2"}
     assert "pi_norm" in attention_options("mgk") and "normalize" not in attention_options("mgk")
     with pytest.raises(ValueError, match="normalize"):
         check_options("mgk", {"normalize": "length"})

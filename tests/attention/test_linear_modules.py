@@ -6,16 +6,14 @@ import torch
 
 import mgk
 from mgk.attention import LinearAttention, MLKAttention, build_attention
+from mgk.attention.registry import get_kind, kind_variants, variant_name
 from mgk.functional import MaskError
 
 E, H = 16, 2
-KINDS = [
-    ("linear", {}),
-    ("mlk", {}),
-    ("smlk", {}),
-    ("mlk", {"num_keys": 3, "pi_shape": "position", "max_len": 64}),
-]
-IDS = ["linear", "mlk", "smlk", "mlk3-position"]
+# The linear kinds with their registered variants, and MLK with three components and per-position weights.
+KINDS = [(k, v) for k, v in kind_variants() if get_kind(k).family == "linear"]
+KINDS += [("mlk", {"num_keys": 3, "pi_shape": "position", "max_len": 64})]
+IDS = [variant_name(k, v) for k, v in KINDS]
 
 
 def build(kind, options, **common):

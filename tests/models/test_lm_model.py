@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from mgk.attention import attention_kinds
-from mgk.attention.registry import attention_options
+from mgk.attention.registry import get_kind, kind_variants, variant_name
 from mgk.models import IGNORE_INDEX, TiedAdaptiveSoftmax, TransformerLM, sinusoidal_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -74,17 +73,18 @@ def test_ignored_targets_score_zero_and_the_rest_match_log_probs():
     torch.testing.assert_close(nll[y != IGNORE_INDEX], ref[y != IGNORE_INDEX], atol=1e-5, rtol=1e-5)
 
 
-VARIANTS = [(k, "learned") for k in attention_kinds()] + [("mgk", "soft_e"), ("mgk", "hard_e")]
+VARIANTS = kind_variants()
 
 
-@pytest.mark.parametrize("kind,pi", VARIANTS)
+@pytest.mark.parametrize("kind,options", VARIANTS, ids=[variant_name(k, v) for k, v in VARIANTS])
 @pytest.mark.parametrize("train", [False, True])
-def test_future_tokens_never_change_earlier_log_probs(kind, pi, train):
+def test_future_tokens_never_change_earlier_log_probs(kind, options, train):
     torch.manual_seed(0)
+    spec = get_kind(kind)
     lm = TransformerLM(50, d_model=16, num_layers=2, ffn_dim=32, attention=kind, num_heads=2, head_dim=8,
-                       dropout=0.1, attn_dropout=0.1 if kind in ("softmax", "mgk", "smgk") else 0.0,
-                       attention_options={k: v for k, v in {"pi": pi, "max_len": 8}.items()
-                                          if k in attention_options(kind)}, cutoffs=[10, 30])
+                       dropout=0.1, attn_dropout=0.0 if spec.family == "linear" else 0.1,
+                       attention_options={**options, **({"max_len": 8} if "max_len" in spec.options.names() else {})},
+                       cutoffs=[10, 30])
     lm.train(train)
     x = torch.randint(0, 50, (2, 8))
     y = x.clone()

@@ -4,11 +4,12 @@ import dataclasses
 import pytest
 import torch
 
+from mgk.attention import attention_kinds
 from mgk.config import RunConfig, encoder_config, fields_of, lm_config
 from mgk.models import EncoderConfig, LMConfig, LRAClassifier, RetrievalModel, TransformerLM, config_differences
 
 
-@pytest.mark.parametrize("kind", ["softmax", "mgk", "smgk", "linear", "mlk"])
+@pytest.mark.parametrize("kind", attention_kinds())
 def test_encoder_config_builds_the_model_of_the_explicit_constructor(kind):
     cfg = RunConfig(attention=kind, vocab_size=20, num_classes=3, max_len=12, d_model=16, head_dim=8, num_heads=2,
                     ffn_dim=24, classifier_dim=8, pi_shape="position" if kind != "softmax" else "head")

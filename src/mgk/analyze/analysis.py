@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from ..attention import MGKAttention
 from ..models import IGNORE_INDEX
 from . import stats
 from .mixture import component_sums, has_mixture, mixture_weights
@@ -113,7 +114,7 @@ def _mixture_result(module, sums, pairs, longest: int) -> dict:
         res["shares"] = share.tolist()  # (H, M)
         res["shares_mean"] = (sums.sum(0) / pairs.sum().clamp_min(1.0)).tolist()
         res["share_kind"] = ("nearest component (Hard-E)" if module.pi_mode == "hard_e" else
-                             "responsibility" if module.__class__.__name__ == "MGKAttention" else
+                             "responsibility" if isinstance(module, MGKAttention) else
                              "share of the linear kernel")
     elif getattr(module, "mix", None) == "keys":
         res["share_kind"] = "none: mix='keys' mixes the keys before the feature map, so no component has a share"

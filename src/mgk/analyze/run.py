@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from .. import config as config_mod
+from ..attention.registry import make_options
+from ..attention.registry import run_label as registry_label
 from ..tasks import get_task
 from ..train import checkpoint
 from ..train.records import read_config
@@ -82,12 +84,7 @@ def load_run(run_dir: str | os.PathLike, *, data: str | os.PathLike | None = Non
 
 
 def run_label(cfg: config_mod.RunConfig) -> str:
-    """Short name of a run for tables and legends, e.g. "softmax-8", "mgk-4", "smgk-4 soft_e", "mlk-4 mix=keys"."""
-    label = f"{cfg.attention}-{cfg.num_heads}"
-    if cfg.attention in ("mgk", "smgk") and cfg.pi != "learned":
-        label += f" {cfg.pi}"
-    if cfg.attention in ("linear", "mlk", "smlk"):  # the linear forms that change the weights being analysed
-        label += "".join(f" {name}={value}" for name, value, default in (
-            ("mix", cfg.mix, "features"), ("feature_map", cfg.feature_map, "elu")) if value != default
-            and not (name == "mix" and cfg.attention == "linear"))
-    return label
+    """Short name of a run for tables and legends: the registry's label of its kind, heads and the options that name
+    a variant (:func:`mgk.attention.registry.run_label`), e.g. "softmax-8", "smgk-4 soft_e", "mlk-4 mix=keys"."""
+    attention = config_mod.attention_config(cfg)
+    return registry_label(attention.kind, attention.num_heads, make_options(attention.kind, **attention.options))

@@ -24,20 +24,18 @@ import time
 
 import torch
 
-from .attention import machine
+from .attention import machine, variant
 
 # WikiText-103's vocabulary (Merity et al. 2017): the size the LM presets train with.
 WT103_VOCAB_SIZE = 267_735
 
-# Bench kinds that are an attention kind plus options (the others are the registered attention kinds).
-KIND_OVERRIDES = {"mgk-hard": ["attention=mgk", "pi=hard_e"], "mgk-softe": ["attention=mgk", "pi=soft_e"]}
-
-
 def kind_overrides(kind: str | None, heads: int | None) -> list[str]:
-    """``--set`` overrides that select bench kind ``kind`` with ``heads`` heads (none for None: the preset's)."""
+    """``--set`` overrides that select bench kind ``kind`` (a registered kind, ``kind+option=value`` or a variant of
+    :data:`mgk.bench.attention.VARIANTS`) with ``heads`` heads (none for None: the preset's)."""
     if kind is None:
         return []
-    return [*KIND_OVERRIDES.get(kind, [f"attention={kind}"]), f"num_heads={heads}"]
+    v = variant(kind)
+    return [f"attention={v.kind}", *(f"{k}={x}" for k, x in v.options.items()), f"num_heads={heads}"]
 
 
 def bench_task(cfg):

@@ -47,23 +47,23 @@ def attention_params(run_dir: Path) -> int | None:
 
 def attention_flops(cfg: dict) -> int | None:
     """Analytic FLOPs of the attention layers in one forward pass of one sequence of ``max_len`` (``segment_len``
-    for LM) tokens, all layers: :func:`mgk.bench.attention.analytic_flops` (CPU-kernel form for MGK)."""
-    from ..bench.attention import analytic_flops
+    for LM) tokens, all layers, from config.yaml's dict ``cfg``: the registry's formula of the run's kind and options
+    (:mod:`mgk.attention.flops`; CPU-kernel form for MGK). None when the config cannot be read."""
+    from ..attention import get_kind
+    from ..config import attention_config, from_dict
 
-    kind = cfg.get("attention")
-    if kind in ("mgk", "smgk") and cfg.get("pi") == "hard_e":
-        kind = "mgk-hard"
-    elif kind == "mgk" and cfg.get("pi") == "soft_e":
-        kind = "mgk-softe"
-    length = cfg["segment_len"] if cfg.get("task") == "lm" else cfg["max_len"]
     try:
-        per_layer = analytic_flops(kind, cfg["num_heads"], length, 1, cfg["d_model"], cfg["head_dim"],
-                                   causal=cfg.get("task") == "lm", backward=False, num_keys=cfg.get("num_keys", 2),
-                                   mixture_kernel=True)
-    except (ValueError, KeyError):
+        run = from_dict(cfg)
+        attention = attention_config(run)
+        kind = get_kind(attention.kind)
+        options = kind.make_options(**attention.options)
+    except (ValueError, TypeError):
         return None
-    towers = 2 if cfg.get("task") == "retrieval" else 1
-    return per_layer * cfg["num_layers"] * towers
+    length = run.segment_len if run.task == "lm" else run.max_len
+    per_layer = kind.flops(options, heads=attention.num_heads, length=length, batch=1, embed_dim=run.d_model,
+                           head_dim=attention.head_dim, causal=run.task == "lm", backward=False, mixture_kernel=True)
+    towers = 2 if run.task == "retrieval" else 1
+    return per_layer * run.num_layers * towers
 
 
 def run_figures(run: Run, metric: str) -> dict:
