@@ -128,9 +128,11 @@ def check_value(value, hint, meta, name: str) -> None:
         why = f" ({meta['why']})" if meta.get("why") else ""
         raise ValueError(f"{name} must be {allowed}, got {value!r}{why}")
     text = range_text(meta)
-    if text is not None and not all(_in_range(x, meta) for x in _numbers(value)):
+    numbers = _numbers(value)
+    if text is not None and not all(_in_range(x, meta) for x in numbers):
         each = " (each value)" if isinstance(value, (tuple, list)) else ""
-        raise ValueError(f"{name} must be {text}{each}, got {value!r}")
+        finite = all(math.isfinite(x) for x in numbers)
+        raise ValueError(f"{name} must be {'' if finite else 'a finite number '}{text}{each}, got {value!r}")
 
 
 def inapplicable(obj) -> list[str]:

@@ -1,4 +1,4 @@
-"""Issue 17.5: every attention kind is a drop-in for nn.MultiheadAttention inside torch's Transformer layers:
+"""Every attention kind is a drop-in for nn.MultiheadAttention inside torch's Transformer layers:
 ``batch_first`` both ways, bool and float masks with nn.MultiheadAttention's semantics, train and eval mode."""
 import warnings
 

@@ -5,6 +5,8 @@ from functools import partial
 
 import pytest
 
+from mgk import config
+from mgk.analyze.run import run_label as analyze_label
 from mgk.attention import MGKAttention, registry
 from mgk.attention.cache_spec import CacheSpec
 from mgk.attention.options import MGKOptions
@@ -22,6 +24,8 @@ from mgk.attention.registry import (
 )
 from mgk.bench.attention import analytic_flops, variant
 from mgk.fields import Label, spec
+from mgk.reproduce.collect import attention_flops
+from mgk.reproduce.experiments import Row
 from mgk.tasks.lra_table import setting
 
 
@@ -62,7 +66,7 @@ def test_options_are_checked_in_one_place_naming_option_and_kind():
         make_options("mgk", mix="keys")
     with pytest.raises(ValueError, match="'num_keys' of kind 'smgk' must be >= 1, got 0"):
         make_options("smgk", num_keys=0)
-    with pytest.raises(ValueError, match="'sigma2' of kind 'mgk' must be > 0"):
+    with pytest.raises(ValueError, match="'sigma2' of kind 'mgk' must be a finite number > 0"):
         make_options("mgk", sigma2=(1.0, float("nan")))
     with pytest.raises(ValueError, match="'pi_norm' of kind 'mgk' applies only with pi='learned'"):
         make_options("mgk", pi="hard_e", pi_norm="none")
@@ -150,4 +154,11 @@ def test_a_kind_added_through_the_registry_alone_is_built_labelled_counted_and_t
         analytic_flops("mgk", 2, 16, 1, 16, 8, causal=False, backward=False)
     with pytest.raises(ValueError, match="'temperature' of kind 'mgk-t' must be one of"):
         make_options("mgk-t", temperature="annealed")
+    # the run config, training records, reproduce rows and analysis labels read it from the registry too
+    cfg = config.validate(config.apply_overrides(config.RunConfig(), ["attention=mgk-t", "temperature=learned"]))
+    assert config.flat(cfg)["temperature"] == "learned"
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+    assert analyze_label(cfg) == "mgk-t-4 temperature=learned"
+    assert Row("t", "mgk-t", 2, overrides=("temperature=learned",)).label == "MGK-T x 2 (learned T)"
+    assert attention_flops(cfg) == attention_flops(config.replace(cfg, attention="mgk"))
 

@@ -1,4 +1,4 @@
-"""Issue 16.2: Soft-E under activation checkpointing applies the E-step once per forward that produced the loss;
+"""Soft-E under activation checkpointing applies the E-step once per forward that produced the loss;
 pi and the gradients equal those without checkpointing (reentrant or not, with gradient accumulation)."""
 import copy
 

@@ -1,4 +1,4 @@
-"""Issue 16.2 under DDP: Soft-E with activation checkpointing and ``no_sync`` gradient accumulation, 2 gloo
+"""Soft-E's E-step under DDP: with activation checkpointing and ``no_sync`` gradient accumulation, 2 gloo
 processes under torchrun, equals the same DDP model without checkpointing (pi and gradients, 3 steps)."""
 import json
 from pathlib import Path

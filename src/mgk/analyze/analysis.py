@@ -161,8 +161,10 @@ def analyse(run: LoadedRun, settings: Settings, *, progress: bool = True) -> dic
             recorder.clear()
             bar.update(len(idx))
     return {"run_dir": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
-            "task": run.cfg.task, "attention": run.cfg.attention, "num_heads": run.cfg.num_heads,
-            "head_dim": run.cfg.head_dim, "num_layers": len(layers), "pi": run.cfg.pi, "num_keys": run.cfg.num_keys,
+            "task": run.cfg.task, "attention": run.cfg.attention.kind, "num_heads": run.cfg.attention.num_heads,
+            "head_dim": run.cfg.attention.head_dim, "num_layers": len(layers),
+            "pi": getattr(run.cfg.attention.options, "pi", None),
+            "num_keys": getattr(run.cfg.attention.options, "num_keys", None),
             "examples_analysed": int(len(index)), "settings": asdict(settings),
             "layers": [layer.result(i, settings) for i, layer in enumerate(layers)],
             "_maps": [layer.maps for layer in layers]}

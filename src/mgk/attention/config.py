@@ -27,7 +27,8 @@ class AttentionConfig:
 
     kind: str = spec("softmax", doc="the attention kind")
     num_heads: int = spec(4, ge=1, doc="H, attention heads")
-    head_dim: int = spec(32, ge=1, doc="D per head (the attention width is H * D, independent of the model width)")
+    head_dim: int | None = spec(32, ge=1, doc="D per head (None: embed_dim // num_heads); the attention width H * D "
+                                              "need not be the model width")
     dropout: float = spec(0.0, ge=0, lt=1, doc="dropout on the attention weights (training only)")
     bias: bool = spec(True, doc="biases of the q/k/v/output projections (the authors' LM has none)")
     options: Options = None

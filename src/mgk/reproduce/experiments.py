@@ -35,15 +35,12 @@ class Row:
 
     @property
     def options(self):
-        """The attention options of the row's runs: ``pi`` (where the kind takes it) and the attention options among
-        ``overrides``."""
-        spec = get_kind(self.attention)
-        values = {"pi": self.pi} if "pi" in spec.options.names() else {}
-        for pair in self.overrides:
-            key, _, text = pair.partition("=")
-            if key in spec.options.names():
-                values[key] = spec.parse_option(key, text)
-        return spec.make_options(**values)
+        """The attention options of the row's runs: ``pi`` (where the kind takes it) and ``overrides``, as ``mgk
+        train`` reads them (:func:`mgk.config.apply_overrides`)."""
+        from ..config import RunConfig, apply_overrides
+
+        pi = {"pi": self.pi} if "pi" in get_kind(self.attention).options.names() else {}
+        return apply_overrides(RunConfig(), self.overrides, attention=self.attention, **pi).attention.options
 
     @property
     def label(self) -> str:
