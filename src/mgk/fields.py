@@ -45,7 +45,8 @@ class Label:
 
 def spec(default=dataclasses.MISSING, *, doc: str, choices: tuple | None = None, ge=None, gt=None, le=None,
          lt=None, only_if: tuple[str, Any] | None = None, label: Label | None = None, **extra) -> Any:
-    """A dataclass field with ``default``, its ``doc`` and its constraints (see the module docstring)."""
+    """A dataclass field with ``default``, its ``doc`` and its constraints (see the module docstring); ``extra``
+    metadata such as ``why`` (a reason added to the message of a value outside ``choices``)."""
     metadata = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "only_if": only_if,
                 "label": label, **extra}
     return dataclasses.field(default=default, metadata=metadata)
@@ -167,8 +168,8 @@ def _parse_sequence(text: str, origin):
 
 def parse(text: str, hint, name: str):
     """``text`` (from ``--set name=text``) as a value of the annotation ``hint``: bool words, numbers, ``none`` for
-    an optional field, ``[1, 2]`` or ``1,2`` for a tuple or list; for a union the first alternative that parses.
-    ValueError naming ``name`` when nothing fits."""
+    an optional field, ``[1, 2]`` or ``1,2`` for a tuple or list; for a union the first alternative that parses, in
+    the annotation's order (``str`` parses any text: list it last). ValueError naming ``name`` when nothing fits."""
     text = text.strip()
     alternatives = typing.get_args(hint) if _is_union(hint) else (hint,)
     if type(None) in alternatives and text.lower() in _NONE_WORDS:

@@ -17,7 +17,6 @@ from .keys import (
     flat,
     flat_keys,
     flat_name,
-    override_keys,
     replace,
     run_config,
     with_forms,
@@ -25,6 +24,6 @@ from .keys import (
 from .serialize import from_dict, to_dict
 
 __all__ = ["RunConfig", "DataConfig", "ModelConfig", "OptimConfig", "EvalConfig", "GROUPS", "SCHEDULES",
-           "PRECISIONS", "RENAMES", "apply_overrides", "replace", "override_keys", "flat", "flat_keys", "flat_name",
+           "PRECISIONS", "RENAMES", "apply_overrides", "replace", "flat", "flat_keys", "flat_name",
            "field_of", "run_config", "with_forms", "validate", "to_dict", "from_dict", "attention_config",
            "encoder_config", "lm_config", "model_differences"]

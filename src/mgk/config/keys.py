@@ -22,7 +22,7 @@ from ..attention.registry import attention_kinds
 from .groups import GROUPS, RunConfig
 
 __all__ = ["RENAMES", "flat_keys", "flat_name", "field_of", "resolve_key", "replace", "apply_overrides",
-           "override_keys", "flat", "run_config", "with_forms"]
+           "flat", "run_config", "with_forms"]
 
 # Dotted path -> flat name, where the flat name is not the field's own name (that of 0.1.0 run directories).
 RENAMES = {"data.path": "data", "data.path_as_given": "data_as_given", "attention.kind": "attention",
@@ -172,11 +172,6 @@ def apply_overrides(cfg: RunConfig, pairs=(), /, **values) -> RunConfig:
     parsed = {path: fields.parse(text, _hint(chosen, path), key) for path, (key, text) in texts.items()}
     changes = {**typed, **parsed}
     return _apply(cfg, changes, keep=set(changes))
-
-
-def override_keys(pairs) -> set[str]:
-    """The keys of ``key=value`` strings as given (flat names or dotted paths)."""
-    return {pair.split("=", 1)[0].strip() for pair in pairs}
 
 
 def flat(cfg: RunConfig) -> dict:
