@@ -19,7 +19,7 @@ import torch
 
 @pytest.fixture
 def one_thread():
-    """Tiny tensors: one thread avoids thread-pool stalls on a shared 2-core machine (about 80x faster here)."""
+    """Tiny tensors: one thread, so that tests of tiny tensors do not wait on torch's thread pool."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -98,10 +98,9 @@ def run_torchrun(nproc, args, timeout=400, script=None):
     """``torchrun --standalone --nproc_per_node=nproc -m mgk ARGS`` (``SCRIPT ARGS`` when ``script`` is given),
     failing with its output if it exits non-zero.
 
-    One retry, only for gloo's rare abort at process-group set-up or tear-down on this kind of VM ("terminate called
-    without an active exception", no Python error on either rank; seen about once in ten launches), with
-    ``--overwrite`` added for an ``mgk train --out`` run. Any other failure, including a collective mismatch (gloo's
-    EnforceNotMet), fails at once."""
+    One retry, only for gloo's rare abort at process-group set-up or tear-down ("terminate called without an active
+    exception", no Python error on either rank), with ``--overwrite`` added for an ``mgk train --out`` run. Any other
+    failure, including a collective mismatch (gloo's EnforceNotMet), fails at once."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *(["-m", "mgk"] if script is None else [str(script)]), *args]
     for attempt in range(2):

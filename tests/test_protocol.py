@@ -1,6 +1,5 @@
-"""The paper's protocol (issue 13): the authors' parameter totals, the *-paper presets traced to their sources, the
-schedules, the fixed-size validation, and the protocol recorded with every result."""
-import dataclasses
+"""The paper's protocol: the authors' parameter totals, the *-paper presets traced to their sources, the schedules,
+the fixed-size validation, and the protocol recorded with every result."""
 import inspect
 import math
 import re
@@ -11,7 +10,6 @@ import torch
 from mgk import config as config_mod
 from mgk.models import LRAClassifier, RetrievalModel, TransformerLM
 from mgk.tasks import all_presets, authors
-from mgk.tasks.authors import authors_option_values
 from mgk.train.evaluate import eval_slice
 from mgk.train.schedule import build_scheduler, check_resumable, lr_factor
 
@@ -22,8 +20,8 @@ def _lm(cfg, device=None):
     lm_cfg = config_mod.lm_config(cfg, WT103_VOCAB)
     if device == "meta":
         with torch.device("meta"):
-            return TransformerLM.from_config(lm_cfg)
-    return TransformerLM.from_config(lm_cfg)
+            return TransformerLM(lm_cfg)
+    return TransformerLM(lm_cfg)
 
 
 def test_wt103_paper_has_the_authors_parameter_totals():
@@ -32,12 +30,12 @@ def test_wt103_paper_has_the_authors_parameter_totals():
     soft = _lm(paper, device="meta")
     assert soft.num_parameters() == 44_018_394
     assert soft.num_attention_parameters() == 16 * 4 * 128 * 128
-    mgk = _lm(dataclasses.replace(paper, attention="mgk", num_heads=4))
+    mgk = _lm(config_mod.replace(paper, attention="mgk", num_heads=4))
     assert abs(mgk.num_parameters() - 43_657_946) <= 0.0005 * 43_657_946
     assert mgk.num_parameters() == 43_657_946
     assert mgk.num_attention_parameters() == 16 * 43_008
     # the other output layer, kept and named: nn.AdaptiveLogSoftmaxWithLoss with tail projections, no biases
-    ours = _lm(dataclasses.replace(paper, adaptive_softmax="torch", attn_bias=True), device="meta")
+    ours = _lm(config_mod.replace(paper, adaptive_softmax="torch", attn_bias=True), device="meta")
     assert ours.num_parameters() == 43_808_000
 
 
@@ -61,11 +59,11 @@ def test_lra_paper_presets_have_the_authors_counts(task):
     classes = {"listops": 10, "text": 2, "retrieval": 2}[task]
     vocab = {"listops": 16, "text": 257, "retrieval": 257}[task]
     for (kind, heads), authors_count in LRA_NON_EMBEDDING[task].items():
-        cfg = dataclasses.replace(all_presets()[f"{task}-paper"], attention=kind, num_heads=heads, vocab_size=vocab,
-                                  num_classes=classes)
+        cfg = config_mod.replace(all_presets()[f"{task}-paper"], attention=kind, num_heads=heads, vocab_size=vocab,
+                                 num_classes=classes)
         model_cls = RetrievalModel if task == "retrieval" else LRAClassifier
-        model = model_cls.from_config(config_mod.encoder_config(cfg))
-        expected = authors_count + cfg.d_model * (vocab + cfg.max_len)
+        model = model_cls(config_mod.encoder_config(cfg))
+        expected = authors_count + cfg.model.d_model * (vocab + cfg.data.max_len)
         assert sum(p.numel() for p in model.parameters()) == expected, (task, kind, heads)
     assert get_task(task) is not None
 
@@ -74,18 +72,22 @@ def test_paper_presets_keep_the_authors_values():
     presets = all_presets()
     for task, per_task in authors.LRA_TASKS.items():
         cfg = presets[f"{task}-paper"]
+        values = config_mod.flat(cfg)
         for name, value in {**authors.AUTHORS_LRA, **per_task}.items():
-            assert getattr(cfg, name) == value, (task, name)
+            assert values[name] == value, (task, name)
         assert cfg.task == task
+        assert cfg.attention_forms.keys() == authors.AUTHORS_LRA_FORMS.keys()
     lm = presets["wt103-paper"]
+    values = config_mod.flat(lm)
     for name, value in authors.AUTHORS_LM.items():
-        assert getattr(lm, name) == value, name
-    assert (lm.attention, lm.num_heads) == ("softmax", 8)
-    for name, opts in authors.AUTHORS_ATTENTION_OPTIONS.items():  # applied exactly where the field exists
-        for key, value in opts.items():
-            if hasattr(presets[name], key):
-                assert getattr(presets[name], key) == value, (name, key)
-    assert presets["wt103-paper"].sigma2 == [4.0, 4.0 / 3] and presets["wt103-paper"].pi_shape == "position"
+        assert values[name] == value, name
+    assert (lm.attention.kind, lm.attention.num_heads) == ("softmax", 8)
+    for name, forms in (("listops-paper", authors.AUTHORS_LRA_FORMS), ("wt103-paper", authors.AUTHORS_LM_FORMS)):
+        for kind, form in forms.items():  # each kind's form, exactly as the authors' code has it
+            held = presets[name].attention_forms[kind]
+            assert {k: getattr(held, k) for k in form} == {k: tuple(v) if isinstance(v, list) else v
+                                                            for k, v in form.items()}, (name, kind)
+    assert lm.attention_forms["mgk"].sigma2 == (4.0, 4.0 / 3) and lm.attention_forms["mgk"].pi_shape == "position"
 
 
 def test_each_authors_value_cites_its_source():
@@ -103,17 +105,17 @@ def test_each_authors_value_cites_its_source():
                 assert cites[i] or (cont and cites[i + 1]), (key, lines[i])
 
 
-def test_preset_attention_options_are_defaults_for_the_kinds_that_take_them():
+def test_preset_attention_forms_reach_only_the_kind_they_belong_to():
     paper = all_presets()["wt103-paper"]
-    explicit = config_mod.explicit_fields(paper, soft=authors_option_values())
-    config_mod.check_attention_options(paper, explicit)  # softmax: sigma2 / pi_shape simply not passed
-    assert config_mod.attention_config(paper).options == {}
-    mgk = dataclasses.replace(paper, attention="mgk", num_heads=4)
-    soft = authors_option_values()
-    config_mod.check_attention_options(mgk, config_mod.explicit_fields(mgk, {"attention", "num_heads"}, soft=soft))
-    assert config_mod.attention_config(mgk, max_len=256).options["sigma2"] == [4.0, 4.0 / 3]
-    with pytest.raises(ValueError, match="sigma2"):  # set on purpose for a kind that does not take it
-        config_mod.check_attention_options(paper, config_mod.explicit_fields(paper, {"sigma2"}, soft=soft))
+    config_mod.validate(paper)  # softmax: the other kinds' sigma2 / pi_shape are simply not its options
+    assert config_mod.attention_config(paper).options.as_kwargs() == {}
+    mgk = config_mod.replace(paper, attention="mgk", num_heads=4)
+    assert config_mod.attention_config(mgk, max_len=256).options.sigma2 == (4.0, 4.0 / 3)
+    mlk = config_mod.apply_overrides(paper, ["attention=mlk"])  # the authors' LM MLK (type 400)
+    assert (mlk.attention.options.feature_map, mlk.attention.options.eps, mlk.attention.options.pi_shape) == \
+        ("elu_sum", 1e-5, "position")
+    with pytest.raises(ValueError, match="'sigma2'.*'softmax'"):  # set on purpose for a kind that does not take it
+        config_mod.apply_overrides(paper, ["sigma2=1,2"])
 
 
 def test_new_fields_validate_and_parse():
@@ -121,7 +123,7 @@ def test_new_fields_validate_and_parse():
         "init=paper", "classifier_activation=relu", "attn_bias=false", "schedule=onecycle", "eval_batches=3",
         "adaptive_softmax=authors"])
     config_mod.validate(cfg)
-    assert (cfg.init, cfg.attn_bias, cfg.eval_batches) == ("paper", False, 3)
+    assert (cfg.model.init, cfg.attention.bias, cfg.eval.batches) == ("paper", False, 3)
     for bad, match in (("init=xavier", "init"), ("classifier_activation=tanh", "classifier_activation"),
                        ("schedule=step", "schedule"), ("eval_batches=-1", "eval_batches"),
                        ("adaptive_softmax=fairseq", "adaptive_softmax")):
@@ -188,13 +190,11 @@ def test_lra_paper_presets_run_the_pi_ablations(pi):
     """The presets' learned-weight shape (one (2,) per layer, not normalised) does not apply to Soft-E's buffer or
     Hard-E: ``--preset listops-paper --attention mgk --pi soft_e`` builds; setting the shape on purpose is refused."""
     paper = all_presets()["listops-paper"]
-    cfg = dataclasses.replace(paper, attention="mgk", num_heads=1, pi=pi, vocab_size=16, num_classes=10)
+    assert paper.attention.options.pi_shape == "layer"
+    cfg = config_mod.replace(paper, attention="mgk", num_heads=1, pi=pi, vocab_size=16, num_classes=10)
     config_mod.validate(cfg)
-    soft = authors_option_values()
-    config_mod.check_attention_options(cfg, config_mod.explicit_fields(cfg, {"attention", "num_heads", "pi"},
-                                                                       soft=soft))
     options = config_mod.encoder_config(cfg).attention.options
-    assert options["pi"] == pi and options["pi_shape"] == "head" and options["pi_norm"] == "softmax"
-    LRAClassifier.from_config(config_mod.encoder_config(cfg))
+    assert options.pi == pi and options.pi_shape == "head" and options.pi_norm == "softmax"
+    LRAClassifier(config_mod.encoder_config(cfg))
     with pytest.raises(ValueError, match="pi_shape.*learned"):
-        config_mod.check_attention_options(cfg, {"pi_shape"})
+        config_mod.validate(config_mod.replace(paper, attention="mgk", pi=pi, pi_shape="layer"))

@@ -6,6 +6,7 @@ import pytest
 import torch
 import yaml
 
+from mgk import config as config_mod
 from mgk.train.schedule import build_scheduler
 
 PROTOCOL_SETS = ["schedule=onecycle", "init=paper", "classifier_activation=relu", "attn_bias=false",
@@ -26,7 +27,7 @@ def test_protocol_is_recorded_and_onecycle_resumes_exactly(tmp_path, th, args):
         {"init": "paper", "schedule": "onecycle", "attn_bias": False, "classifier_activation": "relu",
          "eval_batches": 2}
     assert results["params_attention"] > 0 and results["val"]["count"] == 40  # final val: the whole split
-    cfg = yaml.safe_load((straight / "config.yaml").read_text())
+    cfg = config_mod.flat(config_mod.from_dict(yaml.safe_load((straight / "config.yaml").read_text())))
     assert (cfg["schedule"], cfg["init"], cfg["eval_batches"]) == ("onecycle", "paper", 2)
     log = (straight / "train.log").read_text()
     assert f"{results['params']:,} parameters in total, {results['params_attention']:,} in attention" in log

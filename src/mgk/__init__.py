@@ -1,12 +1,13 @@
 """mgk: Transformer-MGK attention (mixture of Gaussian keys, Nguyen et al., ICML 2022) and its experiment harness.
 
 Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
-Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``), and
-:func:`swap_attention`, which puts them into an existing model with its weights; the math is in
-:mod:`mgk.functional`.
+Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``),
+built by kind name (:func:`build_attention`) or from an :class:`AttentionConfig`, and :func:`swap_attention`, which
+puts them into an existing model with its weights; the math is in :mod:`mgk.functional`.
 :func:`soft_e_step` applies the Soft-E update of pi after backward.
 """
 from .attention import (
+    AttentionConfig,
     LinearAttention,
     MGKAttention,
     MLKAttention,
@@ -19,4 +20,4 @@ from .attention import (
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention", "soft_e_step", "swap_attention"]
+__all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention"]

@@ -7,17 +7,17 @@ import torch
 from mgk.analyze import stats
 from mgk.analyze.mixture import component_sums, mixture_weights
 from mgk.analyze.weights import WeightRecorder
-from mgk.attention import MGKAttention, MLKAttention, MultiheadAttention
-from mgk.models import LRAClassifier
+from mgk.attention import MGKAttention, MLKAttention, MultiheadAttention, attention_kinds
+from mgk.models import AttentionConfig, EncoderConfig, LRAClassifier
 
-KINDS = ["softmax", "mgk", "smgk", "linear", "mlk"]
+KINDS = attention_kinds()
 
 
 def tiny_classifier(attention, heads=2, **options):
     torch.manual_seed(0)
-    return LRAClassifier(12, 3, 16, d_model=16, num_layers=2, ffn_dim=16, attention=attention, num_heads=heads,
-                         head_dim=4, dropout=0.0, attn_dropout=0.0, classifier_dim=8,
-                         attention_options=options).double().eval()
+    config = AttentionConfig(kind=attention, num_heads=heads, head_dim=4, dropout=0.0, options=options)
+    return LRAClassifier(EncoderConfig(12, 3, 16, d_model=16, num_layers=2, ffn_dim=16, dropout=0.0, classifier_dim=8,
+                                       attention=config)).double().eval()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -167,12 +167,12 @@ def test_mlk_that_mixes_keys_has_no_component_shares():
 
 def test_run_labels_name_the_options_that_change_the_weights():
     from mgk.analyze.run import run_label
-    from mgk.config import RunConfig
+    from mgk.config import run_config
 
-    assert run_label(RunConfig(attention="softmax", num_heads=8)) == "softmax-8"
-    assert run_label(RunConfig(attention="mgk", num_heads=4, pi="soft_e")) == "mgk-4 soft_e"
-    assert run_label(RunConfig(attention="mlk", num_heads=4)) == "mlk-4"
-    assert run_label(RunConfig(attention="mlk", num_heads=4, mix="keys", feature_map="elu_sum")) == \
+    assert run_label(run_config(attention="softmax", num_heads=8)) == "softmax-8"
+    assert run_label(run_config(attention="mgk", num_heads=4, pi="soft_e")) == "mgk-4 soft_e"
+    assert run_label(run_config(attention="mlk", num_heads=4)) == "mlk-4"
+    assert run_label(run_config(attention="mlk", num_heads=4, mix="keys", feature_map="elu_sum")) == \
         "mlk-4 mix=keys feature_map=elu_sum"
-    linear = RunConfig(attention="linear", num_heads=8, feature_map="elu_sum")
+    linear = run_config(attention="linear", num_heads=8, feature_map="elu_sum")
     assert run_label(linear) == "linear-8 feature_map=elu_sum"

@@ -11,7 +11,7 @@ import torch
 
 from mgk.attention import LinearAttention, MGKAttention, MLKAttention, build_attention
 from mgk.attention.registry import attention_options, check_options
-from mgk.config import RunConfig, apply_overrides, attention_config, validate
+from mgk.config import apply_overrides, attention_config, run_config, validate
 from reference_authors import lm_linear_type34, lm_mgk, lm_mlk_type400, lra_linear, lra_mlk
 
 E, H, D, B, L = 12, 3, 4, 2, 9
@@ -168,8 +168,8 @@ def test_bad_mixture_options_name_the_option():
 
 def test_registry_declares_the_options_with_types():
     linear = attention_options("linear")
-    assert {"normalize", "feature_map", "output_scale", "attn_eps", "eps_mode"} <= set(linear)
-    assert {"mix", "pi_norm", "normalize", "attn_eps"} <= set(attention_options("mlk")) - {"sigma2"}
+    assert {"normalize", "feature_map", "output_scale", "eps", "eps_mode"} <= set(linear)
+    assert {"mix", "pi_norm", "normalize", "eps"} <= set(attention_options("mlk")) - {"sigma2"}
     assert "pi_norm" in attention_options("mgk") and "normalize" not in attention_options("mgk")
     with pytest.raises(ValueError, match="normalize"):
         check_options("mgk", {"normalize": "length"})
@@ -188,20 +188,21 @@ def test_registry_declares_the_options_with_types():
      dict(pi_norm="none", pi_shape="position")),
 ])
 def test_set_reaches_the_module_through_the_config(kind, sets, attrs):
-    cfg = validate(apply_overrides(RunConfig(attention=kind, d_model=E, num_heads=H, head_dim=D), sets))
+    cfg = validate(apply_overrides(run_config(attention=kind, d_model=E, num_heads=H, head_dim=D), sets))
     ac = attention_config(cfg)
-    m = build_attention(ac.kind, E, ac.num_heads, head_dim=ac.head_dim, **ac.options)
+    m = build_attention(ac.kind, E, ac.num_heads, head_dim=ac.head_dim, **ac.options.as_kwargs())
+    assert type(ac.build(E)) is type(m) and ac.build(E).head_dim == D
     for name, value in attrs.items():
         assert getattr(m, name) == value, name
 
 
 def test_config_defaults_build_todays_modules():
     for kind in ("linear", "mlk", "mgk"):
-        ac = attention_config(RunConfig(attention=kind, d_model=E, num_heads=H, head_dim=D))
+        ac = attention_config(run_config(attention=kind, d_model=E, num_heads=H, head_dim=D))
         torch.manual_seed(0)
-        built = build_attention(kind, E, H, head_dim=D, **ac.options).double()
+        built = build_attention(kind, E, H, head_dim=D, **ac.options.as_kwargs()).double()
         torch.manual_seed(0)
-        plain = build_attention(kind, E, H, head_dim=D, max_len=ac.options.get("max_len")).double() \
+        plain = build_attention(kind, E, H, head_dim=D, max_len=ac.options.max_len).double() \
             if "max_len" in attention_options(kind) else build_attention(kind, E, H, head_dim=D).double()
         x = _x(7)
         torch.testing.assert_close(built(x, need_weights=False)[0], plain(x, need_weights=False)[0], rtol=0, atol=0)
@@ -211,4 +212,4 @@ def test_config_defaults_build_todays_modules():
                                           ("mix", "raw"), ("pi_norm", "clamp"), ("pi_shape", "batch")])
 def test_config_refuses_unknown_values(field, value):
     with pytest.raises(ValueError, match=field):
-        validate(apply_overrides(RunConfig(attention="mlk"), [f"{field}={value}"]))
+        validate(apply_overrides(run_config(attention="mlk"), [f"{field}={value}"]))

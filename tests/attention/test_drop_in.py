@@ -123,7 +123,7 @@ def test_float_masks_match_nn_multihead_attention():
 def test_float_bias_on_mgk_scales_each_keys_mixture_weight(build, pi):
     """For MGK a float mask b_ij multiplies key j's weight by exp(b_ij): a per-key bias (B, S) equals the same
     bias added to log pi of every component, and -inf equals the bool mask."""
-    m = build("mgk", pi)
+    m = build("mgk", {"pi": pi})
     x = torch.randn(B, L, E)
     kpm, causal = _masks()
     minus_inf = torch.zeros(L, L).masked_fill(causal, float("-inf"))

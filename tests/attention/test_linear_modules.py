@@ -6,16 +6,14 @@ import torch
 
 import mgk
 from mgk.attention import LinearAttention, MLKAttention, build_attention
+from mgk.attention.registry import get_kind, kind_variants, variant_name
 from mgk.functional import MaskError
 
 E, H = 16, 2
-KINDS = [
-    ("linear", {}),
-    ("mlk", {}),
-    ("smlk", {}),
-    ("mlk", {"num_keys": 3, "pi_shape": "position", "max_len": 64}),
-]
-IDS = ["linear", "mlk", "smlk", "mlk3-position"]
+# The linear kinds with their registered variants, and MLK with three components and per-position weights.
+KINDS = [(k, v) for k, v in kind_variants() if get_kind(k).family == "linear"]
+KINDS += [("mlk", {"num_keys": 3, "pi_shape": "position", "max_len": 64})]
+IDS = [variant_name(k, v) for k, v in KINDS]
 
 
 def build(kind, options, **common):
@@ -124,8 +122,8 @@ def test_mlk_with_one_head_prior_on_first_key_equals_linear_attention():
 
 @pytest.mark.parametrize("kind,pi", [("mgk", "learned"), ("smgk", "soft_e"), ("mlk", "learned"), ("smlk", "learned")])
 def test_state_dicts_from_before_the_mixture_submodule_still_load(kind, pi):
-    """Issue 11: the keys moved into `mixture`; a state dict with the old flat names (k_proj.*, key_shift,
-    pi_logits, pi) loads strictly into the new module and gives the same outputs."""
+    """The keys live in the submodule `mixture`; a state dict with the earlier flat names (k_proj.*, key_shift,
+    pi_logits, pi) loads strictly into the module and gives the same outputs."""
     torch.manual_seed(0)
     options = {"pi": pi, "max_len": 8} if kind.endswith("mgk") else {}
     m = build_attention(kind, E, H, **options).eval()

@@ -6,21 +6,25 @@ import pytest
 import torch
 
 import mgk
-from mgk.attention.registry import attention_options
+from mgk.attention.registry import get_kind, kind_variants, variant_name
 from mgk.functional import MaskError
 
-KINDS = [("softmax", "learned"), ("mgk", "learned"), ("mgk", "soft_e"), ("mgk", "hard_e"), ("smgk", "learned"),
-         ("smgk", "soft_e"), ("smgk", "hard_e")]
+# The softmax and Gaussian-mixture kinds with their registered variants (the pi modes).
+KINDS = [(k, v) for k, v in kind_variants() if get_kind(k).family in ("softmax", "mixture")]
 
 
-def make(kind, pi, E=16, H=2, D=8, max_len=16, dropout=0.0, **kw):
+def make(kind, options=None, E=16, H=2, D=8, max_len=16, dropout=0.0, **kw):
     torch.manual_seed(0)
-    options = {k: v for k, v in dict(pi=pi, max_len=max_len).items() if k in attention_options(kind)}
+    if isinstance(options, str):  # the pi mode
+        options = {"pi": options} if "pi" in get_kind(kind).options.names() else {}
+    options = dict(options or {})
+    if "max_len" in get_kind(kind).options.names():
+        options["max_len"] = max_len
     return mgk.build_attention(kind, E, H, head_dim=D, dropout=dropout, **options, **kw)
 
 
 def test_mask_conventions_match_nn_multihead_attention():
-    m = make("mgk", "learned").eval()
+    m = make("mgk").eval()
     x = torch.randn(2, 5, 16)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
     am = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # True = not allowed (nn.MHA)
@@ -43,7 +47,7 @@ def test_mask_conventions_match_nn_multihead_attention():
 
 
 def test_shape_errors_name_the_argument():
-    m = make("mgk", "learned")
+    m = make("mgk")
     with pytest.raises(ValueError, match="query"):
         m(torch.randn(2, 5, 15), need_weights=False)
     with pytest.raises(ValueError, match="query"):
@@ -128,7 +132,7 @@ def test_soft_e_update_equals_hand_computation(keys):
 
 
 def test_soft_e_never_changes_in_eval_or_no_grad_and_is_saved():
-    m = make("mgk", "soft_e")
+    m = make("mgk", {"pi": "soft_e"})
     x = torch.randn(2, 5, 16)
     before = m.pi.clone()
     m.eval()
@@ -209,9 +213,9 @@ def test_learned_pi_at_the_boundary_still_learns():
     torch.testing.assert_close(pi.sum(1), torch.ones(1))
 
 
-@pytest.mark.parametrize("kind,pi", KINDS)
-def test_dropout_is_train_only(kind, pi):
-    m = make(kind, pi, dropout=0.5).eval()
+@pytest.mark.parametrize("kind,options", KINDS, ids=[variant_name(k, v) for k, v in KINDS])
+def test_dropout_is_train_only(kind, options):
+    m = make(kind, options, dropout=0.5).eval()
     x = torch.randn(2, 6, 16)
     a, _ = m(x, need_weights=False)
     b, _ = m(x, need_weights=False)

@@ -23,7 +23,7 @@ def core(kind, heads, N=4096, **kw):
 
 
 def test_mixture_kernel_does_three_quarters_of_softmax8_in_the_core():
-    """MGK-4 with 2 keys: 4 heads x (2 score + 1 value products) against 8 heads x 2 products (the issue's 0.75)."""
+    """MGK-4 with 2 keys: 4 heads x (2 score + 1 value products) against 8 heads x 2 products (0.75)."""
     assert core("mgk", 4, mixture_kernel=True) / core("softmax", 8) == pytest.approx(0.75)
     # the SDPA form pays M value products and one extra column per score
     assert core("mgk-sdpa", 4) / core("softmax", 8) == pytest.approx((2 * 2 * 33 + 2 * 2 * 32) * 4 / (4 * 32 * 8))

@@ -1,6 +1,6 @@
 """mgk_attention(backend=...) reaches every implementation; each equals the float64 explicit reference; a backend
-that cannot serve the inputs is refused by name; the seams' faults: translation invariance of MGK in float32
-(issue 16.1), exact normalisation of linear attention (issue 16.3), mixed dtypes refused (issue 17.6)."""
+that cannot serve the inputs is refused by name; the seams' faults: translation invariance of MGK in float32, exact
+normalisation of linear attention, mixed dtypes refused."""
 from __future__ import annotations
 
 import pytest
@@ -89,16 +89,16 @@ def test_mgk_cpu_kernel_0_makes_the_kernel_unavailable_to_the_selector(tmp_path)
     assert "MGK_CPU_KERNEL=0" in p.stderr and "backend='kernel' cannot serve" in p.stderr
 
 
-# ---- issue 16.1: translation invariance in float32 ------------------------------------------------------------
+# ---- translation invariance in float32 -------------------------------------------------------------------------
 
-def _issue_inputs():
+def _offset_inputs():
     torch.manual_seed(0)
     return torch.randn(1, 1, 64, 16), torch.randn(1, 1, 2, 64, 16), torch.randn(1, 1, 64, 16)
 
 
 @pytest.mark.parametrize("offset", [25.0, 250.0])
-def test_issue_offset_keeps_float32_mgk_within_1e5(backend, offset, assert_close):
-    q, k, v = _issue_inputs()
+def test_a_shared_offset_keeps_float32_mgk_within_1e5(backend, offset, assert_close):
+    q, k, v = _offset_inputs()
     c = torch.full((16,), offset)
     ref = mgk_attention(q.double(), k.double(), v.double(), backend="explicit")
     got = mgk_attention(q + c, k + c, v, backend=backend)
@@ -106,8 +106,8 @@ def test_issue_offset_keeps_float32_mgk_within_1e5(backend, offset, assert_close
 
 
 @pytest.mark.parametrize("offset", [25.0, 250.0])
-def test_issue_offset_keeps_responsibilities_within_1e5_per_count(offset, assert_close):
-    q, k, _ = _issue_inputs()
+def test_a_shared_offset_keeps_responsibilities_within_1e5_per_count(offset, assert_close):
+    q, k, _ = _offset_inputs()
     c = torch.full((16,), offset)
     for path in ("kernel", "explicit"):
         ref, count = mgk_responsibilities(q.double(), k.double(), backend="explicit")
@@ -161,7 +161,7 @@ def test_gradients_flow_through_the_centring(name):
                                     (*ins, s2))
 
 
-# ---- issue 16.3: exactly normalised linear attention -----------------------------------------------------------
+# ---- exactly normalised linear attention -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["chunked", "explicit"])
@@ -194,7 +194,7 @@ def test_linear_explicit_only_serves_weights():
         linear_attention(q, k, v, backend="recurrent")
 
 
-# ---- issue 17.6: mixed dtypes ------------------------------------------------------------------------------------
+# ---- mixed dtypes -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn", ["softmax", "softmax_reference", "mgk", "linear", "mlk", "responsibilities",
                                 "step"])

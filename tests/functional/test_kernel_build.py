@@ -44,7 +44,7 @@ def test_build_name_covers_source_torch_python_compiler_and_flags():
         assert _mixture_flash._build_name(**{**base, key: other}) != name, key
 
 
-def test_issue_scenario_lock_590_s_old_and_library_present_loads_at_once():
+def test_a_lock_590_s_old_beside_a_built_library_loads_at_once():
     """A `lock` file left 590 s ago by a killed build (younger than the old 600 s staleness rule), next to an
     already compiled library: a new process loads the kernel without waiting and removes the lock."""
     if _mixture_flash._load() is None:

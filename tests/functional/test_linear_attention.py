@@ -534,7 +534,7 @@ def test_wrong_shapes_and_dtypes_name_the_argument():
 
 
 def test_eps_replaces_only_a_zero_denominator():
-    """Issue 16.3: o = num / den exactly; eps stands in only for a denominator that is exactly 0."""
+    """o = num / den exactly; eps stands in only for a denominator that is exactly 0."""
     q, k, v = (torch.ones(1, 1, 1, 1, dtype=torch.float64) for _ in range(3))
     out = linear_attention(q, k, v, eps=0.5)  # phi(1) = 2: num = 4 v, den = 4
     assert out.item() == 1.0

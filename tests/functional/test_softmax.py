@@ -64,7 +64,7 @@ def test_causal_bottom_right(dtype, LS, with_padding):
     torch.testing.assert_close(w.to(F64), ref_w, **TOL[dtype])
 
 
-def test_r10_last_query_equals_last_row():
+def test_the_last_query_alone_equals_the_last_row():
     q, k, v = inputs(1, 2, 6, 6, seed=5)
     full = softmax_attention(q, k, v, is_causal=True)
     last = softmax_attention(q[:, :, 5:], k, v, is_causal=True)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mgk.models import TransformerLM
+from mgk.models import AttentionConfig, LMConfig, TransformerLM
 from mgk.models.adaptive_authors import AuthorsAdaptiveSoftmax
 
 
@@ -71,8 +71,8 @@ def test_lm_perplexity_is_computed_the_same_way():
     """forward(tokens, targets) gives -log p of the next token under log_probs, for either output layer."""
     torch.manual_seed(0)
     for kind in ("authors", "torch"):
-        lm = TransformerLM(60, d_model=16, num_layers=1, ffn_dim=32, num_heads=2, head_dim=8, cutoffs=[20, 40],
-                           adaptive_softmax=kind).eval()
+        lm = TransformerLM(LMConfig(60, d_model=16, num_layers=1, ffn_dim=32, cutoffs=(20, 40), adaptive_softmax=kind,
+                                    attention=AttentionConfig(num_heads=2, head_dim=8))).eval()
         tokens = torch.randint(0, 60, (2, 9))
         targets = torch.randint(0, 60, (2, 9))
         with torch.no_grad():
@@ -81,12 +81,12 @@ def test_lm_perplexity_is_computed_the_same_way():
         torch.testing.assert_close(nll, -lp.gather(2, targets.unsqueeze(2)).squeeze(2), atol=1e-5, rtol=0)
         torch.testing.assert_close(lp.exp().sum(-1), torch.ones(2, 9), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="adaptive_softmax"):
-        TransformerLM(60, d_model=16, num_layers=1, adaptive_softmax="fairseq")
+        TransformerLM(LMConfig(60, d_model=16, num_layers=1, adaptive_softmax="fairseq"))
 
 
 def test_training_step_reaches_every_parameter():
-    lm = TransformerLM(60, d_model=16, num_layers=1, ffn_dim=32, num_heads=2, head_dim=8, cutoffs=[20, 40],
-                       adaptive_softmax="authors")
+    lm = TransformerLM(LMConfig(60, d_model=16, num_layers=1, ffn_dim=32, cutoffs=(20, 40), adaptive_softmax="authors",
+                                attention=AttentionConfig(num_heads=2, head_dim=8)))
     tokens = torch.randint(0, 20, (2, 5))  # only shortlist words: the tail clusters still get a (zero) gradient
     lm(tokens, tokens).sum().backward()
     assert all(p.grad is not None for p in lm.parameters())

@@ -3,13 +3,20 @@ import pytest
 import torch
 from torch import nn
 
-from mgk.models import LRAClassifier, TransformerLM
+from mgk.models import AttentionConfig, EncoderConfig, LMConfig, LRAClassifier, TransformerLM
 
 
 def _lm(**kw):
     torch.manual_seed(0)
-    return TransformerLM(3000, d_model=32, num_layers=2, ffn_dim=64, attention="mgk", num_heads=2, head_dim=16,
-                         cutoffs=[1000, 2000], attention_options={"pi_shape": "position", "max_len": 16}, **kw)
+    attention = AttentionConfig(kind="mgk", num_heads=2, head_dim=16, options={"pi_shape": "position", "max_len": 16})
+    return TransformerLM(LMConfig(3000, d_model=32, num_layers=2, ffn_dim=64, cutoffs=(1000, 2000), attention=attention,
+                                  **kw))
+
+
+def _classifier(vocab_size, num_classes, max_len, attn_bias=True, **kw):
+    attention = AttentionConfig(kind="softmax", num_heads=2, head_dim=8, dropout=0.1, bias=attn_bias)
+    return LRAClassifier(EncoderConfig(vocab_size, num_classes, max_len, d_model=16, ffn_dim=32, classifier_dim=16,
+                                       attention=attention, **kw))
 
 
 @pytest.mark.parametrize("adaptive", ["authors", "torch"])
@@ -35,29 +42,27 @@ def test_lm_paper_init(adaptive):
 
 
 def test_lra_paper_init_touches_only_the_embeddings():
-    kw = dict(attention="softmax", num_heads=2, head_dim=8, d_model=16, ffn_dim=32, classifier_dim=16)
     torch.manual_seed(0)
-    base = LRAClassifier(512, 3, 4096, **kw)
+    base = _classifier(512, 3, 4096)
     torch.manual_seed(0)
-    paper = LRAClassifier(512, 3, 4096, init="paper", **kw)
+    paper = _classifier(512, 3, 4096, init="paper")
     for (name, p), (_, q) in zip(base.named_parameters(), paper.named_parameters()):
         if "embedding" in name:
             assert abs(q.std().item() - 0.02) < 2e-3 and not torch.equal(p, q), name
         else:
             assert torch.equal(p, q), name  # PyTorch's defaults elsewhere, as in lra/model.py
     with pytest.raises(ValueError, match="init"):
-        LRAClassifier(10, 2, 8, init="xavier", **kw)
+        _classifier(10, 2, 8, init="xavier")
 
 
 def test_classifier_activation_and_attention_bias():
-    kw = dict(attention="softmax", num_heads=2, head_dim=8, d_model=16, ffn_dim=32, classifier_dim=16)
-    assert isinstance(LRAClassifier(10, 2, 8, classifier_activation="relu", **kw).head[1], nn.ReLU)
-    assert isinstance(LRAClassifier(10, 2, 8, **kw).head[1], nn.GELU)
+    assert isinstance(_classifier(10, 2, 8, classifier_activation="relu").head[1], nn.ReLU)
+    assert isinstance(_classifier(10, 2, 8).head[1], nn.GELU)
     with pytest.raises(ValueError, match="classifier_activation"):
-        LRAClassifier(10, 2, 8, classifier_activation="tanh", **kw)
-    no_bias = LRAClassifier(10, 2, 8, attn_bias=False, **kw)
+        _classifier(10, 2, 8, classifier_activation="tanh")
+    no_bias = _classifier(10, 2, 8, attn_bias=False)
     assert not any(n.endswith("bias") for b in no_bias.encoder.blocks for n, _ in b.attn.named_parameters())
-    lm = TransformerLM(100, d_model=16, num_layers=1, ffn_dim=32, num_heads=2, head_dim=8, attn_bias=False,
-                       cutoffs=[50])
+    lm = TransformerLM(LMConfig(100, d_model=16, num_layers=1, ffn_dim=32, cutoffs=(50,),
+                                attention=AttentionConfig(num_heads=2, head_dim=8, bias=False)))
     assert not any(n.endswith("bias") for b in lm.blocks for n, _ in b.attn.named_parameters())
     assert lm.num_attention_parameters() == 4 * 16 * 16

@@ -4,9 +4,8 @@ import math
 import pytest
 import torch
 
-from mgk.attention import attention_kinds
-from mgk.attention.registry import attention_options
-from mgk.models import IGNORE_INDEX, TiedAdaptiveSoftmax, TransformerLM, sinusoidal_positions
+from mgk.attention.registry import get_kind, kind_variants, variant_name
+from mgk.models import IGNORE_INDEX, AttentionConfig, LMConfig, TiedAdaptiveSoftmax, TransformerLM, sinusoidal_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -42,13 +41,15 @@ def test_adaptive_input_is_tied_to_the_softmax_weights():
     e.sum().backward()  # input-side gradients reach the output weights
     assert sm.head.weight.grad[3].abs().sum() > 0 and sm.head.weight.grad[4].abs().sum() == 0
     assert sm.tail[1][1].weight.grad[5].abs().sum() > 0 and sm.tail[1][0].weight.grad.abs().sum() > 0
-    lm = TransformerLM(40, d_model=8, num_layers=1, ffn_dim=16, num_heads=2, head_dim=4, cutoffs=[10, 25])
+    lm = TransformerLM(LMConfig(40, d_model=8, num_layers=1, ffn_dim=16, cutoffs=(10, 25),
+                                attention=AttentionConfig(num_heads=2, head_dim=4)))
     keys = list(lm.state_dict())
     assert len(keys) == len(set(keys)) and not any("embed" in k for k in keys)
 
 
 def test_default_cutoffs_at_or_above_the_vocabulary_are_dropped():
-    lm = TransformerLM(30000, d_model=8, num_layers=1, ffn_dim=8, num_heads=1, head_dim=8)
+    lm = TransformerLM(LMConfig(30000, d_model=8, num_layers=1, ffn_dim=8, attention=AttentionConfig(num_heads=1,
+                                                                                                  head_dim=8)))
     assert lm.adaptive.cutoffs == [20000]
     assert "[40000, 200000] >= vocabulary size 30000 dropped" in lm.notes[0]
     assert lm.num_parameters(non_embedding=True) < lm.num_parameters()
@@ -64,7 +65,8 @@ def test_sinusoidal_positions():
 
 def test_ignored_targets_score_zero_and_the_rest_match_log_probs():
     torch.manual_seed(0)
-    lm = TransformerLM(60, d_model=16, num_layers=2, ffn_dim=32, num_heads=2, head_dim=8, cutoffs=[20, 40]).eval()
+    lm = TransformerLM(LMConfig(60, d_model=16, num_layers=2, ffn_dim=32, cutoffs=(20, 40),
+                                attention=AttentionConfig(num_heads=2, head_dim=8))).eval()
     x = torch.randint(0, 60, (2, 7))
     y = torch.randint(0, 60, (2, 7))
     y[0, :3] = IGNORE_INDEX
@@ -74,17 +76,18 @@ def test_ignored_targets_score_zero_and_the_rest_match_log_probs():
     torch.testing.assert_close(nll[y != IGNORE_INDEX], ref[y != IGNORE_INDEX], atol=1e-5, rtol=1e-5)
 
 
-VARIANTS = [(k, "learned") for k in attention_kinds()] + [("mgk", "soft_e"), ("mgk", "hard_e")]
+VARIANTS = kind_variants()
 
 
-@pytest.mark.parametrize("kind,pi", VARIANTS)
+@pytest.mark.parametrize("kind,options", VARIANTS, ids=[variant_name(k, v) for k, v in VARIANTS])
 @pytest.mark.parametrize("train", [False, True])
-def test_future_tokens_never_change_earlier_log_probs(kind, pi, train):
+def test_future_tokens_never_change_earlier_log_probs(kind, options, train):
     torch.manual_seed(0)
-    lm = TransformerLM(50, d_model=16, num_layers=2, ffn_dim=32, attention=kind, num_heads=2, head_dim=8,
-                       dropout=0.1, attn_dropout=0.1 if kind in ("softmax", "mgk", "smgk") else 0.0,
-                       attention_options={k: v for k, v in {"pi": pi, "max_len": 8}.items()
-                                          if k in attention_options(kind)}, cutoffs=[10, 30])
+    spec = get_kind(kind)
+    attention = AttentionConfig(kind=kind, num_heads=2, head_dim=8, dropout=0.0 if spec.family == "linear" else 0.1,
+                                options={**options, **({"max_len": 8} if "max_len" in spec.options.names() else {})})
+    lm = TransformerLM(LMConfig(50, d_model=16, num_layers=2, ffn_dim=32, dropout=0.1, cutoffs=(10, 30),
+                                attention=attention))
     lm.train(train)
     x = torch.randint(0, 50, (2, 8))
     y = x.clone()

@@ -110,8 +110,8 @@ def test_local_executor_through_submitit(tmp_path):
 @pytest.mark.skipif(not (SHARED / "imdb" / "aclImdb_train.tar.gz").is_file(),
                     reason=f"shared IMDb copy {SHARED}/imdb/aclImdb_train.tar.gz absent (set MGK_DATA_ROOT)")
 def test_smoke_on_shared_data_killed_part_way_then_finished(tmp_path):
-    """The issue's command on the shared data (two rows x ListOps and Text x seeds 0,1), killed after its first
-    finished runs, then run again: it completes and re-runs none of them."""
+    """`mgk reproduce` at smoke scale on the shared data (two rows x ListOps and Text x seeds 0,1), killed after its
+    first finished runs, then run again: it completes and re-runs none of them."""
     out = tmp_path / "out"
     args = [sys.executable, "-m", "mgk", "reproduce", "lra-softmax-family", "--scale", "smoke", "--seeds", "0,1",
             "--only", "row=softmax-8,mgk-4", "--only", "task=listops,text", "--data-root", str(SHARED),

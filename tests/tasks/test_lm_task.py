@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mgk.config import RunConfig
-from mgk.models import IGNORE_INDEX, TransformerLM
+from mgk import config as config_mod
+from mgk.models import IGNORE_INDEX, AttentionConfig, LMConfig, TransformerLM
 from mgk.tasks import all_presets, get_task
 from mgk.tasks.lm import LMSegments, LMTask, StreamSampler, make_batch, summarise
 from mgk.train.evaluate import evaluate
@@ -95,8 +95,8 @@ def test_loss_returns_summed_nll_and_token_count():
 def context_free_lm(vocab=40, cutoffs=(10, 25)):
     """A unigram model: the last LayerNorm outputs a constant vector, so every position predicts the same law."""
     torch.manual_seed(0)
-    lm = TransformerLM(vocab, d_model=8, num_layers=2, ffn_dim=16, num_heads=2, head_dim=4,
-                       cutoffs=list(cutoffs)).eval()
+    lm = TransformerLM(LMConfig(vocab, d_model=8, num_layers=2, ffn_dim=16, cutoffs=tuple(cutoffs),
+                                attention=AttentionConfig(num_heads=2, head_dim=4))).eval()
     with torch.no_grad():
         lm.blocks[-1].norm2.weight.zero_()
         lm.blocks[-1].norm2.bias.normal_()
@@ -127,15 +127,16 @@ def test_unigram_perplexity_invariant_to_batch_size_segment_length_and_world_siz
 
 def test_presets_and_task_registry():
     presets = all_presets()
-    paper = presets["wt103-small"]
-    assert (paper.num_layers, paper.d_model, paper.head_dim, paper.ffn_dim, paper.segment_len, paper.batch_size) == \
+    paper = config_mod.flat(presets["wt103-small"])
+    assert tuple(paper[k] for k in ("num_layers", "d_model", "head_dim", "ffn_dim", "segment_len", "batch_size")) == \
         (16, 128, 16, 2048, 256, 96)
-    assert (paper.lr, paper.warmup_steps, paper.schedule, paper.grad_clip, paper.dropout, paper.weight_decay) == \
+    assert tuple(paper[k] for k in ("lr", "warmup_steps", "schedule", "grad_clip", "dropout", "weight_decay")) == \
         (2.5e-4, 2000, "cosine", 0.25, 0.1, 0.0)
-    assert paper.adaptive_cutoffs is None  # the default [20000, 40000, 200000]
-    assert presets["lm-small"].task == "lm" and presets["lm-small"].data is None
+    assert paper["adaptive_cutoffs"] is None  # the default [20000, 40000, 200000]
+    assert presets["lm-small"].task == "lm" and presets["lm-small"].data.path is None
     assert get_task("lm").PRESETS is not None
-    cfg = RunConfig(task="lm", sigma2=[4.0, 4.0 / 3], d_model=8, head_dim=4, num_heads=2, num_layers=1, ffn_dim=8)
+    cfg = config_mod.run_config(task="lm", sigma2=[4.0, 4.0 / 3], d_model=8, head_dim=4, num_heads=2, num_layers=1,
+                                ffn_dim=8)
     task = LMTask("lm", {}, vocab=[None] * 30)
     model = task.build_model(cfg)
     sig = [m.sigma2.tolist() for m in model.modules() if hasattr(m, "sigma2") and torch.is_tensor(m.sigma2)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
+from mgk import config as config_mod
 from mgk.cli import main
-from mgk.config import RunConfig
 from mgk.data.samples import cifar_pickle_files, make_aan_dir, make_imdb_tar, make_pathfinder_tree, write_files
 from mgk.tasks import get_task
 
@@ -27,8 +27,13 @@ def _train(out, task, *extra, steps=3, data=None):
     if data is not None:
         argv += ["--data", str(data)]
     main(argv)
-    return json.loads((out / "results.json").read_text()), yaml.safe_load((out / "config.yaml").read_text()), \
+    return json.loads((out / "results.json").read_text()), _flat(yaml.safe_load((out / "config.yaml").read_text())), \
         (out / "train.log").read_text()
+
+
+def _flat(saved: dict) -> dict:
+    """A saved config (config.yaml, a checkpoint's) by --set names."""
+    return config_mod.flat(config_mod.from_dict(saved))
 
 
 def test_text_trains_and_records_the_length_used(tmp_path):
@@ -38,7 +43,7 @@ def test_text_trains_and_records_the_length_used(tmp_path):
     assert res["val"]["max_len"] == 24 and res["test"]["count"] == 24 and res["val"]["count"] == 2
     assert "cut to their first 24 bytes" in log and "never from test" in log
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
-    assert ckpt["config"]["max_len"] == 24
+    assert _flat(ckpt["config"])["max_len"] == 24
     assert any((data.parent / ".mgk-cache").glob("imdb-*.npz"))  # tokenised arrays cached beside the data
 
 
@@ -56,8 +61,8 @@ def test_retrieval_trains_on_both_documents(tmp_path):
 
 def test_retrieval_batch_and_loss_shapes(tmp_path):
     data = make_aan_dir(tmp_path, n=8)
-    cfg = RunConfig(task="retrieval", data=str(data), max_len=64, d_model=16, head_dim=8, ffn_dim=32,
-                    classifier_dim=16, num_heads=2, cache_dir="off")
+    cfg = config_mod.run_config(task="retrieval", data=str(data), max_len=64, d_model=16, head_dim=8, ffn_dim=32,
+                                classifier_dim=16, num_heads=2, cache_dir="off")
     task = get_task("retrieval").build(cfg, data)
     batch = task.batch(task.splits["train"], torch.tensor([0, 3]), "cpu")
     assert set(batch) == {"tokens1", "padding_mask1", "tokens2", "padding_mask2", "label"}

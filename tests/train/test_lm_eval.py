@@ -10,7 +10,7 @@ import yaml
 
 from mgk.cli import main
 from mgk.data import wikitext as wt
-from mgk.models import IGNORE_INDEX, TransformerLM
+from mgk.models import IGNORE_INDEX, AttentionConfig, LMConfig, TransformerLM
 from mgk.tasks.lm import LMSegments, LMTask
 from mgk.train.evaluate import evaluate
 from mgk.train.lm_eval import evaluate_tokens, window_plan
@@ -39,8 +39,8 @@ def test_window_plan_scores_every_token_once_with_bounded_context(n, context, st
 
 def tiny_lm(seed=0, vocab=30, cutoffs=(8, 20), attention="softmax"):
     torch.manual_seed(seed)
-    return TransformerLM(vocab, d_model=16, num_layers=2, ffn_dim=32, attention=attention, num_heads=2, head_dim=8,
-                         cutoffs=list(cutoffs)).eval()
+    return TransformerLM(LMConfig(vocab, d_model=16, num_layers=2, ffn_dim=32, cutoffs=tuple(cutoffs),
+                                  attention=AttentionConfig(kind=attention, num_heads=2, head_dim=8))).eval()
 
 
 @pytest.mark.parametrize("attention", ["softmax", "mgk"])
@@ -175,7 +175,7 @@ def test_train_then_eval_counts_every_predicted_token(tmp_path, th):
     assert results["val"]["count"] == n_valid - 1 and results["test"]["count"] == n_test - 1
     assert results["val"]["tokens"] == n_valid and results["val"]["ppl"] > 1
     assert (out / "vocab.txt").is_file() and (out / "checkpoints" / "best.pt").is_file()
-    assert yaml.safe_load((out / "config.yaml").read_text())["sigma2"] == [2.0, 0.6667]
+    assert yaml.safe_load((out / "config.yaml").read_text())["attention"]["options"]["sigma2"] == [2.0, 0.6667]
     log = (out / "train.log").read_text()
     assert "data: valid" in log and "vocabulary" in log
 

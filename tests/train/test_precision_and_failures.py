@@ -4,8 +4,7 @@ import json
 import pytest
 import torch
 
-from mgk.attention import attention_kinds
-from mgk.attention.registry import attention_options
+from mgk.attention.registry import kind_variants, variant_name
 from mgk.cli import main
 from mgk.tasks.classification import ClassificationTask
 from mgk.train.loop import NonFiniteLoss
@@ -18,15 +17,14 @@ def small(th):
                                   "gen_val=16", "gen_test=16", *extra)
 
 
-KINDS = [(kind, "learned") for kind in attention_kinds()] + [("mgk", "soft_e"), ("mgk", "hard_e")]
+KINDS = kind_variants()
 
 
-@pytest.mark.parametrize("kind,pi", KINDS)
-def test_bf16_runs_50_steps_finite(tmp_path, kind, pi, small):
+@pytest.mark.parametrize("kind,options", KINDS, ids=[variant_name(k, v) for k, v in KINDS])
+def test_bf16_runs_50_steps_finite(tmp_path, kind, options, small):
     out = tmp_path / kind
-    pi_flag = ["--pi", pi] if "pi" in attention_options(kind) else []  # softmax and linear take no pi
-    main(["train", "--attention", kind, *pi_flag, "--precision", "bf16", "--steps", "50", "--out", str(out),
-          *small()])
+    main(["train", "--attention", kind, "--precision", "bf16", "--steps", "50", "--out", str(out),
+          *small(*(f"{k}={v}" for k, v in options.items()))])
     losses = [json.loads(x)["train/loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
               if "train/loss" in x]
     assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))

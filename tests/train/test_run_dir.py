@@ -161,8 +161,8 @@ def test_relative_data_path_works_from_another_directory(tmp_path, th, monkeypat
         write_listops_tsv(data / f"basic_{split}.tsv", generate_listops(n, seed=1, max_length=30))
     monkeypatch.chdir(tmp_path / "work")
     main(["train", "--data", "lo", "--steps", "2", "--out", "run", *th.sets(*th.TINY, "checkpoint_every=1")])
-    cfg = yaml.safe_load((tmp_path / "work" / "run" / "config.yaml").read_text())
-    assert cfg["data"] == str(data) and cfg["data_as_given"] == "lo"
+    cfg = yaml.safe_load((tmp_path / "work" / "run" / "config.yaml").read_text())["data"]
+    assert cfg["path"] == str(data) and cfg["path_as_given"] == "lo"
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     main(["train", "--resume", "../work/run", "--steps", "4"])

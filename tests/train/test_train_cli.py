@@ -4,6 +4,7 @@ import json
 import pytest
 import yaml
 
+from mgk import config as config_mod
 from mgk.cli import main
 
 
@@ -19,7 +20,7 @@ def test_train_writes_every_record(tmp_path, th):
     recs = th.metrics(out)
     assert [r["step"] for r in recs if "train/loss" in r] == list(range(1, 21))
     assert [r["step"] for r in recs if "val/acc" in r] == [10, 20]
-    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg = config_mod.flat(config_mod.from_dict(yaml.safe_load((out / "config.yaml").read_text())))
     assert cfg["steps"] == 20 and cfg["d_model"] == 32
     env = json.loads((out / "env.json").read_text())
     assert env["seed"] == 0 and "torch" in env
@@ -73,7 +74,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, th):
 def test_cli_errors_are_one_line_and_name_the_cause(tmp_path, th):
     with pytest.raises(SystemExit, match="attention must be one of"):
         main(["train", "--attention", "nosuch", "--out", str(tmp_path / "a")])
-    with pytest.raises(SystemExit, match="lr must be a positive finite"):
+    with pytest.raises(SystemExit, match="lr must be a finite number > 0"):
         main(["train", "--set", "lr=nan", "--out", str(tmp_path / "b")])
     with pytest.raises(SystemExit, match="no ListOps train split"):
         main(["train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from ..attention import MGKAttention
 from ..models import IGNORE_INDEX
 from . import stats
 from .mixture import component_sums, has_mixture, mixture_weights
@@ -113,7 +114,7 @@ def _mixture_result(module, sums, pairs, longest: int) -> dict:
         res["shares"] = share.tolist()  # (H, M)
         res["shares_mean"] = (sums.sum(0) / pairs.sum().clamp_min(1.0)).tolist()
         res["share_kind"] = ("nearest component (Hard-E)" if module.pi_mode == "hard_e" else
-                             "responsibility" if module.__class__.__name__ == "MGKAttention" else
+                             "responsibility" if isinstance(module, MGKAttention) else
                              "share of the linear kernel")
     elif getattr(module, "mix", None) == "keys":
         res["share_kind"] = "none: mix='keys' mixes the keys before the feature map, so no component has a share"
@@ -160,8 +161,10 @@ def analyse(run: LoadedRun, settings: Settings, *, progress: bool = True) -> dic
             recorder.clear()
             bar.update(len(idx))
     return {"run_dir": str(run.run_dir), "checkpoint": str(run.checkpoint), "step": run.step,
-            "task": run.cfg.task, "attention": run.cfg.attention, "num_heads": run.cfg.num_heads,
-            "head_dim": run.cfg.head_dim, "num_layers": len(layers), "pi": run.cfg.pi, "num_keys": run.cfg.num_keys,
+            "task": run.cfg.task, "attention": run.cfg.attention.kind, "num_heads": run.cfg.attention.num_heads,
+            "head_dim": run.cfg.attention.head_dim, "num_layers": len(layers),
+            "pi": getattr(run.cfg.attention.options, "pi", None),
+            "num_keys": getattr(run.cfg.attention.options, "num_keys", None),
             "examples_analysed": int(len(index)), "settings": asdict(settings),
             "layers": [layer.result(i, settings) for i, layer in enumerate(layers)],
             "_maps": [layer.maps for layer in layers]}

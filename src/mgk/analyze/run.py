@@ -5,7 +5,6 @@ every task (the checkpoint's resolved config, the task's ``build``, the task's `
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import config as config_mod
+from ..attention.registry import run_label as registry_label
 from ..tasks import get_task
 from ..train import checkpoint
 from ..train.records import read_config
@@ -38,8 +38,8 @@ class LoadedRun:
 def _data_dir(run_dir: Path, cfg, data) -> Path:
     if data is not None:
         return Path(data)
-    if cfg.data is not None:
-        return Path(cfg.data)
+    if cfg.data.path is not None:
+        return Path(cfg.data.path)
     return run_dir / "data"  # where a run without --data generated its data
 
 
@@ -70,7 +70,7 @@ def load_run(run_dir: str | os.PathLike, *, data: str | os.PathLike | None = Non
             raise FileNotFoundError(f"--data {data}: no such folder")
         raise FileNotFoundError(f"data folder {data_dir} of run {run_dir} does not exist; pass --data")
     task = get_task(cfg.task).build(cfg, data_dir)
-    cfg = dataclasses.replace(cfg, vocab_size=task.vocab_size, num_classes=task.num_classes)
+    cfg = config_mod.replace(cfg, vocab_size=task.vocab_size, num_classes=task.num_classes)
     model = task.build_model(cfg)
     try:
         model.load_state_dict(ckpt["model"])
@@ -82,12 +82,6 @@ def load_run(run_dir: str | os.PathLike, *, data: str | os.PathLike | None = Non
 
 
 def run_label(cfg: config_mod.RunConfig) -> str:
-    """Short name of a run for tables and legends, e.g. "softmax-8", "mgk-4", "smgk-4 soft_e", "mlk-4 mix=keys"."""
-    label = f"{cfg.attention}-{cfg.num_heads}"
-    if cfg.attention in ("mgk", "smgk") and cfg.pi != "learned":
-        label += f" {cfg.pi}"
-    if cfg.attention in ("linear", "mlk", "smlk"):  # the linear forms that change the weights being analysed
-        label += "".join(f" {name}={value}" for name, value, default in (
-            ("mix", cfg.mix, "features"), ("feature_map", cfg.feature_map, "elu")) if value != default
-            and not (name == "mix" and cfg.attention == "linear"))
-    return label
+    """Short name of a run for tables and legends: the registry's label of its kind, heads and the options that name
+    a variant (:func:`mgk.attention.registry.run_label`), e.g. "softmax-8", "smgk-4 soft_e", "mlk-4 mix=keys"."""
+    return registry_label(cfg.attention.kind, cfg.attention.num_heads, cfg.attention.options)

@@ -3,14 +3,15 @@
 Each (kind, length) is measured in a fresh subprocess so that peak memory is that of one call: on CPU the increase
 of the process's peak resident set size (``ru_maxrss``) over the call, with glibc told to serve blocks over 64 KiB
 from mmap so that freed memory leaves the resident set; on CUDA ``torch.cuda.max_memory_allocated``.
-Time is the median over ``repeats`` calls after one warm-up call.
+Time is the median over ``repeats`` calls after one warm-up call; with ``--backward`` the module is in training mode
+(so Soft-E's E-step is included).
 
-Kinds are ``name:heads``. Names: the registered attention kinds (softmax, mgk, smgk, linear, mlk, smlk), plus
-``mgk-hard`` (pi="hard_e"; our CPU kernel with a max over components, explicit elsewhere), ``mgk-softe``
-(pi="soft_e"; timed in training mode, so the E-step is included when ``--backward``), ``mgk-sdpa`` (mgk with
-``backend="sdpa"``: the bias folded into an extra head dimension and SDPA's flash kernel per component)
-and ``reference``: the formulation of the authors' code, which builds one N x N squared-distance matrix per
-component and exponentiates it (kept as the baseline the fast paths must beat).
+Kinds are ``name:heads``. A name is a registered attention kind (softmax, mgk, smgk, linear, mlk, smlk), the same
+with options ``kind+option=value+...`` (e.g. ``mgk+pi=hard_e``), or a bench variant (:data:`VARIANTS`): ``mgk-hard``
+(pi="hard_e"), ``mgk-softe`` (pi="soft_e"), ``mgk-sdpa`` (mgk with ``backend="sdpa"``: the bias folded into an
+extra head dimension and SDPA's flash kernel per component) and ``reference``: the formulation of the authors' code,
+which builds one N x N squared-distance matrix per component and exponentiates it (kept as the baseline the fast
+paths must beat). Labels, FLOP counts and options come from the registry (:mod:`mgk.attention.registry`).
 """
 from __future__ import annotations
 
@@ -22,15 +23,14 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..attention import MGKAttention, build_attention
+from ..attention import MGKAttention, attention_kinds, get_kind
+from ..attention.registry import display_label
 from ..functional import select_backend
-
-# Kinds that pin mgk_attention's backend (the others let select_backend pick).
-KIND_BACKENDS = {"mgk-sdpa": "sdpa"}
 
 
 class ReferenceMGK(MGKAttention):
@@ -51,57 +51,86 @@ class ReferenceMGK(MGKAttention):
         return weights @ v, None
 
 
+@dataclass(frozen=True)
+class BenchVariant:
+    """A benchmarked module: registered attention ``kind`` with ``options``, and optionally ``backend`` pinned on the
+    module (mgk_attention's) or the authors' ``reference`` formulation (:class:`ReferenceMGK`: M distance matrices
+    summed before one value product, counted as such)."""
+
+    kind: str
+    options: dict = field(default_factory=dict)
+    backend: str | None = None
+    reference: bool = False
+
+    @property
+    def attention_only(self) -> bool:
+        """Whether it exists only as a module here (a pinned backend or the reference form), not in a model."""
+        return self.backend is not None or self.reference
+
+
+VARIANTS = {"mgk-hard": BenchVariant("mgk", {"pi": "hard_e"}), "mgk-softe": BenchVariant("mgk", {"pi": "soft_e"}),
+            "mgk-sdpa": BenchVariant("mgk", backend="sdpa"), "reference": BenchVariant("mgk", reference=True)}
+
+
+def variant(name: str) -> BenchVariant:
+    """The variant benchmarked as ``name``: a :data:`VARIANTS` name, a registered kind, or ``kind+option=value+...``.
+    ValueError naming an unknown kind, an option the kind does not take or a bad value."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    kind, *pairs = name.split("+")
+    try:
+        spec = get_kind(kind)
+    except ValueError:
+        raise ValueError(f"unknown kind {kind!r}; choose a registered kind ({', '.join(attention_kinds())}), one with "
+                         f"options (mgk+pi=hard_e) or a variant ({', '.join(VARIANTS)})") from None
+    options = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise ValueError(f"{name!r}: expected option=value after '+', got {pair!r}")
+        options[key] = spec.parse_option(key, text)
+    spec.make_options(**options)
+    return BenchVariant(kind, options)
+
+
+def bench_options(v: BenchVariant, *, max_len: int | None = None, num_keys: int | None = None):
+    """The registry options of ``v`` (with ``max_len`` and ``num_keys`` where the kind takes them)."""
+    spec = get_kind(v.kind)
+    extra = {k: x for k, x in (("max_len", max_len), ("num_keys", num_keys))
+             if x is not None and k in spec.options.names()}
+    return spec.make_options(**{**extra, **v.options})
+
+
 def build_kind(kind: str, heads: int, embed_dim: int, head_dim: int, max_len: int) -> nn.Module:
     """The module benchmarked as ``kind`` with ``heads`` heads. Raises ValueError for an unknown kind."""
-    common = dict(head_dim=head_dim)
-    if kind == "reference":
-        return ReferenceMGK(embed_dim, heads, batch_first=True, **common)
-    if kind == "mgk-hard":
-        return build_attention("mgk", embed_dim, heads, pi="hard_e", **common)
-    if kind == "mgk-softe":
-        return build_attention("mgk", embed_dim, heads, pi="soft_e", max_len=max_len, **common)
-    if kind in KIND_BACKENDS:
-        module = build_attention("mgk", embed_dim, heads, **common)
-        module.backend = KIND_BACKENDS[kind]
-        return module
-    return build_attention(kind, embed_dim, heads, **common)
+    v = variant(kind)
+    options = bench_options(v, max_len=max_len)
+    if v.reference:
+        return ReferenceMGK(embed_dim, heads, head_dim=head_dim, batch_first=True, **options.as_kwargs())
+    module = get_kind(v.kind).build(embed_dim, heads, options, head_dim=head_dim)
+    if v.backend is not None:
+        module.backend = v.backend
+    return module
+
+
+def label(kind: str, heads: int) -> str:
+    """The row's name in reports: the registry's label of the variant's kind and options, and its pinned backend or
+    reference form."""
+    v = variant(kind)
+    text = display_label(v.kind, heads, bench_options(v))
+    return text + (f" [backend {v.backend}]" if v.backend else "") + (" [authors' form]" if v.reference else "")
 
 
 def analytic_flops(kind: str, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, *,
                    causal: bool, backward: bool, num_keys: int = 2, mixture_kernel: bool = False) -> int:
-    """Multiply-adds x 2 of one call as our implementation computes it (backward counted as 2 x forward).
-
-    Projections: q, v and out are ``2 N E (H D)`` each; keys ``2 N E (H D)`` times M for separate keys
-    (mgk, mgk-hard, mgk-softe, mgk-sdpa, mlk, reference) and once for shifted keys (smgk, smlk). Attention core
-    per head: softmax ``4 N S D`` (scores and value product). MGK (mgk, smgk, mgk-softe): with our CPU kernel
-    (``mixture_kernel``) M score products and one value product on the summed weights, ``2 N M S D + 2 N S D``;
-    without it (and always for mgk-sdpa) SDPA over M*S keys with D+1 columns, ``2 N M S (D + 1) + 2 N M S D``.
-    Hard-E and the reference form compute M distance matrices ``2 N M S D`` and one value product ``2 N S D``;
-    linear/MLK ``4 S D D + 4 N D D`` (key-value sums and their use, plus denominators), with MLK adding the mixture
-    of M key features. Causal halves the quadratic terms.
-    """
-    N = S = length
-    H, D, E, M = heads, head_dim, embed_dim, num_keys
-    separate = kind in ("mgk", "mgk-hard", "mgk-softe", "mgk-sdpa", "mlk", "reference")
-    key_proj = M if separate else 1
-    proj = 2 * N * E * H * D * (3 + key_proj)
-    quad = 0.5 if causal else 1.0
-    if kind == "softmax":
-        core = 4 * N * S * D * quad
-    elif kind in ("mgk", "smgk", "mgk-softe") and mixture_kernel:
-        core = (2 * N * M * S * D + 2 * N * S * D) * quad
-    elif kind in ("mgk", "smgk", "mgk-softe", "mgk-sdpa"):
-        core = (2 * N * M * S * (D + 1) + 2 * N * M * S * D) * quad
-    elif kind in ("mgk-hard", "reference"):
-        core = (2 * N * M * S * D + 2 * N * S * D) * quad
-    elif kind in ("linear", "mlk", "smlk"):
-        core = 4 * S * D * D + 4 * N * D * D + (2 * M * S * D if kind != "linear" else 0)
-    else:
-        raise ValueError(f"no FLOP count for kind {kind!r}")
-    if kind == "mgk-softe" and backward:
-        core += 2 * N * M * S * D * quad / 3  # the E-step's distances, forward only (x3 below)
-    total = batch * (proj + H * core)
-    return int(total * (3 if backward else 1))
+    """FLOPs of one call of the module benchmarked as ``kind``: the registry's formula of its kind
+    (:mod:`mgk.attention.flops`) with its options. ``mixture_kernel``: the call runs our MGK CPU kernel (the
+    reference form always counts as summed before the value product; a pinned SDPA backend never does)."""
+    v = variant(kind)
+    options = bench_options(v, num_keys=num_keys)
+    summed = (mixture_kernel or v.reference) and v.backend != "sdpa"
+    return get_kind(v.kind).flops(options, heads=heads, length=length, batch=batch, embed_dim=embed_dim,
+                                  head_dim=head_dim, causal=causal, backward=backward, mixture_kernel=summed)
 
 
 def _counted_flops(module, x, causal, backward) -> int | None:
@@ -148,7 +177,7 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
     dev = torch.device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     module = build_kind(kind, heads, embed_dim, head_dim, length).to(dev, dt)
-    module.train(kind == "mgk-softe" and backward)
+    module.train(backward)
     path = mgk_path(module, batch, dev, dt)
     x = torch.randn(batch, length, embed_dim, device=dev, dtype=dt, requires_grad=backward)
 
@@ -182,8 +211,9 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
         t0 = time.perf_counter()
         call()
         times.append((time.perf_counter() - t0) * 1000)
-    return {"kind": kind, "heads": heads, "length": length, "batch": batch, "causal": causal, "backward": backward,
-            "dtype": dtype, "time_ms": statistics.median(times), "peak_mem_mb": peak,
+    return {"kind": kind, "label": label(kind, heads), "heads": heads, "length": length, "batch": batch,
+            "causal": causal, "backward": backward, "dtype": dtype, "time_ms": statistics.median(times),
+            "peak_mem_mb": peak,
             "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
                                     backward=backward, mixture_kernel=path == "kernel"),
             "mgk_path": path,

@@ -10,9 +10,10 @@ DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear
 
 
 def _kinds(text: str) -> list[tuple[str, int]]:
-    from ..attention import attention_kinds
+    """--kinds: ``NAME:HEADS,...``, each NAME a registered kind, ``kind+option=value`` or a bench variant
+    (:func:`mgk.bench.attention.variant`)."""
+    from .attention import variant
 
-    known = (*attention_kinds(), "mgk-hard", "mgk-softe", "mgk-sdpa", "reference")
     out = []
     for item in text.split(","):
         name, _, heads = item.strip().partition(":")
@@ -20,18 +21,22 @@ def _kinds(text: str) -> list[tuple[str, int]]:
             raise SystemExit(f"--kinds: {item!r} is not NAME:HEADS (e.g. mgk:4)")
         if int(heads) < 1:
             raise SystemExit(f"--kinds: {item!r}: the number of heads must be >= 1")
-        if name not in known:
-            raise SystemExit(f"--kinds: unknown kind {name!r}; choose from {', '.join(known)}")
+        try:
+            variant(name)
+        except ValueError as e:
+            raise SystemExit(f"--kinds: {e}") from None
         out.append((name, int(heads)))
     return out
 
 
 def _model_kinds(text: str) -> list[tuple[str, int]]:
-    """--kinds of ``bench model``: as ``bench attention``'s, without the attention-only "reference" and
-    "mgk-sdpa"."""
+    """--kinds of ``bench model``: as ``bench attention``'s, without the variants that exist only as a module (a
+    pinned backend, the authors' reference form)."""
+    from .attention import variant
+
     kinds = _kinds(text)
     for name, _ in kinds:
-        if name in ("reference", "mgk-sdpa"):
+        if variant(name).attention_only:
             raise SystemExit(f"--kinds: {name!r} exists only in `mgk bench attention`")
     return kinds
 

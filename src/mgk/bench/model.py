@@ -24,20 +24,20 @@ import time
 
 import torch
 
-from .attention import machine
+from ..attention.registry import display_label
+from .attention import machine, variant
 
 # WikiText-103's vocabulary (Merity et al. 2017): the size the LM presets train with.
 WT103_VOCAB_SIZE = 267_735
 
-# Bench kinds that are an attention kind plus options (the others are the registered attention kinds).
-KIND_OVERRIDES = {"mgk-hard": ["attention=mgk", "pi=hard_e"], "mgk-softe": ["attention=mgk", "pi=soft_e"]}
-
-
 def kind_overrides(kind: str | None, heads: int | None) -> list[str]:
-    """``--set`` overrides that select bench kind ``kind`` with ``heads`` heads (none for None: the preset's)."""
+    """``--set`` overrides that select bench kind ``kind`` (a registered kind, ``kind+option=value`` or a variant of
+    :data:`mgk.bench.attention.VARIANTS`) with ``heads`` heads (none for None: the preset's)."""
     if kind is None:
         return []
-    return [*KIND_OVERRIDES.get(kind, [f"attention={kind}"]), f"num_heads={heads}"]
+    v = variant(kind)
+    return [f"attention={v.kind}", *(f"attention.options.{k}={x}" for k, x in v.options.items()),
+            f"num_heads={heads}"]
 
 
 def bench_task(cfg):
@@ -65,16 +65,16 @@ def bench_task(cfg):
     if cfg.task == "retrieval":
         return RetrievalTask("retrieval", {}, vocab_size=rv.VOCAB_SIZE, num_classes=rv.NUM_CLASSES)
     if cfg.task == "lm":
-        size = cfg.vocab_size or WT103_VOCAB_SIZE
+        size = cfg.model.vocab_size or WT103_VOCAB_SIZE
         return LMTask("lm", {}, Vocabulary([EOS, *(f"w{i}" for i in range(1, size))]))
     raise ValueError(f"mgk bench model: no benchmark for task {cfg.task!r}")
 
 
 def random_batch(task, cfg, device) -> tuple[dict, int]:
     """A batch of random tokens at the preset's full length in the task's batch format, and its token count."""
-    B = cfg.batch_size
+    B = cfg.optim.batch_size
     if cfg.task == "lm":
-        L = cfg.segment_len
+        L = cfg.data.segment_len
         # Word ids are ranked by frequency (as the real vocabulary is), so draw them Zipf-like (p ~ 1 / rank): a
         # uniform draw would put most tokens in the adaptive softmax's widest tail clusters, whose logits real
         # text rarely needs, and measure a step no real batch takes.
@@ -82,7 +82,7 @@ def random_batch(task, cfg, device) -> tuple[dict, int]:
         gen = torch.Generator().manual_seed(0)
         tokens = torch.multinomial(weights, B * (L + 1), replacement=True, generator=gen).view(B, L + 1).to(device)
         return {"input": tokens[:, :-1], "target": tokens[:, 1:]}, B * L
-    L = cfg.max_len
+    L = cfg.data.max_len
     label = torch.randint(0, task.num_classes, (B,), device=device)
     pad = torch.zeros(B, L, dtype=torch.bool, device=device)
     if cfg.task == "retrieval":
@@ -137,7 +137,7 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    micro = micro_batches(batch, cfg.grad_accum)
+    micro = micro_batches(batch, cfg.optim.grad_accum)
 
     def train_step():
         """Forward, the task's loss and backward over ``grad_accum`` micro-batches (as ``mgk train`` splits the
@@ -145,7 +145,7 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
         opt.zero_grad(set_to_none=True)
         for part in micro:
             loss, _ = task.loss(model, part)
-            (loss / cfg.batch_size).backward()
+            (loss / cfg.optim.batch_size).backward()
         opt.step()
         sync()
 
@@ -168,9 +168,11 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
     model.eval()
     infer()
     infer_s = _timed(infer, steps)
-    return {"kind": kind or cfg.attention, "preset": preset, "overrides": overrides, "attention": cfg.attention,
-            "num_heads": cfg.num_heads, "attn_dropout": cfg.attn_dropout, "batch": cfg.batch_size,
-            "length": cfg.segment_len if cfg.task == "lm" else cfg.max_len, "tokens_per_step": tokens,
+    a = cfg.attention
+    return {"kind": kind or a.kind, "label": display_label(a.kind, a.num_heads, a.options), "preset": preset,
+            "overrides": overrides, "attention": a.kind, "num_heads": a.num_heads, "attn_dropout": a.dropout,
+            "batch": cfg.optim.batch_size,
+            "length": cfg.data.segment_len if cfg.task == "lm" else cfg.data.max_len, "tokens_per_step": tokens,
             "params": sum(p.numel() for p in model.parameters()), "train_s_per_step": step_s,
             "train_tokens_per_s": tokens / step_s, "infer_s_per_step": infer_s,
             "infer_tokens_per_s": tokens / infer_s, "train_peak_mem_mb": peak}

@@ -17,7 +17,7 @@ concurrent writers (DDP ranks) and interrupted runs never leave a half-written e
 read with ``numpy.load(allow_pickle=False)``: a cache file cannot run code. An unreadable entry counts as a miss and
 is rebuilt.
 
-Where (:func:`resolve_cache_dir`): ``cfg.cache_dir`` when set (``"off"`` disables caching); otherwise
+Where (:func:`resolve_cache_dir`): ``cfg.data.cache_dir`` when set (``"off"`` disables caching); otherwise
 ``<data>/.mgk-cache`` next to the data (inside the data folder, or beside an archive) when that folder is writable
 (a folder without write permission bits counts as read-only, also for root: a shared read-only copy is never
 written into); otherwise the user cache ``$XDG_CACHE_HOME/mgk`` (default ``~/.cache/mgk``).
@@ -25,7 +25,8 @@ written into); otherwise the user cache ``$XDG_CACHE_HOME/mgk`` (default ``~/.ca
 Splits
 ------
 :func:`seeded_split` carves validation (and test) sets out of a release split with a fixed, documented seed
-(``cfg.split_seed``), independent of the training seed: the same files and settings always give the same split.
+(``cfg.data.split_seed``), independent of the training seed: the same files and settings always give the same
+split.
 
 Datasets
 --------

@@ -1,11 +1,11 @@
 """Models of the paper's experiments built on any registered attention kind."""
 from .adaptive import TiedAdaptiveSoftmax, resolve_cutoffs
 from .blocks import FeedForward, TransformerBlock
-from .config import AttentionConfig, EncoderConfig, LMConfig, config_differences
+from .config import AttentionConfig, EncoderConfig, LMConfig
 from .lm import IGNORE_INDEX, TransformerLM, sinusoidal_positions
 from .lra import LRAClassifier, LRAEncoder, masked_mean
 from .retrieval import RetrievalModel
 
 __all__ = ["FeedForward", "TransformerBlock", "LRAClassifier", "LRAEncoder", "masked_mean", "RetrievalModel"]
 __all__ += ["IGNORE_INDEX", "TiedAdaptiveSoftmax", "TransformerLM", "resolve_cutoffs", "sinusoidal_positions"]
-__all__ += ["AttentionConfig", "EncoderConfig", "LMConfig", "config_differences"]
+__all__ += ["AttentionConfig", "EncoderConfig", "LMConfig"]

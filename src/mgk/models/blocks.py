@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..attention import AttentionConfig
+
 
 class FeedForward(nn.Module):
     """Position-wise MLP ``Linear(E, F) -> activation -> dropout -> Linear(F, E)``; activation "gelu" or "relu"."""
@@ -24,16 +26,17 @@ class TransformerBlock(nn.Module):
 
     Args:
         d_model: width E.
-        attention: an attention module with the ``forward(x, *, key_padding_mask, need_weights, is_causal)``
-            signature of :class:`mgk.attention.base.AttentionBase` (called with ``need_weights=False``).
+        attention: an :class:`~mgk.attention.AttentionConfig` (built here for width ``d_model``), or an attention
+            module with the ``forward(x, *, key_padding_mask, need_weights, is_causal)`` signature of
+            :class:`mgk.attention.base.AttentionBase` (called with ``need_weights=False``).
         ffn_dim, dropout, activation: of the feed-forward part; dropout also applies to both residual branches.
     Forward: x (B, L, E), key_padding_mask bool (B, L) True = padding -> (B, L, E).
     """
 
-    def __init__(self, d_model: int, attention: nn.Module, ffn_dim: int, dropout: float, *,
+    def __init__(self, d_model: int, attention: AttentionConfig | nn.Module, ffn_dim: int, dropout: float, *,
                  activation: str = "gelu", norm_first: bool = True):
         super().__init__()
-        self.attn = attention
+        self.attn = attention.build(d_model) if isinstance(attention, AttentionConfig) else attention
         self.ffn = FeedForward(d_model, ffn_dim, dropout, activation)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)

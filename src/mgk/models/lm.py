@@ -9,7 +9,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..attention import build_attention
 from .adaptive import TiedAdaptiveSoftmax
 from .adaptive_authors import AuthorsAdaptiveSoftmax
 from .blocks import TransformerBlock
@@ -36,21 +35,15 @@ class TransformerLM(nn.Module):
     """Causal decoder LM: ``sqrt(E) * adaptive_input(x) + positions -> dropout -> post-LN blocks -> dropout ->
     adaptive softmax``.
 
-    Args:
-        vocab_size: V.
-        d_model, num_layers, ffn_dim, dropout: E, depth, FFN width (ReLU), dropout on embeddings, residual
-            branches, FFN inner layer and before the softmax.
-        attention, num_heads, head_dim, attn_dropout, attention_options: passed to
-            :func:`mgk.attention.build_attention` (options: num_keys, pi, pi_shape, sigma2, max_len); every block
-            attends causally (``is_causal=True``).
-        cutoffs, div_value: of the adaptive softmax (cutoffs >= V are dropped; see :attr:`notes`).
-        adaptive_softmax: "torch" (:class:`TiedAdaptiveSoftmax`, ``nn.AdaptiveLogSoftmaxWithLoss`` with tail
-            projections, no biases) or "authors" (:class:`~mgk.models.adaptive_authors.AuthorsAdaptiveSoftmax`:
-            the tied table with per-word and cluster biases, no projections, of the paper's code).
-        attn_bias: whether the attention projections have biases (the authors' LM projections have none,
-            ``mem_transformer.py:92-104``).
-        init: "torch" (module defaults) or "paper" (N(0, 0.02) weights, N(1, 0.02) LayerNorm weights:
-            :func:`mgk.models.init.init_lm_paper_`).
+    ``cfg`` (:class:`~mgk.models.config.LMConfig`): ``vocab_size`` V; ``d_model``, ``num_layers``, ``ffn_dim``,
+    ``dropout``: E, depth, FFN width (ReLU), dropout on embeddings, residual branches, FFN inner layer and before the
+    softmax; ``attention``: every block's (:class:`~mgk.attention.AttentionConfig`), attending causally (the
+    authors' LM projections have no biases, ``mem_transformer.py:92-104``); ``cutoffs``, ``div_value``: of the
+    adaptive softmax (cutoffs >= V are dropped; see :attr:`notes`); ``adaptive_softmax``: "torch"
+    (:class:`TiedAdaptiveSoftmax`, ``nn.AdaptiveLogSoftmaxWithLoss`` with tail projections, no biases) or "authors"
+    (:class:`~mgk.models.adaptive_authors.AuthorsAdaptiveSoftmax`: the tied table with per-word and cluster biases,
+    no projections, of the paper's code); ``init``: "torch" (module defaults) or "paper" (N(0, 0.02) weights,
+    N(1, 0.02) LayerNorm weights: :func:`mgk.models.init.init_lm_paper_`). ValueError naming a bad one.
 
     ``forward(tokens)`` gives the hidden states (B, L, E); ``forward(tokens, targets)`` the per-position negative
     log-likelihood (B, L) float32 with 0 where ``targets == IGNORE_INDEX`` (those positions skip the softmax, so
@@ -59,37 +52,25 @@ class TransformerLM(nn.Module):
     take part in the step.
     """
 
-    def __init__(self, vocab_size: int, *, d_model: int = 128, num_layers: int = 16, ffn_dim: int = 2048,
-                 attention: str = "softmax", num_heads: int = 8, head_dim: int | None = 16, dropout: float = 0.1,
-                 attn_dropout: float = 0.0, attention_options: dict | None = None, cutoffs=None,
-                 div_value: float = 1.0, adaptive_softmax: str = "torch", attn_bias: bool = True,
-                 init: str = "torch"):
+    def __init__(self, cfg: LMConfig):
         super().__init__()
-        if adaptive_softmax not in ADAPTIVE_SOFTMAX:
-            raise ValueError(f"adaptive_softmax must be one of {tuple(ADAPTIVE_SOFTMAX)}, got {adaptive_softmax!r}")
-        check_init(init)
-        self.d_model = d_model
-        self.adaptive = ADAPTIVE_SOFTMAX[adaptive_softmax](vocab_size, d_model, cutoffs, div_value=div_value)
-        opts = dict(attention_options or {})
+        if cfg.adaptive_softmax not in ADAPTIVE_SOFTMAX:
+            raise ValueError(f"adaptive_softmax must be one of {tuple(ADAPTIVE_SOFTMAX)}, got "
+                             f"{cfg.adaptive_softmax!r}")
+        check_init(cfg.init)
+        self.config = cfg
+        self.d_model = cfg.d_model
+        cutoffs = None if cfg.cutoffs is None else list(cfg.cutoffs)
+        self.adaptive = ADAPTIVE_SOFTMAX[cfg.adaptive_softmax](cfg.vocab_size, cfg.d_model, cutoffs,
+                                                               div_value=cfg.div_value)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, build_attention(attention, d_model, num_heads, head_dim=head_dim,
-                                                      dropout=attn_dropout, bias=attn_bias, **opts),
-                             ffn_dim, dropout, activation="relu", norm_first=False)
-            for _ in range(num_layers))
-        self.drop = nn.Dropout(dropout)
-        self.out_drop = nn.Dropout(dropout)
-        if init == "paper":
+            TransformerBlock(cfg.d_model, cfg.attention, cfg.ffn_dim, cfg.dropout, activation="relu",
+                             norm_first=False)
+            for _ in range(cfg.num_layers))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.out_drop = nn.Dropout(cfg.dropout)
+        if cfg.init == "paper":
             init_lm_paper_(self)
-
-    @classmethod
-    def from_config(cls, cfg: LMConfig) -> "TransformerLM":
-        """The model of ``cfg`` (:class:`mgk.models.config.LMConfig`)."""
-        a = cfg.attention
-        return cls(cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim,
-                   attention=a.kind, num_heads=a.num_heads, head_dim=a.head_dim, dropout=cfg.dropout,
-                   attn_dropout=a.dropout, attention_options=dict(a.options),
-                   cutoffs=None if cfg.cutoffs is None else list(cfg.cutoffs), div_value=cfg.div_value,
-                   adaptive_softmax=cfg.adaptive_softmax, attn_bias=a.bias, init=cfg.init)
 
     @property
     def notes(self) -> list[str]:

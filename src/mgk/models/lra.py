@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..attention import build_attention
-from ..attention.registry import attention_options
 from .blocks import TransformerBlock
 from .config import EncoderConfig
 from .init import check_init, init_lra_paper_
 
 CLASSIFIER_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+POOLINGS = ("mean", "cls")
 
 
 def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
@@ -28,32 +27,21 @@ def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
 class LRAEncoder(nn.Module):
     """Token + learned position embeddings, pre-LN blocks, final LayerNorm: tokens (B, L) -> (B, L, E).
 
-    Args:
-        vocab_size, max_len: embedding sizes; a longer input raises ValueError naming both lengths.
-        attention: attention kind for :func:`mgk.attention.build_attention` ("softmax", "mgk", "smgk", ...).
-        num_heads, head_dim: H and D (attention width H * D, independent of d_model).
-        attention_options: passed to the attention kind (num_keys, pi, pi_shape, sigma2, max_len).
-        attn_bias: whether the attention projections have biases (they do in the authors' LRA code,
-            ``lra/attention.py:256-258``).
+    ``cfg`` (:class:`~mgk.models.config.EncoderConfig`): ``vocab_size`` and ``max_len`` size the embeddings (a longer
+    input raises ValueError naming both lengths); ``d_model``, ``num_layers``, ``ffn_dim``, ``dropout`` the blocks,
+    each with the attention of ``cfg.attention`` (its width H * D independent of d_model; the authors' LRA
+    projections have biases, ``lra/attention.py:256-258``).
     """
 
-    def __init__(self, vocab_size: int, max_len: int, *, d_model: int = 64, num_layers: int = 2, ffn_dim: int = 128,
-                 attention: str = "softmax", num_heads: int = 2, head_dim: int = 32, dropout: float = 0.1,
-                 attn_dropout: float = 0.1, attention_options: dict | None = None, attn_bias: bool = True):
+    def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        self.max_len = max_len
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(max_len, d_model)
-        opts = dict(attention_options or {})
-        if "max_len" in _options_of(attention):  # per-position mixture weights cover the input length
-            opts.setdefault("max_len", max_len)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, build_attention(attention, d_model, num_heads, head_dim=head_dim,
-                                                      dropout=attn_dropout, bias=attn_bias, **opts),
-                             ffn_dim, dropout)
-            for _ in range(num_layers))
-        self.drop = nn.Dropout(dropout)
-        self.norm = nn.LayerNorm(d_model)
+        self.max_len = cfg.max_len
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.position_embedding = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg.d_model, cfg.attention, cfg.ffn_dim, cfg.dropout)
+                                    for _ in range(cfg.num_layers))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.norm = nn.LayerNorm(cfg.d_model)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
@@ -69,47 +57,32 @@ class LRAEncoder(nn.Module):
         return self.norm(x)
 
 
-def _options_of(kind: str) -> dict:
-    return attention_options(kind)
-
-
 class PooledEncoder(nn.Module):
     """:class:`LRAEncoder` plus pooling that ignores padding, and an MLP head ``head_inputs * E -> classifier_dim ->
-    num_classes``; subclasses decide what the head sees. pooling "mean" (over real tokens) or "cls" (first position).
-    ``classifier_activation`` "gelu" or "relu" (the authors' LRA head, ``lra/model_wrapper.py:35-39``); ``init``
-    "torch" (module defaults) or "paper" (embeddings from N(0, 0.02): :func:`mgk.models.init.init_lra_paper_`).
+    num_classes``; subclasses decide what the head sees. ``cfg.pooling`` "mean" (over real tokens) or "cls" (first
+    position); ``cfg.classifier_activation`` "gelu" or "relu" (the authors' LRA head, ``lra/model_wrapper.py:35-39``);
+    ``cfg.init`` "torch" (module defaults) or "paper" (embeddings from N(0, 0.02):
+    :func:`mgk.models.init.init_lra_paper_`). ValueError naming a bad one.
     """
 
     head_inputs = 1
 
-    def __init__(self, vocab_size: int, num_classes: int, max_len: int, *, pooling: str = "mean",
-                 classifier_dim: int = 128, classifier_activation: str = "gelu", init: str = "torch",
-                 **encoder_kwargs):
+    def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        if pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-        if classifier_activation not in CLASSIFIER_ACTIVATIONS:
+        if cfg.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {cfg.pooling!r}")
+        if cfg.classifier_activation not in CLASSIFIER_ACTIVATIONS:
             raise ValueError(f"classifier_activation must be one of {tuple(CLASSIFIER_ACTIVATIONS)}, got "
-                             f"{classifier_activation!r}")
-        check_init(init)
-        self.pooling = pooling
-        self.encoder = LRAEncoder(vocab_size, max_len, **encoder_kwargs)
-        d_model = self.encoder.token_embedding.embedding_dim
-        self.head = nn.Sequential(nn.Linear(self.head_inputs * d_model, classifier_dim),
-                                  CLASSIFIER_ACTIVATIONS[classifier_activation](),
-                                  nn.Linear(classifier_dim, num_classes))
-        if init == "paper":
+                             f"{cfg.classifier_activation!r}")
+        check_init(cfg.init)
+        self.config = cfg
+        self.pooling = cfg.pooling
+        self.encoder = LRAEncoder(cfg)
+        self.head = nn.Sequential(nn.Linear(self.head_inputs * cfg.d_model, cfg.classifier_dim),
+                                  CLASSIFIER_ACTIVATIONS[cfg.classifier_activation](),
+                                  nn.Linear(cfg.classifier_dim, cfg.num_classes))
+        if cfg.init == "paper":
             init_lra_paper_(self)
-
-    @classmethod
-    def from_config(cls, cfg: EncoderConfig) -> "PooledEncoder":
-        """The model of ``cfg`` (:class:`mgk.models.config.EncoderConfig`)."""
-        a = cfg.attention
-        return cls(cfg.vocab_size, cfg.num_classes, cfg.max_len, pooling=cfg.pooling, classifier_dim=cfg.classifier_dim,
-                   d_model=cfg.d_model, num_layers=cfg.num_layers, ffn_dim=cfg.ffn_dim, attention=a.kind,
-                   num_heads=a.num_heads, head_dim=a.head_dim, dropout=cfg.dropout, attn_dropout=a.dropout,
-                   attention_options=dict(a.options), attn_bias=a.bias,
-                   classifier_activation=cfg.classifier_activation, init=cfg.init)
 
     def num_attention_parameters(self) -> int:
         """Parameters of the encoder blocks' attention modules (projections and mixture weights)."""

@@ -45,38 +45,40 @@ def attention_params(run_dir: Path) -> int | None:
     return None
 
 
-def attention_flops(cfg: dict) -> int | None:
+def attention_flops(cfg) -> int:
     """Analytic FLOPs of the attention layers in one forward pass of one sequence of ``max_len`` (``segment_len``
-    for LM) tokens, all layers: :func:`mgk.bench.attention.analytic_flops` (CPU-kernel form for MGK)."""
-    from ..bench.attention import analytic_flops
+    for LM) tokens, all layers, of the RunConfig ``cfg``: the registry's formula of its kind and options
+    (:mod:`mgk.attention.flops`; CPU-kernel form for MGK)."""
+    from ..attention import get_kind
 
-    kind = cfg.get("attention")
-    if kind in ("mgk", "smgk") and cfg.get("pi") == "hard_e":
-        kind = "mgk-hard"
-    elif kind == "mgk" and cfg.get("pi") == "soft_e":
-        kind = "mgk-softe"
-    length = cfg["segment_len"] if cfg.get("task") == "lm" else cfg["max_len"]
+    a, lm = cfg.attention, cfg.task == "lm"
+    per_layer = get_kind(a.kind).flops(a.options, heads=a.num_heads, batch=1, embed_dim=cfg.model.d_model,
+                                       length=cfg.data.segment_len if lm else cfg.data.max_len, head_dim=a.head_dim,
+                                       causal=lm, backward=False, mixture_kernel=True)
+    towers = 2 if cfg.task == "retrieval" else 1
+    return per_layer * cfg.model.num_layers * towers
+
+
+def _config(run_dir: Path):
+    """The RunConfig of config.yaml in ``run_dir``, or None when it is missing or unreadable."""
+    import yaml
+
+    from .. import config as config_mod
+
     try:
-        per_layer = analytic_flops(kind, cfg["num_heads"], length, 1, cfg["d_model"], cfg["head_dim"],
-                                   causal=cfg.get("task") == "lm", backward=False, num_keys=cfg.get("num_keys", 2),
-                                   mixture_kernel=True)
-    except (ValueError, KeyError):
+        return config_mod.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    except (OSError, ValueError, TypeError, yaml.YAMLError):
         return None
-    towers = 2 if cfg.get("task") == "retrieval" else 1
-    return per_layer * cfg["num_layers"] * towers
 
 
 def run_figures(run: Run, metric: str) -> dict:
     """The figures of one run directory (``value`` None when it has none)."""
-    import yaml
+    from .. import config as config_mod
 
     d = run.run_dir
     res = _json(d / "results.json") or {}
     rec = _json(record_path(d)) or {}
-    try:
-        cfg = yaml.safe_load((d / "config.yaml").read_text())
-    except OSError:
-        cfg = {}
+    cfg = _config(d)
     out = {"row": run.row.key, "task": run.task, "seed": run.seed, "key": run.key, "run_dir": str(d),
            "value": None, "split": None, "majority_acc": None}
     if metric == "ppl":
@@ -91,10 +93,12 @@ def run_figures(run: Run, metric: str) -> dict:
             out["majority_acc"] = 100 * res[split].get("majority_acc", float("nan"))
     if res:
         out.update(params=res.get("params"), s_per_step=res.get("seconds_per_step"), steps=res.get("steps"),
-                   best_step=res.get("best_step"), attention_params=attention_params(d),
+                   best_step=res.get("best_step"),
+                   attention_params=res["params_attention"] if "params_attention" in res else attention_params(d),
                    flops=attention_flops(cfg) if cfg else None)
     out["peak_rss_mb"] = rec.get("peak_rss_mb")
-    out["config"] = {k: cfg.get(k) for k in PROTOCOL_FIELDS if k in cfg}
+    flat = config_mod.flat(cfg) if cfg else {}
+    out["config"] = {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items() if k in PROTOCOL_FIELDS}
     out["env"] = _json(d / "env.json")
     return out
 

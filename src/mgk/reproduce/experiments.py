@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..attention import get_kind
+from ..attention.registry import display_label
+
 __all__ = ["Row", "Experiment", "EXPERIMENTS", "get_experiment", "TASK_LABELS"]
 
 TASK_LABELS = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
@@ -31,12 +34,18 @@ class Row:
     overrides: tuple = ()
 
     @property
+    def options(self):
+        """The attention options of the row's runs: ``pi`` (where the kind takes it) and ``overrides``, as ``mgk
+        train`` reads them (:func:`mgk.config.apply_overrides`)."""
+        from ..config import RunConfig, apply_overrides
+
+        pi = {"pi": self.pi} if "pi" in get_kind(self.attention).options.names() else {}
+        return apply_overrides(RunConfig(), self.overrides, attention=self.attention, **pi).attention.options
+
+    @property
     def label(self) -> str:
-        """Human name, e.g. ``sMGK x 4 (Soft-E)``."""
-        names = {"softmax": "softmax", "mgk": "MGK", "smgk": "sMGK", "linear": "linear", "mlk": "MLK",
-                 "smlk": "sMLK"}
-        pis = {"learned": "", "soft_e": " (Soft-E)", "hard_e": " (Hard-E)"}
-        return f"{names.get(self.attention, self.attention)} x {self.heads}{pis.get(self.pi, ' (' + self.pi + ')')}"
+        """Human name from the registry, e.g. ``sMGK x 4 (Soft-E)``."""
+        return display_label(self.attention, self.heads, self.options)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..attention.registry import attention_options
+from ..attention import get_kind
 from .experiments import TASK_LABELS, Experiment, Row
 from .scales import TaskSetting, task_setting
 
@@ -116,7 +116,7 @@ def _check_only(only: dict, exp: Experiment, tasks, seeds) -> None:
 def _resolve(row: Row, task: str, seed: int, setting: TaskSetting, data: str | None) -> tuple[tuple, tuple | None]:
     args = ["train", "--task", task, "--preset", setting.preset, "--attention", row.attention,
             "--heads", str(row.heads)]
-    if "pi" in attention_options(row.attention):  # an option the kind does not take is refused by mgk train
+    if "pi" in get_kind(row.attention).options.names():  # mgk train refuses an option the kind does not take
         args += ["--pi", row.pi]
     args += ["--seed", str(seed)]
     if data is not None:

@@ -5,18 +5,16 @@ Sources: ``lra/X`` = ``lra/X.py`` of the authors' repository; ``LM/X`` = ``langu
 "Nystromformer cfg" = github.com/mlpen/Nystromformer ``LRA/code/lra_config.py`` (the code base the paper says its LRA
 runs follow; the authors' repository does not set these per task).
 
-``AUTHORS_ATTENTION_OPTIONS`` holds, per preset, the authors' attention forms. They are applied only where the run
-configuration has a field of that name (:func:`with_known_options`: the linear ``normalize`` / ``feature_map`` /
-``output_scale``, MLK ``mix`` and MGK ``pi_norm`` options arrive with their own change), and they are defaults for the
-kinds that take them, never an error for the others (:func:`mgk.config.explicit_fields`).
+The dicts are keyed by ``--set`` names. ``AUTHORS_LRA_FORMS`` and ``AUTHORS_LM_FORMS`` hold the authors' attention
+form of each kind, as option values per kind: a ``*-paper`` preset keeps them as its ``attention_forms``
+(:func:`mgk.config.with_forms`), so the kind a run chooses (``--attention mlk``) gets its own form and the others'
+values never reach it.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
-__all__ = ["AUTHORS_LRA", "AUTHORS_LM", "AUTHORS_ATTENTION_OPTIONS", "LRA_TASKS", "with_known_options",
-           "authors_option_values"]
+__all__ = ["AUTHORS_LRA", "AUTHORS_LM", "AUTHORS_LRA_FORMS", "AUTHORS_LM_FORMS", "LRA_TASKS"]
 
 # The LRA model and training code, common to every task.
 AUTHORS_LRA = dict(
@@ -66,32 +64,29 @@ AUTHORS_LM = dict(
     seed=1111,  # LM/train.py --seed default
 )
 
-_SQRT_D = math.sqrt(16)  # LM head_dim 16
-AUTHORS_ATTENTION_OPTIONS = {
-    # lra/attention_linear.py:57-64 (no denominator, features scaled by L^(-1/4)); MLK mixes raw keys :38-40;
-    # MGK and MLK: one (2,) mixture weight per layer shared by heads and positions, not normalised over the
-    # components (lra/attention.py:124, 222-223; attention_linear.py:21, 46), without the clamp (free log-weights)
-    **{f"{task}-paper": {"normalize": "length", "feature_map": "elu", "mix": "keys", "pi_shape": "layer",
-                         "pi_norm": "none"} for task in LRA_TASKS},
-    # LM MGK (attn_type 200, rbf2keys): sigma^2 = (sqrt(D), sqrt(D)/3) LM/mem_transformer.py:108, 150-151;
-    # per-head, per-position pi not normalised over components :119-120, 198. LM linear / MLK (types 34, 400):
-    # elu+1 divided by its sum, output times 1/sqrt(D), row denominator (cfwl; LM/mem_transformer.py:443, 498-540).
-    "wt103-paper": {"sigma2": [_SQRT_D, _SQRT_D / 3], "pi_shape": "position", "pi_norm": "none",
-                    "normalize": "row", "feature_map": "elu_sum", "output_scale": 1 / _SQRT_D, "mix": "features",
-                    # the fast-weight layers add 1e-5 to the denominator (cfwl; LM/mem_transformer.py:498-540)
-                    "attn_eps": 1e-5, "eps_mode": "add"},
+# LRA, MGK and MLK: one (2,) mixture weight per layer shared by heads and positions, not normalised over the
+# components (lra/attention.py:124, 222-223; attention_linear.py:21, 46), without the clamp (free log-weights).
+_LRA_MIXTURE = dict(pi_shape="layer", pi_norm="none")
+# LRA linear attention: no denominator, features scaled by L^(-1/4) (lra/attention_linear.py:57-64).
+_LRA_LINEAR = dict(normalize="length", feature_map="elu")
+AUTHORS_LRA_FORMS = {
+    "mgk": _LRA_MIXTURE, "smgk": _LRA_MIXTURE,  # lra/attention.py:124, 222-223 (the shifted keys share the form)
+    "linear": _LRA_LINEAR,  # lra/attention_linear.py:57-64
+    "mlk": {**_LRA_MIXTURE, **_LRA_LINEAR, "mix": "keys"},  # MLK mixes raw keys: lra/attention_linear.py:38-40
+    "smlk": {**_LRA_MIXTURE, **_LRA_LINEAR, "mix": "keys"},  # lra/attention_linear.py:38-40
 }
 
-
-def with_known_options(cfg, options: dict):
-    """``cfg`` with those ``options`` that its RunConfig has as fields (``if hasattr(cfg, name)``)."""
-    return dataclasses.replace(cfg, **{k: v for k, v in options.items() if hasattr(cfg, k)})
-
-
-def authors_option_values() -> dict:
-    """Option name -> list of the values that some preset sets as the authors' attention form."""
-    out: dict = {}
-    for options in AUTHORS_ATTENTION_OPTIONS.values():
-        for name, value in options.items():
-            out.setdefault(name, []).append(value)
-    return out
+_SQRT_D = math.sqrt(16)  # LM head_dim 16
+# LM MGK (attn_type 200, rbf2keys): sigma^2 = (sqrt(D), sqrt(D)/3) LM/mem_transformer.py:108, 150-151; per-head,
+# per-position pi not normalised over components :119-120, 198.
+_LM_MIXTURE = dict(pi_shape="position", pi_norm="none")
+# LM linear / MLK (types 34, 400): elu+1 divided by its sum, output times 1/sqrt(D), row denominator plus 1e-5
+# (cfwl; LM/mem_transformer.py:443, 498-540).
+_LM_LINEAR = dict(normalize="row", feature_map="elu_sum", output_scale=1 / _SQRT_D, eps=1e-5, eps_mode="add")
+AUTHORS_LM_FORMS = {
+    "mgk": {**_LM_MIXTURE, "sigma2": (_SQRT_D, _SQRT_D / 3)},  # LM/mem_transformer.py:108, 150-151
+    "smgk": {**_LM_MIXTURE, "sigma2": (_SQRT_D, _SQRT_D / 3)},  # LM/mem_transformer.py:108, 150-151
+    "linear": _LM_LINEAR,  # attn_type 34, LM/mem_transformer.py:443
+    "mlk": {**_LM_MIXTURE, **_LM_LINEAR, "mix": "features"},  # attn_type 400, LM/mem_transformer.py:405-542
+    "smlk": {**_LM_MIXTURE, **_LM_LINEAR, "mix": "features"},  # LM/mem_transformer.py:405-542
+}

@@ -42,7 +42,7 @@ class ClassificationTask(Task):
 
     def build_model(self, cfg: RunConfig) -> nn.Module:
         """``model_class`` (the LRA classifier of Nguyen et al. 2022, Section 4.1) of :meth:`model_config`."""
-        return self.model_class.from_config(self.model_config(cfg))
+        return self.model_class(self.model_config(cfg))
 
     @staticmethod
     def batch(dataset, index: Tensor, device) -> dict:

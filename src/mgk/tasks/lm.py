@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..config import RunConfig, lm_config
+from ..config import RunConfig, lm_config, run_config, with_forms
 from ..data import wikitext as wt
 from ..models import IGNORE_INDEX, LMConfig, TransformerLM
 from ..models.adaptive import resolve_cutoffs
-from .authors import AUTHORS_ATTENTION_OPTIONS, AUTHORS_LM, with_known_options
+from .authors import AUTHORS_LM, AUTHORS_LM_FORMS
 from .base import Task
 
 # The paper's optimiser runs (IDSIA/lmtool-fwp, the code behind Schlag et al. 2021 that the paper's LM experiments
@@ -45,28 +45,24 @@ PRESETS = {
     # (--attention mgk --heads 4) get sigma^2 = (sqrt(D), sqrt(D)/3) and per-position mixture weights (the authors'
     # form; not passed to kinds that do not take them). Final numbers: `mgk eval RUN --split test --context 256
     # --stride 1`. Deviations from the authors' code: README "The paper's protocol".
-    "wt103-paper": with_known_options(RunConfig(**AUTHORS_LM, attention="softmax", num_heads=8,
-                                                checkpoint_every=4000, log_every=200),
-                                      AUTHORS_ATTENTION_OPTIONS["wt103-paper"]),
+    "wt103-paper": with_forms(run_config(**AUTHORS_LM, attention="softmax", num_heads=8, checkpoint_every=4000,
+                                         log_every=200), AUTHORS_LM_FORMS),
     # Our protocol on the paper's model (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021):
     # 16 post-LN layers, d_model 128, head_dim 16,
     # FFN 2048, 256-token segments without memory, batch 96, Adam lr 2.5e-4 (AdamW with weight_decay 0 is Adam),
     # 2000 warm-up steps then cosine to 0, clip 0.25, dropout 0.1; 500k steps as in lmtool-fwp's script (above).
     # Heads: the paper's baseline is --attention softmax --heads 8; MGK runs use 4 or 8 heads. Final numbers:
     # `mgk eval RUN --split test --context 256 --stride 1`.
-    "wt103-small": RunConfig(**_PAPER, steps=500_000, eval_every=4000, checkpoint_every=4000, log_every=200,
-                             eval_batch_size=32),
-    # CPU preset for the shared 0.5% train prefix (--data .../wikitext-103: partial train, the full official valid
-    # split, no test), about 15 minutes a run with one core each (two runs side by side on 2 cores): the paper's
-    # block shape and 256-token segments with 4 layers, FFN 512, batch 8 (2048 tokens a step, 244 steps an epoch),
-    # cutoffs [4000, 20000], lr 1e-3 with 100 warm-up steps then cosine over 1500 steps. Measured with
-    # OMP_NUM_THREADS=1 on the shared machine: about 0.5 s a step for softmax x 8 and MGK x 4 heads, about 15 s a
-    # validation pass (217k tokens); two threads on the busy machine were 5x slower. Without --data it trains on
-    # the generated corpus instead.
-    "lm-small": RunConfig(**{**_PAPER, "num_layers": 4, "ffn_dim": 512, "batch_size": 8, "lr": 1e-3,
-                             "warmup_steps": 100},
-                          adaptive_cutoffs=[4000, 20000], steps=1500, eval_every=300, checkpoint_every=300,
-                          log_every=10, eval_batch_size=32, gen_train=6000, gen_val=600, gen_test=600),
+    "wt103-small": run_config(**_PAPER, steps=500_000, eval_every=4000, checkpoint_every=4000, log_every=200,
+                              eval_batch_size=32),
+    # CPU preset for a small train prefix of WikiText-103 (e.g. 0.5% of it: --data with a partial train file and the
+    # official valid split): the paper's block shape and 256-token segments with 4 layers, FFN 512, batch 8 (2048
+    # tokens a step), cutoffs [4000, 20000], lr 1e-3 with 100 warm-up steps then cosine over 1500 steps. Without
+    # --data it trains on the generated corpus instead.
+    "lm-small": run_config(**{**_PAPER, "num_layers": 4, "ffn_dim": 512, "batch_size": 8, "lr": 1e-3,
+                              "warmup_steps": 100},
+                           adaptive_cutoffs=[4000, 20000], steps=1500, eval_every=300, checkpoint_every=300,
+                           log_every=10, eval_batch_size=32, gen_train=6000, gen_val=600, gen_test=600),
 }
 
 
@@ -154,11 +150,6 @@ def make_batch(dataset: LMSegments, index: Tensor, device) -> dict:
 
 
 # -- the task ----------------------------------------------------------------------------------------------------
-def build_lm(cfg: RunConfig, vocab_size: int) -> TransformerLM:
-    """The decoder LM of ``cfg`` over ``vocab_size`` words (:func:`mgk.config.lm_config`)."""
-    return TransformerLM.from_config(lm_config(cfg, vocab_size))
-
-
 def summarise(sums: dict) -> dict:
     """``{"loss": NLL per predicted token (nats), "ppl": exp(loss), "count": predicted tokens}``."""
     count = float(sums.get("count", 0.0))
@@ -194,7 +185,7 @@ class LMTask(Task):
 
     def build_model(self, cfg: RunConfig) -> nn.Module:
         """The decoder LM of :meth:`model_config` ``(cfg)``."""
-        return TransformerLM.from_config(self.model_config(cfg))
+        return TransformerLM(self.model_config(cfg))
 
     @staticmethod
     def sampler(num_examples: int, global_batch: int, seed: int) -> StreamSampler:
@@ -235,8 +226,8 @@ def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
 
 # -- prepare / build ---------------------------------------------------------------------------------------------
 def cache_dir(cfg: RunConfig, data_dir: Path) -> Path:
-    """``cfg.cache_dir``, else :func:`mgk.data.wikitext.default_cache_dir` of the data folder."""
-    return Path(cfg.cache_dir) if cfg.cache_dir else wt.default_cache_dir(data_dir)
+    """``cfg.data.cache_dir``, else :func:`mgk.data.wikitext.default_cache_dir` of the data folder."""
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else wt.default_cache_dir(data_dir)
 
 
 def _is_main() -> bool:
@@ -246,16 +237,16 @@ def _is_main() -> bool:
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> Path:
-    """The data folder (``cfg.data``, or a generated corpus in ``run_dir/data``); encodes and caches its splits and
+    """The data folder (``cfg.data.path``, or a generated corpus in ``run_dir/data``); encodes and caches its splits and
     writes ``run_dir/vocab.txt`` (``word<TAB>train count``, id order), which ``mgk eval`` uses."""
     run_dir = Path(run_dir)
-    if cfg.data is not None:
-        data = Path(cfg.data)
+    if cfg.data.path is not None:
+        data = Path(cfg.data.path)
     else:
         data = run_dir / "data"
         if wt.find_split_file(data, "train") is None:
-            wt.generate_corpus(data, train_lines=cfg.gen_train, valid_lines=cfg.gen_val, test_lines=cfg.gen_test,
-                               seed=0)
+            wt.generate_corpus(data, train_lines=cfg.data.gen_train, valid_lines=cfg.data.gen_val,
+                               test_lines=cfg.data.gen_test, seed=0)
     corpus = wt.load_corpus(data, cache_dir=cache_dir(cfg, data))
     if _is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -269,7 +260,7 @@ def build(cfg: RunConfig, data_dir: Path) -> LMTask:
     train split, ValueError when it is too short for one batch."""
     corpus = wt.load_corpus(data_dir, cache_dir=cache_dir(cfg, Path(data_dir)))
     tok = corpus.tokens
-    splits = {"train": LMSegments(tok["train"], cfg.batch_size, cfg.segment_len, drop_last=True,
+    splits = {"train": LMSegments(tok["train"], cfg.optim.batch_size, cfg.data.segment_len, drop_last=True,
                                   unk_mapped=corpus.unk_mapped["train"])}
     notes = list(corpus.notes)
     for ours, theirs in (("val", "valid"), ("test", "test")):
@@ -277,13 +268,13 @@ def build(cfg: RunConfig, data_dir: Path) -> LMTask:
         if t is not None and t.numel() < 2:
             notes.append(f"data: {theirs}: fewer than 2 tokens, nothing to predict; treated as absent")
             t = None
-        splits[ours] = None if t is None else LMSegments(t, 1, cfg.segment_len, drop_last=False,
+        splits[ours] = None if t is None else LMSegments(t, 1, cfg.data.segment_len, drop_last=False,
                                                          unk_mapped=corpus.unk_mapped[theirs])
     train = splits["train"]
     notes.append(f"data: train: {train.num_streams} streams x {train.segments_per_stream} segments of "
-                 f"{cfg.segment_len} tokens per epoch ({train.num_predicted:,} of {train.tokens.numel():,} tokens "
+                 f"{cfg.data.segment_len} tokens per epoch ({train.num_predicted:,} of {train.tokens.numel():,} tokens "
                  f"predicted)")
-    kept, dropped = resolve_cutoffs(cfg.adaptive_cutoffs, len(corpus.vocab))
+    kept, dropped = resolve_cutoffs(cfg.model.adaptive_cutoffs, len(corpus.vocab))
     if dropped:
         notes.append(f"model: adaptive cutoffs {dropped} >= vocabulary size {len(corpus.vocab)} dropped; using "
                      f"{kept if kept else 'none (plain tied softmax)'}")

@@ -45,17 +45,17 @@ def length_line(lengths, max_len: int | None, unit: str = "tokens") -> str:
 
 
 def require_data(cfg: RunConfig, what: str) -> Path:
-    """``Path(cfg.data)``; FileNotFoundError with the expected layout when it is None or absent."""
-    if cfg.data is None:
+    """``Path(cfg.data.path)``; FileNotFoundError with the expected layout when it is None or absent."""
+    if cfg.data.path is None:
         raise FileNotFoundError(f"task {cfg.task} has no embedded default data: pass --data with {what}")
-    path = Path(cfg.data)
+    path = Path(cfg.data.path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: --data not found (task {cfg.task} expects {what})")
     return path
 
 
 def check_max_len(cfg: RunConfig) -> None:
-    """ValueError unless ``cfg.max_len >= 1024`` (every image sequence has all 1,024 pixels)."""
-    if cfg.max_len < SEQ_LEN_IMAGE:
+    """ValueError unless ``cfg.data.max_len >= 1024`` (every image sequence has all 1,024 pixels)."""
+    if cfg.data.max_len < SEQ_LEN_IMAGE:
         raise ValueError(f"task {cfg.task}: every sequence has {SEQ_LEN_IMAGE} pixels (32x32, no padding, no cut); "
-                         f"set max_len={SEQ_LEN_IMAGE} (got {cfg.max_len})")
+                         f"set max_len={SEQ_LEN_IMAGE} (got {cfg.data.max_len})")

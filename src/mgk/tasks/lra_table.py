@@ -4,9 +4,9 @@ Table: one row per (attention kind, number of heads), the official LRA column or
 Image, Pathfinder, then Avg. A cell is the accuracy in % of the runs of that setting and task: test accuracy when a
 run has a test split, else its validation accuracy (marked †); with several runs (seeds), ``mean ± std`` with the
 sample standard deviation (n - 1) and the number of runs. Avg is the mean of the row's cells that have values, and
-says over how many columns when not all five have one. A cell without runs is "—". The attention kind of an
-MGK-family run carries its mixture-weight mode when it is not the default ``learned`` (e.g. ``smgk+hard_e``), so
-ablations get rows of their own.
+says over how many columns when not all five have one. A cell without runs is "—". The attention kind carries the
+options that name a variant (:func:`mgk.attention.registry.run_label`, e.g. ``smgk+hard_e``, ``mlk+mix=keys``), so
+ablations get rows of their own; rows follow the registry's order of kinds.
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import json
 import math
 from pathlib import Path
 
+from ..attention import attention_kinds, get_kind
+from ..attention.registry import run_label
 from ..config import RunConfig
 
-__all__ = ["COLUMNS", "KIND_ORDER", "find_runs", "find_results", "read_results", "run_accuracy", "setting",
+__all__ = ["COLUMNS", "find_runs", "find_results", "read_results", "run_accuracy", "setting",
            "lra_table", "data_check"]
 
 COLUMNS = (("listops", "ListOps"), ("text", "Text"), ("retrieval", "Retrieval"), ("image", "Image"),
            ("pathfinder", "Pathfinder"))
-KIND_ORDER = ("softmax", "mgk", "smgk", "linear", "mlk", "smlk")
-_NO_MIXTURE = ("softmax", "linear")
 DASH = "—"
 
 
@@ -89,18 +89,24 @@ def run_accuracy(res: dict) -> tuple[float | None, str | None]:
 
 
 def setting(res: dict) -> tuple[str, int]:
-    """Row key ``(attention kind, num_heads)``; the kind carries ``+<pi>`` for MGK-family runs whose pi mode is not
-    ``learned``."""
-    kind, pi = str(res["attention"]), res.get("pi", "learned")
-    if kind not in _NO_MIXTURE and pi not in (None, "learned"):
-        kind = f"{kind}+{pi}"
-    return kind, int(res["num_heads"])
+    """Row key ``(attention setting, num_heads)``: the kind with the options that name a variant, from the run's
+    ``attention_options`` (``pi`` alone in runs that predate them), e.g. ``smgk+hard_e``."""
+    kind = str(res["attention"])
+    given = res.get("attention_options")
+    given = {"pi": res["pi"]} if given is None and res.get("pi") is not None else (given or {})
+    try:
+        spec = get_kind(kind)
+        options = spec.make_options(**{k: v for k, v in given.items() if k in spec.options.names()})
+    except ValueError:  # a kind this version does not register, or options it no longer reads
+        return kind, int(res["num_heads"])
+    return run_label(kind, None, options, sep="+"), int(res["num_heads"])
 
 
 def _row_order(key):
     kind, heads = key
     base = kind.split("+")[0]
-    rank = KIND_ORDER.index(base) if base in KIND_ORDER else len(KIND_ORDER)
+    order = attention_kinds()
+    rank = order.index(base) if base in order else len(order)
     return rank, base, kind, -heads
 
 

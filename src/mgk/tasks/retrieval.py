@@ -8,26 +8,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import RunConfig
+from ..config import RunConfig, run_config, with_forms
 from ..data import retrieval as rv
 from ..data.cache import resolve_cache_dir, seeded_split
 from ..models import RetrievalModel
-from .authors import AUTHORS_ATTENTION_OPTIONS, AUTHORS_LRA, LRA_TASKS, with_known_options
+from .authors import AUTHORS_LRA, AUTHORS_LRA_FORMS, LRA_TASKS
 from .classification import ClassificationTask
 from .lra_common import label_line, length_line, require_data
 
 PRESETS = {
     # Small CPU preset: 256 bytes per document, the paper's model, a few hundred steps (needs --data).
-    "retrieval-small": RunConfig(task="retrieval", max_len=256, lr=5e-4, steps=600, warmup_steps=60, batch_size=32,
+    "retrieval-small": run_config(task="retrieval", max_len=256, lr=5e-4, steps=600, warmup_steps=60, batch_size=32,
                                  eval_every=200, checkpoint_every=200, log_every=20),
     # Paper, keeping the authors' values (Nguyen et al. 2022, Section 4.1; sources in mgk.tasks.authors): AAN bytes,
     # 4000 per document (2 x 4000), batch 24, AdamW lr 1e-4 eps 1e-6, OneCycle (8000 of 30000 steps up; the
     # authors' lra/README.md commands), fp16, ReLU head, N(0, 0.02) embeddings, validation every 300 steps on 565
     # batches; two towers sharing the 2-layer encoder (d_model 64, FFN 128, head_dim 32), head on
     # [x0, x1, x0*x1, x0-x1] (lra/model_wrapper.py:116-125).
-    "retrieval-paper": with_known_options(RunConfig(task="retrieval", **AUTHORS_LRA, **LRA_TASKS["retrieval"],
-                                                    checkpoint_every=1000, log_every=100),
-                                          AUTHORS_ATTENTION_OPTIONS["retrieval-paper"]),
+    "retrieval-paper": with_forms(run_config(task="retrieval", **AUTHORS_LRA, **LRA_TASKS["retrieval"],
+                                             checkpoint_every=1000, log_every=100), AUTHORS_LRA_FORMS),
 }
 
 
@@ -74,7 +73,7 @@ _WHAT = "a folder with new_aan_pairs.{train,eval,test}.tsv (or tsv_data/ holding
 
 
 def prepare(cfg: RunConfig, run_dir: Path) -> Path:
-    """``cfg.data`` (required: there is no generated AAN). FileNotFoundError when absent."""
+    """``cfg.data.path`` (required: there is no generated AAN). FileNotFoundError when absent."""
     return require_data(cfg, _WHAT)
 
 
@@ -86,27 +85,27 @@ def build(cfg: RunConfig, data_dir: Path) -> RetrievalTask:
         FileNotFoundError: no train file. RetrievalFormatError: a malformed row (file and line named).
     """
     data_dir = Path(data_dir)
-    cache = resolve_cache_dir(cfg.cache_dir, data_dir)
+    cache = resolve_cache_dir(cfg.data.cache_dir, data_dir)
     splits, statuses = {}, []
     for split in rv.SPLITS:
-        splits[split], st = rv.load_aan_split(data_dir, split, cfg.max_len, cache_dir=cache)
+        splits[split], st = rv.load_aan_split(data_dir, split, cfg.data.max_len, cache_dir=cache)
         statuses.append(f"{split} {st}")
     if splits["train"] is None:
         raise FileNotFoundError(f"{data_dir}: no {rv.FILE_NAMES['train']} (expected {_WHAT})")
     notes = [f"data: retrieval (byte-level AAN) from {data_dir}; cache: " + "; ".join(statuses)]
-    if splits["val"] is None and cfg.val_fraction > 0:
+    if splits["val"] is None and cfg.data.val_fraction > 0:
         full = splits["train"]
-        val_idx, train_idx = seeded_split(len(full), [cfg.val_fraction], cfg.split_seed)
+        val_idx, train_idx = seeded_split(len(full), [cfg.data.val_fraction], cfg.data.split_seed)
         splits["train"], splits["val"] = full.subset(train_idx), full.subset(val_idx)
         notes.append(f"data: no {rv.FILE_NAMES['val']}: validation carved out of train (split_seed="
-                     f"{cfg.split_seed}, val_fraction={cfg.val_fraction})")
+                     f"{cfg.data.split_seed}, val_fraction={cfg.data.val_fraction})")
     for split, ds in splits.items():
         notes.append(f"data: {split}: " + (f"{ds.source} ({len(ds)} pairs)" if ds is not None else "absent"))
     cut = ", ".join(f"{n} {ds.num_truncated}" for n, ds in splits.items() if ds is not None)
-    notes.append(f"data: documents longer than max_len={cfg.max_len} bytes are cut to their first {cfg.max_len} "
-                 f"bytes (the LRA task definition): {cut}")
+    notes.append(f"data: documents longer than max_len={cfg.data.max_len} bytes are cut to their first "
+                 f"{cfg.data.max_len} bytes (the LRA task definition): {cut}")
     return RetrievalTask("retrieval", splits, vocab_size=rv.VOCAB_SIZE, num_classes=rv.NUM_CLASSES, notes=notes,
-                         extra={"max_len": cfg.max_len})
+                         extra={"max_len": cfg.data.max_len})
 
 
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
@@ -127,8 +126,8 @@ def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
             continue
         lines += [f"{split}: {len(labels)} pairs ({path})",
                   "  " + label_line([labels.count(0), labels.count(1)], ("unrelated (0)", "cites (1)")),
-                  "  text1 " + length_line([len(t) for t in t1], cfg.max_len, "bytes"),
-                  "  text2 " + length_line([len(t) for t in t2], cfg.max_len, "bytes")]
+                  "  text1 " + length_line([len(t) for t in t1], cfg.data.max_len, "bytes"),
+                  "  text2 " + length_line([len(t) for t in t2], cfg.data.max_len, "bytes")]
         empty = sum(1 for t in t1 + t2 if not t)
         if empty:
             lines.append(f"  {empty} empty documents")

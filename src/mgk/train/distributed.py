@@ -18,7 +18,6 @@ class Dist:
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -61,7 +60,7 @@ def setup(device: str | None = None) -> Dist:
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return Dist(rank, world, local, dev)
+    return Dist(rank, world, dev)
 
 
 def teardown() -> None:

@@ -117,8 +117,8 @@ def evaluate_tokens(model, tokens: Tensor, *, context: int, stride: int, batch_s
 def _data_dir(run_dir: Path, cfg, data) -> Path:
     if data is not None:
         return Path(data)
-    if cfg.data is not None:
-        return Path(cfg.data)
+    if cfg.data.path is not None:
+        return Path(cfg.data.path)
     return run_dir / "data"  # the generated corpus of a run without --data
 
 
@@ -143,9 +143,9 @@ def _vocabulary(run_dir: Path, cfg, data_dir: Path) -> wt.Vocabulary:
             raise FileNotFoundError(f"{vocab_file} is missing and {data_dir} has no train split to rebuild the "
                                     "vocabulary from")
         vocab, source = wt.load_vocabulary(train, cache_dir(cfg, data_dir)), str(train)
-    if cfg.vocab_size and len(vocab) != cfg.vocab_size:
+    if cfg.model.vocab_size and len(vocab) != cfg.model.vocab_size:
         raise ValueError(f"the vocabulary from {source} has {len(vocab)} words but the run was trained with "
-                         f"{cfg.vocab_size}: pass --data with the run's own train split")
+                         f"{cfg.model.vocab_size}: pass --data with the run's own train split")
     return vocab
 
 
@@ -154,7 +154,7 @@ def _score(cfg, ckpt: dict, vocab, tokens: Tensor, *, context: int, stride: int,
     """Build the run's model, load ``ckpt`` and score ``tokens`` on every rank: (result, dist info)."""
     d = distributed.setup(device)
     try:
-        model = TransformerLM.from_config(config_mod.lm_config(cfg, len(vocab)))
+        model = TransformerLM(config_mod.lm_config(cfg, len(vocab)))
         model.load_state_dict(ckpt["model"])
         model.to(d.device)
         res = evaluate_tokens(model, tokens, context=context, stride=stride, batch_size=batch_size, dist_info=d,
@@ -214,12 +214,12 @@ def _evaluate_locked(run_dir: Path, cfg, *, split, data, context, stride, batch_
     if split_file is None:
         raise FileNotFoundError(f"no {split} split (wiki.{split}.tokens or {split}.txt) in {data_dir}")
     tokens, mapped = wt.load_split(split_file, vocab, cache_dir=cache_dir(cfg, data_dir))
-    context = context or cfg.eval_context or cfg.segment_len
-    stride = stride or cfg.eval_stride or context
+    context = context or cfg.eval.context or cfg.data.segment_len
+    stride = stride or cfg.eval.stride or context
     if stride > context:
         raise ValueError(f"stride ({stride}) must not exceed context ({context})")
     res, d = _score(cfg, ckpt, vocab, tokens, context=context, stride=stride,
-                    batch_size=batch_size or cfg.eval_batch_size, device=device, progress=progress,
+                    batch_size=batch_size or cfg.eval.batch_size, device=device, progress=progress,
                     desc=f"{split} ppl")
     if not d.is_main:
         return None
@@ -228,7 +228,7 @@ def _evaluate_locked(run_dir: Path, cfg, *, split, data, context, stride, batch_
               "protocol": "segments" if stride == context else "sliding", "context": context, "stride": stride,
               "windows": res["windows"], "split": split, "file": str(split_file), "split_tokens": int(tokens.numel()),
               "oov_to_unk": mapped, "vocab_size": len(vocab), "checkpoint": str(path), "step": step,
-              "run_dir": str(run_dir), "attention": cfg.attention, "num_heads": cfg.num_heads,
+              "run_dir": str(run_dir), "attention": cfg.attention.kind, "num_heads": cfg.attention.num_heads,
               "world_size": d.world_size, "device": str(d.device), "seconds": time.perf_counter() - t0}
     if json_path is not None:
         write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")

@@ -8,7 +8,6 @@ W processes see what one process sees.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -24,9 +23,7 @@ from tqdm import tqdm
 
 from .. import config as config_mod
 from ..attention import soft_e_step
-from ..attention.registry import attention_options
 from ..config import RunConfig
-from ..models.config import config_differences
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
 from . import checkpoint, distributed, records, rundir
@@ -54,8 +51,8 @@ class Trainer:
 
     Use: ``t = Trainer(cfg, run_dir); t.setup(); t.train(); results = t.finish()`` (what :func:`fit` does; call
     ``t.close()`` when one of them raises). ``setup`` locks the run directory (:mod:`mgk.train.rundir`) and, for a
-    new run, requires it empty unless ``overwrite``; ``finish`` or ``close`` releases it. A relative ``cfg.data`` of
-    a new run is stored as an absolute path (``data_as_given`` keeps it as typed). With ``stop``
+    new run, requires it empty unless ``overwrite``; ``finish`` or ``close`` releases it. A relative data path of a
+    new run is stored as an absolute path (``data.path_as_given`` keeps it as typed). With ``stop``
     (:class:`~mgk.train.interrupt.StopSignals`), a recorded signal ends ``train`` after the current step with
     last.pt written, raising :class:`~mgk.train.interrupt.Interrupted`.
     Raises ValueError for a batch size that does not split over ranks and accumulation steps, or a device that does
@@ -64,19 +61,20 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
                  overwrite: bool = False, stop: StopSignals | None = None):
-        if not resume and cfg.data is not None and cfg.data_as_given is None:
-            cfg = dataclasses.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data)), data_as_given=cfg.data)
+        if not resume and cfg.data.path is not None and cfg.data.path_as_given is None:
+            cfg = config_mod.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data.path)),
+                                     data_as_given=cfg.data.path)
         self.cfg = config_mod.validate(cfg)
         self.dist = distributed.setup(device)
         self.run_dir, self.resume, self.overwrite, self.stop = Path(run_dir), resume, overwrite, stop
         self.lock: rundir.RunDirLock | None = None
         self.saved_step: int | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
-        if cfg.batch_size % (self.dist.world_size * cfg.grad_accum):
-            raise ValueError(f"batch_size={cfg.batch_size} must be divisible by world_size ({self.dist.world_size}) "
-                             f"x grad_accum ({cfg.grad_accum})")
-        self.local_batch = cfg.batch_size // self.dist.world_size
-        self.micro_batch = self.local_batch // cfg.grad_accum
+        if cfg.optim.batch_size % (self.dist.world_size * cfg.optim.grad_accum):
+            raise ValueError(f"batch_size={cfg.optim.batch_size} must be divisible by world_size "
+                             f"({self.dist.world_size}) x grad_accum ({cfg.optim.grad_accum})")
+        self.local_batch = cfg.optim.batch_size // self.dist.world_size
+        self.micro_batch = self.local_batch // cfg.optim.grad_accum
         self.state = LoopState()
         self.train_seconds, self.session_steps = 0.0, 0
         self.step_lr = float("nan")
@@ -96,7 +94,7 @@ class Trainer:
             torch.manual_seed(self.cfg.seed * 7919 + self.dist.rank)  # each rank its own dropout stream
         self._setup_records()
         self.net = DistributedDataParallel(self.model) if self.dist.world_size > 1 else self.model
-        self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.batch_size, self.cfg.seed)
+        self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.optim.batch_size, self.cfg.seed)
 
     def _claim_run_dir(self) -> None:
         """Rank 0 alone takes the lock (the ranks of one run must not block each other); every rank learns whether
@@ -105,7 +103,7 @@ class Trainer:
         if self.dist.is_main:
             try:
                 self.lock = rundir.claim(self.run_dir, resume=self.resume, overwrite=self.overwrite,
-                                         data=self.cfg.data)
+                                         data=self.cfg.data.path)
             except rundir.RunDirError as e:
                 error = e
         if distributed.all_max(int(error is not None), self.dist.device):
@@ -120,7 +118,7 @@ class Trainer:
         if not self.dist.is_main:
             data_dir = module.prepare(self.cfg, self.run_dir)
         self.task: Task = module.build(self.cfg, data_dir)
-        self.cfg = dataclasses.replace(self.cfg, vocab_size=self.task.vocab_size, num_classes=self.task.num_classes)
+        self.cfg = config_mod.replace(self.cfg, vocab_size=self.task.vocab_size, num_classes=self.task.num_classes)
         self.splits = {"train": self.task.splits["train"], "val": self.task.splits.get("val"),
                        "test": self.task.splits.get("test")}
 
@@ -134,11 +132,11 @@ class Trainer:
         """AdamW, linear warm-up then the configured decay (Nguyen et al. 2022, Section 4; Loshchilov & Hutter
         2019), and the gradient scaler of fp16."""
         cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
-        self.scheduler = build_scheduler(self.optimizer, schedule=cfg.schedule, lr=cfg.lr,
-                                         warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        self.scaler = grad_scaler(self.dist.device, cfg.precision)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, eps=cfg.optim.adam_eps,
+                                           weight_decay=cfg.optim.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, schedule=cfg.optim.schedule, lr=cfg.optim.lr,
+                                         warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.optim.steps)
+        self.scaler = grad_scaler(self.dist.device, cfg.optim.precision)
 
     def _load_checkpoint(self) -> None:
         """Restore last.pt (0.1.0 checkpoints included); ValueError when it was made with another model."""
@@ -149,7 +147,7 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was made with another model config: " + "; ".join(diffs))
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(checkpoint.align_optimizer_state(ckpt["optimizer"], ckpt["model"], self.model))
-        check_resumable(self.scheduler, ckpt["scheduler"], self.cfg.steps)
+        check_resumable(self.scheduler, ckpt["scheduler"], self.cfg.optim.steps)
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.state = LoopState.from_checkpoint(ckpt)
@@ -163,11 +161,11 @@ class Trainer:
     def model_differences(self, saved_config: dict) -> list[str]:
         """``"key: saved != now"`` for the task, sizes and model-config fields that differ from ``saved_config``."""
         saved = config_mod.from_dict(saved_config)
-        diffs = [f"{k}: {getattr(saved, k)!r} != {getattr(self.cfg, k)!r}" for k in ("task", "vocab_size",
-                 "num_classes") if getattr(saved, k) != getattr(self.cfg, k)]
+        was, now = config_mod.flat(saved), config_mod.flat(self.cfg)
+        diffs = [f"{k}: {was[k]!r} != {now[k]!r}" for k in ("task", "vocab_size", "num_classes") if was[k] != now[k]]
         if saved.task != self.cfg.task:
             return diffs
-        return diffs + config_differences(self.task.model_config(saved), self.task.model_config(self.cfg))
+        return diffs + config_mod.model_differences(self.task.model_config(saved), self.task.model_config(self.cfg))
 
     def _setup_records(self) -> None:
         if not self.dist.is_main:
@@ -178,24 +176,25 @@ class Trainer:
         self.log = records.MetricsLog(self.run_dir, resume_step=self.state.step if self.resume else None)
         for note in self.task.notes:
             _say(self.run_dir, note)
-        _say(self.run_dir, f"model: {cfg.attention} x {cfg.num_heads} heads (head_dim {cfg.head_dim}), "
+        a = cfg.attention
+        _say(self.run_dir, f"model: {a.kind} x {a.num_heads} heads (head_dim {a.head_dim}), "
                            f"{self.num_params:,} parameters in total, {self.num_attention_params:,} in attention; "
                            f"protocol {records.protocol_line(cfg)}; world size {self.dist.world_size}; precision "
-                           f"{cfg.precision}" + (f"; resuming at step {self.state.step}" if self.resume else ""))
+                           f"{cfg.optim.precision}" + (f"; resuming at step {self.state.step}" if self.resume else ""))
 
     # -- training ----------------------------------------------------------------------------------------------
     def train(self) -> None:
-        """Optimiser steps until ``cfg.steps``, with logging, validation and checkpoints on their schedules. A
+        """Optimiser steps until ``cfg.optim.steps``, with logging, validation and checkpoints on their schedules. A
         signal recorded by ``self.stop`` ends it after the whole step (validation and checkpoint included, so that
         resuming is exact), with last.pt written: :class:`~mgk.train.interrupt.Interrupted`."""
         cfg, d = self.cfg, self.dist
-        bar = tqdm(total=cfg.steps, initial=self.state.step, disable=not (d.is_main and cfg.progress), unit="step",
-                   dynamic_ncols=True)
+        bar = tqdm(total=cfg.optim.steps, initial=self.state.step, disable=not (d.is_main and cfg.progress),
+                   unit="step", dynamic_ncols=True)
         self.model.train()
         if self.stop is not None:
             self.stop.graceful = True
         try:
-            while self.state.step < cfg.steps:
+            while self.state.step < cfg.optim.steps:
                 t0 = time.perf_counter()
                 train = self.train_step()
                 self.train_seconds += time.perf_counter() - t0
@@ -214,16 +213,16 @@ class Trainer:
         """Logging, validation and checkpoint of the step just done, each on its schedule."""
         cfg, done = self.cfg, self.state.step
         metrics = {}
-        if done % cfg.log_every == 0 or done == cfg.steps:
+        if done % cfg.log_every == 0 or done == cfg.optim.steps:
             metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
             metrics.update({"train/lr": self.step_lr, "train/skipped": self.state.skipped})
             bar.set_postfix({k: f"{v:.4g}" for k, v in train.items() if k != "count"})
-        if self.splits["val"] is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+        if self.splits["val"] is not None and (done % cfg.eval.every == 0 or done == cfg.optim.steps):
             metrics.update({f"val/{k}": v for k, v in self.validate().items() if k != "count"})
         if metrics and self.dist.is_main:
             metrics["time/seconds_per_step"] = self.train_seconds / max(1, self.session_steps)
             self.log.log(done, metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if done % cfg.checkpoint_every == 0 or done == cfg.optim.steps:
             self.save_checkpoint()
 
     def _stop_after_step(self, signum: int) -> None:
@@ -239,7 +238,7 @@ class Trainer:
 
     def stop_message(self, signum: int) -> str:
         """The one line said when a signal stops the run: where it stopped, what last.pt holds, how to go on."""
-        where = f"stopped by {signal_name(signum)} at step {self.state.step} of {self.cfg.steps}"
+        where = f"stopped by {signal_name(signum)} at step {self.state.step} of {self.cfg.optim.steps}"
         last = self.ckpt_dir / "last.pt"
         if self.saved_step is None and not last.is_file():
             return f"{where}; no checkpoint yet: start again with --overwrite --out {shlex.quote(str(self.run_dir))}"
@@ -255,13 +254,13 @@ class Trainer:
         mine = self.sampler.indices(step)[d.rank * self.local_batch:(d.rank + 1) * self.local_batch]
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for a in range(cfg.grad_accum):
+        for a in range(cfg.optim.grad_accum):
             batch = self.task.batch(self.splits["train"], mine[a * self.micro_batch:(a + 1) * self.micro_batch],
                                     d.device)
-            last_micro = a == cfg.grad_accum - 1
+            last_micro = a == cfg.optim.grad_accum - 1
             sync = contextlib.nullcontext() if (last_micro or d.world_size == 1) else self.net.no_sync()
             with sync:
-                with autocast(d.device, cfg.precision):
+                with autocast(d.device, cfg.optim.precision):
                     loss_sum, stats = self.task.loss(self.net, batch)
                 # local mean over this rank's share; DDP averages over ranks -> mean over the global batch
                 self.scaler.scale(loss_sum / self.local_batch).backward()
@@ -274,12 +273,12 @@ class Trainer:
         keys = sorted(sums)
         train = self.task.summarise(dict(zip(keys, distributed.all_sum([sums[k] for k in keys], d.device))))
         if math.isfinite(train["loss"]):
-            if cfg.grad_clip > 0:
+            if cfg.optim.grad_clip > 0:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif cfg.nonfinite == "stop":
+        elif cfg.optim.nonfinite == "stop":
             kept = self.ckpt_dir / "last.pt"
             raise NonFiniteLoss(f"non-finite training loss ({train['loss']}) at step {step + 1}; the last good "
                                 f"checkpoint is {kept if kept.exists() else 'none (no checkpoint yet)'}; "
@@ -297,16 +296,16 @@ class Trainer:
     def evaluate(self, dataset, index=None, desc: str = "eval") -> dict:
         """The task's metrics of the current model on ``dataset`` (or its examples ``index``), every example counted
         once over ranks, with a transient progress bar on rank 0 when ``cfg.progress``."""
-        return evaluate(self.task, self.model, dataset, batch_size=self.cfg.eval_batch_size,
-                        precision=self.cfg.precision, dist_info=self.dist, index=index, progress=self.cfg.progress,
-                        desc=desc)
+        return evaluate(self.task, self.model, dataset, batch_size=self.cfg.eval.batch_size,
+                        precision=self.cfg.optim.precision, dist_info=self.dist, index=index,
+                        progress=self.cfg.progress, desc=desc)
 
     def validate(self) -> dict:
         """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt."""
         ds, cfg = self.splits["val"], self.cfg
-        index = None if not cfg.eval_batches else eval_slice(  # the authors' fixed number of dev batches
-            len(ds), batches=cfg.eval_batches, batch_size=cfg.eval_batch_size,
-            round_index=-(-self.state.step // cfg.eval_every) - 1, seed=cfg.seed)
+        index = None if not cfg.eval.batches else eval_slice(  # the authors' fixed number of dev batches
+            len(ds), batches=cfg.eval.batches, batch_size=cfg.eval.batch_size,
+            round_index=-(-self.state.step // cfg.eval.every) - 1, seed=cfg.seed)
         val = self.evaluate(ds, index=index, desc="val")
         key, mode = self.task.best_metric
         best = self.state.best
@@ -367,21 +366,21 @@ class Trainer:
         """The results.json dict. Attention options the kind does not take are not reported as used (``pi`` is
         None for softmax); ``attention_options`` lists the ones it got."""
         cfg, st = self.cfg, self.state
-        takes = attention_options(cfg.attention)
-        results = {"task": cfg.task, "attention": cfg.attention, "num_heads": cfg.num_heads,
-                   "head_dim": cfg.head_dim, "pi": cfg.pi if "pi" in takes else None,
-                   "attention_options": dict(self.task.model_config(cfg).attention.options),
+        a = cfg.attention
+        results = {"task": cfg.task, "attention": a.kind, "num_heads": a.num_heads, "head_dim": a.head_dim,
+                   "pi": getattr(a.options, "pi", None),
+                   "attention_options": self.task.model_config(cfg).attention.options.as_kwargs(),
                    "params": self.num_params, "params_attention": self.num_attention_params,
                    "protocol": records.protocol(cfg), "steps": st.step, "seed": cfg.seed,
                    "world_size": self.dist.world_size,
-                   "precision": cfg.precision, "max_len": cfg.max_len, "best_step": st.best_step,
+                   "precision": cfg.optim.precision, "max_len": cfg.data.max_len, "best_step": st.best_step,
                    "skipped_steps": st.skipped, "seconds_per_step": self._seconds_per_step()}
         for name, ds in (("val", self.splits["val"]), ("test", self.splits["test"])):
             if ds is None:
                 results[name] = None
                 results.setdefault("missing_splits", []).append(name)
                 continue
-            partial = cfg.eval_batches > 0  # validations saw a slice; the reported val figure is the whole split
+            partial = cfg.eval.batches > 0  # validations saw a slice; the reported val figure is the whole split
             reuse = name == "val" and st.best_val is not None and not partial
             m = st.best_val if reuse else self.evaluate(ds, desc=name)
             results[name] = {**m, **self.task.describe(ds)}
@@ -398,27 +397,27 @@ class Trainer:
 
 
 def finished_results(run_dir: str | Path, cfg: RunConfig) -> dict | None:
-    """results.json of ``run_dir`` when the run is finished for ``cfg``: it reports at least ``cfg.steps`` steps and
-    ``cfg`` asks for nothing else than config.yaml says (a changed field goes through the resume checks); else
-    None."""
+    """results.json of ``run_dir`` when the run is finished for ``cfg``: it reports at least ``cfg.optim.steps``
+    steps and ``cfg`` asks for nothing else than config.yaml says (a changed field goes through the resume checks);
+    else None."""
     try:
         results = json.loads((Path(run_dir) / "results.json").read_text())
-        saved = records.read_config(Path(run_dir))
+        saved = config_mod.flat(config_mod.from_dict(records.read_config(Path(run_dir))))
     except (OSError, ValueError):
         return None
-    now = config_mod.to_dict(cfg)
+    now = config_mod.flat(cfg)
     same = all(saved.get(k) == v for k, v in now.items() if k not in ("steps", "progress"))
-    return results if same and isinstance(results, dict) and results.get("steps", -1) >= cfg.steps else None
+    return results if same and isinstance(results, dict) and results.get("steps", -1) >= cfg.optim.steps else None
 
 
 def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
         overwrite: bool = False) -> dict | None:
     """Train ``cfg`` into ``run_dir`` (or continue it from checkpoints/last.pt when ``resume``): :class:`Trainer`'s
     setup, train and finish, with SIGINT and SIGTERM handled (:mod:`mgk.train.interrupt`). Resuming a finished run
-    (results.json reports ``cfg.steps`` steps or more) changes nothing and returns its results.
+    (results.json reports ``cfg.optim.steps`` steps or more) changes nothing and returns its results.
 
     Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss is not finite and
-    ``cfg.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model config or the
+    ``cfg.optim.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model config or the
     device does not exist; RunDirError when the directory is in use or (new run) not empty; Interrupted on a
     signal."""
     rank0 = int(os.environ.get("RANK", "0")) == 0

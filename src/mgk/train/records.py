@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from .. import __version__
+from .. import config as config_mod
 from ..atomic import write_text_atomic
 
 
@@ -38,8 +39,8 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-# The run-config fields that make a training protocol (the authors' values or ours; see README "The paper's
-# protocol"). The attention-form fields are recorded when this version of the config has them.
+# The run-config fields (by --set name) that make a training protocol (the authors' values or ours; see README "The
+# paper's protocol"). The attention-form fields are recorded where the run's kind takes them.
 PROTOCOL_FIELDS = ("init", "schedule", "lr", "warmup_steps", "steps", "batch_size", "precision", "grad_clip",
                    "eval_every", "eval_batches", "eval_batch_size", "attn_bias")
 LRA_PROTOCOL_FIELDS = ("classifier_activation", "pooling")
@@ -49,16 +50,18 @@ FORM_FIELDS = ("normalize", "feature_map", "output_scale", "mix", "pi_norm", "pi
 
 def protocol(cfg) -> dict:
     """The protocol fields of a RunConfig ``cfg`` (name -> value; LM or LRA fields by ``cfg.task``)."""
+    values = config_mod.flat(cfg)
     names = PROTOCOL_FIELDS + (LM_PROTOCOL_FIELDS if cfg.task == "lm" else LRA_PROTOCOL_FIELDS)
-    names += tuple(n for n in FORM_FIELDS if hasattr(cfg, n))
-    return {n: getattr(cfg, n) for n in names}
+    names += tuple(n for n in FORM_FIELDS if n in values)
+    return {n: list(values[n]) if isinstance(values[n], tuple) else values[n] for n in names}
 
 
 def protocol_line(cfg) -> str:
     """``"init paper, schedule onecycle, ..."``: the protocol fields that most often differ, for the log."""
     keys = ("init", "schedule", "attn_bias") + (
         ("adaptive_softmax",) if cfg.task == "lm" else ("classifier_activation",))
-    return ", ".join(f"{k} {getattr(cfg, k)}" for k in keys)
+    values = config_mod.flat(cfg)
+    return ", ".join(f"{k} {values[k]}" for k in keys)
 
 
 def attention_parameters(model: torch.nn.Module) -> int:
@@ -133,10 +136,10 @@ def run_status(run_dir: Path) -> str:
 
     run_dir = Path(run_dir)
     try:
-        cfg = read_config(run_dir)
-        what = f"{cfg.get('task')} {cfg.get('attention')} x {cfg.get('num_heads')}"
-        total = cfg.get("steps")
-    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        cfg = config_mod.from_dict(read_config(run_dir))
+        what = f"{cfg.task} {cfg.attention.kind} x {cfg.attention.num_heads}"
+        total = cfg.optim.steps
+    except (OSError, ValueError, TypeError, yaml.YAMLError, AttributeError):
         what, total = "unreadable config.yaml", None
     try:
         step = read_metrics(run_dir)[-1]["step"]
