@@ -57,6 +57,9 @@ def test_every_variant_builds_with_its_options():
         module = build_attention(kind, 16, 2, **values, **({"max_len": 8} if "max_len" in get_kind(kind).options.names()
                                                            else {}))
         for name, value in values.items():
+            if name == "sigma2":  # the module holds the variances themselves: a parameter when learned
+                assert value == "learned" and module.learned_variances, (kind, name)
+                continue
             assert getattr(module, {"pi": "pi_mode"}.get(name, name)) == value, (kind, name)
     assert variant_name("mgk", {"pi": "soft_e"}) == "mgk+pi=soft_e" and variant_name("linear", {}) == "linear"
 

@@ -13,12 +13,13 @@ from .registry import AttentionKind, register
 from .softmax import MultiheadAttention
 
 _PI_VARIANTS = ({}, {"pi": "soft_e"}, {"pi": "hard_e"})  # the paper's Table 4 ablation
+_MGK_VARIANTS = _PI_VARIANTS + ({"sigma2": "learned"},)  # variances trained per head and component
 _RECURRENT = CacheSpec(recurrent=True)
 
 register(AttentionKind("softmax", "softmax", "softmax", SoftmaxOptions, MultiheadAttention, flops.softmax,
                        CacheSpec(keys_per_token=1)))
 register(AttentionKind("mgk", "mixture", "MGK", MGKOptions, partial(MGKAttention, keys="separate"),
-                       partial(flops.mixture, separate=True), CacheSpec(keys_per_token="num_keys"), _PI_VARIANTS))
+                       partial(flops.mixture, separate=True), CacheSpec(keys_per_token="num_keys"), _MGK_VARIANTS))
 register(AttentionKind("smgk", "mixture", "sMGK", MGKOptions, partial(MGKAttention, keys="shifted"),
                        partial(flops.mixture, separate=False), CacheSpec(keys_per_token=1), _PI_VARIANTS))
 register(AttentionKind("linear", "linear", "linear", LinearOptions, LinearAttention, flops.linear, _RECURRENT))

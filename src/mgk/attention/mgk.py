@@ -60,8 +60,12 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             (``language-modeling/lmtool-fwms/src/mem_transformer.py:81-231``, update_mode ``rbf2keys``) without
             its clamp's dead gradient and without its ``+1e-6`` in the row normaliser. See
             :class:`mgk.attention.mixture_keys.MixtureKeys`.
-        sigma2: per-component variances: None (sqrt(head_dim) for all), a float, or a sequence (list or tuple) of
-            M floats (the authors' LM code used ``(sqrt(D), sqrt(D) / 3)``, ``mem_transformer.py:150-151``).
+        sigma2: per-component variances: None (sqrt(head_dim) for all), a float, a sequence (list or tuple) of
+            M floats (the authors' LM code used ``(sqrt(D), sqrt(D) / 3)``, ``mem_transformer.py:150-151``), or
+            "learned": one variance per head and component, (H, M), trained with the model (the paper's GMM keys
+            have means, variances and mixing weights, Section 3), positive by construction (exp of a parameter),
+            starting at sqrt(head_dim). Learned variances keep the per-row ``|q|^2`` term; the Triton kernels
+            refuse them (mgk.functional.select_backend picks the C++ kernel, SDPA or the explicit form).
         max_len: longest key sequence; required by pi="soft_e" and pi_shape="position".
 
     The keys and weights live in the submodule ``mixture`` (:class:`mgk.attention.mixture_keys.MixtureKeys`,
@@ -92,6 +96,21 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, num_keys=M, keys=keys, pi=pi,
                                    pi_shape=pi_shape, pi_norm=pi_norm, max_len=max_len,
                                    bias=self.q_proj.bias is not None)
+        self._set_variances(sigma2, M)
+        if not torch.cuda.is_available():
+            # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
+            # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
+            _mixture_flash.available(torch.empty(0), 0.0)
+
+    def _set_variances(self, sigma2, M: int) -> None:
+        """The variances behind :attr:`sigma2`: a (M,) float64 buffer ``sigma2`` of fixed values, or for
+        ``sigma2="learned"`` an (H, M) parameter ``log_sigma2`` (sigma^2 = exp of it: positive for every value the
+        optimiser reaches, with a gradient nowhere cut by a clamp), starting at sqrt(head_dim)."""
+        if isinstance(sigma2, str):
+            if sigma2 != "learned":
+                raise ValueError(f"sigma2 must be None, a positive float, M floats or 'learned', got {sigma2!r}")
+            self.log_sigma2 = nn.Parameter(torch.full((self.num_heads, M), 0.5 * math.log(self.head_dim)))
+            return
         if sigma2 is None:
             sigma2 = [math.sqrt(self.head_dim)] * M
         elif isinstance(sigma2, (int, float)):
@@ -102,10 +121,21 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         if sigma2.numel() != M or not bool(torch.all(sigma2 > 0)):
             raise ValueError(f"sigma2 must be positive with one value per component ({M}), got {sigma2.tolist()}")
         self.register_buffer("sigma2", sigma2)
-        if not torch.cuda.is_available():
-            # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
-            # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
-            _mixture_flash.available(torch.empty(0), 0.0)
+
+    @property
+    def sigma2(self) -> Tensor:
+        """The variances every call uses: the fixed (M,) buffer, or ``exp(log_sigma2)`` (H, M) when learned (read
+        through the module's own parameter and buffer tables, so torch.func's functional_call sees its tensors)."""
+        if "log_sigma2" in self._parameters:
+            return self._parameters["log_sigma2"].exp()
+        if "sigma2" in self._buffers:
+            return self._buffers["sigma2"]
+        raise AttributeError("sigma2")  # before __init__ registered it (hasattr must say False then)
+
+    @property
+    def learned_variances(self) -> bool:
+        """Whether the variances are trained (``sigma2="learned"``)."""
+        return "log_sigma2" in self._parameters
 
     def mixture_log_weights(self, S: int) -> Tensor | None:
         """log pi broadcastable to (B, H, M, S); None for Hard-E. Raises ValueError when S > max_len."""
@@ -176,7 +206,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", num_keys={self.num_keys}, keys={self.keys!r}, pi={self.pi_mode!r}, "
-                f"pi_shape={self.pi_shape!r}, pi_norm={self.pi_norm!r}, sigma2={self.sigma2.tolist()}, "
+                f"pi_shape={self.pi_shape!r}, pi_norm={self.pi_norm!r}, "
+                f"sigma2={'learned' if self.learned_variances else self.sigma2.tolist()}, "
                 f"max_len={self.max_len}")
 
 

@@ -79,9 +79,11 @@ class MixtureOptions(Options):
 class MGKOptions(MixtureOptions):
     """MGK / sMGK (Nguyen et al. 2022, Sections 2-3): the mixture keys and the Gaussians' variances."""
 
-    sigma2: float | tuple[float, ...] | None = spec(
-        None, gt=0, doc="per-component variances: None (sqrt(head_dim) each), one float for all, or M floats (the "
-                        "authors' LM: (sqrt(D), sqrt(D) / 3))")
+    # str last: --set text parses as the first alternative that fits, and any text is a str
+    sigma2: float | tuple[float, ...] | str | None = spec(
+        None, gt=0, choices=("learned",), label=Label({"learned": "learned variances"}),
+        doc="per-component variances: None (sqrt(head_dim) each), one float for all, M floats (the authors' LM: "
+            "(sqrt(D), sqrt(D) / 3)), or 'learned' (per head and component, trained, positive by construction)")
 
 
 @dataclass(frozen=True)
