@@ -2,9 +2,20 @@
 
 Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention`; the math is in :mod:`mgk.functional`.
+:func:`load_run` gets a trained run back (its model, config and tokenizer).
 """
 from .attention import LinearAttention, MGKAttention, MLKAttention, MultiheadAttention, attention_kinds, build_attention
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention"]
+__all__ += ["LinearAttention", "MLKAttention", "LoadedRun", "load_run"]
+
+
+def __getattr__(name: str):
+    # load_run needs the tasks, data readers and training layer: imported on first use, so that `import mgk` for the
+    # attention modules stays light.
+    if name in ("load_run", "LoadedRun"):
+        from .train import load
+
+        return getattr(load, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from ..config import RunConfig
 from ..data import retrieval as rv
 from ..data.cache import resolve_cache_dir, seeded_split
+from ..data.tokenizers import ByteTokenizer
 from ..models import RetrievalModel
 from .authors import AUTHORS_ATTENTION_OPTIONS, AUTHORS_LRA, LRA_TASKS, with_known_options
 from .classification import ClassificationTask
@@ -107,6 +108,11 @@ def build(cfg: RunConfig, data_dir: Path) -> RetrievalTask:
                  f"bytes (the LRA task definition): {cut}")
     return RetrievalTask("retrieval", splits, vocab_size=rv.VOCAB_SIZE, num_classes=rv.NUM_CLASSES, notes=notes,
                          extra={"max_len": cfg.max_len})
+
+
+def restore(cfg: RunConfig, vocab=None) -> RetrievalTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`)."""
+    return RetrievalTask.restored(cfg, tokenizer=ByteTokenizer())
 
 
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
