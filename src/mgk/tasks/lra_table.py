@@ -6,7 +6,8 @@ run has a test split, else its validation accuracy (marked †); with several ru
 sample standard deviation (n - 1) and the number of runs. Avg is the mean of the row's cells that have values, and
 says over how many columns when not all five have one. A cell without runs is "—". The attention kind of an
 MGK-family run carries its mixture-weight mode when it is not the default ``learned`` (e.g. ``smgk+hard_e``), so
-ablations get rows of their own.
+ablations get rows of their own. A failed run (:func:`run_failure`: its final evaluation was not finite, so the
+weights went NaN) is left out of the cells and listed below the table.
 """
 from __future__ import annotations
 

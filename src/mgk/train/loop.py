@@ -304,8 +304,9 @@ class Trainer:
 
     def validate(self) -> dict:
         """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt. A validation
-        that is not finite is never a best (NaN compares false with everything, so it would block every later
-        one)."""
+        that is not finite (the weights went NaN) is never a best: NaN compares false with everything, so a NaN best
+        would block every later one, and the accuracy of NaN weights (the argmax of NaN logits) can beat a real
+        one."""
         ds, cfg = self.splits["val"], self.cfg
         index = None if not cfg.eval_batches else eval_slice(  # the authors' fixed number of dev batches
             len(ds), batches=cfg.eval_batches, batch_size=cfg.eval_batch_size,

@@ -30,11 +30,11 @@ class LoopState:
 
     @classmethod
     def from_checkpoint(cls, ckpt: dict) -> "LoopState":
-        """The state of a last.pt checkpoint as :func:`mgk.train.checkpoint.load` returns it (0.1.0's ``state``
-        renamed ``loop_state``). ValueError when it has none or a field is unknown."""
-        raw = ckpt.get("loop_state")
+        """The state of a checkpoint: ``ckpt["loop_state"]``, or the string-keyed ``ckpt["state"]`` of 0.1.0.
+        ValueError when neither is there or a field is unknown."""
+        raw = ckpt.get("loop_state", ckpt.get("state"))
         if not isinstance(raw, dict):
-            raise ValueError("checkpoint has no loop state (is it a best.pt?)")
+            raise ValueError("checkpoint has no loop state (neither 'loop_state' nor the 0.1.0 'state')")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - known
         if unknown:
