@@ -1,14 +1,23 @@
 """mgk: Transformer-MGK attention (mixture of Gaussian keys, Nguyen et al., ICML 2022) and its experiment harness.
 
 Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
-Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention`; the math is in :mod:`mgk.functional`.
-:func:`load_run` gets a trained run back (its model, config and tokenizer).
+Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``), and
+:func:`swap_attention`, which puts them into an existing model with its weights; the math is in
+:mod:`mgk.functional`. :func:`load_run` gets a trained run back (its model, config and tokenizer).
 """
-from .attention import LinearAttention, MGKAttention, MLKAttention, MultiheadAttention, attention_kinds, build_attention
+from .attention import (
+    LinearAttention,
+    MGKAttention,
+    MLKAttention,
+    MultiheadAttention,
+    attention_kinds,
+    build_attention,
+    swap_attention,
+)
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention", "LoadedRun", "load_run"]
+__all__ += ["LinearAttention", "MLKAttention", "swap_attention", "LoadedRun", "load_run"]
 
 
 def __getattr__(name: str):

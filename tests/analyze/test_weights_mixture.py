@@ -35,7 +35,7 @@ def test_recorder_returns_each_layers_weights_and_leaves_the_output_alone(kind, 
     assert call.weights.shape == (3, 2, 9, 9) and call.real_lengths().tolist() == [9, 5, 9]
     # the same as calling layer 0 directly with need_weights on its recorded input
     attn = model.encoder.blocks[0].attn
-    _, direct = attn(call.query, key_padding_mask=padding, need_weights=True)
+    _, direct = attn(call.query, key_padding_mask=padding, need_weights=True, average_attn_weights=False)
     assert torch.equal(call.weights, direct)
     # real rows of the short sequence: its keys only, rows sum to 1, and equal to running it alone
     short = call.weights[1, :, :5, :5]
@@ -48,19 +48,19 @@ def test_recorder_returns_each_layers_weights_and_leaves_the_output_alone(kind, 
 
 def test_rank_one_and_copied_heads_through_a_real_module():
     torch.manual_seed(0)
-    attn = MultiheadAttention(8, 3, head_dim=4).double()
+    attn = MultiheadAttention(8, 3, head_dim=4, batch_first=True).double()
     x = torch.randn(1, 6, 8, dtype=torch.float64)
     with torch.no_grad():
         attn.q_proj.weight.zero_()
         attn.q_proj.bias.zero_()  # every score 0: uniform rows, rank 1, all heads equal
-    _, w = attn(x, need_weights=True)
+    _, w = attn(x, need_weights=True, average_attn_weights=False)
     assert stats.numerical_rank(w[0]).tolist() == [1, 1, 1]
     assert stats.pairwise_js(w[0]) == 0.0 and stats.effective_heads(w[0]) == pytest.approx(1.0)
     with torch.no_grad():  # three heads with the same query and key projections: exact copies
         attn.q_proj.weight.copy_(torch.randn(4, 8).repeat(3, 1))
         attn.k_proj.weight.copy_(torch.randn(4, 8).repeat(3, 1))
         attn.k_proj.bias.copy_(torch.randn(4).repeat(3))
-    _, w = attn(x, need_weights=True)
+    _, w = attn(x, need_weights=True, average_attn_weights=False)
     assert stats.pairwise_l2(w[0]) == pytest.approx(0.0, abs=1e-12)
     assert stats.effective_heads(w[0]) == pytest.approx(1.0, abs=1e-9)
     assert stats.numerical_rank(w[0]).tolist() == [6, 6, 6]
@@ -72,19 +72,19 @@ def set_pi(module, pi):
 
 
 def test_reported_pi_equals_fixed_values():
-    attn = MGKAttention(8, 2, head_dim=4, keys="shifted").double()
+    attn = MGKAttention(8, 2, head_dim=4, keys="shifted", batch_first=True).double()
     set_pi(attn, [[0.7, 0.3], [0.2, 0.8]])
     assert torch.allclose(mixture_weights(attn, 5)[..., 0], torch.tensor([[0.7, 0.3], [0.2, 0.8]],
                                                                          dtype=torch.float64))
-    pos = MGKAttention(8, 2, head_dim=4, pi_shape="position", max_len=6).double()
+    pos = MGKAttention(8, 2, head_dim=4, pi_shape="position", max_len=6, batch_first=True).double()
     target = torch.softmax(torch.randn(2, 2, 6, dtype=torch.float64), dim=1)
     set_pi(pos, target)
     assert torch.allclose(mixture_weights(pos, 4), target[..., :4])
-    soft = MGKAttention(8, 2, head_dim=4, pi="soft_e", max_len=6)
+    soft = MGKAttention(8, 2, head_dim=4, pi="soft_e", max_len=6, batch_first=True)
     soft.pi.copy_(target.float())
     assert torch.equal(mixture_weights(soft, 6), target.float().double())
-    assert mixture_weights(MGKAttention(8, 2, head_dim=4, pi="hard_e"), 4) is None
-    mlk = MLKAttention(8, 2, head_dim=4).double()
+    assert mixture_weights(MGKAttention(8, 2, head_dim=4, pi="hard_e", batch_first=True), 4) is None
+    mlk = MLKAttention(8, 2, head_dim=4, batch_first=True).double()
     set_pi(mlk, [[0.6, 0.4], [0.5, 0.5]])
     assert torch.allclose(mixture_weights(mlk, 3)[..., 0], torch.tensor([[0.6, 0.4], [0.5, 0.5]],
                                                                         dtype=torch.float64))
@@ -95,7 +95,7 @@ def test_reported_pi_equals_fixed_values():
 def test_identical_components_share_attention_as_pi(cls, causal):
     """With k_1 = k_2 (shifted keys, zero shift) every pair's responsibility is exactly pi."""
     torch.manual_seed(1)
-    attn = cls(8, 2, head_dim=4, keys="shifted").double()
+    attn = cls(8, 2, head_dim=4, keys="shifted", batch_first=True).double()
     with torch.no_grad():
         attn.key_shift.zero_()
     set_pi(attn, [[0.7, 0.3], [0.25, 0.75]])
@@ -107,7 +107,7 @@ def test_identical_components_share_attention_as_pi(cls, causal):
 
 def test_hard_e_counts_the_nearest_component():
     torch.manual_seed(2)
-    attn = MGKAttention(8, 2, head_dim=4, keys="shifted", pi="hard_e").double()
+    attn = MGKAttention(8, 2, head_dim=4, keys="shifted", pi="hard_e", batch_first=True).double()
     with torch.no_grad():
         attn.key_shift.fill_(1e3)  # component 2 far from every query: component 1 always wins
     sums, pairs = component_sums(attn, torch.randn(1, 4, 8, dtype=torch.float64), False)
@@ -122,7 +122,7 @@ def test_hard_e_counts_the_nearest_component():
 def test_per_layer_unnormalised_pi_is_reported_for_every_head():
     """pi_shape="layer" holds one set of weights for all heads; pi_norm="none" reports exp(logits) as they are."""
     for cls in (MGKAttention, MLKAttention):
-        attn = cls(8, 2, head_dim=4, pi_shape="layer", pi_norm="none").double()
+        attn = cls(8, 2, head_dim=4, pi_shape="layer", pi_norm="none", batch_first=True).double()
         with torch.no_grad():
             attn.pi_logits.copy_(torch.log(torch.tensor([[0.9, 0.6]], dtype=torch.float64)))
         pi = mixture_weights(attn, 5)
@@ -134,7 +134,7 @@ def test_per_layer_unnormalised_pi_is_reported_for_every_head():
 def test_mlk_shares_use_the_modules_feature_map(feature_map):
     """Shares written from eq. 14 with the module's own phi: pi_r phi(q_i).phi(k_jr) / sum_r' (same), averaged."""
     torch.manual_seed(3)
-    attn = MLKAttention(8, 2, head_dim=4, feature_map=feature_map).double()
+    attn = MLKAttention(8, 2, head_dim=4, feature_map=feature_map, batch_first=True).double()
     with torch.no_grad():
         for p in attn.parameters():
             p.add_(torch.randn_like(p))  # components far apart, so the feature maps give different shares
@@ -161,7 +161,7 @@ def test_mlk_shares_use_the_modules_feature_map(feature_map):
 
 
 def test_mlk_that_mixes_keys_has_no_component_shares():
-    attn = MLKAttention(8, 2, head_dim=4, mix="keys").double()
+    attn = MLKAttention(8, 2, head_dim=4, mix="keys", batch_first=True).double()
     assert component_sums(attn, torch.randn(1, 4, 8, dtype=torch.float64), False) is None
 
 

@@ -20,11 +20,11 @@ def _variants():
 VARIANTS = _variants()
 
 
-def build_kind(kind, pi="learned", *, dropout=0.0, seed=0):
+def build_kind(kind, pi="learned", *, dropout=0.0, seed=0, batch_first=True):
     """The module ``kind`` with E=16, H=2, D=8, in eval mode; mixture weights made non-uniform so they matter."""
     torch.manual_seed(seed)
     options = {"pi": pi, "max_len": MAX_LEN} if kind in ("mgk", "smgk") else {}  # only options the kind takes
-    m = mgk.build_attention(kind, E, H, head_dim=D, dropout=dropout, **options)
+    m = mgk.build_attention(kind, E, H, head_dim=D, dropout=dropout, batch_first=batch_first, **options)
     with torch.no_grad():
         if hasattr(m, "pi_logits"):
             m.pi_logits.normal_()
@@ -41,5 +41,6 @@ def variant(request):
 
 @pytest.fixture
 def build():
-    """``build(kind, pi="learned", *, dropout=0.0, seed=0)``: the module with E=16, H=2, D=8, in eval mode."""
+    """``build(kind, pi="learned", *, dropout=0.0, seed=0, batch_first=True)``: the module with E=16, H=2, D=8, in
+    eval mode."""
     return build_kind

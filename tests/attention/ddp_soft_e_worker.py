@@ -20,7 +20,7 @@ class Checkpointed(torch.nn.Module):
         self.inner, self.mode = inner, mode
 
     def forward(self, x):
-        fn = lambda inp: self.inner(inp, is_causal=True)[0]  # noqa: E731
+        fn = lambda inp: self.inner(inp, is_causal=True, need_weights=False)[0]  # noqa: E731
         if self.mode == "plain":
             return fn(x)
         return checkpoint(fn, x, use_reentrant=(self.mode == "reentrant"))
@@ -28,7 +28,7 @@ class Checkpointed(torch.nn.Module):
 
 def train(mode):
     torch.manual_seed(0)
-    inner = mgk.MGKAttention(16, 2, head_dim=8, keys="shifted", pi="soft_e", max_len=12).train()
+    inner = mgk.MGKAttention(16, 2, head_dim=8, keys="shifted", pi="soft_e", max_len=12, batch_first=True).train()
     model = DDP(Checkpointed(inner, mode), static_graph=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())

@@ -25,7 +25,7 @@ def _x(seed=0):
 
 def _module(cls, **kw):
     torch.manual_seed(0)
-    return cls(E, H, head_dim=D, **kw).double()
+    return cls(E, H, head_dim=D, **kw, batch_first=True).double()
 
 
 def _through(module, x, core):
@@ -44,7 +44,7 @@ def _padding():
 def test_lra_linear_module():
     m = _module(LinearAttention, normalize="length")
     x, pad = _x(), _padding()
-    got, _ = m(x, key_padding_mask=pad)
+    got, _ = m(x, key_padding_mask=pad, need_weights=False)
     want = _through(m, x, lambda q, k, v: lra_linear(q, k, v, pad))
     torch.testing.assert_close(got, want, **TOL)
 
@@ -57,7 +57,7 @@ def test_lra_mlk_module():
     with torch.no_grad():
         m.pi_logits.copy_(pi.log()[None])
     x, pad = _x(1), _padding()
-    got, _ = m(x, key_padding_mask=pad)
+    got, _ = m(x, key_padding_mask=pad, need_weights=False)
     want = _through(m, x, lambda q, k, v: lra_mlk(q, k[:, :, 0], k[:, :, 1], pi, v, pad))
     torch.testing.assert_close(got, want, **TOL)
 
@@ -66,7 +66,7 @@ def test_lra_mlk_module():
 def test_lm_type34_module(normalize):
     m = _module(LinearAttention, normalize="row" if normalize else "none", **LM34)
     x = _x(2)
-    got, _ = m(x, is_causal=True)
+    got, _ = m(x, is_causal=True, need_weights=False)
     want = _through(m, x, lambda q, k, v: lm_linear_type34(q, k, v, normalize=normalize))
     torch.testing.assert_close(got, want, **TOL)
 
@@ -79,7 +79,7 @@ def test_lm_type400_module():
     with torch.no_grad():
         m.pi_logits.copy_(torch.stack([pi0, pi1], dim=1).log())
     x = _x(3)
-    got, _ = m(x, is_causal=True)
+    got, _ = m(x, is_causal=True, need_weights=False)
     want = _through(m, x, lambda q, k, v: lm_mlk_type400(q, k[:, :, 0], k[:, :, 1], v, pi0, pi1))
     torch.testing.assert_close(got, want, **TOL)
 
@@ -92,7 +92,7 @@ def test_lm_mgk_module():
     with torch.no_grad():
         m.pi_logits.copy_(pi.transpose(0, 1).log())
     x = _x(4)
-    got, _ = m(x, is_causal=True)
+    got, _ = m(x, is_causal=True, need_weights=False)
     want = _through(m, x, lambda q, k, v: lm_mgk(q, k[:, :, 0], k[:, :, 1], v, pi, eps=0.0))
     torch.testing.assert_close(got, want, **TOL)
 
@@ -104,10 +104,11 @@ def test_pi_norm_none_starts_at_one_over_m_and_keeps_a_gradient_where_the_clamp_
     torch.testing.assert_close(free.mixture_log_weights(L).exp(), torch.full((1, H, 2, L), 0.5, dtype=torch.float64))
     free.load_state_dict(soft.state_dict() | {"mixture.pi_logits": free.pi_logits.detach()})
     x = _x(5)
-    torch.testing.assert_close(free(x)[0], soft(x)[0], **TOL)  # the same first forward as the softmax form
+    # the same first forward as the softmax form
+    torch.testing.assert_close(free(x, need_weights=False)[0], soft(x, need_weights=False)[0], **TOL)
     with torch.no_grad():  # a weight above 1 (the authors' clamp would freeze it there) and one below 0 in log
         free.pi_logits[0, 0, :] = math.log(1.5)
-    free(x)[0].pow(2).sum().backward()
+    free(x, need_weights=False)[0].pow(2).sum().backward()
     grad = free.pi_logits.grad
     assert torch.isfinite(grad).all() and (grad[0, 0] != 0).all()
     assert not torch.allclose(free.mixture_log_weights(L).exp().sum(2), torch.ones(1, H, L, dtype=torch.float64))
@@ -122,7 +123,7 @@ def test_pi_shape_layer_is_one_set_shared_by_heads():
     head.load_state_dict(layer.state_dict() | {"mixture.pi_logits": head.pi_logits.detach()})
     assert layer.mixture_log_weights(L).shape == (1, 1, 2, 1)
     x = _x(6)
-    torch.testing.assert_close(layer(x)[0], head(x)[0], **TOL)
+    torch.testing.assert_close(layer(x, need_weights=False)[0], head(x, need_weights=False)[0], **TOL)
 
 
 def test_per_component_sigma2_accepts_list_and_tuple():
@@ -203,7 +204,7 @@ def test_config_defaults_build_todays_modules():
         plain = build_attention(kind, E, H, head_dim=D, max_len=ac.options.get("max_len")).double() \
             if "max_len" in attention_options(kind) else build_attention(kind, E, H, head_dim=D).double()
         x = _x(7)
-        torch.testing.assert_close(built(x)[0], plain(x)[0], rtol=0, atol=0)
+        torch.testing.assert_close(built(x, need_weights=False)[0], plain(x, need_weights=False)[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("field, value", [("normalize", "rows"), ("feature_map", "relu"), ("eps_mode", "plus"),

@@ -32,7 +32,7 @@ def test_attn_mask_with_query_dimension_is_rejected(kind, options):
     m = build(kind, options)
     x = torch.randn(2, 5, E)
     with pytest.raises(MaskError, match="key-padding"):
-        m(x, attn_mask=torch.zeros(5, 5, dtype=torch.bool))
+        m(x, attn_mask=torch.zeros(5, 5, dtype=torch.bool), need_weights=False)
 
 
 @pytest.mark.parametrize("kind,options", KINDS, ids=IDS)
@@ -40,10 +40,10 @@ def test_dropout_is_accepted_but_unused(kind, options):
     m = build(kind, options, dropout=0.3)
     x = torch.randn(2, 5, E)
     m.train()
-    a, _ = m(x)
-    b, _ = m(x)
+    a, _ = m(x, need_weights=False)
+    b, _ = m(x, need_weights=False)
     m.eval()
-    c, _ = m(x)
+    c, _ = m(x, need_weights=False)
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
@@ -78,27 +78,27 @@ def test_mlk_rejects_pi_other_than_learned(pi):
         with pytest.raises(ValueError, match="pi='learned'"):
             build_attention(kind, E, H, pi=pi)
     with pytest.raises(ValueError, match="learned"):
-        MLKAttention(E, H, pi=pi)
+        MLKAttention(E, H, pi=pi, batch_first=True)
 
 
 def test_mlk_option_errors():
     with pytest.raises(ValueError, match="max_len"):
-        MLKAttention(E, H, pi_shape="position")
+        MLKAttention(E, H, pi_shape="position", batch_first=True)
     with pytest.raises(ValueError, match="keys"):
-        MLKAttention(E, H, keys="tied")
+        MLKAttention(E, H, keys="tied", batch_first=True)
     with pytest.raises(ValueError, match="pi_shape"):
-        MLKAttention(E, H, pi_shape="batch")
+        MLKAttention(E, H, pi_shape="batch", batch_first=True)
     with pytest.raises(ValueError, match="num_keys"):
-        MLKAttention(E, H, num_keys=0)
-    m = MLKAttention(E, H, pi_shape="position", max_len=8)
+        MLKAttention(E, H, num_keys=0, batch_first=True)
+    m = MLKAttention(E, H, pi_shape="position", max_len=8, batch_first=True)
     with pytest.raises(ValueError, match=r"9.*max_len=8"):
-        m(torch.randn(1, 9, E))
+        m(torch.randn(1, 9, E), need_weights=False)
 
 
 def test_mlk_gradients_reach_mixture_weights_and_shifts():
     m = build("smlk", {"pi_shape": "position", "max_len": 12}).train()
     x = torch.randn(2, 7, E)
-    out, _ = m(x, is_causal=True)
+    out, _ = m(x, is_causal=True, need_weights=False)
     out.square().mean().backward()
     g = m.pi_logits.grad
     assert torch.isfinite(g).all() and g[..., :7].abs().sum() > 0
@@ -108,8 +108,8 @@ def test_mlk_gradients_reach_mixture_weights_and_shifts():
 
 def test_mlk_with_one_head_prior_on_first_key_equals_linear_attention():
     """Module-level twin of MLK(pi = (1, 0)) == linear attention on key 1, with shared projections."""
-    lin = LinearAttention(E, H)
-    mlk = MLKAttention(E, H, num_keys=2)
+    lin = LinearAttention(E, H, batch_first=True)
+    mlk = MLKAttention(E, H, num_keys=2, batch_first=True)
     with torch.no_grad():
         for name in ("q_proj", "v_proj", "out_proj"):
             getattr(mlk, name).load_state_dict(getattr(lin, name).state_dict())
@@ -118,7 +118,8 @@ def test_mlk_with_one_head_prior_on_first_key_equals_linear_attention():
         mlk.pi_logits.copy_(torch.tensor([[0.0, -1e4]] * H))
     x = torch.randn(2, 6, E)
     for causal in (False, True):
-        torch.testing.assert_close(mlk(x, is_causal=causal)[0], lin(x, is_causal=causal)[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(mlk(x, is_causal=causal, need_weights=False)[0],
+                                   lin(x, is_causal=causal, need_weights=False)[0], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind,pi", [("mgk", "learned"), ("smgk", "soft_e"), ("mlk", "learned"), ("smlk", "learned")])
@@ -133,6 +134,6 @@ def test_state_dicts_from_before_the_mixture_submodule_still_load(kind, pi):
     fresh = build_attention(kind, E, H, **options).eval()
     fresh.load_state_dict(old)
     x = torch.randn(2, 5, E)
-    assert torch.equal(fresh(x)[0], m(x)[0])
+    assert torch.equal(fresh(x, need_weights=False)[0], m(x, need_weights=False)[0])
     assert m.k_proj is m.mixture.k_proj and isinstance(m.mixture, mgk.MixtureKeys if hasattr(mgk, "MixtureKeys")
                                                       else mgk.attention.MixtureKeys)

@@ -24,50 +24,52 @@ def test_mask_conventions_match_nn_multihead_attention():
     x = torch.randn(2, 5, 16)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
     am = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)  # True = not allowed (nn.MHA)
-    a, _ = m(x, key_padding_mask=kpm, attn_mask=am)
-    b, _ = m(x, key_padding_mask=kpm, is_causal=True)
+    a, _ = m(x, key_padding_mask=kpm, attn_mask=am, need_weights=False)
+    b, _ = m(x, key_padding_mask=kpm, is_causal=True, need_weights=False)
     torch.testing.assert_close(a, b)
     per_head = am.expand(2 * 2, 5, 5)
-    c, _ = m(x, key_padding_mask=kpm, attn_mask=per_head)
+    c, _ = m(x, key_padding_mask=kpm, attn_mask=per_head, need_weights=False)
     torch.testing.assert_close(a, c)
     with pytest.raises(MaskError, match="key_padding_mask"):
-        m(x, key_padding_mask=kpm.long())
+        m(x, key_padding_mask=kpm.long(), need_weights=False)
     with pytest.raises(MaskError, match="attn_mask"):
-        m(x, attn_mask=am.long())
+        m(x, attn_mask=am.long(), need_weights=False)
     with pytest.raises(MaskError, match="attn_mask"):
-        m(x, attn_mask=am[:4])
+        m(x, attn_mask=am[:4], need_weights=False)
     # Float masks are added to the logits, as in nn.MultiheadAttention: -inf where bool is True gives the same.
     minus_inf = torch.zeros(5, 5).masked_fill(am, float("-inf"))
     kpm_inf = torch.zeros(2, 5).masked_fill(kpm, float("-inf"))
-    torch.testing.assert_close(m(x, key_padding_mask=kpm_inf, attn_mask=minus_inf)[0], a)
+    torch.testing.assert_close(m(x, key_padding_mask=kpm_inf, attn_mask=minus_inf, need_weights=False)[0], a)
 
 
 def test_shape_errors_name_the_argument():
     m = make("mgk", "learned")
     with pytest.raises(ValueError, match="query"):
-        m(torch.randn(2, 5, 15))
+        m(torch.randn(2, 5, 15), need_weights=False)
     with pytest.raises(ValueError, match="query"):
-        m(torch.randn(5, 16))
+        m(torch.randn(16), need_weights=False)
+    with pytest.raises(ValueError, match="query"):
+        m(torch.randn(1, 2, 5, 16), need_weights=False)
     with pytest.raises(ValueError, match="num_keys"):
-        mgk.MGKAttention(16, 2, num_keys=0)
+        mgk.MGKAttention(16, 2, num_keys=0, batch_first=True)
     with pytest.raises(ValueError, match="max_len"):
-        mgk.MGKAttention(16, 2, pi="soft_e")
+        mgk.MGKAttention(16, 2, pi="soft_e", batch_first=True)
     with pytest.raises(ValueError, match="pi"):
-        mgk.MGKAttention(16, 2, pi="soft")
+        mgk.MGKAttention(16, 2, pi="soft", batch_first=True)
 
 
 def test_head_dim_independent_of_embed_dim():
-    m = mgk.MGKAttention(64, 3, head_dim=32)
+    m = mgk.MGKAttention(64, 3, head_dim=32, batch_first=True)
     assert m.q_proj.out_features == 96 and m.k_proj.out_features == 2 * 96
-    out, _ = m(torch.randn(2, 7, 64))
+    out, _ = m(torch.randn(2, 7, 64), need_weights=False)
     assert out.shape == (2, 7, 64)
 
 
 def test_sequence_longer_than_max_len_is_a_clear_error():
     m = make("mgk", "soft_e", max_len=16)
-    m(torch.randn(1, 16, 16))
+    m(torch.randn(1, 16, 16), need_weights=False)
     with pytest.raises(ValueError, match=r"17.*max_len=16"):
-        m(torch.randn(1, 17, 16))
+        m(torch.randn(1, 17, 16), need_weights=False)
 
 
 def _hand_soft_e(q, k, sigma2, pi, valid):
@@ -97,7 +99,7 @@ def _hand_soft_e(q, k, sigma2, pi, valid):
 def test_soft_e_update_equals_hand_computation(keys):
     torch.manual_seed(1)
     m = mgk.MGKAttention(4, 1, head_dim=2, num_keys=2, keys=keys, pi="soft_e", max_len=6,
-                         sigma2=[1.5, 0.5]).double()
+                         sigma2=[1.5, 0.5], batch_first=True).double()
     with torch.no_grad():
         m.pi[:, :, :] = torch.tensor([0.3, 0.7], dtype=torch.float64).view(1, 2, 1)
     x = torch.randn(2, 4, 4, dtype=torch.float64)
@@ -110,7 +112,7 @@ def test_soft_e_update_equals_hand_computation(keys):
     before = m.pi.clone()
     ptr = m.pi.data_ptr()
     m.train()
-    m(x, key_padding_mask=kpm, is_causal=True)
+    m(x, key_padding_mask=kpm, is_causal=True, need_weights=False)
     assert m.pi.data_ptr() == ptr  # updated in place, not rebound
     torch.testing.assert_close(m.pi[:, :, :4], expected[:, :, :4], atol=1e-12, rtol=1e-10)
     assert torch.equal(m.pi[:, :, 4:], before[:, :, 4:])  # positions beyond L untouched
@@ -123,27 +125,27 @@ def test_soft_e_never_changes_in_eval_or_no_grad_and_is_saved():
     x = torch.randn(2, 5, 16)
     before = m.pi.clone()
     m.eval()
-    m(x)
+    m(x, need_weights=False)
     m.train()
     with torch.no_grad():
-        m(x)
+        m(x, need_weights=False)
     assert torch.equal(m.pi, before)
     assert "mixture.pi" in m.state_dict()  # saved (under the shared mixture-keys submodule)
-    m(x)
+    m(x, need_weights=False)
     assert not torch.equal(m.pi, before)
 
 
 def test_soft_e_forward_twice_backward_once():
     m = make("mgk", "soft_e").train()
     x = torch.randn(2, 5, 16)
-    (m(x)[0].sum() + m(x)[0].sum()).backward()
+    (m(x, need_weights=False)[0].sum() + m(x, need_weights=False)[0].sum()).backward()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())
 
 
 def test_learned_pi_at_the_boundary_still_learns():
     """The authors' code clamps pi to [0, 1], which freezes it at the boundary; log-softmax logits keep a gradient."""
     torch.manual_seed(0)
-    m = mgk.MGKAttention(8, 1, head_dim=8, num_keys=2, pi="learned")
+    m = mgk.MGKAttention(8, 1, head_dim=8, num_keys=2, pi="learned", batch_first=True)
     with torch.no_grad():
         m.pi_logits[:] = torch.tensor([[0.0, -12.0]])  # pi = (1, ~6e-6)
         W = m.k_proj.weight.view(2, 8, 8)
@@ -153,7 +155,7 @@ def test_learned_pi_at_the_boundary_still_learns():
     x = torch.randn(4, 6, 8)
 
     def loss():
-        _, w = m(x, need_weights=True)
+        _, w = m(x, need_weights=True, average_attn_weights=False)
         eye = torch.eye(6).expand_as(w)
         return ((w - eye) ** 2).sum()  # prefers attending to oneself: component 2 (k = q)
 
@@ -173,10 +175,10 @@ def test_learned_pi_at_the_boundary_still_learns():
 def test_dropout_is_train_only(kind, pi):
     m = make(kind, pi, dropout=0.5).eval()
     x = torch.randn(2, 6, 16)
-    a, _ = m(x)
-    b, _ = m(x)
+    a, _ = m(x, need_weights=False)
+    b, _ = m(x, need_weights=False)
     assert torch.equal(a, b)
     m.train()
     torch.manual_seed(3)
-    c, _ = m(x)
+    c, _ = m(x, need_weights=False)
     assert not torch.allclose(a, c)

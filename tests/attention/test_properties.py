@@ -15,12 +15,12 @@ def test_padded_content_is_inert(build, variant, causal):
     m = build(*variant)
     torch.manual_seed(1)
     x = torch.randn(2, 6, E)
-    ref, _ = m(x, is_causal=causal)
+    ref, _ = m(x, is_causal=causal, need_weights=False)
     kpm = torch.zeros(2, 9, dtype=torch.bool)
     kpm[:, 6:] = True
     for fill in (1e30, float("nan")):
         padded = torch.cat([x, torch.full((2, 3, E), fill)], dim=1)
-        out, _ = m(padded, key_padding_mask=kpm, is_causal=causal)
+        out, _ = m(padded, key_padding_mask=kpm, is_causal=causal, need_weights=False)
         torch.testing.assert_close(out[:, :6], ref, rtol=1e-5, atol=1e-6)
 
 
@@ -30,13 +30,15 @@ def test_padding_changes_are_inert_and_real_changes_matter(build, variant):
     torch.manual_seed(2)
     x = torch.randn(1, 6, E)
     kpm = torch.tensor([[False] * 4 + [True] * 2])
-    base, _ = m(x, key_padding_mask=kpm)
+    base, _ = m(x, key_padding_mask=kpm, need_weights=False)
     x_pad, x_real = x.clone(), x.clone()
     x_pad[0, 5] = 1e30
     x_real[0, 1] += 1.0
-    assert torch.equal(m(x_pad, key_padding_mask=kpm)[0][:, :4], base[:, :4])
-    assert (m(x_real, key_padding_mask=kpm)[0][:, [0, 2, 3]] - base[:, [0, 2, 3]]).abs().max() > 1e-4
-    assert torch.equal(m(x, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))[0], m(x)[0])
+    assert torch.equal(m(x_pad, key_padding_mask=kpm, need_weights=False)[0][:, :4], base[:, :4])
+    moved = m(x_real, key_padding_mask=kpm, need_weights=False)[0]
+    assert (moved[:, [0, 2, 3]] - base[:, [0, 2, 3]]).abs().max() > 1e-4
+    no_padding = torch.zeros(1, 6, dtype=torch.bool)
+    assert torch.equal(m(x, key_padding_mask=no_padding, need_weights=False)[0], m(x, need_weights=False)[0])
 
 
 def _run(m, state, x, path):
@@ -44,14 +46,14 @@ def _run(m, state, x, path):
     if path == "train":
         m.train()
         torch.manual_seed(123)  # the same dropout masks for both runs
-        return m(x, is_causal=True)[0]
+        return m(x, is_causal=True, need_weights=False)[0]
     m.eval()
     if path == "weights":
         return m(x, is_causal=True, need_weights=True)[0]
     if path == "bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return m(x, is_causal=True)[0]
-    return m(x, is_causal=True)[0]
+            return m(x, is_causal=True, need_weights=False)[0]
+    return m(x, is_causal=True, need_weights=False)[0]
 
 
 @pytest.mark.parametrize("path", ["eval", "train", "weights", "bf16", "batch1"])
@@ -74,12 +76,12 @@ def test_batch_invariance(build, variant, causal):
     m = build(*variant)
     torch.manual_seed(4)
     seq = torch.randn(1, 7, E)
-    alone, _ = m(seq, is_causal=causal)
+    alone, _ = m(seq, is_causal=causal, need_weights=False)
     batch = torch.randn(3, 10, E)
     batch[1, :7] = seq[0]
     kpm = torch.zeros(3, 10, dtype=torch.bool)
     kpm[1, 7:] = True
-    out, _ = m(batch, key_padding_mask=kpm, is_causal=causal)
+    out, _ = m(batch, key_padding_mask=kpm, is_causal=causal, need_weights=False)
     torch.testing.assert_close(out[1:2, :7], alone, rtol=1e-5, atol=1e-6)
 
 
@@ -94,12 +96,12 @@ def test_dtypes(build, variant):
     x = torch.randn(2, 64, E)
     x = 30 * x / x.norm(dim=-1, keepdim=True)
     for causal in (False, True):
-        ref, _ = m(x, is_causal=causal)
-        out64, _ = copy.deepcopy(m).double()(x.double(), is_causal=causal)
+        ref, _ = m(x, is_causal=causal, need_weights=False)
+        out64, _ = copy.deepcopy(m).double()(x.double(), is_causal=causal, need_weights=False)
         assert out64.dtype == torch.float64
         torch.testing.assert_close(out64.float(), ref, rtol=1e-4, atol=1e-4)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, _ = m(x, is_causal=causal)
+            out, _ = m(x, is_causal=causal, need_weights=False)
         assert torch.isfinite(out).all()
         # Relative to the output's norm: the bf16 projections shift individual near-zero outputs by a few 1e-2.
         assert ((out.float() - ref).norm() / ref.norm()).item() < tol
@@ -110,7 +112,7 @@ def test_length_one_attends_to_its_own_value(build, variant, causal):
     """With one key, every kind's weight is 1: the output is out_proj(v_proj(x))."""
     m = build(*variant)
     x = torch.randn(3, 1, E)
-    out, _ = m(x, is_causal=causal)
+    out, _ = m(x, is_causal=causal, need_weights=False)
     torch.testing.assert_close(out, m.out_proj(m.v_proj(x)), rtol=1e-5, atol=1e-6)
 
 
@@ -121,7 +123,7 @@ def test_fully_masked_rows_are_zero_with_finite_grads(build, variant):
     x = torch.randn(2, 4, E, requires_grad=True)
     kpm = torch.tensor([[False] * 4, [True] * 4])
     for causal in (False, True):
-        out, _ = m(x, key_padding_mask=kpm, is_causal=causal)
+        out, _ = m(x, key_padding_mask=kpm, is_causal=causal, need_weights=False)
         assert torch.equal(out[1], m.out_proj.bias.expand(4, E).detach())
         m.zero_grad()
         x.grad = None
@@ -137,8 +139,8 @@ def test_need_weights_returns_normalised_weights(build, variant, causal):
     x = torch.randn(2, 6, E)
     kpm = torch.zeros(2, 6, dtype=torch.bool)
     kpm[0, 4:] = True
-    out, w = m(x, key_padding_mask=kpm, is_causal=causal, need_weights=True)
-    plain, none = m(x, key_padding_mask=kpm, is_causal=causal)
+    out, w = m(x, key_padding_mask=kpm, is_causal=causal, need_weights=True, average_attn_weights=False)
+    plain, none = m(x, key_padding_mask=kpm, is_causal=causal, need_weights=False)
     assert none is None
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
     assert w.shape == (2, H, 6, 6) and (w >= 0).all()

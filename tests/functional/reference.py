@@ -34,19 +34,20 @@ def _allowed(B, H, L, S, mask, is_causal):
     return allowed
 
 
-def _sigma2(sigma2, M, D):
+def _sigma2(sigma2, M, D, grad=False):
+    """Variances as (H', M) float64, H' = 1 (shared by the heads) or H (per head and component)."""
     if sigma2 is None:
-        return torch.full((M,), math.sqrt(D), dtype=F64)
+        return torch.full((1, M), math.sqrt(D), dtype=F64)
     if isinstance(sigma2, (int, float)):
-        return torch.full((M,), float(sigma2), dtype=F64)
-    s = sigma2.detach().to(F64).reshape(-1)
-    return s.expand(M).clone() if s.numel() == 1 else s
+        return torch.full((1, M), float(sigma2), dtype=F64)
+    s = (sigma2 if grad else sigma2.detach()).to(F64)
+    return s.reshape(1, 1).expand(1, M) if s.numel() == 1 else s.reshape(-1, M)
 
 
-def _log_pi(log_pi, B, H, M, S):
+def _log_pi(log_pi, B, H, M, S, grad=False):
     if log_pi is None:
         return torch.full((B, H, M, S), -math.log(M), dtype=F64)
-    lp = log_pi.detach().to(F64)
+    lp = (log_pi if grad else log_pi.detach()).to(F64)
     lp = lp.reshape((1,) * (4 - lp.dim()) + tuple(lp.shape))
     return lp.expand(B, H, M, S)
 
@@ -58,36 +59,41 @@ def _apply(weights, v, allowed):
     return terms.sum(-2)
 
 
-def squared_distances(q, k):
+def squared_distances(q, k, grad=False):
     """|q_i - k_jr|^2 by broadcasting the differences: (B, H, L, M, S)."""
-    q = q.detach().to(F64)
-    k = k.detach().to(F64)
+    q = (q if grad else q.detach()).to(F64)
+    k = (k if grad else k.detach()).to(F64)
     diff = q[:, :, :, None, None, :] - k[:, :, None, :, :, :]  # (B, H, L, M, S, D)
     return (diff * diff).sum(-1)
 
 
 def mgk_reference(q, k, v, *, log_pi=None, sigma2=None, mixture="sum", mask=None, is_causal=False,
-                  log_space=False):
+                  log_space=False, bias=None, grad=False):
     """MGK attention in float64. Returns (out (B,H,L,Dv), weights (B,H,L,S)).
 
-    log_space=False: the literal formula A_ij = sum_r pi_jr exp(-|q_i-k_jr|^2/(2 s_r)) / sum_j' (same).
-    log_space=True: A_ij = softmax_j(logsumexp_r(log pi_jr - |q_i-k_jr|^2/(2 s_r))) (for underflowing inputs).
-    mixture="max": the kernel is max_r exp(-|q_i-k_jr|^2/(2 s_r)) (pi unused).
-    Rows with no allowed key give zero weights and zero output.
+    log_space=False: the literal formula A_ij = sum_r pi_jr exp(-|q_i-k_jr|^2/(2 s_r)) exp(b_ij) / sum_j' (same).
+    log_space=True: A_ij = softmax_j(logsumexp_r(log pi_jr - |q_i-k_jr|^2/(2 s_r)) + b_ij) (for underflowing inputs).
+    mixture="max": the kernel is max_r exp(-|q_i-k_jr|^2/(2 s_r)) (pi unused). sigma2: a float, (M,) or (H, M).
+    bias: float broadcastable to (B, H, L, S) (finite), or None. grad=True keeps the graph to q, k, v, log_pi,
+    sigma2 and bias (for gradient comparisons). Rows with no allowed key give zero weights and zero output.
     """
     B, H, L, D = q.shape
     M, S = k.shape[2], k.shape[3]
-    v = v.detach().to(F64)
-    s2 = _sigma2(sigma2, M, D).view(1, 1, 1, M, 1)
-    lp = _log_pi(log_pi, B, H, M, S)[:, :, None]  # (B, H, 1, M, S)
+    v = (v if grad else v.detach()).to(F64)
+    s2 = _sigma2(sigma2, M, D, grad)
+    s2 = s2.view(1, s2.shape[0], 1, M, 1)
+    lp = _log_pi(log_pi, B, H, M, S, grad)[:, :, None]  # (B, H, 1, M, S)
     allowed = _allowed(B, H, L, S, mask, is_causal)
-    d2 = squared_distances(q, k)
+    d2 = squared_distances(q, k, grad)
     logk = -d2 / (2.0 * s2)  # (B, H, L, M, S)
+    b = None if bias is None else (bias if grad else bias.detach()).to(F64).expand(B, H, L, S)
     if log_space:
         if mixture == "max":
             s = logk.max(dim=-2).values
         else:
             s = torch.logsumexp(lp + logk, dim=-2)
+        if b is not None:
+            s = s + b
         s = torch.where(allowed, s, torch.full((), -math.inf, dtype=F64))
         rowmax = s.max(dim=-1, keepdim=True).values
         rowmax = torch.where(torch.isfinite(rowmax), rowmax, torch.zeros((), dtype=F64))
@@ -97,6 +103,8 @@ def mgk_reference(q, k, v, *, log_pi=None, sigma2=None, mixture="sum", mask=None
             e = torch.exp(logk).max(dim=-2).values
         else:
             e = (torch.exp(lp) * torch.exp(logk)).sum(-2)  # sum_r pi_jr exp(-|q_i - k_jr|^2 / (2 s_r))
+        if b is not None:
+            e = e * torch.exp(b)
         e = torch.where(allowed, e, torch.zeros((), dtype=F64))
     den = e.sum(-1, keepdim=True)
     has_key = allowed.any(-1, keepdim=True)
@@ -105,14 +113,16 @@ def mgk_reference(q, k, v, *, log_pi=None, sigma2=None, mixture="sum", mask=None
     return _apply(w, v, allowed), w
 
 
-def softmax_reference(q, k, v, *, mask=None, is_causal=False, scale=None):
-    """softmax_j(scale * q_i . k_j) v in float64 with the same mask conventions. Returns (out, weights)."""
+def softmax_reference(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None):
+    """softmax_j(scale * q_i . k_j + b_ij) v in float64 with the same mask conventions. Returns (out, weights)."""
     B, H, L, D = q.shape
     S = k.shape[2]
     q, k, v = (t.detach().to(F64) for t in (q, k, v))
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     allowed = _allowed(B, H, L, S, mask, is_causal)
     scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * scale
+    if bias is not None:
+        scores = scores + bias.detach().to(F64)
     scores = torch.where(allowed, scores, torch.full((), -math.inf, dtype=F64))
     rowmax = scores.max(dim=-1, keepdim=True).values
     rowmax = torch.where(torch.isfinite(rowmax), rowmax, torch.zeros((), dtype=F64))
@@ -147,7 +157,8 @@ def responsibilities_reference(q, k, *, log_pi=None, sigma2=None, mask=None, is_
                     logs = []
                     for r in range(M):
                         diff = q64[b, h, i] - k64[b, h, r, j]
-                        logs.append(float(lp[b, h, r, j]) - float((diff * diff).sum()) / (2.0 * float(s2[r])))
+                        var = float(s2[h if s2.shape[0] > 1 else 0, r])
+                        logs.append(float(lp[b, h, r, j]) - float((diff * diff).sum()) / (2.0 * var))
                     mx = max(logs)
                     z = sum(math.exp(x - mx) for x in logs)
                     for r in range(M):
@@ -191,11 +202,11 @@ def padding_mask(lengths, S, left=False):
     return m
 
 
-def refusal(backend, *, mixture="sum", mask=None, dropout_p=0.0, return_weights=False, sigma2=None):
+def refusal(backend, *, mixture="sum", mask=None, dropout_p=0.0, return_weights=False, sigma2=None, bias=None):
     """Why ``mgk_attention(..., backend=backend)`` is documented to refuse these inputs (None when it serves them):
     only "explicit" returns weights; Hard-E (mixture="max") has no dot-product form ("sdpa") and no Triton kernel;
-    the fused kernels ("kernel", "triton") take masks that are at most key padding and dropout 0 <= p < 1; the
-    Triton kernels take no unequal or learned variances. The tests skip a refused
+    the fused kernels ("kernel", "triton") take masks and biases that are at most per key and dropout 0 <= p < 1;
+    the Triton kernels take no learned variances, nor unequal ones within a head. The tests skip a refused
     combination (test_backends checks the refusal)."""
     if backend == "explicit":
         return None
@@ -203,13 +214,15 @@ def refusal(backend, *, mixture="sum", mask=None, dropout_p=0.0, return_weights=
         return "only backend='explicit' returns the weights"
     if mixture == "max" and backend in ("sdpa", "triton"):
         return f"Hard-E (mixture='max') has no {backend} form"
-    if backend in ("kernel", "triton") and mask is not None and mask.dim() >= 2 and mask.shape[-2] != 1:
-        return f"backend={backend!r} takes masks that are at most key padding, this one depends on the query"
+    for name, t in (("mask", mask), ("bias", bias)):
+        if backend in ("kernel", "triton") and t is not None and t.dim() >= 2 and t.shape[-2] != 1:
+            return f"backend={backend!r} takes a {name} that is at most per key, this one depends on the query"
     if backend in ("kernel", "triton") and not 0.0 <= dropout_p < 1.0:
         return f"backend={backend!r} does not take dropout_p={dropout_p}"
-    if backend == "triton" and isinstance(sigma2, torch.Tensor) and (
-            sigma2.requires_grad or not bool((sigma2 == sigma2.reshape(-1)[0]).all())):
-        return "the Triton kernels take equal fixed variances"
+    if backend == "triton" and isinstance(sigma2, torch.Tensor):
+        s = sigma2.reshape(-1, sigma2.shape[-1]) if sigma2.dim() else sigma2.reshape(1, 1)
+        if sigma2.requires_grad or not bool((s == s[:, :1]).all()):
+            return "the Triton kernels take fixed variances, equal within each head"
     return None
 
 
@@ -234,3 +247,8 @@ def assert_checkpoint_regenerates_dropout(f, q, k, v):
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def tol64(backend):
+    """Tolerance of a float64 call on ``backend``: the Triton kernels compute in float32 whatever the input."""
+    return dict(atol=1e-5, rtol=1e-5) if backend == "triton" else dict(atol=1e-10, rtol=1e-9)

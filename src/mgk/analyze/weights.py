@@ -1,7 +1,8 @@
 """Per-layer attention weights of any mgk model, through the attention modules' own ``need_weights`` path.
 
-The models call their attention modules without ``need_weights``; rather than changing them, :class:`WeightRecorder`
-registers a forward pre-hook on every :class:`mgk.attention.AttentionBase` that sets ``need_weights=True`` (so the
+The models call their attention modules with ``need_weights=False``; rather than changing them, :class:`WeightRecorder`
+registers a forward pre-hook on every :class:`mgk.attention.AttentionBase` that sets ``need_weights=True`` and
+``average_attn_weights=False`` (so the
 module computes its explicit weights, the same code its tests check against float64 references) and a forward hook
 that keeps, for each call, the returned weights (B, H, L, S), the query input (B, L, E), the key-padding mask and
 ``is_causal``. Nothing else about the forward changes (the output is the same function of the inputs).
@@ -85,6 +86,7 @@ class WeightRecorder:
     @staticmethod
     def _want_weights(module, args, kwargs):
         kwargs["need_weights"] = True
+        kwargs["average_attn_weights"] = False  # the analysis reads each head's weights
         return args, kwargs
 
     def _keeper(self, index: int, name: str):

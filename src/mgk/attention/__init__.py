@@ -5,6 +5,7 @@ from .mgk import MGKAttention
 from .mixture_keys import MixtureKeys
 from .registry import attention_kinds, build_attention, register
 from .softmax import MultiheadAttention
+from .swap import swap_attention
 
 __all__ = ["AttentionBase", "MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "register"]
-__all__ += ["LinearAttention", "MLKAttention", "MixtureKeys"]
+__all__ += ["LinearAttention", "MLKAttention", "MixtureKeys", "swap_attention"]

@@ -1,10 +1,13 @@
 """Projection and mask plumbing shared by every attention module.
 
-Modules are drop-ins for ``torch.nn.MultiheadAttention``: inputs (B, L, E) with ``batch_first=True`` (our default,
-kept for backward compatibility; torch's default is False) or (L, B, E) with ``batch_first=False``;
-``key_padding_mask`` (B, S) and ``attn_mask`` (L, S) / (B*H, L, S) / (B, H, L, S) follow torch's documentation: bool
-True = not allowed, float = added to the attention logits (-inf = not allowed). The masks are converted once here
-to the functional core's convention (bool, True = may attend); see :mod:`mgk.attention.module_masks`.
+Modules are drop-ins for ``torch.nn.MultiheadAttention``: the same ``forward`` signature, defaults and returns
+(positional ``query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal``;
+batched or unbatched inputs; weights averaged over heads by default). The layout is chosen at construction and has
+no default: ``batch_first=True`` reads (B, T, E), ``batch_first=False`` reads (T, B, E) (torch's default). Masks
+follow torch's documentation: ``key_padding_mask`` (B, S) or (S,) unbatched, ``attn_mask`` (L, S) /
+(B*H, L, S) / (B, H, L, S); bool True = not allowed, float = added to the attention logits (-inf = not allowed).
+They are converted once here to the functional core's convention (bool, True = may attend); see
+:mod:`mgk.attention.module_masks`.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from torch import Tensor, nn
 
 from ..functional import masks as _masks
 from . import module_masks
+
+_LAYOUTS = ("batch_first=True for (B, T, E) inputs, or batch_first=False for (T, B, E) inputs "
+            "(torch.nn.MultiheadAttention's default)")
 
 
 def _positive_int(value, name: str) -> int:
@@ -33,12 +39,18 @@ class AttentionBase(nn.Module, abc.ABC):
         dropout: dropout probability on attention weights, applied in training mode only.
         bias: whether the projections have biases.
         kdim, vdim: widths of key and value inputs (default embed_dim).
-        batch_first: inputs and output are (B, T, E) when True (default), (T, B, E) when False, as in
-            ``nn.MultiheadAttention`` (whose default is False).
+        batch_first: required keyword: True for inputs and output (B, T, E), False for (T, B, E), as in
+            ``nn.MultiheadAttention`` (whose default is False). There is no default because a module built with one
+            layout and set into a torch layer of the other would attend across the batch without any error
+            (torch's layers default to False, mgk's models use True).
+
+    Raises:
+        TypeError when ``batch_first`` is not given; ValueError naming the argument for bad sizes.
 
     ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` accept these modules as ``self_attn`` /
     ``multihead_attn``: their eval-mode fast path reads ``in_proj_bias`` and ``_qkv_same_embed_dim``, which are None
     and False here (no packed projection), so it declines and they call ``forward`` like any attention.
+    :func:`mgk.swap_attention` does the replacement, with the layout and the weights carried over.
     """
 
     # Read by torch's Transformer layers to decide on their fused fast path, which needs nn.MultiheadAttention.
@@ -49,8 +61,11 @@ class AttentionBase(nn.Module, abc.ABC):
     _takes_bias = True
 
     def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, dropout: float = 0.0,
-                 bias: bool = True, kdim: int | None = None, vdim: int | None = None, batch_first: bool = True):
+                 bias: bool = True, kdim: int | None = None, vdim: int | None = None,
+                 batch_first: bool | None = None):
         super().__init__()
+        if batch_first is None:
+            raise TypeError(f"{type(self).__name__} needs batch_first: pass {_LAYOUTS}")
         if not isinstance(batch_first, bool):
             raise ValueError(f"batch_first must be a bool, got {batch_first!r}")
         self.batch_first = batch_first
@@ -82,6 +97,10 @@ class AttentionBase(nn.Module, abc.ABC):
               query_mask: Tensor | None):
         """Attention on projected heads; returns ((B, H, L, D), weights (B, H, L, S) or None)."""
 
+    def _attn_mask_hook(self, attn_mask, is_causal: bool, L: int, S: int):
+        """Subclasses that cannot take a query-dependent mask may recognise a causal one here."""
+        return attn_mask, is_causal
+
     # -- shared ------------------------------------------------------------------------------------------------
     def _split(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -92,53 +111,89 @@ class AttentionBase(nn.Module, abc.ABC):
         """Dropout probability in effect now (0 in eval mode)."""
         return self.dropout if self.training else 0.0
 
-    def _check_inputs(self, query, key, value):
-        layout = "(B, T, {})" if self.batch_first else "(T, B, {})"
-        for name, x, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
-            if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != width:
-                shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-                raise ValueError(f"{name} must have shape {layout.format(width)} (batch_first={self.batch_first}), "
-                                 f"got {shape}")
-        b = 0 if self.batch_first else 1
-        if key.shape[b] != query.shape[b] or value.shape[:2] != key.shape[:2]:
-            raise ValueError(f"batch/length mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                             f"value {tuple(value.shape)} (batch_first={self.batch_first})")
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
+                key_padding_mask: Tensor | None = None, need_weights: bool = True, attn_mask: Tensor | None = None,
+                average_attn_weights: bool = True, is_causal: bool = False):
+        """Attend from ``query`` to ``key`` / ``value``, as ``nn.MultiheadAttention.forward`` (same arguments, order
+        and defaults).
 
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
-                need_weights: bool = False):
-        """Attend from ``query`` (B, L, E) to ``key`` (B, S, kdim) / ``value`` (B, S, vdim) ((L, B, E) etc. when
-        ``batch_first=False``); self-attention when key and value are None. Returns ``(output (B, L, E) or
-        (L, B, E), weights (B, H, L, S) or None)``. Masks as in the module docstring; ``is_causal=True`` with an
-        ``attn_mask`` (torch's hint that the mask is causal) applies both.
-
-        Raises ValueError naming the argument for wrong ranks or sizes; MaskError for masks of other dtypes/shapes.
+        Args:
+            query: (B, L, E) with ``batch_first=True``, (L, B, E) with False, or (L, E) unbatched.
+            key, value: (B, S, kdim) / (B, S, vdim) in the same layout, or (S, kdim) / (S, vdim) unbatched. Both
+                None is self-attention (``key = value = query``), a shortcut ``nn.MultiheadAttention`` lacks.
+            key_padding_mask: (B, S), or (S,) unbatched; bool True = padding, or float added to the logits.
+            need_weights: also return the attention weights (default True, as torch; mgk's own models pass False,
+                since the weights take O(L S) memory and a slower path).
+            attn_mask: (L, S), (B*H, L, S) (unbatched: (H, L, S)) or (B, H, L, S); bool True = not allowed, or float.
+            average_attn_weights: return the weights averaged over heads (default), else per head.
+            is_causal: the bottom-right causal mask. With an ``attn_mask`` (torch's hint that it is causal) both
+                apply; without one it applies alone (torch then raises; here it is the causal mask itself).
+        Returns:
+            ``(output, weights)``: output shaped like ``query`` with E features; weights None without
+            ``need_weights``, else (B, L, S) averaged / (B, H, L, S) per head ((L, S) / (H, L, S) unbatched), float.
+            Differences from torch: a query row with no allowed key gives a zero output and zero weights (torch:
+            NaN); in training the weights are those before attention dropout.
+        Raises:
+            ValueError naming the argument for wrong ranks or sizes; MaskError for masks of other dtypes/shapes.
         """
         self_attention = key is None or key is query
         key = query if key is None else key
         value = key if value is None else value
-        self._check_inputs(query, key, value)
+        batched = self._check_inputs(query, key, value, key_padding_mask)
+        query, key, value, key_padding_mask = self._batch_first(query, key, value, key_padding_mask, batched)
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        mask, is_causal, bias, query_mask = self._masks(key_padding_mask, attn_mask, is_causal, B, L, S,
+                                                        self_attention)
+        q, k, v = self._split(self.q_proj(query)), self._keys(key), self._split(self.v_proj(value))
+        extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
+        out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+        return self._outputs(out, weights if need_weights else None, batched, average_attn_weights)
+
+    def _check_inputs(self, query, key, value, key_padding_mask) -> bool:
+        """Whether the inputs are batched; ValueError naming the argument for wrong ranks, widths or sizes."""
+        batched = isinstance(query, Tensor) and query.dim() == 3
+        layout = ("(B, T, {})" if self.batch_first else "(T, B, {})") if batched else "(T, {})"
+        for name, x, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if not isinstance(x, Tensor) or x.dim() != (3 if batched else 2) or x.shape[-1] != width:
+                shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+                raise ValueError(f"{name} must have shape {layout.format(width)} (batch_first={self.batch_first}; "
+                                 f"a query (T, {self.embed_dim}) is unbatched), got {shape}")
+        b = (0 if self.batch_first else 1) if batched else None
+        if (batched and key.shape[b] != query.shape[b]) or value.shape[:-1] != key.shape[:-1]:
+            raise ValueError(f"batch/length mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                             f"value {tuple(value.shape)} (batch_first={self.batch_first})")
+        if not batched and isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() != 1:
+            raise _masks.MaskError(f"key_padding_mask of unbatched inputs must have shape (S,) = "
+                                   f"({key.shape[0]},), got {tuple(key_padding_mask.shape)}")
+        return batched
+
+    def _batch_first(self, query, key, value, key_padding_mask, batched: bool):
+        """The inputs as (B, T, E) and the padding mask as (B, S)."""
+        if not batched:
+            pad = key_padding_mask.unsqueeze(0) if isinstance(key_padding_mask, Tensor) else key_padding_mask
+            return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), pad
         if not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        B, L, _ = query.shape
-        S = key.shape[1]
+        return query, key, value, key_padding_mask
+
+    def _masks(self, key_padding_mask, attn_mask, is_causal: bool, B: int, L: int, S: int, self_attention: bool):
+        """(core mask bool True = may attend or None, is_causal, float bias or None, query mask or None)."""
         key_padding_mask, attn_mask, bias = module_masks.split_masks(
             key_padding_mask, attn_mask, B, self.num_heads, L, S, bias_ok=self._takes_bias,
             owner=type(self).__name__)
         attn_mask, is_causal = self._attn_mask_hook(attn_mask, is_causal, L, S)
         mask = _masks.from_module_masks(key_padding_mask, attn_mask, B, L, S, self.num_heads)
         query_mask = (~key_padding_mask) if (self_attention and key_padding_mask is not None) else None
-        q = self._split(self.q_proj(query))
-        k = self._keys(key)
-        v = self._split(self.v_proj(value))
-        extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
-        out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
-        return (out if self.batch_first else out.transpose(0, 1)), weights
+        return mask, is_causal, bias, query_mask
 
-    def _attn_mask_hook(self, attn_mask, is_causal: bool, L: int, S: int):
-        """Subclasses that cannot take a query-dependent mask may recognise a causal one here."""
-        return attn_mask, is_causal
+    def _outputs(self, out: Tensor, weights: Tensor | None, batched: bool, average: bool):
+        """Output (B, L, E) in the caller's layout; weights averaged over heads when ``average``."""
+        if weights is not None and average:
+            weights = weights.mean(dim=1)
+        if not batched:
+            return out.squeeze(0), (None if weights is None else weights.squeeze(0))
+        return (out if self.batch_first else out.transpose(0, 1)), weights
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

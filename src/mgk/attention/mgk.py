@@ -11,7 +11,7 @@ from torch import Tensor
 from ..functional import _mixture_flash
 from ..functional._soft_e import mgk_attention_soft_e
 from ..functional.mgk import mgk_attention, mgk_responsibilities
-from . import _float_bias, _recompute
+from . import _recompute
 from .base import AttentionBase, _positive_int
 from .mixture_keys import KEY_MODES, PI_MODES, PI_NORMS, PI_SHAPES, MixtureKeys, MixtureKeysMixin
 
@@ -126,13 +126,9 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             if fused is not None:
                 self._soft_e_apply(*fused[1:], k.shape[3])
                 return fused[0], None
-        if bias is not None:
-            result = _float_bias.mgk(q, k, v, log_pi, self.sigma2, mixture, mask, bias, is_causal,
-                                     self.attn_dropout, need_weights)
-        else:
-            result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
-                                   is_causal=is_causal, dropout_p=self.attn_dropout, return_weights=need_weights,
-                                   backend=self.backend)
+        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
+                               bias=bias, is_causal=is_causal, dropout_p=self.attn_dropout,
+                               return_weights=need_weights, backend=self.backend)
         if update:
             self._soft_e_update(q, k, log_pi, mask, is_causal, query_mask)
         return result if need_weights else (result, None)

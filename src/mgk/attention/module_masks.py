@@ -18,15 +18,24 @@ def _split_one(mask, name: str, bias_ok: bool, owner: str):
     """(bool mask True = not allowed, or the input unchanged when not float; finite float bias or None)."""
     if not isinstance(mask, Tensor) or not mask.is_floating_point():
         return mask, None  # bool passes; other dtypes are refused with the argument's name downstream
-    if bool(torch.isnan(mask).any()) or bool(torch.isposinf(mask).any()):
-        raise MaskError(f"float {name} must hold finite values or -inf (not allowed), got NaN or +inf")
     blocked = torch.isneginf(mask)
     bias = torch.where(blocked, torch.zeros((), dtype=mask.dtype, device=mask.device), mask)
+    invalid = f"float {name} must hold finite values or -inf (not allowed), got NaN or +inf"
+    no_bias = (f"{owner} takes a float {name} only as 0 (allowed) or -inf (not allowed): linear attention forms no "
+               "logits to add a bias to; pass a bool mask (True = not allowed)")
+    if torch.compiler.is_compiling() or mask.device.type != "cpu":
+        # Reading the values on the host would break a torch.compile graph (torch's Transformer layers pass every
+        # padding mask as float) or synchronise an accelerator: check on the device, keep the bias as a tensor.
+        torch._assert_async(torch.all(mask < float("inf")), invalid)
+        if not bias_ok:
+            torch._assert_async(torch.all(bias == 0), no_bias)
+        return blocked, (bias if bias_ok else None)
+    if not bool(torch.all(mask < float("inf"))):  # NaN fails the comparison too
+        raise MaskError(invalid)
     if not bool(bias.any()):
         return blocked, None
     if not bias_ok:
-        raise MaskError(f"{owner} takes a float {name} only as 0 (allowed) or -inf (not allowed): linear attention "
-                        "forms no logits to add a bias to; pass a bool mask (True = not allowed)")
+        raise MaskError(no_bias)
     return blocked, bias
 
 

@@ -28,7 +28,8 @@ _KIND_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {}
 
 
 def register(name: str, factory: Callable[..., nn.Module], options: Mapping[str, tuple[type, ...] | type]) -> None:
-    """Add an attention kind: ``factory(embed_dim, num_heads, *, head_dim, dropout, bias, **options) -> nn.Module``.
+    """Add an attention kind:
+    ``factory(embed_dim, num_heads, *, head_dim, dropout, bias, batch_first, **options) -> nn.Module``.
 
     ``options`` maps each option the kind takes to its accepted type(s), e.g. ``{"num_keys": int}``."""
     _REGISTRY[name] = factory
@@ -60,17 +61,21 @@ def check_options(kind: str, options: Mapping[str, object]) -> None:
 
 
 def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int | None = None,
-                    dropout: float = 0.0, bias: bool = True, **options) -> nn.Module:
+                    dropout: float = 0.0, bias: bool = True, batch_first: bool = True, kdim: int | None = None,
+                    vdim: int | None = None, **options) -> nn.Module:
     """Build the attention module ``kind`` ("softmax", "mgk", "smgk", "linear", "mlk", "smlk").
 
     ``options`` are the kind's own (:func:`attention_options`): num_keys, pi, pi_shape, pi_norm, sigma2, max_len for
     the mixture kinds (Nguyen et al. 2022, Sections 2-3); normalize, feature_map, output_scale, attn_eps, eps_mode
     for linear attention (:func:`mgk.functional.linear_attention`), and those plus mix for MLK (no sigma2); none for
-    softmax.
+    softmax. ``batch_first`` is the layout (True: (B, T, E), mgk's models; False: (T, B, E), torch's default);
+    ``kdim`` / ``vdim`` the widths of key and value inputs (default embed_dim), passed on only when given.
     Raises ValueError for an unknown kind, or an option the kind does not take (naming both).
     """
     check_options(kind, options)
-    return _REGISTRY[kind](embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias, **options)
+    widths = {k: v for k, v in (("kdim", kdim), ("vdim", vdim)) if v is not None}
+    return _REGISTRY[kind](embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias,
+                           batch_first=batch_first, **widths, **options)
 
 
 def _check_kind(kind: str) -> None:

@@ -1,19 +1,56 @@
-"""Multi-head softmax attention, the baseline (batch_first, ``nn.MultiheadAttention`` conventions)."""
+"""Multi-head softmax attention, the baseline (``nn.MultiheadAttention`` conventions, and its state dicts)."""
 from __future__ import annotations
 
 from torch import Tensor, nn
 
 from ..functional.softmax import softmax_attention, softmax_attention_reference
-from . import _float_bias
 from .base import AttentionBase
+
+# nn.MultiheadAttention's entries that have no counterpart here, and the constructor option that creates them.
+_UNCARRIED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
+
+
+def from_torch_state_dict(state_dict: dict, prefix: str = "") -> str | None:
+    """Rename, in place, the entries of a ``torch.nn.MultiheadAttention`` state dict under ``prefix`` to this
+    module's: the packed ``in_proj_weight`` (3E, E) / ``in_proj_bias`` (3E,) split into ``q_proj``, ``k_proj``,
+    ``v_proj`` (rows 0:E, E:2E, 2E:3E, torch's order), or ``q/k/v_proj_weight`` (torch's form when kdim / vdim
+    differ from E) moved to ``q/k/v_proj.weight``; ``out_proj.*`` keeps its name. Entries already in this module's
+    form are left alone, so a state dict of either form loads.
+
+    Returns None, or a one-line reason when the state dict holds what this module cannot represent (``bias_k`` /
+    ``bias_v`` of ``add_bias_kv=True``: learned key and value rows appended to every sequence; they are removed
+    from the dict so that the reason is the only error)."""
+    packed = {"weight": state_dict.pop(prefix + "in_proj_weight", None),
+              "bias": state_dict.pop(prefix + "in_proj_bias", None)}
+    for kind, tensor in packed.items():
+        if tensor is not None:
+            for proj, part in zip("qkv", tensor.chunk(3)):
+                state_dict.setdefault(f"{prefix}{proj}_proj.{kind}", part.clone())
+    for proj in "qkv":
+        separate = state_dict.pop(f"{prefix}{proj}_proj_weight", None)
+        if separate is not None:
+            state_dict.setdefault(f"{prefix}{proj}_proj.weight", separate)
+    found = [prefix + name for name in _UNCARRIED if state_dict.pop(prefix + name, None) is not None]
+    if found:
+        return (f"{' and '.join(found)} come from nn.MultiheadAttention({_UNCARRIED[found[0][len(prefix):]]}), "
+                "which appends learned key/value rows to every sequence; mgk's attention modules have no such rows")
+    return None
 
 
 class MultiheadAttention(AttentionBase):
-    """Softmax attention with H heads of size D (Vaswani et al. 2017), through SDPA.
+    """Softmax attention with H heads of size D (Vaswani et al. 2017), through SDPA; the drop-in for
+    ``torch.nn.MultiheadAttention``.
 
-    Same constructor (``batch_first`` included) and ``forward`` as :class:`mgk.attention.base.AttentionBase`.
-    ``need_weights=True`` takes the explicit path and returns the (B, H, L, S) weights, per head (torch averages
-    them over heads by default). Float masks are added to the logits, as in ``nn.MultiheadAttention``.
+    Same constructor (``batch_first`` required) and ``forward`` as :class:`mgk.attention.base.AttentionBase`,
+    which take ``nn.MultiheadAttention``'s arguments and defaults. ``need_weights=True`` (the default, as torch)
+    takes the explicit path; mgk's own models pass False. Float masks are added to the logits, as in
+    ``nn.MultiheadAttention``.
+
+    ``load_state_dict`` also takes an ``nn.MultiheadAttention`` state dict (packed ``in_proj_weight`` /
+    ``in_proj_bias``, or ``q/k/v_proj_weight`` for kdim / vdim != E): see :func:`from_torch_state_dict`. Loading
+    one with ``bias_k`` / ``bias_v`` (``add_bias_kv=True``) fails, naming them. With the same weights and
+    ``head_dim = E / H`` the outputs equal ``nn.MultiheadAttention``'s (tests/attention/test_drop_in.py); torch's
+    ``add_zero_attn`` has no counterpart.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, **kwargs):
@@ -24,10 +61,16 @@ class MultiheadAttention(AttentionBase):
         return self._split(self.k_proj(key))
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
-        if bias is not None:
-            result = _float_bias.softmax(q, k, v, mask, bias, is_causal, self.attn_dropout, need_weights)
-            return result if need_weights else (result, None)
         if need_weights:
-            return softmax_attention_reference(q, k, v, attn_mask=mask, is_causal=is_causal,
+            return softmax_attention_reference(q, k, v, attn_mask=mask, bias=bias, is_causal=is_causal,
                                                dropout_p=self.attn_dropout, return_weights=True)
-        return softmax_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=self.attn_dropout), None
+        return softmax_attention(q, k, v, attn_mask=mask, bias=bias, is_causal=is_causal,
+                                 dropout_p=self.attn_dropout), None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        why = from_torch_state_dict(state_dict, prefix)
+        if why is not None:
+            error_msgs.append(why)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

@@ -55,7 +55,7 @@ def build_kind(kind: str, heads: int, embed_dim: int, head_dim: int, max_len: in
     """The module benchmarked as ``kind`` with ``heads`` heads. Raises ValueError for an unknown kind."""
     common = dict(head_dim=head_dim)
     if kind == "reference":
-        return ReferenceMGK(embed_dim, heads, **common)
+        return ReferenceMGK(embed_dim, heads, batch_first=True, **common)
     if kind == "mgk-hard":
         return build_attention("mgk", embed_dim, heads, pi="hard_e", **common)
     if kind == "mgk-softe":
@@ -110,7 +110,7 @@ def _counted_flops(module, x, causal, backward) -> int | None:
         from torch.utils.flop_counter import FlopCounterMode
 
         with FlopCounterMode(display=False) as counter:
-            out, _ = module(x, is_causal=causal)
+            out, _ = module(x, need_weights=False, is_causal=causal)
             if backward:
                 out.sum().backward()
         return int(counter.get_total_flops())
@@ -156,11 +156,11 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
         """One forward of the module on ``inputs`` (and a backward of ``out.sum()`` when ``backward``); waits for
         CUDA so that timings cover the work."""
         if backward:
-            out, _ = module(inputs, is_causal=causal)
+            out, _ = module(inputs, need_weights=False, is_causal=causal)
             out.sum().backward()
         else:
             with torch.no_grad():
-                module(inputs, is_causal=causal)
+                module(inputs, need_weights=False, is_causal=causal)
         if dev.type == "cuda":
             torch.cuda.synchronize()
 

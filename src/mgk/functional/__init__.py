@@ -1,7 +1,7 @@
 """Pure tensor math of every attention family (no nn.Module). The single source of truth for the formulas."""
 from .linear import LinearAttentionState, elu_feature_map, linear_attention, linear_attention_step, mlk_attention
 from .masks import MaskError, causal_mask
-from .mgk import BackendError, gaussian_log_kernel, mgk_attention, mgk_responsibilities, select_backend
+from .mgk import BackendError, gaussian_log_kernel, mgk_attention, mgk_centre, mgk_responsibilities, select_backend
 from .softmax import softmax_attention, softmax_attention_reference
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "mgk_attention",
+    "mgk_centre",
     "mgk_responsibilities",
     "mlk_attention",
     "select_backend",

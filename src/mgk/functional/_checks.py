@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import Tensor
@@ -79,3 +80,60 @@ def _has_device_autocast() -> bool:
         return True
     except TypeError:  # torch < 2.4 takes no device argument
         return False
+
+
+# ---- option checks shared by every public function of mgk.functional ------------------------------------------
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _probability(name: str, value) -> None:
+    if not _real(value) or not 0.0 <= value <= 1.0:  # NaN fails both comparisons
+        raise ValueError(f"{name} must be a probability, a float in [0, 1], got {value!r}")
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int (>= 1), got {value!r}")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _optional_positive(name: str, value) -> None:
+    if value is not None and (not _real(value) or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name} must be None or a finite float > 0, got {value!r}")
+
+
+def _non_negative(name: str, value) -> None:
+    if not _real(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+
+
+_RULES = {
+    "dropout_p": _probability,
+    "chunk_size": _positive_int,
+    "is_causal": _flag,
+    "return_weights": _flag,
+    "scale": _optional_positive,
+    "eps": _non_negative,
+}
+
+
+def check_arguments(*, backends: tuple[str, ...] | None = None, **values) -> None:
+    """Check the options of a public attention function, one rule per argument name, so every entry point refuses
+    a bad value with the same ValueError naming the argument and the accepted range:
+
+    dropout_p a float in [0, 1]; chunk_size an int >= 1; is_causal and return_weights bools; scale None or a finite
+    float > 0; eps a finite float >= 0; backend None or one of ``backends``.
+
+    Raises ValueError for a bad value; KeyError (a bug of the caller) for a name without a rule."""
+    for name, value in values.items():
+        if name == "backend":
+            if value is not None and value not in backends:
+                raise ValueError(f"backend must be None or one of {backends}, got {value!r}")
+            continue
+        _RULES[name](name, value)

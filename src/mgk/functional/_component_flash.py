@@ -23,8 +23,9 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def available(q: torch.Tensor, dropout_p: float) -> bool:
-    """The kernel exists for CPU tensors without dropout (the fused CPU kernels do not implement dropout)."""
-    return q.device.type == "cpu" and dropout_p == 0.0
+    """The kernel exists for CPU tensors without dropout (the fused CPU kernels do not implement dropout). Not used
+    under ``torch.export``: the aten op is CPU-only, and exported programs keep to device-independent operators."""
+    return q.device.type == "cpu" and dropout_p == 0.0 and not torch.compiler.is_exporting()
 
 
 class ComponentAttention(torch.autograd.Function):
@@ -34,13 +35,21 @@ class ComponentAttention(torch.autograd.Function):
     def forward(ctx, qp, kp, vp, is_causal: bool):
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         ctx.is_causal = is_causal
-        # Online merge: at most two component outputs are alive at once.
+        # Online merge: at most two component outputs are alive at once. The merge weights exp(lse_r - LSE) sum to 1
+        # only up to the rounding of the log-sum-exps, which grows with their magnitude (a row whose every visible
+        # key is far has |lse| ~ |q - k|^2 / (2 sigma^2)): dividing by their computed sum keeps the output a convex
+        # combination of the component outputs (exactly v_0 for a row that sees one key).
         out, lse = _fwd(qp, kp[:, :, 0], vp, 0.0, is_causal, scale=1.0)
+        total = None
         for r in range(1, kp.shape[2]):
             o, lse_r = _fwd(qp, kp[:, :, r], vp, 0.0, is_causal, scale=1.0)
             new = torch.logaddexp(lse, lse_r)
-            out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.mul_(torch.exp(lse_r - new).unsqueeze(-1)))
+            old_w, new_w = torch.exp(lse - new), torch.exp(lse_r - new)
+            out.mul_(old_w.unsqueeze(-1)).add_(o.mul_(new_w.unsqueeze(-1)))
+            total = new_w.add_(old_w if total is None else old_w.mul_(total))
             lse = new
+        if total is not None:  # rows that see no key have NaN weights: their outputs are replaced by the caller
+            out.div_(total.unsqueeze(-1))
         ctx.save_for_backward(qp, kp, vp, out, lse)
         return out
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import check_arguments
+
 FeatureMap = Callable[[Tensor], Tensor]
 
 NORMALIZE = ("row", "length", "none")
@@ -94,11 +96,9 @@ def linear_form(*, eps=1e-6, feature_map=None, normalize="row", output_scale=1.0
     row, as Katharopoulos et al. and the authors' LM code). Unused unless normalize="row".
     output_scale: a finite float > 0 multiplying the output. mix: "features" (``sum_r pi_r phi(k_r)``, eq. 14) or
     "keys" (``phi(sum_r pi_r k_r)``)."""
-    eps = _number(eps, "eps", positive=False)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_arguments(eps=eps, chunk_size=chunk_size)
     return LinearForm(feature_map=feature_map_of(feature_map), normalize=_choice(normalize, "normalize", NORMALIZE),
-                      output_scale=_number(output_scale, "output_scale", positive=True), eps=eps,
+                      output_scale=_number(output_scale, "output_scale", positive=True), eps=float(eps),
                       eps_mode=_choice(eps_mode, "eps_mode", EPS_MODES), mix=_choice(mix, "mix", MIX))
 
 

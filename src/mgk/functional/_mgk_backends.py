@@ -2,8 +2,9 @@
 explicit reference (the layout of flash-linear-attention's ``ops/<op>/{chunk,fused_recurrent,naive}.py``).
 
 Every implementation takes the checked inputs in the compute dtype: q (B, H, L, D), k (B, H, M, S, D) (already
-centred, see :func:`mgk.functional.mgk.mgk_attention`), v (B, H, S, Dv), log_prior broadcastable to (B, H, M, S), s2
-(M,), mask (4-dim bool broadcastable to (B, H, L, S), True = may attend, or None) and the call options
+centred, see :mod:`mgk.functional._centre`), v (B, H, S, Dv), log_prior broadcastable to (B, H, M, S) (-inf switches
+a component off), s2 (H', M) with H' in (1, H), mask (4-dim bool broadcastable to (B, H, L, S), True = may attend, or
+None), bias (a finite float broadcastable to (B, H, L, S) added to each key's logit, or None) and the call options
 :class:`Call`; it returns ``(out, weights)``, weights None unless the explicit path was asked for them. Which one
 serves which inputs is decided in one place only, :func:`mgk.functional.mgk.select_backend`.
 
@@ -12,7 +13,12 @@ serves which inputs is decided in one place only, :func:`mgk.functional.mgk.sele
 * :func:`triton`: the same algorithm, attention dropout included, as Triton kernels (:mod:`._mixture_triton`).
 * :func:`sdpa`: MGK as dot-product attention with the per-key bias folded into extra head dimensions
   (``|q - k|^2 = |q|^2 - 2 q.k + |k|^2``): one CPU flash call per component merged through the log-sum-exps
-  (:mod:`._component_flash`), or one ``F.scaled_dot_product_attention`` over the M*S concatenated keys.
+  (:mod:`._component_flash`), or one ``F.scaled_dot_product_attention`` over the M*S concatenated keys (with the
+  bias, when it depends on the query, as its float ``attn_mask``).
+
+A component with ``log_pi = -inf`` contributes nothing: the fused kernels take the -inf in their per-key bias (their
+softmax skips it exactly); "explicit" and "sdpa" turn a key whose components are all switched off into a masked key
+and "sdpa" replaces the remaining -inf by a finite value below any score (SDPA's backward would multiply 0 by it).
 """
 from __future__ import annotations
 
@@ -29,36 +35,62 @@ from . import masks as _masks
 
 @dataclass(frozen=True)
 class Call:
-    """Options of one call: causality (bottom-right), mixture ("sum" or "max"), dropout, weights, chunk size."""
+    """Options of one call: causality (bottom-right), mixture ("sum" or "max"), dropout, weights, chunk size, and
+    whether the caller gave log_pi (only then can a key have every component switched off)."""
 
     is_causal: bool
     mixture: str
     dropout_p: float
     return_weights: bool
     chunk_size: int
+    pi_given: bool = False
+
+
+def _per_component(s2: Tensor, *trailing: int) -> Tensor:
+    """s2 (M,) or (H', M) viewed as (1, H', M, *trailing) against (B, H, M, ...) tensors."""
+    s2 = s2.reshape(-1, s2.shape[-1])
+    return s2.view(1, s2.shape[0], s2.shape[1], *trailing)
 
 
 def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:
-    """``-|q_i - k_jr|^2 / (2 sigma_r^2)`` for q (B, H, L, D), k (B, H, M, S, D), sigma2 (M,); returns (B, H, L, M, S).
+    """``-|q_i - k_jr|^2 / (2 sigma_r^2)`` for q (B, H, L, D), k (B, H, M, S, D) and sigma2 (M,) or (H, M) (per head
+    and component); returns (B, H, L, M, S).
 
     The squared distance is expanded (one matmul) and clamped at 0, so rounding never makes it negative and every
     kernel value is <= 1. The expansion cancels catastrophically when q and k share a large offset; mgk_attention
-    centres both first."""
+    centres both first (:mod:`mgk.functional._centre`)."""
     qn = (q * q).sum(-1)[..., :, None, None]  # (B, H, L, 1, 1)
     kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
     qk = torch.einsum("bhld,bhmsd->bhlms", q, k)
     d2 = (qn + kn - 2.0 * qk).clamp_min(0.0)
-    return d2 * (-0.5 / sigma2.view(-1, 1))
+    return d2 * (-0.5 / _per_component(sigma2, 1)).unsqueeze(2)
 
 
 def needs_qnorm(s2: Tensor) -> bool:
-    """Whether the per-row ``-|q|^2 / (2 sigma_r^2)`` term must be kept: with equal fixed variances it cancels in
-    the softmax; with unequal or learned ones it does not (nor in the gradient of each sigma_r^2). Reading the
-    values would synchronise an accelerator, so off the CPU the term is always kept (exact either way)."""
+    """Whether the per-row ``-|q|^2 / (2 sigma_r^2)`` term must be kept for s2 (H', M).
+
+    With one component per head, or equal fixed variances within each head, it is constant along a row and cancels
+    in the softmax (in the value, and in the gradient of a variance shared by the row's every score). With unequal
+    or learned per-component variances it does not (a learned sigma_r^2 moves alone). Reading the values would
+    synchronise an accelerator, so off the CPU (and inside a torch.compile trace) the term is kept for M > 1 (exact
+    either way)."""
+    M = s2.shape[-1]
+    if M == 1:
+        return False
     if s2.requires_grad or torch.compiler.is_compiling() or s2.device.type != "cpu":
         return True
-    values = s2.tolist()  # one read of the M values instead of three small ops, on every call
-    return any(x != values[0] for x in values)
+    rows = s2.reshape(-1, M).tolist()  # one read of the H' * M values, on every call
+    return any(x != row[0] for row in rows for x in row)
+
+
+def row_bias(q: Tensor, s2: Tensor) -> Tensor:
+    """``-|q_i|^2 / (2 sigma_r^2)``, (B, H, M, L), for q (B, H, L, D) and s2 (H', M)."""
+    return (q * q).sum(-1).unsqueeze(2) * (-0.5 / _per_component(s2, 1))
+
+
+def scaled_keys(k: Tensor, s2: Tensor) -> Tensor:
+    """``k_jr / sigma_r^2`` for k (B, H, M, S, D) and s2 (H', M)."""
+    return k * (1.0 / _per_component(s2, 1, 1))
 
 
 def _chunks(L: int, chunk_size: int):
@@ -70,42 +102,64 @@ def _chunks(L: int, chunk_size: int):
         yield start, min(L, start + chunk_size)
 
 
-def _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture):
+def _rows(t: Tensor | None, a: int, b: int) -> Tensor | None:
+    """Rows a:b of a tensor broadcastable to (B, H, L, ...) (as is when it does not depend on the query)."""
+    return t if t is None or t.shape[2] == 1 else t[:, :, a:b]
+
+
+def _drop_dead_keys(mask, log_prior, call: Call):
+    """A key whose every component has log_pi = -inf becomes a masked key, its log prior 0 (finite: the logsumexp's
+    backward at an all -inf key would be 0 * NaN). Returns (mask, log_prior, dead): with one prior for every key
+    position the mask is left alone (no masking pass over the keys) and ``dead`` (broadcastable to (B, H, L, 1))
+    marks the heads whose every key is off, whose rows the caller sets to zero; otherwise ``dead`` is None."""
+    if not call.pi_given or call.mixture == "max":
+        return mask, log_prior, None
+    live = (log_prior > float("-inf")).any(dim=2, keepdim=True)  # (B?, H?, 1, S?)
+    log_prior = torch.where(live, log_prior, torch.zeros((), dtype=log_prior.dtype, device=log_prior.device))
+    if live.shape[-1] == 1:
+        return mask, log_prior, ~live
+    return (live if mask is None else mask & live), log_prior, None
+
+
+def _chunk_weights(qc, k, log_prior, s2, mask, bias, empty, mixture):
     g = gaussian_log_kernel(qc, k, s2)
     scores = g.amax(dim=-2) if mixture == "max" else torch.logsumexp(g + log_prior.unsqueeze(2), dim=-2)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return _masks.zero_rows(torch.softmax(scores, dim=-1), empty)
 
 
-def _chunk_output(qc, k, v, log_prior, s2, mask, empty, mixture, dropout_p):
-    w = _chunk_weights(qc, k, log_prior, s2, mask, empty, mixture)
+def _chunk_output(qc, k, v, log_prior, s2, mask, bias, empty, mixture, dropout_p):
+    w = _chunk_weights(qc, k, log_prior, s2, mask, bias, empty, mixture)
     return (F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v
 
 
-def explicit(q, k, v, log_prior, s2, mask, call: Call):
+def explicit(q, k, v, log_prior, s2, mask, bias, call: Call):
     """The explicit path; the only one that returns weights, runs under forward-mode AD and drops whole keys."""
+    mask, log_prior, dead = _drop_dead_keys(mask, log_prior, call)
     mask = _masks.combine(mask, call.is_causal, q.shape[2], k.shape[3], q.device)
     mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
     # In training each chunk is checkpointed (recomputed in backward), so memory stays O(chunk * M * S) per head
     # instead of keeping every chunk's (chunk, M, S) scores for the backward pass.
     want = call.return_weights
     recompute = (not want and torch.is_grad_enabled() and q.shape[2] > call.chunk_size
-                 and any(t.requires_grad for t in (q, k, v, log_prior, s2)))
+                 and any(t is not None and t.requires_grad for t in (q, k, v, log_prior, s2, bias)))
     outs, weights = [], []
     for a, b in _chunks(q.shape[2], call.chunk_size):
-        m = None if mask is None else (mask[..., a:b, :] if mask.shape[-2] > 1 else mask)
-        e = None if empty is None else (empty[..., a:b, :] if empty.shape[-2] > 1 else empty)
-        args = (q[:, :, a:b], k, v, log_prior, s2, m, e, call.mixture, call.dropout_p)
+        args = (q[:, :, a:b], k, v, log_prior, s2, _rows(mask, a, b), _rows(bias, a, b), _rows(empty, a, b),
+                call.mixture, call.dropout_p)
         if want:
-            w = _chunk_weights(*args[:2], *args[3:8])
+            w = _chunk_weights(*args[:2], *args[3:9])
             weights.append(w)
             outs.append((F.dropout(w, p=call.dropout_p) if call.dropout_p > 0.0 else w) @ v)
         elif recompute:
             outs.append(checkpoint(_chunk_output, *args, use_reentrant=False))
         else:
             outs.append(_chunk_output(*args))
-    return torch.cat(outs, dim=2), (torch.cat(weights, dim=2) if want else None)
+    out = _masks.zero_rows(torch.cat(outs, dim=2), dead)
+    return out, (_masks.zero_rows(torch.cat(weights, dim=2), dead) if want else None)
 
 
 def _causal_empty_rows(keys_ok: Tensor | None, L: int, S: int, device) -> Tensor | None:
@@ -140,82 +194,93 @@ def _inert(q, k, v, mask, call: Call, fused_causal: bool):
     return q, k, v, mask, empty
 
 
-def _key_bias(k, s2, log_prior, mask, hard: bool, fill: float):
-    """``log pi_jr - |k_jr|^2 / (2 sigma_r^2)`` (B, H, M, S), ``fill`` at keys a query-independent mask removes."""
-    M = k.shape[2]
-    bias = (k * k).sum(-1) * (-0.5 / s2).view(M, 1)  # the same bits as -(|k|^2 * (0.5 / s2)), one op fewer
+def _key_bias(k, s2, log_prior, mask, bias, hard: bool, fill: float):
+    """``log pi_jr - |k_jr|^2 / (2 sigma_r^2) + bias_j`` (B, H, M, S), ``fill`` at keys a query-independent mask
+    removes; ``bias`` is None or a per-key bias (B?, H?, 1, S?). A finite ``fill`` also replaces -inf log priors."""
+    bias_jr = (k * k).sum(-1) * (-0.5 / _per_component(s2, 1))
     if not hard:
-        bias = bias + log_prior
+        bias_jr = bias_jr + (log_prior if fill == float("-inf") else log_prior.clamp_min(fill))
+    if bias is not None:
+        bias_jr = bias_jr + bias
     if mask is not None:
-        bias = torch.where(mask[..., 0, :].unsqueeze(-2), bias,
-                           torch.full((), fill, dtype=bias.dtype, device=bias.device))
-    return bias
+        bias_jr = torch.where(mask[..., 0, :].unsqueeze(-2), bias_jr,
+                              torch.full((), fill, dtype=bias_jr.dtype, device=bias_jr.device))
+    return bias_jr
 
 
-def kernel(q, k, v, log_prior, s2, mask, call: Call):
-    """Our C++ CPU kernel (sum or max over components); masks at most key padding, plus ``is_causal``."""
+def kernel(q, k, v, log_prior, s2, mask, bias, call: Call):
+    """Our C++ CPU kernel (sum or max over components); masks and bias at most per key, plus ``is_causal``."""
     hard = call.mixture == "max"
     q, k, v, mask, empty = _inert(q, k, v, mask, call, fused_causal=call.is_causal)
-    inv = 1.0 / s2
-    bias = _key_bias(k, s2, log_prior, mask, hard, float("-inf"))
-    rowbias = None
-    if needs_qnorm(s2):
-        rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(-1, 1))  # (B, H, M, L)
-    out = _mixture_flash.mixture_flash(q, k * inv.view(-1, 1, 1), bias, v, rowbias, call.is_causal, hard,
+    key_bias = _key_bias(k, s2, log_prior, mask, bias, hard, float("-inf"))
+    rowbias = row_bias(q, s2) if needs_qnorm(s2) else None
+    out = _mixture_flash.mixture_flash(q, scaled_keys(k, s2), key_bias, v, rowbias, call.is_causal, hard,
                                        call.dropout_p)
     return _masks.zero_rows(out, empty), None
 
 
-def triton(q, k, v, log_prior, s2, mask, call: Call):
-    """The Triton kernels (sum mixture, equal fixed variances); masks at most key padding, plus ``is_causal``;
-    attention dropout inside, on the mixed weight (the C++ kernel's mask for the same (seed, offset))."""
+def triton(q, k, v, log_prior, s2, mask, bias, call: Call):
+    """The Triton kernels (sum mixture, variances equal within each head and fixed); masks and bias at most per key,
+    plus ``is_causal``; attention dropout inside, on the mixed weight (the C++ kernel's mask for the same (seed,
+    offset))."""
     q, k, v, mask, empty = _inert(q, k, v, mask, call, fused_causal=call.is_causal)
     B, H, M, S, _ = k.shape
-    bias = _key_bias(k, s2, log_prior, mask, False, float("-inf")).expand(B, H, M, S)
-    out = _mixture_triton.MixtureTriton.apply(q, k * (1.0 / s2).view(M, 1, 1), bias, v, call.is_causal,
-                                              call.dropout_p)
+    key_bias = _key_bias(k, s2, log_prior, mask, bias, False, float("-inf")).expand(B, H, M, S)
+    out = _mixture_triton.MixtureTriton.apply(q, scaled_keys(k, s2), key_bias, v, call.is_causal, call.dropout_p)
     return _masks.zero_rows(out.to(q.dtype), empty), None
 
 
-def sdpa(q, k, v, log_prior, s2, mask, call: Call):
+def sdpa(q, k, v, log_prior, s2, mask, bias, call: Call):
     """MGK as dot-product attention over the M*S keys with the bias folded into extra head dimensions."""
+    mask, log_prior, dead = _drop_dead_keys(mask, log_prior, call)
     L, S = q.shape[2], k.shape[3]
     # Causal with at most key padding and L == S: SDPA's own causal flag (top-left aligned, equal to ours when
     # L == S) on each component skips the masked blocks.
-    fused_causal = (call.is_causal and (mask is None or mask.shape[-2] == 1) and L == S
-                    and _component_flash.available(q, call.dropout_p))
+    fused_causal = (call.is_causal and (mask is None or mask.shape[-2] == 1) and (bias is None or bias.shape[-2] == 1)
+                    and L == S and _component_flash.available(q, call.dropout_p))
     q, k, v, mask, empty = _inert(q, k, v, mask, call, fused_causal)
-    return _masks.zero_rows(_folded(q, k, v, log_prior, s2, mask, call.dropout_p, fused_causal), empty), None
+    out = _folded(q, k, v, log_prior, s2, mask, bias, call.dropout_p, fused_causal)
+    return _masks.zero_rows(_masks.zero_rows(out, empty), dead), None
 
 
-def _folded(q, k, v, log_prior, s2, mask, dropout_p, causal):
+def _over_components(t: Tensor, M: int, S: int) -> Tensor:
+    """A (..., S?) mask or bias repeated for the M components of the concatenated keys: (..., M * S)."""
+    return t.unsqueeze(-2).expand(*t.shape[:-1], M, S).reshape(*t.shape[:-1], M * S)
+
+
+def _folded(q, k, v, log_prior, s2, mask, bias, dropout_p, causal):
     """``q' = [q, 1 (, |q|^2)]``, ``k'_r = [k_r / sigma_r^2, b_r (, -1 / (2 sigma_r^2))]``: scale-1 SDPA over k'."""
     B, H, M, S, D = k.shape
     Dv = v.shape[-1]
-    inv = (1.0 / s2).view(M, 1, 1)
-    if mask is not None and mask.shape[-2] == 1:
+    # SDPA's backward needs finite scores (0 * -inf would be NaN): masked keys and switched-off components take a
+    # value below any real score. A bias that depends on the query becomes SDPA's float attn_mask.
+    below = torch.finfo(q.dtype).min / 8
+    query_bias = bias if bias is not None and bias.shape[-2] != 1 else None
+    key_bias = None if query_bias is not None else bias
+    if mask is not None and mask.shape[-2] == 1 and query_bias is None:
         # A mask that does not depend on the query goes into the bias: SDPA then runs without a mask and can take
-        # its fused O(L + S)-memory kernel. SDPA's backward needs a finite value (0 * -inf would be NaN), and
-        # -1e30 is below any real score.
-        bias, mask = _key_bias(k, s2, log_prior, mask, False, -1e30), None
+        # its fused O(L + S)-memory kernel.
+        kb, mask = _key_bias(k, s2, log_prior, mask, key_bias, False, below), None
     else:
-        bias = _key_bias(k, s2, log_prior, None, False, 0.0)
-    cols_k, cols_q = [k * inv, bias.unsqueeze(-1)], [q, q.new_ones(q.shape[:-1] + (1,))]
+        kb = _key_bias(k, s2, log_prior, None, key_bias, False, below)
+    cols_k, cols_q = [scaled_keys(k, s2), kb.unsqueeze(-1)], [q, q.new_ones(q.shape[:-1] + (1,))]
     if needs_qnorm(s2):
-        cols_k.append((-0.5 * inv).expand(B, H, M, S, 1))
+        cols_k.append((-0.5 / _per_component(s2, 1, 1)).expand(B, H, M, S, 1))
         cols_q.append((q * q).sum(-1, keepdim=True))
     kp, qp = torch.cat(cols_k, dim=-1), torch.cat(cols_q, dim=-1)
     # The fused CPU kernel needs one head size for q, k and v: zero columns change no score and are dropped after.
     width = max(qp.shape[-1], Dv)
     qp, kp, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (qp, kp, v))
-    if mask is None and _component_flash.available(q, dropout_p):
+    if mask is None and query_bias is None and _component_flash.available(q, dropout_p):
         return _component_flash.ComponentAttention.apply(qp, kp, v, causal)[..., :Dv]
     kp = kp.reshape(B, H, M * S, width)
     vp = v.unsqueeze(2).expand(B, H, M, S, width).reshape(B, H, M * S, width)
-    mp = None
-    if mask is not None:
-        mp = mask.unsqueeze(-2).expand(*mask.shape[:-1], M, S).reshape(*mask.shape[:-1], M * S)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mp, dropout_p=dropout_p, scale=1.0)
+    attn = None if mask is None else _over_components(mask, M, S)
+    if query_bias is not None:
+        qb = _over_components(query_bias, M, S)
+        attn = qb if attn is None else torch.where(attn, qb, torch.full((), float("-inf"), dtype=qb.dtype,
+                                                                          device=qb.device))
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=attn, dropout_p=dropout_p, scale=1.0)
     return out[..., :Dv]
 
 

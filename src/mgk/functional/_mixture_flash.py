@@ -194,8 +194,9 @@ def _remove_orphaned_lock(folder: Path) -> None:
 
 def available(q: torch.Tensor, dropout_p: float = 0.0) -> bool:
     """True for CPU float32/float64 tensors (with or without dropout, ``0 <= dropout_p < 1``), once the kernel has
-    been built (builds it on the first call)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+    been built (builds it on the first call). False under ``torch.export``: an exported program then holds
+    PyTorch operators only, so it loads without mgk, runs on any device and can go on to ONNX."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or torch.compiler.is_exporting():
         return False
     if not 0.0 <= dropout_p < 1.0:  # p = 1 (and invalid values) take the reference path, which handles them
         return False
@@ -392,25 +393,26 @@ def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, st
 
 
 def softmax_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_padding: torch.Tensor | None = None,
-                  is_causal: bool = False, dropout_p: float = 0.0, scale: float | None = None,
-                  seed: tuple[int, int] | None = None) -> torch.Tensor:
-    """Softmax attention ``softmax(scale * q k^T) v`` (Vaswani et al. 2017) through the kernel with one component
-    and no bias, O(L + S) memory per head also with dropout (check :func:`usable` first).
+                  bias: torch.Tensor | None = None, is_causal: bool = False, dropout_p: float = 0.0,
+                  scale: float | None = None, seed: tuple[int, int] | None = None) -> torch.Tensor:
+    """Softmax attention ``softmax(scale * q k^T + bias) v`` (Vaswani et al. 2017) through the kernel with one
+    component, O(L + S) memory per head also with dropout (check :func:`usable` first).
 
     Args: q (B, H, L, D); k (B, H, S, D); v (B, H, S, Dv), one dtype, float32 or float64, on CPU; key_padding bool
         broadcastable to (B, H, 1, S), True = may attend (keys and values there must be finite: zero them first);
-        is_causal bottom-right; dropout_p in [0, 1); scale default 1 / sqrt(D); seed as :func:`mixture_flash`.
+        bias a finite per-key bias broadcastable to (B, H, 1, S), or None; is_causal bottom-right; dropout_p in
+        [0, 1); scale default 1 / sqrt(D); seed as :func:`mixture_flash`.
     Returns:
         (B, H, L, Dv); rows that see no key are 0.
     """
     B, H, L, D = q.shape
     S = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    bias = q.new_zeros(1, 1, 1, S)
+    key_bias = q.new_zeros(1, 1, 1, S) if bias is None else bias.to(q.dtype).expand(*bias.shape[:-1], S)
     if key_padding is not None:
-        kp = key_padding.reshape(*key_padding.shape[:-2], key_padding.shape[-1])  # drop the query dim
-        bias = torch.where(kp, bias.view(1, 1, S), torch.full((), float("-inf"), dtype=q.dtype)).unsqueeze(-2)
-    return mixture_flash(q, (k * scale).unsqueeze(2), bias.expand(B, H, 1, S), v, None, is_causal,
+        key_bias = torch.where(key_padding, key_bias, torch.full((), float("-inf"), dtype=q.dtype))
+    key_bias = key_bias.reshape(*key_bias.shape[:-2], 1, S)  # (B?, H?, 1, S): the kernel's one component
+    return mixture_flash(q, (k * scale).unsqueeze(2), key_bias.expand(B, H, 1, S), v, None, is_causal,
                          dropout_p=dropout_p, seed=seed)
 
 

@@ -13,8 +13,9 @@ from torch import Tensor
 
 from . import _mgk_backends, _mixture_flash
 from . import masks as _masks
-from ._checks import full_precision
-from .mgk import _centre, _check, _choose, _inputs, needs_qnorm, responsibility_counts
+from ._centre import apply_centre, choose_centre
+from ._checks import check_arguments, full_precision
+from .mgk import _check, _choose, _inputs, needs_qnorm, responsibility_counts
 
 
 def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
@@ -31,6 +32,7 @@ def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: T
     Raises:
         as :func:`mgk.functional.mgk_attention`.
     """
+    check_arguments(is_causal=is_causal, dropout_p=dropout_p)
     if backend not in (None, "kernel"):
         return None
     B, H, L, S, M, D, mask = _check(query, key, value, log_pi, "sum", attn_mask)
@@ -41,19 +43,21 @@ def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: T
         return None
     out_dtype = query.dtype
     with full_precision(query.device):
-        q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, M, D)
-        if _choose(None, q, k, v, s2, log_prior, mask, "sum", dropout_p, False) != "kernel":
+        q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, H, M, D)
+        if _choose(None, q, k, v, s2, log_prior, mask, None, "sum", dropout_p, False) != "kernel":
             return None
-        q, k = _centre(q, k, mask, is_causal)
+        q, k = apply_centre(q, k, choose_centre(q, mask, is_causal, S))
         call = _mgk_backends.Call(bool(is_causal), "sum", float(dropout_p), False, 512)
         q, k, v, mask, empty = _mgk_backends._inert(q, k, v, mask, call, fused_causal=call.is_causal)
-        inv = 1.0 / s2
-        bias = _mgk_backends._key_bias(k, s2, log_prior, mask, False, float("-inf"))
-        rowbias = (q * q).sum(-1).unsqueeze(2) * (-0.5 * inv.view(-1, 1)) if needs_qnorm(s2) else None
+        bias = _mgk_backends._key_bias(k, s2, log_prior, mask, None, False, float("-inf"))
+        rowbias = _mgk_backends.row_bias(q, s2) if needs_qnorm(s2) else None
         query_ok = None if query_mask is None else query_mask.view(B, 1, L)
         out, resp = _mixture_flash.mixture_flash_with_responsibilities(
-            q, k * inv.view(-1, 1, 1), bias, v, rowbias, query_ok, call.is_causal, call.dropout_p)
+            q, _mgk_backends.scaled_keys(k, s2), bias, v, rowbias, query_ok, call.is_causal, call.dropout_p)
         out = _masks.zero_rows(out, empty).to(out_dtype)
         key_ok = None if mask is None else mask[..., 0, :]
+        if log_pi is not None:  # keys with every component switched off: no responsibility, no count
+            live = (log_prior > float("-inf")).any(dim=2)
+            key_ok = live if key_ok is None else key_ok & live
         count = responsibility_counts(B, H, L, S, query_mask, key_ok, is_causal, resp.dtype, resp.device)
     return out, resp.detach().sum(0), count

@@ -35,19 +35,27 @@ Sums and denominators run in float32 (float64 for float64 inputs) with autocast 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import masks as _masks
-from ._checks import check_qkv, check_same, check_same_dtype, check_tensor, compute_dtype, full_precision
+from ._checks import (
+    check_arguments,
+    check_qkv,
+    check_same,
+    check_same_dtype,
+    check_tensor,
+    compute_dtype,
+    full_precision,
+)
 from ._linear_forms import (
     EPS_MODES,
     FEATURE_MAPS,
     MIX,
     NORMALIZE,
+    FeatureMap,
     LinearForm,
     denominator,
     elu_feature_map,
@@ -58,8 +66,6 @@ from .mgk import BackendError, _log_prior
 from .mgk import _check as _check_mixture
 
 LINEAR_BACKENDS = ("chunked", "explicit")
-
-FeatureMap = Callable[[Tensor], Tensor]
 
 __all__ = ["EPS_MODES", "FEATURE_MAPS", "LINEAR_BACKENDS", "MIX", "NORMALIZE", "LinearAttentionState",
            "elu_feature_map", "elu_sum_feature_map", "linear_attention", "linear_attention_step", "mlk_attention",
@@ -150,11 +156,14 @@ def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
     Dv = v.shape[-1]
     if N == 0:
         return phi_q.new_zeros(B, H, 0, Dv), phi_q.new_zeros(B, H, 0)
-    c = min(chunk, N)
-    pad = (-N) % c
-    if pad:  # zero features contribute nothing; the padded query rows are dropped below
+    # With a symbolic length (torch.export / torch.compile with dynamic shapes) the chunk and the padding must not
+    # depend on it, or the traced graph would hold for some lengths only.
+    symbolic = isinstance(N, torch.SymInt)
+    c = chunk if symbolic else min(chunk, N)
+    n = (N + c - 1) // c
+    pad = n * c - N
+    if symbolic or pad:  # zero features contribute nothing; the padded query rows are dropped below
         phi_q, phi_k, v = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
-    n = (N + pad) // c
     qc = phi_q.reshape(B, H, n, c, Dq)
     kc = phi_k.reshape(B, H, n, c, Dq)
     vc = v.reshape(B, H, n, c, Dv)
@@ -185,15 +194,15 @@ def _causal(phi_q, phi_k, v, chunk: int):
 
 def select_linear_backend(return_weights: bool = False) -> str:
     """The implementation linear and MLK attention run when ``backend`` is None: "explicit" when the weights are
-    asked for (only it builds them), "chunked" otherwise."""
+    asked for (only it builds them), "chunked" otherwise. Raises ValueError unless ``return_weights`` is a bool."""
+    check_arguments(return_weights=return_weights)
     return "explicit" if return_weights else "chunked"
 
 
-def _backend(backend: str | None, return_weights: bool) -> str:
+def _backend(backend: str | None, return_weights: bool, is_causal: bool) -> str:
+    check_arguments(backend=backend, backends=LINEAR_BACKENDS, return_weights=return_weights, is_causal=is_causal)
     if backend is None:
         return select_linear_backend(return_weights)
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"backend must be None or one of {LINEAR_BACKENDS}, got {backend!r}")
     if return_weights and backend != "explicit":
         raise BackendError(f"backend={backend!r} cannot serve these inputs: return_weights=True needs the "
                            "(B, H, L, S) weights, which only backend='explicit' builds")
@@ -278,7 +287,7 @@ def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Te
     form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
                        eps_mode=eps_mode, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
-    name = _backend(backend, return_weights)
+    name = _backend(backend, return_weights, is_causal)
     return _run(query, key.unsqueeze(2), value, None, keep, is_causal, form, chunk_size, return_weights, name)
 
 
@@ -312,7 +321,7 @@ def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
                        eps_mode=eps_mode, mix=mix, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
-    name = _backend(backend, return_weights)
+    name = _backend(backend, return_weights, is_causal)
     return _run(query, key, value, log_pi, keep, is_causal, form, chunk_size, return_weights, name)
 
 

@@ -55,6 +55,36 @@ def check_mask(mask: Tensor | None, name: str, B: int, H: int, L: int, S: int) -
     return mask.reshape(shape)
 
 
+def check_bias(bias: Tensor | None, name: str, B: int, H: int, L: int, S: int) -> Tensor | None:
+    """Validate an additive score bias: a floating tensor with at most 4 dims broadcastable to (B, H, L, S).
+
+    Returns it as 4 dims, or None. Values are finite or -inf (a pair that may not attend); NaN and +inf raise when
+    they can be read without cost (CPU tensors outside a torch.compile trace; reading an accelerator's tensor would
+    synchronise it on every call). Raises ValueError naming ``name``."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        what = bias.dtype if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"{name} must be a floating tensor broadcastable to (B, H, L, S) = {(B, H, L, S)}, "
+                         f"got {what}")
+    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    if bias.dim() > 4 or any(have not in (1, want) for have, want in zip(shape, (B, H, L, S))):
+        raise ValueError(f"{name} of shape {tuple(bias.shape)} does not broadcast to (B, H, L, S) = {(B, H, L, S)}")
+    if bias.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(torch.all(bias < float("inf"))):
+        raise ValueError(f"{name} must hold finite values or -inf (a pair that may not attend), got NaN or +inf")
+    return bias.reshape(shape)
+
+
+def fold_bias(mask: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Move the -inf entries of a checked bias into the bool mask (True = may attend), so that every backend meets a
+    finite bias and masks pairs one way; returns ``(mask, bias)``."""
+    if bias is None:
+        return mask, None
+    allowed = bias > float("-inf")
+    bias = torch.where(allowed, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+    return (allowed if mask is None else mask & allowed), bias
+
+
 def combine(attn_mask: Tensor | None, is_causal: bool, L: int, S: int, device) -> Tensor | None:
     """AND of a checked 4-dim bool mask and the bottom-right causal mask; None when neither is given."""
     if not is_causal:

@@ -24,8 +24,8 @@ class TransformerBlock(nn.Module):
 
     Args:
         d_model: width E.
-        attention: an attention module with the ``forward(x, *, key_padding_mask, is_causal)`` signature of
-            :class:`mgk.attention.base.AttentionBase`.
+        attention: an attention module with the ``forward(x, *, key_padding_mask, need_weights, is_causal)``
+            signature of :class:`mgk.attention.base.AttentionBase` (called with ``need_weights=False``).
         ffn_dim, dropout, activation: of the feed-forward part; dropout also applies to both residual branches.
     Forward: x (B, L, E), key_padding_mask bool (B, L) True = padding -> (B, L, E).
     """
@@ -43,7 +43,9 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         if self.norm_first:
             h = self.norm1(x)
-            x = x + self.drop(self.attn(h, key_padding_mask=key_padding_mask, is_causal=is_causal)[0])
+            x = x + self.drop(self.attn(h, key_padding_mask=key_padding_mask, need_weights=False,
+                                        is_causal=is_causal)[0])
             return x + self.drop(self.ffn(self.norm2(x)))
-        x = self.norm1(x + self.drop(self.attn(x, key_padding_mask=key_padding_mask, is_causal=is_causal)[0]))
+        x = self.norm1(x + self.drop(self.attn(x, key_padding_mask=key_padding_mask, need_weights=False,
+                                               is_causal=is_causal)[0]))
         return self.norm2(x + self.drop(self.ffn(x)))

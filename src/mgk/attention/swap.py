@@ -1,0 +1,205 @@
+"""Replace the attention modules of an existing model (``torch.nn.MultiheadAttention`` or mgk's own) by an mgk
+attention kind, carrying over the layout, the sizes and the weights."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .base import AttentionBase, _positive_int
+from .registry import build_attention, check_options
+from .softmax import from_torch_state_dict
+
+__all__ = ["swap_attention", "KEY_SPREAD"]
+
+# Standard deviation of the spread added to mixture components 2..M of the keys, relative to the standard deviation
+# of the key projection's entries: small, so that the first forward stays close to the original, and non-zero, so
+# that the components can separate in training.
+KEY_SPREAD = 0.1
+
+
+@dataclass
+class _Source:
+    """What swap_attention reads from one attention module: its configuration and its projections."""
+
+    embed_dim: int
+    num_heads: int
+    head_dim: int
+    dropout: float
+    bias: bool
+    batch_first: bool
+    kdim: int
+    vdim: int
+    weights: dict[str, Tensor]  # q_proj.*, v_proj.*, out_proj.* and the key projection as k_proj.*
+    parameters: dict[str, Tensor]  # the module's own parameters by name (mgk modules only; else empty)
+    device: torch.device
+    dtype: torch.dtype
+    training: bool
+
+
+def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None = None, seed: int = 0,
+                   **options) -> nn.Module:
+    """Replace every ``nn.MultiheadAttention`` and every mgk attention module in ``model`` (in place) by the
+    attention ``kind`` of :func:`mgk.build_attention` ("softmax", "mgk", "smgk", "linear", "mlk", "smlk").
+
+    Args:
+        model: any module; its attention modules may sit at any depth (``nn.TransformerEncoder``, ``nn.Transformer``,
+            a ViT, ...). A module shared by several parents is replaced by one shared module.
+        kind: the new attention kind.
+        num_heads: H of the new modules; default each old module's own. The attention width H * D stays the old
+            one (E for ``nn.MultiheadAttention``), so D becomes width / H.
+        seed: seeds every random number the new modules draw (the global RNG is left as it was).
+        options: the kind's own options, as :func:`mgk.build_attention` (num_keys, pi, sigma2, ...).
+
+    Carried over from each old module: embed_dim, num_heads (unless given), head_dim, dropout, bias, batch_first,
+    kdim / vdim, device, dtype and train/eval mode. Weights, with the old key projection K (for an mgk mixture
+    source: its first component):
+
+    * softmax and linear: the query, key, value and output projections are copied exactly. ``nn.MultiheadAttention``
+      -> "softmax" with the same heads then gives the same outputs (to rounding), masks included; its packed
+      ``in_proj_weight`` is split as :func:`mgk.attention.softmax.from_torch_state_dict` does.
+    * mgk / mlk (separate keys): query, value and output projections copied; component 1 of the keys is K, and
+      components 2..M are K plus Gaussian noise of standard deviation ``KEY_SPREAD * std(K)`` (biases copied).
+      Mixture weights pi start uniform (learned logits equal; Soft-E buffer 1/M). With all components near K, MGK
+      starts near softmax attention with an extra per-key logit ``-|k_j|^2 / (2 sigma^2)`` (paper eq. 9-10), and
+      MLK near linear attention with key projection K; neither equals the softmax original exactly.
+    * smgk / smlk (shifted keys): the key projection is K; the shifts mu_2..mu_M are drawn as sMGK initialises them
+      (N(0, 0.5^2)), pi uniform.
+    * an mgk source: after the above, every parameter of the old module whose name and shape the new one also has
+      is copied (mgk -> mgk with Hard-E keeps all M key projections and the learned pi). Buffers (sigma2, the
+      Soft-E pi) are the new module's.
+
+    ``nn.TransformerEncoder``'s nested-tensor fast path (``enable_nested_tensor``) is switched off: it needs
+    ``nn.MultiheadAttention``'s packed weights. The layers' own fast path declines by itself.
+
+    A different ``num_heads`` keeps the projection matrices whole: each new head reads another slice of the same
+    width, so the function changes (it is exact only with the original heads).
+
+    Returns:
+        ``model`` (the new module when ``model`` itself is an attention module).
+    Raises:
+        ValueError in one line naming the module's path for what cannot be carried: ``nn.MultiheadAttention`` with
+        ``add_bias_kv=True`` or ``add_zero_attn=True``, a ``num_heads`` that does not divide the width, an mgk
+        module without a key projection; for an unknown kind or an option it does not take; when ``model`` holds
+        no attention module.
+    """
+    check_options(kind, options)
+    if num_heads is not None:
+        _positive_int(num_heads, "num_heads")
+    build = {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
+    if _is_attention(model):
+        return _replacement(model, type(model).__name__, build)
+    if not _swap_children(model, "", build):
+        raise ValueError(f"swap_attention: {type(model).__name__} holds no nn.MultiheadAttention or mgk attention "
+                         "module")
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder):
+            # Its eval-mode nested-tensor path (enable_nested_tensor, decided at construction) reads the packed
+            # weights of nn.MultiheadAttention and feeds nested tensors to the layers: neither exists here.
+            module.use_nested_tensor = False
+    return model
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return isinstance(module, (nn.MultiheadAttention, AttentionBase))
+
+
+def _swap_children(module: nn.Module, path: str, build: dict) -> int:
+    """Replace the attention modules below ``module``; returns how many places were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        where = f"{path}.{name}" if path else name
+        if _is_attention(child):
+            setattr(module, name, _replacement(child, where, build))
+            count += 1
+        else:
+            count += _swap_children(child, where, build)
+    return count
+
+
+def _replacement(old: nn.Module, path: str, build: dict) -> AttentionBase:
+    """The new module for ``old`` (the same one again for a module met before)."""
+    memo = build["memo"]
+    if id(old) not in memo:
+        memo[id(old)] = (old, _convert(old, path, build))  # keeps old alive, so its id stays unique
+    return memo[id(old)][1]
+
+
+def _convert(old: nn.Module, path: str, build: dict) -> AttentionBase:
+    src = _read(old, path)
+    width = src.num_heads * src.head_dim
+    heads = build["num_heads"] or src.num_heads
+    if width % heads:
+        raise ValueError(f"swap_attention: num_heads={heads} does not divide the attention width {width} of {path}")
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(build["seed"])
+        new = build_attention(build["kind"], src.embed_dim, heads, head_dim=width // heads, dropout=src.dropout,
+                              bias=src.bias, batch_first=src.batch_first, kdim=src.kdim, vdim=src.vdim,
+                              **build["options"])
+        weights = _initial_weights(new, src)
+    new.to(src.device)
+    if new.q_proj.weight.dtype != src.dtype:
+        new.to(src.dtype)
+    params = dict(new.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    return new.train(src.training)
+
+
+def _read(old: nn.Module, path: str) -> _Source:
+    """The configuration and projections of ``old``; ValueError naming ``path`` for what cannot be carried."""
+    if isinstance(old, nn.MultiheadAttention):
+        for flag, value in (("add_bias_kv", old.bias_k is not None), ("add_zero_attn", old.add_zero_attn)):
+            if value:
+                raise ValueError(f"swap_attention: {path} is nn.MultiheadAttention({flag}=True), which mgk's "
+                                 "attention modules cannot represent (no extra key/value rows)")
+        weights = {k: v.detach() for k, v in old.state_dict().items()}
+        from_torch_state_dict(weights)
+        config = dict(embed_dim=old.embed_dim, num_heads=old.num_heads, head_dim=old.head_dim, dropout=old.dropout,
+                      bias=old.in_proj_bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
+        own = {}
+    else:
+        weights = {f"{p}.{n}": t.detach() for p in ("q_proj", "v_proj", "out_proj")
+                   for n, t in getattr(old, p).named_parameters()}
+        weights.update(_key_projection(old, path))
+        config = dict(embed_dim=old.embed_dim, num_heads=old.num_heads, head_dim=old.head_dim, dropout=old.dropout,
+                      bias=old.q_proj.bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
+        own = {k: v.detach() for k, v in old.named_parameters()}
+    first = next(old.parameters())
+    return _Source(**config, weights=weights, parameters=own, device=first.device, dtype=first.dtype,
+                   training=old.training)
+
+
+def _key_projection(old: AttentionBase, path: str) -> dict[str, Tensor]:
+    """``k_proj.weight`` / ``k_proj.bias`` of an mgk module: its key projection, or a mixture's first component."""
+    mixture = getattr(old, "mixture", None)
+    proj = mixture.k_proj if mixture is not None else getattr(old, "k_proj", None)
+    if not isinstance(proj, nn.Linear):
+        raise ValueError(f"swap_attention: {path} ({type(old).__name__}) has no key projection k_proj to carry over")
+    width = old.num_heads * old.head_dim
+    out = {"k_proj.weight": proj.weight.detach()[:width]}
+    if proj.bias is not None:
+        out["k_proj.bias"] = proj.bias.detach()[:width]
+    return out
+
+
+def _initial_weights(new: AttentionBase, src: _Source) -> dict[str, Tensor]:
+    """The new module's parameters that come from the old one, by name (see :func:`swap_attention`)."""
+    weights = {k: v for k, v in src.weights.items() if not k.startswith("k_proj.")}
+    key_w, key_b = src.weights["k_proj.weight"].cpu(), src.weights.get("k_proj.bias")
+    mixture = getattr(new, "mixture", None)
+    if mixture is None:
+        weights["k_proj.weight"], weights["k_proj.bias"] = key_w, key_b
+    elif mixture.keys == "shifted":
+        weights["mixture.k_proj.weight"], weights["mixture.k_proj.bias"] = key_w, key_b
+    else:
+        M = mixture.num_keys
+        spread = KEY_SPREAD * key_w.float().std().item()
+        parts = [key_w] + [key_w + spread * torch.randn(key_w.shape, dtype=key_w.dtype) for _ in range(M - 1)]
+        weights["mixture.k_proj.weight"] = torch.cat(parts)
+        weights["mixture.k_proj.bias"] = None if key_b is None else key_b.repeat(M)
+    shapes = {n: p.shape for n, p in new.named_parameters()}
+    weights.update({n: t for n, t in src.parameters.items() if n in shapes and shapes[n] == t.shape})
+    return {n: t for n, t in weights.items() if t is not None}

@@ -1,0 +1,125 @@
+"""The centre that MGK subtracts from queries and keys before it expands the squared distance.
+
+Why: every fast path computes ``-|q - k|^2 / (2 sigma^2)`` expanded, ``q.k / sigma^2 - |k|^2 / (2 sigma^2)`` (the
+``|q|^2`` term is constant along a row and cancels in the softmax), so that it is one matrix product. The scores
+depend only on ``q - k``, so any vector ``c`` may be subtracted from every query and key first; in exact arithmetic
+nothing changes, and the gradient through ``c`` is exactly zero (it is detached). In float arithmetic the expansion
+rounds by about ``eps (|q~| |k~| + |k~|^2) / sigma^2`` for ``q~ = q - c``, ``k~ = k - c`` (the fault of the matrix
+form of ``torch.cdist``, pytorch/pytorch#42479). Only keys with a non-negligible weight matter, and those lie within
+a few sigma of the query, so the error that reaches an output is about ``3 eps |q_i - c|^2 / (2 sigma^2)``: the
+centre must lie near the *queries*. A key far from everything (a beginning-of-sequence token or "attention sink"
+with a large norm) gets an inaccurate score, but its weight is ``exp(-|q - k|^2 / (2 sigma^2)) ~ 0`` either way.
+A centre built from keys fails exactly there: under causality row 1 sees only keys 0 and 1, so a far key 0 would
+pull any key statistic away from the queries.
+
+The choice, per (batch, head), from queries only (never from a key, never from a masked row):
+
+* ``is_causal``: the query of the first row that may attend to some key. Every row before it sees no key (its output
+  is zero whatever the centre), so the outputs at t depend only on positions <= t, bitwise. When that query is not
+  finite (its squared norm overflows or is NaN) the centre is 0, which depends on nothing.
+* otherwise: among the rows that may attend to some key and whose query has a finite squared norm, the query
+  nearest to their mean. A minority of far queries pulls the mean by their share of the distance, but the centre is
+  an actual query nearest to it, so it stays inside the bulk. With L == S (self-attention) only the rows whose own
+  position is a key some row may attend to are used when there are any, so padded query rows, which a caller may
+  fill with anything (1e30, NaN), never set it.
+
+Limits: under ``is_causal`` a far query at that first row (distance R from the others) costs every row of the
+sequence about ``3 eps R^2 / (2 sigma^2)``: a causal centre can only depend on that row. Without causality the
+choice fails only when far queries are about as many as the others. A row whose every visible key is far from the
+centre (row 0 when key 0 is the far one) has scores of large magnitude; every path normalises a row by its own
+computed sum, so a row that sees one key still gives exactly that key's value, and a query far from every key gets
+nearly one-hot weights, which the rounding of such scores does not move.
+
+Decoding: the centre of a prefill (causal) is that of its first attending row, so it stays valid for every later
+step: a caller computes it once with :func:`mgk.functional.mgk_centre` and passes it as ``centre=`` to each step
+instead of re-centring the cached keys (which would cost more than the attention of one token).
+
+Cost: under ``is_causal`` O(B H S) for key masks (O(B H L S) bool work for masks that depend on the query, whose
+``any`` the masking needs anyway) and O(B H D) for the chosen row; otherwise about three passes over the queries,
+O(B H L D), as cheap as the centring itself.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _first_row(mask: Tensor | None, L: int, S: int, device) -> Tensor:
+    """(B?, H?) int64: the first query row that may attend to some key under bottom-right causality and ``mask``
+    (bool, 4 dims broadcastable to (B, H, L, S), True = may attend); L when none may."""
+    if mask is None:
+        return torch.full((1, 1), max(0, L - S) if S > 0 else L, dtype=torch.int64, device=device)
+    if mask.shape[-2] == 1:  # key padding: row i sees key j iff j <= i + S - L
+        alive = mask[..., 0, :].expand(*mask.shape[:-2], S)
+        first_key = alive.to(torch.int8).argmax(dim=-1)
+        row = (first_key - (S - L)).clamp_min(0)
+    else:
+        causal = torch.arange(S, device=device) <= (torch.arange(L, device=device) + (S - L)).unsqueeze(-1)
+        sees = (mask & causal).any(dim=-1)
+        alive, row = sees, sees.to(torch.int8).argmax(dim=-1)
+    none = ~alive.any(dim=-1) | (row >= L)
+    return torch.where(none, torch.full((), L, dtype=row.dtype, device=device), row)
+
+
+def _row(q: Tensor, index: Tensor) -> Tensor:
+    """q[b, h, index[b, h]] for q (B, H, L, D) and index (B, H): (B, H, D). (gather keeps L symbolic under
+    torch.compile, where take_along_dim would pin it.)"""
+    B, H, _, D = q.shape
+    return q.gather(2, index[..., None, None].expand(B, H, 1, D))[:, :, 0]
+
+
+def _causal_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+    B, H, L, _ = q.shape
+    first = _first_row(mask, L, S, q.device).expand(B, H)
+    row = _row(q, first.clamp_max(L - 1))
+    ok = (first < L) & torch.isfinite((row * row).sum(-1))
+    return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))
+
+
+def _central_query(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+    L = q.shape[2]
+    qq = (q * q).sum(-1)
+    rows = torch.isfinite(qq)  # (B, H, L): NaN, inf and overflowing rows are never chosen
+    if mask is not None:
+        sees = mask.any(dim=-1)  # (B?, H?, L?)
+        if L == S:  # self-attention: prefer rows whose own position is a real key
+            own = sees & mask.any(dim=-2)
+            sees = torch.where(own.any(dim=-1, keepdim=True), own, sees)
+        rows = rows & sees
+    elif S == 0:
+        rows = torch.zeros_like(rows)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    kept = torch.where(rows.unsqueeze(-1), q, zero)
+    n = rows.sum(dim=-1, keepdim=True)  # (B, H, 1)
+    mean = kept.sum(dim=2) / n.clamp_min(1).to(q.dtype)  # (B, H, D)
+    # |q_i - mean|^2 up to a constant; expanded (one product), which is enough to rank the rows
+    d2 = torch.where(rows, qq - 2.0 * (kept @ mean.unsqueeze(-1)).squeeze(-1),
+                     torch.full((), float("inf"), dtype=q.dtype, device=q.device))
+    row = _row(q, d2.argmin(dim=-1))
+    return torch.where(n > 0, row, zero)
+
+
+def choose_centre(q: Tensor, mask: Tensor | None, is_causal: bool, S: int) -> Tensor:
+    """The (B, H, D) centre of queries q (B, H, L, D) attending to S keys under ``mask`` (checked, bool, 4 dims or
+    None) and bottom-right ``is_causal``; detached, in q's dtype. See the module docstring for the rule."""
+    q = q.detach()
+    if q.shape[2] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], q.shape[3])
+    with torch.no_grad():
+        return _causal_centre(q, mask, S) if is_causal else _central_query(q, mask, S)
+
+
+def check_centre(centre, B: int, H: int, D: int, dtype, device) -> Tensor:
+    """A caller's centre as a detached (B, H, D) tensor in ``dtype``; ValueError naming ``centre`` otherwise."""
+    if not isinstance(centre, Tensor) or not centre.is_floating_point() or centre.dim() > 3 or any(
+            a not in (1, b) for a, b in zip((1,) * (3 - centre.dim()) + tuple(centre.shape), (B, H, D))):
+        what = tuple(centre.shape) if isinstance(centre, Tensor) else type(centre).__name__
+        raise ValueError(f"centre must be None or a floating tensor broadcastable to (B, H, D) = {(B, H, D)}, "
+                         f"got {what}")
+    return centre.detach().to(device=device, dtype=dtype).expand(B, H, D)
+
+
+def apply_centre(q: Tensor, k: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """q - c and k - c for q (B, H, L, D), k (B, H, M, S, D), c (B, H, D)."""
+    c = c.unsqueeze(2)
+    return q - c, k - c.unsqueeze(2)
