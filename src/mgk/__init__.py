@@ -3,7 +3,9 @@
 Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``), and
 :func:`swap_attention`, which puts them into an existing model with its weights; the math is in
-:mod:`mgk.functional`. :func:`load_run` gets a trained run back (its model, config and tokenizer).
+:mod:`mgk.functional`.
+:func:`soft_e_step` applies the Soft-E update of pi after backward. :func:`load_run` gets a trained run back (its
+model, config and tokenizer).
 """
 from .attention import (
     LinearAttention,
@@ -12,12 +14,13 @@ from .attention import (
     MultiheadAttention,
     attention_kinds,
     build_attention,
+    soft_e_step,
     swap_attention,
 )
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention", "swap_attention", "LoadedRun", "load_run"]
+__all__ += ["LinearAttention", "MLKAttention", "soft_e_step", "swap_attention", "LoadedRun", "load_run"]
 
 
 def __getattr__(name: str):

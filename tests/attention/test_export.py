@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 from torch.export import Dim
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 import mgk
 from mgk.models.blocks import TransformerBlock
@@ -75,10 +74,6 @@ def test_strict_export_takes_the_same_path():
     torch.testing.assert_close(program.module()(x, padding), model(x, padding), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(raises=GuardOnDataDependentSymNode, strict=True,
-                   reason="attention/module_masks.py checks float masks (torch's layers pass their padding as one) "
-                          "with host syncs (isnan(...).any(), bias.any()), which export cannot trace; remove this "
-                          "marker once those checks are gone")
 def test_torch_layers_that_pass_a_float_padding_mask_export():
     model, program = _export("mgk", {}, layer_padding=True)
     x, padding = _inputs(3, 9, 1)

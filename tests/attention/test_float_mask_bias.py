@@ -54,7 +54,7 @@ def _build(kind, pi):
 
 
 def _run(m, x, am, kpm):
-    return m(x, attn_mask=am, key_padding_mask=kpm)[0]
+    return m(x, attn_mask=am, key_padding_mask=kpm, need_weights=False)[0]
 
 
 def _as64(t):
@@ -83,6 +83,9 @@ def test_soft_e_update_with_a_float_mask_and_an_offset_matches_float64():
     am, kpm = _alibi(L), _masks()[1][1]
     got, ref = _run(m, x, am, kpm), _run(m64, x.double(), am.double(), kpm.double())
     torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=0)
+    for module, out in ((m, got), (m64, ref)):  # the E-step is applied after backward
+        out.sum().backward()
+        assert mgk.soft_e_step(module) == 1
     torch.testing.assert_close(m.pi.double(), m64.pi, atol=1e-5, rtol=0)
     assert not torch.equal(m.pi, _build("mgk", "soft_e").pi)  # the E-step ran
 

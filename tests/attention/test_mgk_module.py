@@ -112,12 +112,19 @@ def test_soft_e_update_equals_hand_computation(keys):
     before = m.pi.clone()
     ptr = m.pi.data_ptr()
     m.train()
-    m(x, key_padding_mask=kpm, is_causal=True, need_weights=False)
+    out, _ = m(x, key_padding_mask=kpm, is_causal=True, need_weights=False)
+    out.sum().backward()
+    assert torch.equal(m.pi, before)  # forward and backward only gather: pi is the buffer until the step
+    assert mgk.soft_e_step(m) == 1
     assert m.pi.data_ptr() == ptr  # updated in place, not rebound
     torch.testing.assert_close(m.pi[:, :, :4], expected[:, :, :4], atol=1e-12, rtol=1e-10)
     assert torch.equal(m.pi[:, :, 4:], before[:, :, 4:])  # positions beyond L untouched
     torch.testing.assert_close(m.pi.sum(1), torch.ones(1, 6, dtype=torch.float64))
     assert not torch.equal(m.pi, before)
+    updated = m.pi.clone()
+    m.soft_e_step()  # the statistics were reset: a step without a new backward changes nothing
+    assert torch.equal(m.pi, updated)
+    assert mgk.soft_e_step(make("mgk", "learned")) == 0  # nothing to update in other modules
 
 
 def test_soft_e_never_changes_in_eval_or_no_grad_and_is_saved():
@@ -125,21 +132,52 @@ def test_soft_e_never_changes_in_eval_or_no_grad_and_is_saved():
     x = torch.randn(2, 5, 16)
     before = m.pi.clone()
     m.eval()
-    m(x, need_weights=False)
+    m(x, need_weights=False)[0].sum().backward()
+    mgk.soft_e_step(m)
     m.train()
     with torch.no_grad():
         m(x, need_weights=False)
+    mgk.soft_e_step(m)
     assert torch.equal(m.pi, before)
     assert "mixture.pi" in m.state_dict()  # saved (under the shared mixture-keys submodule)
-    m(x, need_weights=False)
+    # the statistics between steps are not module state: the keys are those of a module never trained
+    assert m.state_dict().keys() == make("mgk", "soft_e").state_dict().keys()
+    m(x, need_weights=False)[0].sum().backward()
+    mgk.soft_e_step(m)
     assert not torch.equal(m.pi, before)
 
 
-def test_soft_e_forward_twice_backward_once():
+def test_soft_e_forward_twice_backward_once_is_one_e_step_over_both():
+    """Two forwards (two views, or a micro-batch pair) and one backward: no in-place autograd error, and the step
+    averages over both forwards, as one forward over their concatenation does."""
+    m, ref = make("mgk", "soft_e").train(), make("mgk", "soft_e").train()
+    x1, x2 = torch.randn(2, 5, 16), torch.randn(3, 5, 16)
+    (m(x1, need_weights=False)[0].sum() + m(x2, need_weights=False)[0].sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+    ref(torch.cat([x1, x2]))[0].sum().backward()
+    mgk.soft_e_step(m)
+    mgk.soft_e_step(ref)
+    assert not torch.equal(m.pi, torch.full_like(m.pi, 0.5))
+    torch.testing.assert_close(m.pi, ref.pi, atol=1e-6, rtol=0)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_soft_e_step_keeps_pi_a_distribution_after_a_non_finite_forward():
+    """A forward whose inputs hold NaN (its loss is NaN too, which the Trainer reports) gives NaN statistics: the step
+    leaves pi as it was (finite, summing to 1) at the positions they reach, and the next finite step updates it."""
     m = make("mgk", "soft_e").train()
     x = torch.randn(2, 5, 16)
-    (m(x, need_weights=False)[0].sum() + m(x, need_weights=False)[0].sum()).backward()
-    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+    x[1, 2] = float("nan")
+    before = m.pi.clone()
+    m(x, need_weights=False)[0].sum().backward()
+    mgk.soft_e_step(m)
+    assert torch.equal(m.pi, before)
+    m.zero_grad()
+    m(torch.randn(2, 5, 16), need_weights=False)[0].sum().backward()
+    mgk.soft_e_step(m)
+    assert torch.isfinite(m.pi).all() and not torch.equal(m.pi, before)
+    torch.testing.assert_close(m.pi.sum(1), torch.ones(2, 16))
 
 
 def test_learned_pi_at_the_boundary_still_learns():

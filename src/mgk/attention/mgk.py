@@ -1,25 +1,45 @@
-"""Multi-head attention with a mixture of Gaussian keys: MGK and sMGK (paper sections 3-4)."""
+"""Multi-head attention with a mixture of Gaussian keys: MGK and sMGK (paper sections 3-4), and the Soft-E step."""
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..functional import _mixture_flash
 from ..functional._soft_e import mgk_attention_soft_e
-from ..functional.mgk import mgk_attention, mgk_responsibilities
-from . import _recompute
+from ..functional.mgk import _transformed, mgk_attention, mgk_responsibilities
 from .base import AttentionBase, _positive_int
 from .mixture_keys import KEY_MODES, PI_MODES, PI_NORMS, PI_SHAPES, MixtureKeys, MixtureKeysMixin
 
-__all__ = ["MGKAttention", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES"]
+__all__ = ["MGKAttention", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES", "soft_e_step"]
 
-# Soft-E: the pi each checkpointed forward read, per checkpoint region (weakly keyed: freed with the graph) and per
-# module, replayed in call order by the region's recomputation. Outside the modules so that they stay picklable.
-_REPLAY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+class _CommitStatistics(torch.autograd.Function):
+    """The identity on an attention output whose backward adds one forward's E-step statistics to an accumulator.
+
+    Committing in backward rather than in forward makes every way of running a forward count it exactly once: a
+    plain forward and backward once; reentrant checkpointing runs the first forward under no_grad (no statistics)
+    and backpropagates its recomputation once; non-reentrant checkpointing backpropagates the original node once
+    (the recomputation only refills saved tensors); gradient accumulation and a module called twice (retrieval's
+    two towers) add one share per forward; torch.compile traces the in-place add into its backward graph. The
+    accumulator and statistics are held on ``ctx``, not saved tensors: the accumulator changes in place between
+    forward and backward (other nodes' commits) and the statistics must be those of the forward that ran.
+    """
+
+    @staticmethod
+    def forward(out, acc, stats):
+        return out.view_as(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.acc, ctx.stats = inputs
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.acc[:, :, :ctx.stats.shape[-1]].add_(ctx.stats)
+        return grad_out, None, None
 
 
 class MGKAttention(MixtureKeysMixin, AttentionBase):
@@ -48,15 +68,15 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     shared with MLK); ``k_proj``, ``key_shift``, ``pi_logits`` and ``pi`` remain readable here, and state dicts
     saved before that submodule existed still load.
 
-    Soft-E: in training mode with gradients enabled, each forward computes the responsibilities of the components
-    (without gradient; padded queries and masked pairs excluded), all-reduces their sums and counts when
-    ``torch.distributed`` is initialised, and overwrites ``pi[:, :, :S]`` in place with their averages. The output of
-    that forward uses the pi from before the update. Eval mode and ``torch.no_grad`` never change pi.
-    Under activation checkpointing (``torch.utils.checkpoint``, reentrant or not) the E-step runs once, in the
-    original forward (for ``use_reentrant=True`` that forward runs under ``no_grad`` and still updates pi), and the
-    recomputation in backward reuses the pi that forward read and changes nothing, so pi and the gradients equal
-    those without checkpointing (also with gradient accumulation and DDP ``no_sync``). Not recognised inside a
-    ``torch.compile`` trace.
+    Soft-E: users who train a Soft-E module themselves call ``mgk.soft_e_step(model)`` after backward (once per
+    optimiser step); the Trainer does it. In training mode with gradients enabled each forward computes the
+    responsibilities of the components (without gradient; padded queries and masked pairs excluded), and its
+    backward adds their sums and counts to an accumulator; :func:`soft_e_step` all-reduces them under DDP and writes
+    ``pi[:, :, j]`` in place. Forward reads the ``pi`` buffer, unchanged until that step, so activation checkpointing
+    (reentrant or not), ``torch.compile`` and gradient accumulation give the pi and gradients of a plain run, and
+    an accumulated step averages over its whole global batch. Eval mode, ``torch.no_grad`` and torch.func transforms
+    (vmap, grad, jvp) gather nothing and never change pi. ``pi`` is in the state dict; the accumulator is not (it
+    is empty between steps, where checkpoints are written).
 
     Raises:
         ValueError for bad options, and in ``forward`` when S exceeds ``max_len`` (naming both).
@@ -87,77 +107,99 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
             _mixture_flash.available(torch.empty(0), 0.0)
 
-    def mixture_log_weights(self, S: int, pi: Tensor | None = None) -> Tensor | None:
+    def mixture_log_weights(self, S: int) -> Tensor | None:
         """log pi broadcastable to (B, H, M, S); None for Hard-E. Raises ValueError when S > max_len."""
         self.mixture.check_length(S, "MGKAttention")
-        return self.mixture.log_weights(S, pi)
-
-    def _soft_e_pi(self, S: int) -> tuple[Tensor | None, bool]:
-        """(pi (H, M, S) to use, or None for the buffer; whether to run the E-step) for a Soft-E forward."""
-        if not self.training:
-            return None, False
-        region = _recompute.checkpoint_region()
-        if region is None:
-            return None, torch.is_grad_enabled()
-        if region.recomputing:
-            used = _REPLAY.get(region.key, {}).get(id(self))
-            if not used:  # a recomputation without a recorded forward (should not happen): use the buffer
-                return None, False
-            index, snapshots = used
-            used[0] = index + 1
-            return snapshots[index % len(snapshots)], False
-        if not (region.reentrant or torch.is_grad_enabled()):
-            return None, False  # checkpoint under no_grad: nothing will be recomputed, nothing learned
-        entry = _REPLAY.setdefault(region.key, {}).setdefault(id(self), [0, []])
-        snapshot = self.mixture.pi[:, :, :S].clone()
-        entry[1].append(snapshot)  # calls in one region replay in call order
-        return snapshot, True
+        return self.mixture.log_weights(S)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
-        S = k.shape[3]
-        pi, update = self._soft_e_pi(S) if self.pi_mode == "soft_e" else (None, False)
-        log_pi = self.mixture_log_weights(S, pi)
-        mixture = "max" if self.pi_mode == "hard_e" else "sum"
-        if update and bias is None and not need_weights:
+        log_pi = self.mixture_log_weights(k.shape[3])
+        collect = self._collects_statistics(q)
+        if collect and bias is None and not need_weights:
             # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
             fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
                                          is_causal=is_causal, dropout_p=self.attn_dropout, query_mask=query_mask,
                                          backend=self.backend)
             if fused is not None:
-                self._soft_e_apply(*fused[1:], k.shape[3])
-                return fused[0], None
+                return self._commit_on_backward(*fused), None
+        mixture = "max" if self.pi_mode == "hard_e" else "sum"
         result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
                                bias=bias, is_causal=is_causal, dropout_p=self.attn_dropout,
                                return_weights=need_weights, backend=self.backend)
-        if update:
-            self._soft_e_update(q, k, log_pi, mask, is_causal, query_mask)
-        return result if need_weights else (result, None)
+        out, weights = result if need_weights else (result, None)
+        if collect:
+            resp, count = mgk_responsibilities(q, k, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
+                                               is_causal=is_causal, query_mask=query_mask)
+            out = self._commit_on_backward(out, resp, count)
+        return out, weights
+
+    # -- Soft-E: statistics in forward, committed in backward, applied by soft_e_step ---------------------------
+    def _collects_statistics(self, q: Tensor) -> bool:
+        """Whether this forward gathers E-step statistics: Soft-E in training mode with gradients enabled (a
+        backward may follow), outside torch.func transforms (whose functions cannot change module state)."""
+        return (self.pi_mode == "soft_e" and self.training and torch.is_grad_enabled()
+                and not _transformed(q))
+
+    def _accumulator(self) -> Tensor:
+        """The (H, M + 1, max_len) float64 sums of responsibilities (``[:, :M]``) and counts (``[:, M]``) committed
+        since the last :meth:`soft_e_step`, on pi's device. A plain attribute, not a buffer: DDP would broadcast a
+        buffer from rank 0 at every forward, and a state dict has nothing to keep between steps."""
+        pi = self.mixture.pi
+        acc = getattr(self, "_soft_e_sums", None)
+        if acc is None or acc.device != pi.device:  # first use, or the module was moved since the last one
+            H, M, T = pi.shape
+            acc = torch.zeros(H, M + 1, T, dtype=torch.float64, device=pi.device) if acc is None else acc.to(pi.device)
+            self._soft_e_sums = acc
+        return acc
+
+    def _commit_on_backward(self, out: Tensor, resp: Tensor, count: Tensor) -> Tensor:
+        """``out``, through a node whose backward adds this forward's statistics (resp (H, M, S), count (H, S))
+        to :meth:`_accumulator`."""
+        stats = torch.cat([resp, count.unsqueeze(1)], dim=1).to(torch.float64)
+        return _CommitStatistics.apply(out, self._accumulator(), stats)
+
+    def soft_e_step(self) -> int:
+        """Apply the E-step statistics committed since the last step to pi: :func:`mgk.soft_e_step` of this
+        module. Returns 1 for a Soft-E module, 0 otherwise."""
+        return soft_e_step(self)
 
     @torch.no_grad()
-    def _soft_e_update(self, q, k, log_pi, mask, is_causal, query_mask):
-        resp, count = mgk_responsibilities(q, k, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
-                                           is_causal=is_causal, query_mask=query_mask)
-        self._soft_e_apply(resp, count, k.shape[3])
-
-    @torch.no_grad()
-    def _soft_e_apply(self, resp, count, S):
-        """pi[:, :, :S] = resp / count where count > 0, after the all-reduce over DDP ranks."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # Ranks may hold batches of different lengths: reduce over the whole buffer so that every rank sends
-            # the same number of values, then update the positions any rank saw.
-            H, M, T = self.mixture.pi.shape
-            stats = resp.new_zeros(H, M + 1, T, dtype=torch.float64)
-            stats[:, :M, :S] = resp
-            stats[:, M, :S] = count
-            dist.all_reduce(stats)
-            resp, count = stats[:, :M], stats[:, M]
-            S = T
-        current = self.mixture.pi[:, :, :S]
-        seen = (count > 0).unsqueeze(1)
-        new = resp / count.clamp_min(1).unsqueeze(1)
-        current.copy_(torch.where(seen, new.to(current.dtype), current))
+    def _apply_statistics(self, acc: Tensor) -> None:
+        """``pi[:, :, j] = resp_sum[:, :, j] / count[:, j]`` in place where count > 0 and the average is finite
+        (a non-finite forward leaves pi a distribution; its loss is non-finite too); other positions keep pi."""
+        pi = self.mixture.pi
+        M = pi.shape[1]
+        count = acc[:, M:]
+        new = acc[:, :M] / count.clamp_min(1)
+        keep = (count > 0) & new.isfinite().all(dim=1, keepdim=True)
+        pi.copy_(torch.where(keep, new.to(pi.dtype), pi))
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", num_keys={self.num_keys}, keys={self.keys!r}, pi={self.pi_mode!r}, "
                 f"pi_shape={self.pi_shape!r}, pi_norm={self.pi_norm!r}, sigma2={self.sigma2.tolist()}, "
                 f"max_len={self.max_len}")
+
+
+@torch.no_grad()
+def soft_e_step(model: nn.Module) -> int:
+    """The Soft-E update of every Soft-E :class:`MGKAttention` in ``model`` (the paper's "+Soft-E", Section 3.2: the
+    E-step of EM for the key mixture): ``pi[h, r, j] = resp_sum[h, r, j] / count[h, j]`` over every query, batch
+    row and forward whose backward ran since the last step, in place on the ``pi`` buffer (same ``data_ptr``).
+
+    Call it once per optimiser step, after the backward of all micro-batches (:class:`mgk.train.Trainer` does). Under
+    ``torch.distributed`` (initialised, world size > 1) the sums and counts are all-reduced first, in one fixed-size
+    (H, M + 1, max_len) tensor per module so that ranks with different lengths send the same sizes: every rank must
+    call it, and then holds the same pi, the E-step over the global batch. Positions no query saw keep their pi. The
+    accumulated statistics are reset. ``model`` may be a module, a DDP wrapper or any container of modules.
+
+    Returns the number of Soft-E modules updated. Raises whatever ``torch.distributed.all_reduce`` raises.
+    """
+    modules = [m for m in model.modules() if isinstance(m, MGKAttention) and m.pi_mode == "soft_e"]
+    reduce = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    for module in modules:
+        acc = module._accumulator()
+        if reduce:
+            dist.all_reduce(acc)
+        module._apply_statistics(acc)
+        acc.zero_()
+    return len(modules)

@@ -27,8 +27,9 @@ class MixtureKeys(nn.Module):
         keys: "separate" (M projections ``k_r = x W_r``) or "shifted" (one projection and learned offsets
             ``k_r = x W_k - mu_r`` with ``mu_1 = 0``, the others initialised from N(0, 0.5^2)).
         pi: "learned" (log-softmax of learned logits ``pi_logits``, never clamped, so weights at the boundary keep a
-            gradient), "soft_e" (a buffer ``pi`` of shape (H, M, max_len), initialised to 1/M and written by an
-            E-step; see :class:`mgk.MGKAttention`), or "hard_e" (no weights: the max over components).
+            gradient), "soft_e" (a buffer ``pi`` of shape (H, M, max_len), initialised to 1/M and written in place
+            by :func:`mgk.soft_e_step`; see :class:`mgk.MGKAttention`), or "hard_e" (no weights: the max over
+            components).
         pi_shape: for pi="learned", "head" (logits (H, M)), "position" (logits (H, M, max_len)) or "layer" (logits
             (1, M), one set shared by every head and position, as the authors' LRA code, ``lra/attention.py:139``).
         pi_norm: for pi="learned", "softmax" (pi = softmax of the logits over the M components, the default) or
@@ -96,15 +97,12 @@ class MixtureKeys(nn.Module):
             raise ValueError(f"key sequence length {S} exceeds max_len={self.max_len} of this {owner} "
                              f"(per-position mixture weights exist for {self.max_len} positions)")
 
-    def log_weights(self, S: int, pi: Tensor | None = None) -> Tensor | None:
-        """log pi broadcastable to (B, H, M, S); None for Hard-E.
-
-        ``pi`` (H, M, S), for Soft-E only, replaces the buffer's first S positions (the weights a checkpointed
-        forward used, replayed in its recomputation)."""
+    def log_weights(self, S: int) -> Tensor | None:
+        """log pi broadcastable to (B, H, M, S); None for Hard-E. Soft-E reads the buffer's first S positions."""
         if self.pi_mode == "hard_e":
             return None
         if self.pi_mode == "soft_e":
-            pi = self.pi[:, :, :S] if pi is None else pi
+            pi = self.pi[:, :, :S]
             return pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
         logits = self.pi_logits[:, :, :S] if self.pi_shape == "position" else self.pi_logits.unsqueeze(-1)
         log_pi = torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits

@@ -32,16 +32,27 @@ EPS_MODES = ("guard", "add")
 MIX = ("features", "keys")
 
 
+def _elu_plus_one(x: Tensor) -> Tensor:
+    if torch.compiler.is_compiling():
+        # Under torch.compile, aten.elu_backward's traced output strides differ from its kernel's for an input laid
+        # out unlike its gradient (a head-split query), so a backward-graph view upstream fails under aot_eager
+        # (pytorch/pytorch#120035, the same class). These pointwise ops trace with the kernel's strides; inductor
+        # fuses them as it fuses its own decomposition of elu. exp(x) is the value elu + 1 rounds (elu's backward
+        # uses exp(x) too); clamp keeps exp finite on the branch where() drops.
+        return torch.where(x > 0, x + 1.0, torch.exp(x.clamp(max=0.0)))
+    return F.elu(x) + 1.0
+
+
 def elu_feature_map(x: Tensor) -> Tensor:
     """``elu(x) + 1``, the positive feature map of Katharopoulos et al. (2020); shape-preserving."""
-    return F.elu(x) + 1.0
+    return _elu_plus_one(x)
 
 
 def elu_sum_feature_map(x: Tensor) -> Tensor:
     """``(elu(x) + 1) / sum_d (elu(x) + 1)_d``: elu+1 rescaled to sum to one over the last (head) dimension, the
     feature map of the authors' LM linear attention ("normalize k and q", ``cuda_fast_weight_layer.py``,
     ``CudaFastWeightSumLinearTransformerLayer.forward``). The sum is at least D * exp(-max|x|) > 0 for finite x."""
-    y = F.elu(x) + 1.0
+    y = _elu_plus_one(x)
     return y / y.sum(dim=-1, keepdim=True)
 
 

@@ -79,8 +79,8 @@ def _variances(sigma2, H: int, M: int, D: int, dtype, device) -> Tensor:
                          f"({M},) or (H, M) = ({H}, {M}); got {shape or type(sigma2).__name__}")
     s = sigma2.to(device=device, dtype=dtype)
     s = s.reshape(1, 1).expand(1, M) if s.numel() == 1 else s.reshape(-1, M)
-    if torch.compiler.is_compiling() or s.device.type != "cpu":
-        return s
+    if s.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(s):
+        return s  # a traced or torch.func-wrapped tensor has no values to read (a module checked its own)
     # One read of the values instead of four reductions: this runs on every call.
     if not all(x > 0 and math.isfinite(x) for x in s.reshape(-1).tolist()):
         raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")

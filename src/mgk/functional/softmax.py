@@ -10,7 +10,7 @@ from torch import Tensor
 from . import _mixture_flash
 from . import masks as _masks
 from ._checks import check_arguments, check_qkv, compute_dtype, full_precision
-from .mgk import BackendError
+from .mgk import BackendError, _transformed
 
 SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
 
@@ -47,7 +47,8 @@ def select_softmax_backend(query: Tensor, key: Tensor, value: Tensor, *, attn_ma
     * "sdpa": everything else (its fused flash kernel serves CPU calls without dropout; a bias becomes its float
       ``attn_mask``).
 
-    "explicit" (the (B, H, L, S) weights built) is only used when asked for. Arguments as
+    "explicit" (the (B, H, L, S) weights built) is used when asked for, and for forward-mode AD and torch.func
+    transforms (``jvp``, ``vmap``, ``grad``), which neither fused kernel has a rule for. Arguments as
     :func:`softmax_attention`; raises as it does for bad masks and options."""
     check_arguments(dropout_p=dropout_p)
     *_, mask, bias = _checked(query, key, value, attn_mask, bias)
@@ -57,6 +58,8 @@ def select_softmax_backend(query: Tensor, key: Tensor, value: Tensor, *, attn_ma
 
 def _select(q: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float) -> str:
     """select_softmax_backend on checked inputs in the compute dtype."""
+    if _transformed(q, v):
+        return "explicit"
     if dropout_p > 0.0 and _kernel_unserved(q, v, mask, bias, dropout_p) is None:
         return "kernel"
     return "sdpa"
@@ -94,20 +97,21 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
     """
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, scale=scale, backend=backend,
                     backends=SOFTMAX_BACKENDS)
-    if backend == "explicit":
-        return softmax_attention_reference(query, key, value, attn_mask=attn_mask, bias=bias, is_causal=is_causal,
-                                           dropout_p=dropout_p, scale=scale)
-    B, H, L, S, D, mask, bias = _checked(query, key, value, attn_mask, bias)
+    B, H, L, S, D, mask, folded = _checked(query, key, value, attn_mask, bias)
     out_dtype = query.dtype
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
+    if backend is None:
+        backend = _select(q, v, mask, folded, dropout_p)
+    if backend == "explicit":
+        return softmax_attention_reference(query, key, value, attn_mask=attn_mask, bias=bias, is_causal=is_causal,
+                                           dropout_p=dropout_p, scale=scale)
+    bias = folded
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if backend == "kernel":
         why = _kernel_unserved(q, v, mask, bias, dropout_p)
         if why is not None:
             raise BackendError(f"backend='kernel' cannot serve these inputs: {why}")
-    elif backend is None:
-        backend = _select(q, v, mask, bias, dropout_p)
     with full_precision(query.device):
         if backend == "kernel":
             return _kernel(q, k, v, mask, bias, is_causal, dropout_p, scale).to(out_dtype)

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .. import config as config_mod
+from ..attention import soft_e_step
 from ..attention.registry import attention_options
 from ..config import RunConfig
 from ..models.config import config_differences
@@ -272,6 +273,10 @@ class Trainer:
                 self.scaler.scale(loss_sum / self.local_batch).backward()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        # Soft-E's pi from this step's statistics (committed by the backwards above: all micro-batches, all ranks).
+        # Before optimizer.step: both come from the same forward, and every rank reaches this collective whether or
+        # not the step below is taken or skipped.
+        soft_e_step(self.model)
         keys = sorted(sums)
         train = self.task.summarise(dict(zip(keys, distributed.all_sum([sums[k] for k in keys], d.device))))
         if math.isfinite(train["loss"]):
