@@ -100,3 +100,142 @@ def test_no_function_in_src_is_over_80_lines():
 def test_the_length_check_sees_long_functions():
     """The checker itself: at a small limit it does report functions (so the real check can fail)."""
     assert list(_long_functions(10))
+
+
+# --------------------------------------------------------------------------- other packages' private modules
+
+
+def _private_imports(tree: ast.AST):
+    """(line, import) of every import of another package's private module or name (a dotted part or an imported
+    name that starts with one underscore): ``import torch._dynamo``, ``from torch._C import x``,
+    ``from torch.nn.functional import _in_projection``. Relative imports are mgk's own."""
+    def private(dotted: str) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "mgk" and private(alias.name):
+                    yield node.lineno, f"import {alias.name}"
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "mgk":
+                continue
+            names = [a.name for a in node.names if private(a.name)]
+            if private(node.module) or names:
+                yield node.lineno, f"from {node.module} import {', '.join(names or [a.name for a in node.names])}"
+
+
+def test_no_module_imports_another_packages_private_modules():
+    wrong = [f"{path.relative_to(SRC)}:{line} {what}" for _, path, tree in _modules()
+             for line, what in _private_imports(tree)]
+    assert not wrong, "imports of other packages' private modules (use their public API):\n" + "\n".join(wrong)
+
+
+def test_the_private_import_check_sees_a_private_import():
+    tree = ast.parse("import torch._dynamo\nfrom torch._C import _x\nfrom torch.utils import _pytree\n"
+                     "from torch.nn.functional import _in_projection\nimport torch.nn.functional as _F\n"
+                     "from __future__ import annotations\nfrom ._masks import prepare\nfrom mgk.data._x import y\n")
+    assert [line for line, _ in _private_imports(tree)] == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------- who writes files, who (de)serialises
+
+# torch.save / torch.load of anything: only the checkpoint owner.
+SERIALISATION_OWNER = "mgk/train/checkpoint.py"
+# Modules that may open files for writing: the atomic writer, and the owners of checkpoints and run directories
+# (which write through it, and own the append-only logs and the run directory's lock file).
+WRITE_OWNERS = {"mgk/atomic.py", "mgk/train/checkpoint.py", "mgk/train/rundir.py"}
+# Writes elsewhere, each with its reason, as (module, function).
+WRITE_EXCEPTIONS = {
+    ("mgk/reproduce/executor.py", "_spawn"): "the append-only log of a child process's output: read by people, "
+                                             "never by a resume or an evaluation",
+    ("mgk/functional/_mixture_flash.py", "_build_lock"): "the flock file of the kernel build: the lock is the open "
+                                                        "file, nothing is written into it",
+}
+_WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}
+
+
+def _write_mode(call: ast.Call) -> bool:
+    """An ``open``-like call with a literal mode that writes (w, a, x or +; "w:gz" for tarfile); one given an open
+    ``fileobj`` (tarfile, gzip) writes into that file, not into a path of its own."""
+    if any(k.arg == "fileobj" for k in call.keywords):
+        return False
+    modes = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    modes += [k.value.value for k in call.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)]
+    return any(isinstance(m, str) and 0 < len(m) <= 6 and set(m.split(":")[0]) <= set("rwaxbt+")
+               and set(m) & set("wax+") for m in modes)
+
+
+def _writes(tree: ast.AST):
+    """(line, enclosing function, what) of every file write or (de)serialisation in ``tree``: ``torch.save`` /
+    ``torch.load``, ``open(..., "w"/"a"/"x"/"+")`` and ``X.open`` with such a mode (Path, gzip, tarfile, ...),
+    ``os.open`` with write flags, ``Path.write_text`` / ``write_bytes``."""
+    found = []
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+                flags = {n.attr for n in ast.walk(child) if isinstance(n, ast.Attribute)}
+                if owner == "torch" and name in ("save", "load"):
+                    found.append((child.lineno, func, f"torch.{name}"))
+                elif name in ("write_text", "write_bytes"):
+                    found.append((child.lineno, func, name))
+                elif owner == "os" and name == "open" and flags & _WRITE_FLAGS:
+                    found.append((child.lineno, func, "os.open for writing"))
+                elif name in ("open", "fdopen") and owner != "os" and _write_mode(child):
+                    found.append((child.lineno, func, f"{name} for writing"))
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_only_the_owners_write_files_and_only_the_checkpoint_owner_serialises():
+    wrong = []
+    for _, path, tree in _modules():
+        rel = path.relative_to(SRC).as_posix()
+        for line, func, what in _writes(tree):
+            if what.startswith("torch."):
+                if rel != SERIALISATION_OWNER:
+                    wrong.append(f"{rel}:{line} {what} (use mgk.train.checkpoint)")
+            elif rel not in WRITE_OWNERS and (rel, func) not in WRITE_EXCEPTIONS:
+                wrong.append(f"{rel}:{line} {what} in {func} (write through mgk.atomic or mgk.train.rundir)")
+    assert not wrong, "files written or (de)serialised outside their owners:\n" + "\n".join(wrong)
+
+
+def test_the_write_check_sees_writes_and_loads():
+    tree = ast.parse("import torch, os\ndef f(p, q):\n    torch.save({}, p)\n    open(p, 'w')\n"
+                     "    p.write_text('x')\n    os.open(p, os.O_RDWR | os.O_CREAT)\n    torch.load(q)\n"
+                     "    open(p)\n    open(p, 'rb')\n    q.open(mode='a')\n    tarfile.open(p, 'w:gz')\n"
+                     "    os.open(p, os.O_RDONLY)\n    np.load(p)\n    tarfile.open(fileobj=fh, mode='w:gz')\n")
+    assert [(line, func) for line, func, _ in _writes(tree)] == [(3, "f"), (4, "f"), (5, "f"), (6, "f"), (7, "f"),
+                                                                 (10, "f"), (11, "f")]
+
+
+# --------------------------------------------------------------------------- the run directory's file names
+
+RUN_FILE_NAMES = {"config.yaml", "env.json", "metrics.jsonl", "train.log", "results.json", "eval.json", "vocab.txt",
+                  "last.pt", "best.pt"}
+LAYOUT_OWNER = "mgk/train/rundir.py"
+
+
+def _run_file_names(tree: ast.AST):
+    """(line, name) of string literals that are a run directory's file names (docstrings and messages, which hold
+    them inside longer text, do not count)."""
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in RUN_FILE_NAMES]
+
+
+def test_only_the_layout_owner_names_the_run_files():
+    wrong = [f"{path.relative_to(SRC)}:{line} {name!r} (use mgk.train.rundir.RunFiles)"
+             for _, path, tree in _modules() if path.relative_to(SRC).as_posix() != LAYOUT_OWNER
+             for line, name in _run_file_names(tree)]
+    assert not wrong, "run-directory paths built outside their owner:\n" + "\n".join(wrong)
+
+
+def test_the_layout_check_sees_a_file_name():
+    tree = ast.parse('"""Writes config.yaml."""\np = run_dir / "results.json"\nmsg = "no config.yaml here"\n')
+    assert _run_file_names(tree) == [(2, "results.json")]

@@ -4,7 +4,8 @@ Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAtten
 Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``),
 built by kind name (:func:`build_attention`) or from an :class:`AttentionConfig`, and :func:`swap_attention`, which
 puts them into an existing model with its weights; the math is in :mod:`mgk.functional`.
-:func:`soft_e_step` applies the Soft-E update of pi after backward.
+:func:`soft_e_step` applies the Soft-E update of pi after backward. :func:`load_run` gets a trained run back (its
+model, config and tokenizer).
 """
 from .attention import (
     AttentionConfig,
@@ -20,4 +21,15 @@ from .attention import (
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention"]
+__all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention", "LoadedRun",
+            "load_run"]
+
+
+def __getattr__(name: str):
+    # load_run needs the tasks, data readers and training layer: imported on first use, so that `import mgk` for the
+    # attention modules stays light.
+    if name in ("load_run", "LoadedRun"):
+        from .train import load
+
+        return getattr(load, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,13 @@
-"""Command line: argument parsing and dispatch only (``mgk ...`` or ``python -m mgk ...``)."""
+"""Command line: argument parsing and dispatch only (``mgk ...`` or ``python -m mgk ...``).
+
+Every error a user can cause (a bad flag, a missing or damaged file, a run that went NaN, a permission problem)
+ends the command with one line on stderr, ``mgk <command>: <what is wrong and what to do>``, and a non-zero exit
+status (2 for a bad command line); set ``MGK_TRACEBACK=1`` to see the Python traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,15 +46,15 @@ def _train_parser(sub) -> None:
 
 def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
     if args.resume:
-        from .train.records import read_config
+        from .train.rundir import load_config
 
         run_dir = Path(args.resume)
-        cfg = config_mod.from_dict(read_config(run_dir))
+        cfg = load_config(run_dir)
         flags = [n for n in ("task", "preset", "data", "attention", "heads", "pi", "seed", "out")
                  if getattr(args, n) is not None]
         flags += ["overwrite"] if args.overwrite else []
         if flags:
-            raise SystemExit(f"mgk train --resume takes its config from {run_dir}/config.yaml; "
+            raise SystemExit(f"mgk train: --resume takes its config from {run_dir}/config.yaml; "
                              f"drop --{', --'.join(flags)} (use --set for steps or bookkeeping fields)")
         changes = {k: v for k, v in (("steps", args.steps), ("precision", args.precision)) if v is not None}
         return config_mod.apply_overrides(cfg, args.overrides, **changes), run_dir, True
@@ -70,17 +76,13 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
 
 def _run_train(args) -> int:
     from .train.loop import Interrupted, fit
-    from .train.rundir import RunDirError
 
-    try:
-        cfg, run_dir, resume = _resolve_train_config(args)
-        config_mod.validate(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"mgk train: {e}") from None
+    cfg, run_dir, resume = _resolve_train_config(args)
+    config_mod.validate(cfg)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--{'resume' if resume else 'out'} {run_dir} is a file, not a run directory")
     try:
         fit(cfg, run_dir, resume=resume, device=args.device, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, RunDirError) as e:  # bad data, config, checkpoint or run directory
-        raise SystemExit(f"mgk train: {e}") from None
     except Interrupted as e:  # SIGINT / SIGTERM: one line with the --resume command, exit 128 + signal
         if e.is_main:
             print(f"mgk train: {e}", file=sys.stderr)
@@ -113,18 +115,16 @@ def _run_eval(args) -> int:
     import json
 
     from .train.lm_eval import evaluate_run
-    from .train.rundir import RunDirError
 
     for name in ("context", "stride", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"mgk eval: --{name.replace('_', '-')} must be >= 1, got {value}")
-    try:
-        result = evaluate_run(args.run_dir, split=args.split, data=args.data, context=args.context,
-                              stride=args.stride, batch_size=args.batch_size, device=args.device,
-                              which=args.checkpoint, json_path=args.json, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError, RunDirError) as e:
-        raise SystemExit(f"mgk eval: {e}") from None
+    if args.json is not None and Path(args.json).is_dir():
+        raise SystemExit(f"mgk eval: --json {args.json} is a folder; give the file to write")
+    result = evaluate_run(args.run_dir, split=args.split, data=args.data, context=args.context,
+                          stride=args.stride, batch_size=args.batch_size, device=args.device,
+                          which=args.checkpoint, json_path=args.json, progress=not args.no_progress)
     if result is not None:
         print(json.dumps({k: result[k] for k in ("split", "ppl", "nll", "tokens", "protocol", "context", "stride",
                                                  "checkpoint")}))
@@ -166,7 +166,7 @@ def _run_data(args) -> int:
     for line in lines:
         print(line)
     for e in errors:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"mgk data check: error: {e}", file=sys.stderr)
     verdict = f"{len(errors)} error(s)" if errors else "ok"
     print(f"{verdict} ({time.perf_counter() - t0:.1f} s)")
     return 1 if errors else 0
@@ -181,14 +181,12 @@ def _table_parser(sub) -> None:
 
 
 def _run_table(args) -> int:
-    from .tasks.lra_table import find_runs, lra_table, read_results
+    from .tasks.lra_table import lra_table
     from .train.records import run_status
+    from .train.rundir import find_runs, read_run_results
 
-    try:
-        done, unfinished = find_runs(args.runs)
-        results = read_results(args.runs, files=done)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"mgk table: {e}") from None
+    done, unfinished = find_runs(args.runs)
+    results = read_run_results(done)
     table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
     print(table)
     for w in warnings:
@@ -196,10 +194,17 @@ def _run_table(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line answered in one line naming the command (not the usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mgk`` argument parser with its sub-commands."""
-    parser = argparse.ArgumentParser(prog="mgk", description="Transformer-MGK: attention with a mixture of "
-                                                              "Gaussian keys, and the paper's experiments.")
+    parser = _Parser(prog="mgk", description="Transformer-MGK: attention with a mixture of Gaussian keys, and the "
+                                             "paper's experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     bench_cli.add_parser(sub)
@@ -211,16 +216,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple:
+    """The exceptions a user can cause: bad values and paths, damaged or foreign files, a busy run directory, a
+    run whose loss or final evaluation is not finite, a model too big for the device."""
+    import torch
+
+    from .train.loop import NonFiniteLoss, NonFiniteResult
+    from .train.rundir import RunDirError
+
+    return ValueError, OSError, RunDirError, NonFiniteLoss, NonFiniteResult, torch.cuda.OutOfMemoryError
+
+
+def _describe(e: BaseException) -> str:
+    """The message of ``e`` for the one error line: an OSError as ``path: reason``."""
+    if isinstance(e, OSError) and e.strerror and (e.filename2 or e.filename):
+        return f"{e.filename2 or e.filename}: {e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def _one_line(command: str, text: str) -> str:
+    """``mgk <command>: text`` on one line (``text`` may already carry the prefix)."""
+    text = " ".join(str(text).split())
+    return text if text.startswith("mgk ") else f"mgk {command}: {text}"
+
+
+def _command_words(argv: list[str]) -> str:
+    """The command of ``argv`` as typed (``train``, ``bench attention``, ``data check``), for errors raised while
+    the command line itself is parsed."""
+    words = [w for w in argv[:2] if not w.startswith("-")]
+    return " ".join(words[:2] if words[:1] in (["bench"], ["data"]) else words[:1])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mgk`` console script."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``mgk`` console script. Errors end in one line (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as e:  # a flag type that refuses its value by exiting (bench --kinds)
+        if isinstance(e.code, str):
+            raise SystemExit(_one_line(_command_words(argv), e.code)) from None
+        raise
+    name = " ".join(filter(None, (args.command, getattr(args, "bench_command", None),
+                                  getattr(args, "data_command", None))))
+    if extra:
+        parser.exit(2, f"mgk {name}: unrecognized arguments: {' '.join(extra)} (see mgk {name} --help)\n")
     handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "data": _run_data,
                 "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and reports on its own)
-        print(f"mgk {args.command}: interrupted", file=sys.stderr)
+        print(f"mgk {name}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            raise SystemExit(_one_line(name, e.code)) from None
+        raise
+    except Exception as e:
+        if not isinstance(e, _user_errors()) or os.environ.get("MGK_TRACEBACK"):
+            raise
+        raise SystemExit(_one_line(name, _describe(e))) from None
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_fixed_pi_is_reported_exactly(runs, tmp_path):
     known = torch.tensor([[0.9, 0.1], [0.35, 0.65]])
     for name in [k for k in ckpt["model"] if k.endswith("pi_logits")]:
         ckpt["model"][name] = known.log()
-    checkpoint.save_atomic(ckpt, run / "checkpoints" / "best.pt")
+    checkpoint.save(ckpt, run / "checkpoints" / "best.pt", kind="best")
     analyze(str(run), "--samples", "3", "--out", str(tmp_path / "a"), "--examples", "0")
     for layer in json.loads((tmp_path / "a" / "analysis.json").read_text())["layers"]:
         got = [c["mean"] for head in layer["mixture"]["pi"] for c in head]

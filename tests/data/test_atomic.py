@@ -39,10 +39,10 @@ def test_writers_use_the_helper(tmp_path, monkeypatch, writer):
     """A crash in the middle of torch.save / np.savez leaves the previous checkpoint or cache entry intact."""
     p = tmp_path / ("last.pt" if writer == "checkpoint" else "entry.npz")
     if writer == "checkpoint":
-        checkpoint.save_atomic({"step": 1}, p)
+        checkpoint.save({"step": 1, "model": {}}, p, kind="last")
         monkeypatch.setattr(torch, "save", lambda obj, f: (f.write(b"partial"), 1 / 0))
         with pytest.raises(ZeroDivisionError):
-            checkpoint.save_atomic({"step": 2}, p)
+            checkpoint.save({"step": 2, "model": {}}, p, kind="last")
         assert checkpoint.load(p)["step"] == 1
     else:
         c.save_arrays(p, "k1", {"a": np.arange(3)})

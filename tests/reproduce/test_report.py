@@ -108,3 +108,36 @@ def test_a_harness_killed_after_the_run_finished_leaves_its_key(tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         execute_run(run, "/nonexistent/python")
     assert run_state(run) == "finished"
+
+
+def test_failed_and_damaged_runs_are_left_out_and_listed(tmp_path):
+    """A run whose final evaluation was not finite reports an accuracy (argmax of NaN logits): it must not be averaged
+    in as a seed. Nor may a damaged results.json be skipped in silence; a damaged env.json is named."""
+    exp = get_experiment("lra-softmax-family")
+    runs = expand(exp, "smoke", [0, 1, 2, 3], tmp_path, only=parse_only(["row=mgk-4", "task=listops"]))
+    for r, acc in zip(runs, (0.31, 0.29, 0.094, 0.094)):
+        _fake_run(r, acc)
+    nan = runs[2].run_dir / "results.json"
+    nan.write_text(json.dumps({**json.loads(nan.read_text()), "failed": "non-finite val loss (nan) in the final "
+                                                                        "evaluation after 6 steps"}))
+    older = runs[3].run_dir / "results.json"  # no flag (written before it existed), but a NaN loss
+    res = json.loads(older.read_text())
+    older.write_text(json.dumps({**res, "test": {**res["test"], "loss": float("nan")}}))
+    (runs[1].run_dir / "env.json").write_text('{"mgk": ')
+    rep = build_report(exp, "smoke", runs, [{"status": "done"}] * 4, "cmd")
+    [cell] = rep["rows"]
+    assert cell["n"] == 2 and cell["planned"] == 4 and abs(cell["mean"] - 30.0) < 1e-9
+    status = {r["seed"]: (r["status"], r["error"]) for r in rep["runs"]}
+    assert status[0] == ("done", None) and status[1] == ("done", None)
+    assert status[2][0] == "failed" and "non-finite val loss (nan)" in status[2][1] and str(nan) in status[2][1]
+    assert status[3][0] == "failed" and "non-finite test loss (nan)" in status[3][1]
+    assert "env.json: line 1: not valid JSON" in rep["runs"][1]["problems"][0]
+    md = render(rep)
+    assert "| MGK x 4 | 30.00 ± 1.41 | 2/4 |" in md and "2 failed or not run" in md
+    assert "listops mgk-4 seed 2: failed: " in md and "damaged file: " in md
+    assert "Not in the table, failed (final evaluation not finite): 2 run(s)" in rep["mgk_table"]
+    # a damaged results.json: the run is failed, its file named; the report is still written
+    (runs[0].run_dir / "results.json").write_text('{"task": "listops", "atte')
+    rep = build_report(exp, "smoke", runs, [{"status": "done"}] * 4, "cmd")
+    assert rep["rows"][0]["n"] == 1 and rep["runs"][0]["status"] == "failed"
+    assert "results.json: line 1: not valid JSON" in rep["runs"][0]["error"]

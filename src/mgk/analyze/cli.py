@@ -1,6 +1,7 @@
 """``mgk analyze``: argument parsing and the two entry points (one run, or ``--compare`` several)."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -44,31 +45,49 @@ def _settings(args):
 
 
 def analyse_dirs(run_dirs, out: Path, settings, *, data=None, which="best", device="cpu",
-                 progress=True) -> dict:
+                 progress=True, notes: list | None = None) -> dict:
     """Analyse each run of ``run_dirs`` and write analysis.json, analysis.md and the figures into ``out``.
-    Returns {label: result}. Labels are "<attention>-<heads>", with the folder name added when two coincide."""
+    Returns {label: result}. Labels are "<attention>-<heads>", with the folder name added when two coincide.
+
+    A failed run (its final evaluation was not finite) is refused alone (:class:`~mgk.analyze.run.FailedRun`) and
+    left out of a comparison, listed in analysis.md; an unfinished run is analysed and marked. ``notes`` (when
+    given) receives one line per run left out or unfinished."""
     from .analysis import analyse
     from .report import write_figures, write_json, write_markdown
-    from .run import load_run, run_label
+    from .run import FailedRun, load_for_analysis, run_label
 
-    results, maps = {}, {}
+    results, maps, left_out = {}, {}, []
+    notes = [] if notes is None else notes
     for d in run_dirs:
-        run = load_run(d, data=data, which=which, device=device)
+        try:
+            run = load_for_analysis(d, data=data, which=which, device=device)
+        except FailedRun as e:
+            if len(run_dirs) == 1:
+                raise
+            left_out.append(str(e))
+            notes.append(f"left out: {e}")
+            continue
         label = run_label(run.cfg)
         if label in results:
             label = f"{label} ({Path(d).name})"
         result = analyse(run, settings, progress=progress)
+        result.update(steps=run.steps, run_status=run.status())
+        if not run.finished:
+            notes.append(f"{d} is {run.status()} (no results.json yet): the figures describe a model still in "
+                         "training")
         maps[label] = result.pop("_maps")
         results[label] = result
+    if not results:
+        raise FailedRun("every run failed (final evaluation not finite): " + "; ".join(left_out))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figs = write_figures(results, out, maps)
-    single = len(results) == 1
-    payload = next(iter(results.values())) if single else {"runs": results}
+    single = len(results) == 1 and len(run_dirs) == 1
+    payload = next(iter(results.values())) if single else {"runs": results, "left_out": left_out}
     payload = {**payload, "figures": figs}
     write_json(payload, out / "analysis.json")
     title = f"mgk analyze: {next(iter(results))}" if single else "mgk analyze --compare: " + " vs ".join(results)
-    write_markdown(results, figs, out / "analysis.md", title)
+    write_markdown(results, figs, out / "analysis.md", title, left_out=left_out)
     return results
 
 
@@ -88,10 +107,13 @@ def run(args) -> int:
         out = Path(args.out) if args.out else (Path("analysis-compare") if args.compare
                                                else Path(args.runs[0]) / "analysis")
         t0 = time.perf_counter()
+        notes: list[str] = []
         results = analyse_dirs(args.runs, out, settings, data=args.data, which=args.checkpoint,
-                               device=args.device, progress=not args.no_progress)
+                               device=args.device, progress=not args.no_progress, notes=notes)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"mgk analyze: {e}") from None
+    for line in notes:
+        print(f"mgk analyze: {line}", file=sys.stderr)
     for label, r in results.items():
         for layer in r["layers"]:
             rk = layer["rank"][settings.rank_mode]

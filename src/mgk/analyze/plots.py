@@ -8,16 +8,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot is imported)
 
+from ..atomic import atomic_write  # noqa: E402
+
 __all__ = ["attention_grid", "rank_histograms", "per_layer_lines", "mixture_bars"]
 
 
 def _save(fig, path: Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    try:
+        with atomic_write(path) as fh:  # a reader never sees half a PNG
+            fig.savefig(fh, format="png", dpi=80, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -3,22 +3,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from . import plots
 
 __all__ = ["write_figures", "write_json", "write_markdown"]
 
 
 def write_json(result, path: Path) -> Path:
-    """Atomic JSON write (temporary file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1, allow_nan=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    """Atomic JSON write (:mod:`mgk.atomic`)."""
+    return write_text_atomic(path, json.dumps(result, indent=1, allow_nan=True) + "\n")
 
 
 def _mean_std(layers, key, stat) -> tuple[list, list]:
@@ -111,8 +106,9 @@ def _mixture_rows(results: dict) -> list[str]:
     return rows
 
 
-def write_markdown(results: dict, figs: dict, path: Path, title: str) -> Path:
-    """The tables (per layer: rank, redundancy; per head: pi and component shares) and the figures linked."""
+def write_markdown(results: dict, figs: dict, path: Path, title: str, left_out: list[str] = ()) -> Path:
+    """The tables (per layer: rank, redundancy; per head: pi and component shares) and the figures linked;
+    ``left_out``: one line per run not analysed (failed)."""
     first = next(iter(results.values()))
     s = first["settings"]
     lines = [f"# {title}", "",
@@ -120,8 +116,11 @@ def write_markdown(results: dict, figs: dict, path: Path, title: str) -> Path:
              f"{s['dtype']}; rank = singular values > {s['rank_tol']:g}"
              + (" x the largest" if s["rank_mode"] == "relative" else " (absolute)") + ", by SVD in float64.", ""]
     for lab, r in results.items():
+        unfinished = "" if r.get("run_status", "finished") == "finished" else \
+            "; **unfinished run** (no results.json yet): the model is still in training"
         lines.append(f"- **{lab}**: `{r['run_dir']}` ({r['task']}, checkpoint `{Path(r['checkpoint']).name}` at "
-                     f"step {r['step']})")
+                     f"step {r['step']}" + (f" of {r['steps']}" if r.get("steps") else "") + f"{unfinished})")
+    lines += [f"- left out, failed: {line}" for line in left_out]
     lines += ["", "## Rank and head redundancy per layer", "", *_layer_rows(results), "",
               "JS: mean over head pairs and query rows of the Jensen-Shannon divergence (bits, 0..1) between the "
               "heads' attention rows. L2: mean over head pairs of |A_h - A_h'|_F / sqrt(n). Effective heads: "
@@ -132,8 +131,4 @@ def write_markdown(results: dict, figs: dict, path: Path, title: str) -> Path:
         lines += ["## Mixture", "", *mix, ""]
     lines += ["## Figures", ""]
     lines += [f"![{name}]({file})" for name, file in figs.items()]
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, "\n".join(lines) + "\n")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..atomic import write_bytes_atomic
 from .cache import TokenDataset, cached_arrays
 
 __all__ = [
@@ -481,13 +482,8 @@ def write_listops_tsv(path: str | os.PathLike, rows: Iterable[tuple[str, int]]) 
             raise ValueError(f"row {i}: target {target!r} is not an int in 0-{NUM_CLASSES - 1}")
         lines.append(f"{src}\t{target}")
     data = ("\n".join(lines) + "\n").encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".gz":
-        with gzip.open(path, "wb") as fh:
-            fh.write(data)
-    else:
-        path.write_bytes(data)
-    return path
+    # atomic: a run without --data generates its ListOps into the run directory and reads it again on resume
+    return write_bytes_atomic(path, gzip.compress(data) if path.suffix == ".gz" else data)
 
 
 def generate_listops_dir(

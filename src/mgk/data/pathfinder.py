@@ -48,10 +48,12 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 
+from ..atomic import write_text_atomic
 from .cache import TokenDataset, cached_arrays, seeded_split
 from .image import SEQ_LEN, SIDE, ImageFormatError, decode_grey
 
@@ -428,13 +430,18 @@ def write_pathfinder_level(out: str | os.PathLike, level: str, images: np.ndarra
     """Write images in the release layout: ``out/pathfinder32/<level>/imgs/<n>/sample_<k>.png`` and
     ``metadata/<n>.npy`` text lines ``imgs/<n> sample_<k>.png <k> <label>`` (``per_folder`` images per folder).
 
+    The metadata folder appears last, whole (written beside it, then renamed): a crash part-way leaves no
+    ``metadata``, so a run that generates its data into its run directory generates it again on resume instead of
+    reading part of it.
+
     Returns:
         the level folder. Requires Pillow.
     """
     from PIL import Image
 
     level_dir = Path(out) / "pathfinder32" / resolve_level(level)
-    (level_dir / "metadata").mkdir(parents=True, exist_ok=True)
+    partial, metadata = level_dir / ".metadata.partial", level_dir / "metadata"
+    shutil.rmtree(partial, ignore_errors=True)
     for f in range(0, max(1, len(images)), per_folder):
         n = f // per_folder
         folder = level_dir / "imgs" / str(n)
@@ -443,5 +450,7 @@ def write_pathfinder_level(out: str | os.PathLike, level: str, images: np.ndarra
         for k in range(f, min(f + per_folder, len(images))):
             Image.fromarray(np.ascontiguousarray(images[k], dtype=np.uint8)).save(folder / f"sample_{k}.png")
             lines.append(f"imgs/{n} sample_{k}.png {k} {int(labels[k])}\n")
-        (level_dir / "metadata" / f"{n}.npy").write_text("".join(lines))
+        write_text_atomic(partial / f"{n}.npy", "".join(lines))
+    shutil.rmtree(metadata, ignore_errors=True)
+    os.replace(partial, metadata)
     return level_dir

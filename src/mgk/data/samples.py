@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_write, write_bytes_atomic, write_text_atomic
+
 __all__ = ["write_tar", "write_files", "imdb_files", "make_imdb_dir", "make_imdb_tar", "aan_rows", "make_aan_dir",
            "cifar_batch", "cifar_pickle_files", "make_cifar_pickle_dir", "encode_image", "image_folder_files",
            "make_pathfinder_tree"]
@@ -18,8 +20,7 @@ __all__ = ["write_tar", "write_files", "imdb_files", "make_imdb_dir", "make_imdb
 
 def write_tar(out: Path, files: dict[str, bytes]) -> Path:
     """A .tar.gz holding ``files`` (member name -> bytes), in sorted order."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(out, "w:gz") as tar:
+    with atomic_write(out) as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
         for name in sorted(files):
             info = tarfile.TarInfo(name)
             info.size = len(files[name])
@@ -43,9 +44,7 @@ def imdb_files(n_per_class: int = 6, *, test: bool = True, seed: int = 0, prefix
 def write_files(root: Path, files: dict[str, bytes]) -> Path:
     """Write ``files`` (relative name -> bytes) below ``root``; returns ``root``."""
     for name, data in files.items():
-        p = root / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
+        write_bytes_atomic(root / name, data)
     return root
 
 
@@ -78,7 +77,7 @@ def make_aan_dir(tmp: Path, n: int = 24, *, splits=("train", "eval", "test")) ->
     out = tmp / "aan"
     out.mkdir(parents=True, exist_ok=True)
     for k, split in enumerate(splits):
-        (out / f"new_aan_pairs.{split}.tsv").write_text("\n".join(aan_rows(n, seed=k)) + "\n")
+        write_text_atomic(out / f"new_aan_pairs.{split}.tsv", "\n".join(aan_rows(n, seed=k)) + "\n")
     return out
 
 

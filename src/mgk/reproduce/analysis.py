@@ -1,16 +1,27 @@
 """``mgk reproduce --analyze N``: ``mgk analyze --compare`` over the finished rows of each task, linked from REPORT.md.
 
-One run per row (the lowest seed that finished), so the figures overlay the rows as the paper's analysis does
-(softmax against MGK with fewer heads); written to ``<out>/analysis/<task>/``.
+One run per row (the lowest seed that finished and did not fail), so the figures overlay the rows as the paper's
+analysis does (softmax against MGK with fewer heads); written to ``<out>/analysis/<task>/``.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..tasks.lra_table import run_failure
+from ..train.rundir import read_results
 from .executor import run_state
 from .grid import Run
 
 __all__ = ["analyse_grid"]
+
+
+def _failed(run: Run) -> bool:
+    """The run finished but its results do not count (final evaluation not finite) or cannot be read."""
+    try:
+        res = read_results(run.run_dir)
+    except (OSError, ValueError):
+        return True
+    return res is None or run_failure(res) is not None
 
 
 def analyse_grid(runs: list[Run], out: Path, samples: int, *, progress: bool = False) -> dict:
@@ -24,8 +35,8 @@ def analyse_grid(runs: list[Run], out: Path, samples: int, *, progress: bool = F
     entries = {}
     for task in dict.fromkeys(r.task for r in runs):
         chosen = {}
-        for r in sorted((r for r in runs if r.task == task and run_state(r) in ("finished", "evaluate")),
-                        key=lambda r: r.seed):
+        for r in sorted((r for r in runs if r.task == task and run_state(r) in ("finished", "evaluate")
+                         and not _failed(r)), key=lambda r: r.seed):
             chosen.setdefault(r.row.key, r)
         if not chosen:
             continue

@@ -3,7 +3,9 @@
 Everything comes from the run directories that ``mgk train`` / ``mgk eval`` write: results.json, config.yaml,
 env.json, metrics.jsonl, eval.json, the checkpoint (attention parameter count) and <run>.reproduce.json (peak memory,
 exit codes). Accuracy per run is :func:`mgk.tasks.lra_table.run_accuracy` (test, else validation), the same rule
-as ``mgk table``.
+as ``mgk table``. A failed run (:func:`mgk.tasks.lra_table.run_failure`: its final evaluation was not finite), or one
+whose results.json / eval.json / config.yaml is damaged, has no value (``failed`` says why) and is not averaged in;
+a damaged file the value does not need (env.json, the checkpoint) is named in ``problems``.
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import math
 import statistics
 from pathlib import Path
 
+from .. import config as config_mod
+from ..tasks.lra_table import run_accuracy, run_failure
+from ..train import checkpoint, rundir
 from .executor import record_path
 from .experiments import Experiment
 from .grid import Run
@@ -31,18 +36,25 @@ def _json(path: Path):
         return None
 
 
+def _read(path: Path, problems: list, reader=rundir.read_json):
+    """``reader(path)``, or None when the file is absent; a damaged file is named in ``problems``."""
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        problems.append(str(e))
+        return None
+
+
 def attention_params(run_dir: Path) -> int | None:
     """Parameters of the attention modules (state-dict entries under ``.attn.``, less the ``sigma2`` and Soft-E
-    ``pi`` buffers) of the run's checkpoint; None without one."""
-    import torch
-
-    for name in ("best.pt", "last.pt"):
-        path = Path(run_dir) / "checkpoints" / name
-        if path.is_file():
-            state = torch.load(path, map_location="cpu", weights_only=False)["model"]
-            return int(sum(v.numel() for k, v in state.items()
-                           if ".attn." in k and not k.endswith((".sigma2", ".pi"))))
-    return None
+    ``pi`` buffers) of the run's checkpoint; None without one. ValueError naming a damaged checkpoint."""
+    path = rundir.RunFiles(run_dir).existing_checkpoint("best")
+    if not path.is_file():
+        return None
+    state = checkpoint.load(path)["model"]
+    return int(sum(v.numel() for k, v in state.items() if ".attn." in k and not k.endswith((".sigma2", ".pi"))))
 
 
 def attention_flops(cfg) -> int:
@@ -59,34 +71,23 @@ def attention_flops(cfg) -> int:
     return per_layer * cfg.model.num_layers * towers
 
 
-def _config(run_dir: Path):
-    """The RunConfig of config.yaml in ``run_dir``, or None when it is missing or unreadable."""
-    import yaml
-
-    from .. import config as config_mod
-
-    try:
-        return config_mod.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    except (OSError, ValueError, TypeError, yaml.YAMLError):
-        return None
-
-
 def run_figures(run: Run, metric: str) -> dict:
-    """The figures of one run directory (``value`` None when it has none)."""
-    from .. import config as config_mod
-
-    d = run.run_dir
-    res = _json(d / "results.json") or {}
+    """The figures of one run directory (``value`` None when it has none; ``failed``: why it has none although it
+    finished; ``problems``: damaged files, named)."""
+    d, files, failed, problems = run.run_dir, rundir.RunFiles(run.run_dir), [], []
+    res = _read(files.results, failed) or {}
     rec = _json(record_path(d)) or {}
-    cfg = _config(d)
+    cfg = _read(d, failed, rundir.load_config)
     out = {"row": run.row.key, "task": run.task, "seed": run.seed, "key": run.key, "run_dir": str(d),
            "value": None, "split": None, "majority_acc": None}
+    if res and (reason := run_failure(res)) is not None:
+        failed.append(f"{files.results}: {reason}")
     if metric == "ppl":
-        ev = _json(run.eval_json) or {}
+        ev = _read(run.eval_json, failed) or {}
         out.update(value=ev.get("ppl"), split=ev.get("split"), protocol=ev.get("protocol"))
+        if ev and (reason := run_failure(ev)) is not None:
+            failed.append(f"{run.eval_json}: {reason}")
     elif res:
-        from ..tasks.lra_table import run_accuracy
-
         acc, split = run_accuracy(res)
         out.update(value=None if acc is None else 100 * acc, split=split)
         if split:
@@ -94,12 +95,16 @@ def run_figures(run: Run, metric: str) -> dict:
     if res:
         out.update(params=res.get("params"), s_per_step=res.get("seconds_per_step"), steps=res.get("steps"),
                    best_step=res.get("best_step"),
-                   attention_params=res["params_attention"] if "params_attention" in res else attention_params(d),
+                   attention_params=res["params_attention"] if "params_attention" in res
+                   else _read(d, problems, attention_params),
                    flops=attention_flops(cfg) if cfg else None)
+    if failed:
+        out["value"] = None
+    out.update(failed=failed[0] if failed else None, problems=problems, results=res or None)
     out["peak_rss_mb"] = rec.get("peak_rss_mb")
     flat = config_mod.flat(cfg) if cfg else {}
     out["config"] = {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items() if k in PROTOCOL_FIELDS}
-    out["env"] = _json(d / "env.json")
+    out["env"] = _read(files.env, problems)
     return out
 
 

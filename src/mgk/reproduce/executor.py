@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..atomic import write_text_atomic
+from ..train.rundir import RunFiles
 from .grid import Run
 
 __all__ = ["run_state", "execute_run", "run_local", "run_submitit", "slurm_parameters", "sbatch_preview",
@@ -53,12 +54,12 @@ def _write_record(run_dir: Path, record: dict) -> None:
 def run_state(run: Run) -> str:
     """``finished``, ``evaluate`` (trained, LM evaluation missing), ``resume`` (checkpoint, no results),
     ``new``, or ``conflict`` (results of another config in this directory: left alone)."""
-    d = run.run_dir
-    if (d / "results.json").is_file():
+    d, files = run.run_dir, RunFiles(run.run_dir)
+    if files.results.is_file():
         if read_record(d).get("key") != run.key:
             return "conflict"
         return "evaluate" if run.eval_args is not None and not run.eval_json.is_file() else "finished"
-    return "resume" if (d / "checkpoints" / "last.pt").is_file() else "new"
+    return "resume" if files.checkpoint("last").is_file() else "new"
 
 
 def _child_env(threads: int | None) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..attention import get_kind
+from ..train.rundir import RunFiles
 from .experiments import TASK_LABELS, Experiment, Row
 from .scales import TaskSetting, task_setting
 
@@ -45,7 +46,7 @@ class Run:
     @property
     def eval_json(self) -> Path:
         """Where ``mgk eval --json`` writes the final perplexity."""
-        return self.run_dir / "eval.json"
+        return RunFiles(self.run_dir).eval
 
     def train_command(self, python: str, resume: bool = False, overwrite: bool = False) -> list[str]:
         """The ``mgk train`` command line; ``resume``: continue the run directory from its last checkpoint;

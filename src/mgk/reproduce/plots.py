@@ -1,6 +1,7 @@
 """Plots of a grid: validation curves of every row overlaid per task, and the metric against attention parameters."""
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -19,9 +20,14 @@ def _pyplot():
 
 
 def _curve(run: Run, name: str) -> dict[int, float]:
-    from ..train.records import read_metrics
+    """The finite values of ``name`` by step (none from a damaged metrics.jsonl: the report names damaged runs)."""
+    from ..train.rundir import read_metrics
 
-    return {r["step"]: r[name] for r in read_metrics(run.run_dir) if isinstance(r.get(name), (int, float))}
+    try:
+        records = read_metrics(run.run_dir)
+    except (OSError, ValueError):
+        return {}
+    return {r["step"]: r[name] for r in records if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])}
 
 
 def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Path]:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from .collect import aggregate, file_facts, run_figures
 from .experiments import Experiment
 from .grid import Run
@@ -60,6 +61,8 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
     figures = [run_figures(r, exp.metric) for r in runs]
     for f, rec in zip(figures, records):
         f["status"], f["log"], f["error"] = rec.get("status"), rec.get("log"), rec.get("error")
+        if f["failed"] and f["status"] in ("done", "skipped", None):  # finished, but its figures do not count
+            f["status"], f["error"] = "failed", f["failed"]
     envs = [f["env"] for f in figures if f.get("env")]
     tasks = []
     for task in dict.fromkeys(r.task for r in runs):
@@ -73,15 +76,14 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
     if exp.metric == "acc":  # the same runs as `mgk table` prints them (one row per attention kind and heads)
         from ..tasks.lra_table import lra_table
 
-        finished = [json.loads((r.run_dir / "results.json").read_text()) for r in runs
-                    if (r.run_dir / "results.json").is_file()]
+        finished = [f["results"] for f in figures if f["results"]]
         table = lra_table(finished)[0] if finished else None
     return {"experiment": exp.name, "mgk_table": table, "title": exp.title, "scale": scale, "metric": exp.metric,
             "command": command,
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seeds": sorted({r.seed for r in runs}),
             "tasks": tasks, "rows": aggregate(exp, runs, figures),
             "runs": [{k: f.get(k) for k in ("row", "task", "seed", "key", "run_dir", "status", "value", "split",
-                                            "log", "error")} for f in figures],
+                                            "log", "error", "problems")} for f in figures],
             "data": _data_facts(runs, figures), "machine": machine_facts(), "analysis": analysis or {},
             "versions": {k: sorted({str(e.get(k)) for e in envs}) for k in ("mgk", "torch", "python",
                                                                             "git_commit", "threads")}}
@@ -168,6 +170,8 @@ def render(rep: dict) -> str:
         what = _PENDING.get(r["status"], r["status"])
         out.append(f"- {r['task']} {r['row']} seed {r['seed']}: {what}"
                    + (f": {r['error']}" if r.get("error") else "") + f" (log: {r.get('log')})")
+    for r in rep["runs"]:
+        out += [f"- {r['task']} {r['row']} seed {r['seed']}: damaged file: {p}" for p in r.get("problems") or ()]
     out += ["", "## Data", ""]
     for task, d in rep["data"].items():
         out.append(f"- {task}: {d['source']}" + (" (MISSING)" if d.get("missing") else ""))
@@ -187,8 +191,8 @@ def write_report(out: Path, exp: Experiment, scale: str, runs: list[Run], record
     """Write report.json, REPORT.md and the plots under ``out``; returns the report dict."""
     rep = build_report(exp, scale, runs, records, command, analysis)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
-    (out / "REPORT.md").write_text(render(rep))
+    write_text_atomic(out / "report.json", json.dumps(rep, indent=2) + "\n")
+    write_text_atomic(out / "REPORT.md", render(rep))
     plot_learning_curves(out / "plots", runs, rep["metric"])
     plot_accuracy_vs_params(out / "plots", rep)
     return rep

@@ -56,6 +56,11 @@ class Task(abc.ABC):
 
     Optional (defaults here):
         best_metric: (validation metric, "max" or "min") that selects the best checkpoint; ("acc", "max").
+        vocab: a vocabulary learned from the data (a :class:`~mgk.data.wikitext.Vocabulary` with ``save``), which
+            the run keeps (vocab.txt) so that it loads without its data; None (token ids fixed by the format).
+        tokenizer: text <-> token ids of the task's inputs (``encode(text) -> list[int]``,
+            ``decode(ids) -> str``; :mod:`mgk.data.tokenizers`) on the tasks that ``restore`` gives, or None
+            (pixels; tasks built for training, which read encoded files).
         sampler(num_examples, global_batch, seed): the training order; :class:`EpochSampler`.
     """
 
@@ -65,6 +70,8 @@ class Task(abc.ABC):
     num_classes: int
     notes: list
     best_metric: tuple[str, str] = ("acc", "max")
+    vocab = None
+    tokenizer = None
 
     @abc.abstractmethod
     def model_config(self, cfg) -> Any:
@@ -104,6 +111,9 @@ class TaskModule(Protocol):
     ``PRESETS``: preset name -> :class:`~mgk.config.RunConfig` (data, not code).
     ``prepare(cfg, run_dir) -> data_dir``: rank 0 only: find or generate the files.
     ``build(cfg, data_dir) -> Task``: every rank.
+    ``restore(cfg, vocab=None) -> Task``: the task of a trained run without its data (no splits), from the
+    checkpoint's config (sizes filled in) and, for a task with a learned vocabulary, that vocabulary: enough to
+    build the model and tokenize inputs (:func:`mgk.load_run`).
     ``check(cfg, data) -> (report lines, errors)``: validate a data folder; every error names the file (and line).
     """
 
@@ -115,6 +125,10 @@ class TaskModule(Protocol):
 
     def build(self, cfg, data_dir: Path) -> Task:
         """Every rank: the :class:`Task` (splits, model builder, loss) over ``data_dir``."""
+        ...
+
+    def restore(self, cfg, vocab=None) -> Task:
+        """The task of a trained run without its data: sizes from ``cfg``, the vocabulary ``vocab`` when it has one."""
         ...
 
     def check(self, cfg, data: Path) -> tuple[list[str], list[str]]:

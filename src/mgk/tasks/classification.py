@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ class ClassificationTask(Task):
         splits: "train" / "val" / "test" -> dataset or None (absent split).
         vocab_size, num_classes: model sizes.
         notes: lines for the log (data source, truncation counts, ...).
+        tokenizer: text <-> ids of the inputs (:mod:`mgk.data.tokenizers`; set by ``restore``), or None.
     """
 
     name: str
@@ -33,6 +35,13 @@ class ClassificationTask(Task):
     vocab_size: int
     num_classes: int
     notes: list = field(default_factory=list)
+    tokenizer: Any = None
+
+    @classmethod
+    def restored(cls, cfg: RunConfig, **fields) -> "ClassificationTask":
+        """The task of a trained run without its data (no splits), sized by ``cfg`` as a checkpoint holds it
+        (``vocab_size``, ``num_classes`` filled in): what :meth:`build_model` and the tokenizer need."""
+        return cls(cfg.task, {}, vocab_size=cfg.model.vocab_size, num_classes=cfg.model.num_classes, **fields)
 
     model_class = LRAClassifier  # subclasses swap in another model built from the same EncoderConfig
 

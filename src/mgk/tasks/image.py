@@ -57,6 +57,11 @@ def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
                                  num_classes=len(full.class_names), notes=notes)
 
 
+def restore(cfg: RunConfig, vocab=None) -> LRAClassificationTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`)."""
+    return LRAClassificationTask.restored(cfg)
+
+
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
     """Validate an image source: ``(report lines, errors)``; every error names the file or member."""
     lines: list[str] = []

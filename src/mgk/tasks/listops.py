@@ -7,6 +7,7 @@ from pathlib import Path
 from ..config import RunConfig, run_config, with_forms
 from ..data import listops as lo
 from ..data.cache import resolve_cache_dir
+from ..data.tokenizers import ListOpsTokenizer
 from .authors import AUTHORS_LRA, AUTHORS_LRA_FORMS, LRA_TASKS
 from .classification import ClassificationTask
 from .lra_common import label_line, length_line
@@ -58,6 +59,11 @@ def build(cfg: RunConfig, data_dir: Path) -> ClassificationTask:
         if ds.num_truncated:
             notes.append(f"data: {s}: {ds.num_truncated} sequences truncated to max_len={cfg.data.max_len}")
     return ClassificationTask("listops", splits, vocab_size=len(lo.VOCAB), num_classes=lo.NUM_CLASSES, notes=notes)
+
+
+def restore(cfg: RunConfig, vocab=None) -> ClassificationTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`)."""
+    return ClassificationTask.restored(cfg, tokenizer=ListOpsTokenizer())
 
 
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..config import RunConfig, lm_config, run_config, with_forms
 from ..data import wikitext as wt
+from ..data.tokenizers import WordTokenizer
 from ..models import IGNORE_INDEX, LMConfig, TransformerLM
 from ..models.adaptive import resolve_cutoffs
 from .authors import AUTHORS_LM, AUTHORS_LM_FORMS
@@ -179,6 +180,11 @@ class LMTask(Task):
         """V, the number of words in the vocabulary."""
         return len(self.vocab)
 
+    @property
+    def tokenizer(self) -> WordTokenizer:
+        """Text <-> word ids of this vocabulary."""
+        return WordTokenizer(self.vocab)
+
     def model_config(self, cfg: RunConfig) -> LMConfig:
         """:func:`mgk.config.lm_config` of ``cfg`` over this vocabulary."""
         return lm_config(cfg, self.vocab_size)
@@ -230,15 +236,9 @@ def cache_dir(cfg: RunConfig, data_dir: Path) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else wt.default_cache_dir(data_dir)
 
 
-def _is_main() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def prepare(cfg: RunConfig, run_dir: Path) -> Path:
-    """The data folder (``cfg.data.path``, or a generated corpus in ``run_dir/data``); encodes and caches its splits and
-    writes ``run_dir/vocab.txt`` (``word<TAB>train count``, id order), which ``mgk eval`` uses."""
+    """The data folder (``cfg.data.path``, or a generated corpus in ``run_dir/data``); encodes and caches its splits
+    (the trainer keeps the vocabulary with the run: :attr:`LMTask.vocab`)."""
     run_dir = Path(run_dir)
     if cfg.data.path is not None:
         data = Path(cfg.data.path)
@@ -247,11 +247,18 @@ def prepare(cfg: RunConfig, run_dir: Path) -> Path:
         if wt.find_split_file(data, "train") is None:
             wt.generate_corpus(data, train_lines=cfg.data.gen_train, valid_lines=cfg.data.gen_val,
                                test_lines=cfg.data.gen_test, seed=0)
-    corpus = wt.load_corpus(data, cache_dir=cache_dir(cfg, data))
-    if _is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        corpus.vocab.save(run_dir / "vocab.txt")
+    wt.load_corpus(data, cache_dir=cache_dir(cfg, data))
     return data
+
+
+def restore(cfg: RunConfig, vocab: wt.Vocabulary | None = None) -> LMTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`): ``vocab`` is the run's
+    (vocab.txt); ValueError when it is missing or its size is not the one the run was trained with."""
+    if vocab is None:
+        raise ValueError("a language-model run needs its vocabulary (vocab.txt) to be restored")
+    if cfg.model.vocab_size and len(vocab) != cfg.model.vocab_size:
+        raise ValueError(f"the vocabulary has {len(vocab)} words but the run was trained with {cfg.model.vocab_size}")
+    return LMTask("lm", {}, vocab)
 
 
 def build(cfg: RunConfig, data_dir: Path) -> LMTask:

@@ -6,11 +6,11 @@ run has a test split, else its validation accuracy (marked †); with several ru
 sample standard deviation (n - 1) and the number of runs. Avg is the mean of the row's cells that have values, and
 says over how many columns when not all five have one. A cell without runs is "—". The attention kind carries the
 options that name a variant (:func:`mgk.attention.registry.run_label`, e.g. ``smgk+hard_e``, ``mlk+mix=keys``), so
-ablations get rows of their own; rows follow the registry's order of kinds.
+ablations get rows of their own; rows follow the registry's order of kinds. A failed run (:func:`run_failure`: its
+final evaluation was not finite, so the weights went NaN) is left out of the cells and listed below the table.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,64 +18,29 @@ from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
 from ..config import RunConfig
 
-__all__ = ["COLUMNS", "find_runs", "find_results", "read_results", "run_accuracy", "setting",
-           "lra_table", "data_check"]
+__all__ = ["COLUMNS", "run_accuracy", "run_failure", "setting", "lra_table", "data_check"]
 
 COLUMNS = (("listops", "ListOps"), ("text", "Text"), ("retrieval", "Retrieval"), ("image", "Image"),
            ("pathfinder", "Pathfinder"))
 DASH = "—"
 
 
-def find_runs(paths) -> tuple[list[Path], list[Path]]:
-    """``(results.json files, unfinished run directories)`` of ``paths``: each a run directory, a results.json file,
-    or a folder whose sub-folders (any depth) are run directories. A run directory (it has config.yaml) without
-    results.json is unfinished: failed, stopped or still running.
-
-    Raises:
-        FileNotFoundError: a path that does not exist or holds no run at all (the message names it).
-    """
-    done: list[Path] = []
-    unfinished: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_file() and p.name == "results.json":
-            done.append(p)
-        elif (p / "results.json").is_file():
-            done.append(p / "results.json")
-        elif (p / "config.yaml").is_file():
-            unfinished.append(p)
-        elif p.is_dir() and (runs := sorted({c.parent for c in p.rglob("config.yaml")}
-                                            | {r.parent for r in p.rglob("results.json")})):
-            done.extend(r / "results.json" for r in runs if (r / "results.json").is_file())
-            unfinished.extend(r for r in runs if not (r / "results.json").is_file())
-        elif not p.exists():
-            raise FileNotFoundError(f"{p}: no such run directory")
-        else:
-            raise FileNotFoundError(f"{p / 'results.json'} not found: is {p} a finished `mgk train` run?")
-    return done, unfinished
-
-
-def find_results(paths) -> list[Path]:
-    """The results.json files of :func:`find_runs` (unfinished runs left out)."""
-    return find_runs(paths)[0]
-
-
-def read_results(paths, files: list[Path] | None = None) -> list[tuple[Path, dict]]:
-    """``(results.json path, its dict)`` for :func:`find_results` of ``paths`` (or for ``files`` when given).
-
-    Raises:
-        ValueError: a results.json that is not valid JSON or lacks task/attention/num_heads (names the file).
-    """
-    out = []
-    for f in find_results(paths) if files is None else files:
-        try:
-            res = json.loads(f.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{f}: not valid JSON ({exc})") from None
-        missing = [k for k in ("task", "attention", "num_heads") if k not in res]
-        if missing:
-            raise ValueError(f"{f}: missing {', '.join(missing)} (not written by `mgk train`?)")
-        out.append((f, res))
-    return out
+def run_failure(record: dict) -> str | None:
+    """Why a run's record (a results.json, or an eval.json of ``mgk eval``) must not count as a result: the
+    ``failed`` reason that ``mgk train`` / ``mgk eval`` write when the final evaluation is not finite, or, for
+    records without that field (older versions), a non-finite loss, nll, ppl or accuracy at its top level or in
+    its val / test split. None for a record that counts. A NaN-weight classifier still reports an accuracy (the
+    argmax of NaN logits is a fixed class), so a finite accuracy alone proves nothing."""
+    if record.get("failed"):
+        return str(record["failed"])
+    for where, figures in (("", record), ("val ", record.get("val")), ("test ", record.get("test"))):
+        if not isinstance(figures, dict):
+            continue
+        for key in ("loss", "nll", "ppl", "acc"):
+            value = figures.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"non-finite {where}{key} ({value})"
+    return None
 
 
 def run_accuracy(res: dict) -> tuple[float | None, str | None]:
@@ -121,19 +86,25 @@ def _cell(values: list[float]) -> str:
 def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, list[str]]:
     """The markdown LRA table of ``results`` (dicts of results.json) and warnings (runs left out).
 
-    ``unfinished``: one line per run directory without results.json, listed below the footnotes.
+    ``unfinished``: one line per run directory without results.json, listed below the footnotes. Failed runs
+    (:func:`run_failure`: the final evaluation was not finite) are left out of the cells and listed there too.
 
     Returns:
-        ``(markdown, warnings)``: the table, a blank line and footnotes; warnings name runs of other tasks or
-        without an accuracy.
+        ``(markdown, warnings)``: the table, a blank line and footnotes; warnings name runs of other tasks,
+        without an accuracy, or failed.
     """
     tasks = [t for t, _ in COLUMNS]
     cells: dict[tuple, dict[str, list]] = {}
-    warnings = []
+    warnings, failed = [], []
     for res in results:
         task = res.get("task")
         if task not in tasks:
             warnings.append(f"run of task {task!r} left out (not an LRA task)")
+            continue
+        if (reason := run_failure(res)) is not None:
+            what = f"{task} {res.get('attention')} x {res.get('num_heads')} seed {res.get('seed')}"
+            failed.append(f"{what}: {reason}")
+            warnings.append(f"run of {what} left out: failed ({reason})")
             continue
         acc, split = run_accuracy(res)
         if acc is None:
@@ -171,6 +142,9 @@ def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, lis
         notes.append("† validation accuracy: at least one run of this cell has no test split.")
     notes.append("Avg: mean over the columns that have values"
                  + (" (k/5 = over k of the 5 columns)." if any_partial else " (all five)."))
+    if failed:
+        notes.append(f"Not in the table, failed (final evaluation not finite): {len(failed)} run(s)")
+        notes.extend(f"- {line}" for line in failed)
     if unfinished:
         notes.append(f"Not in the table, unfinished (no results.json): {len(unfinished)} run(s)")
         notes.extend(f"- {line}" for line in unfinished)

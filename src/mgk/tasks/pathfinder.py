@@ -72,6 +72,11 @@ def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
                                  extra={"level": cfg.data.level})
 
 
+def restore(cfg: RunConfig, vocab=None) -> LRAClassificationTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`)."""
+    return LRAClassificationTask.restored(cfg)
+
+
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
     """Validate one level folder (only ``cfg.data.level`` is read): ``(report lines, errors)``."""
     level = pf.resolve_level(cfg.data.level)

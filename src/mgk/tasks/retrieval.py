@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from ..config import RunConfig, run_config, with_forms
 from ..data import retrieval as rv
 from ..data.cache import resolve_cache_dir, seeded_split
+from ..data.tokenizers import ByteTokenizer
 from ..models import RetrievalModel
 from .authors import AUTHORS_LRA, AUTHORS_LRA_FORMS, LRA_TASKS
 from .classification import ClassificationTask
@@ -106,6 +107,11 @@ def build(cfg: RunConfig, data_dir: Path) -> RetrievalTask:
                  f"{cfg.data.max_len} bytes (the LRA task definition): {cut}")
     return RetrievalTask("retrieval", splits, vocab_size=rv.VOCAB_SIZE, num_classes=rv.NUM_CLASSES, notes=notes,
                          extra={"max_len": cfg.data.max_len})
+
+
+def restore(cfg: RunConfig, vocab=None) -> RetrievalTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`)."""
+    return RetrievalTask.restored(cfg, tokenizer=ByteTokenizer())
 
 
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:

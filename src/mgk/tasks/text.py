@@ -6,10 +6,11 @@ from pathlib import Path
 from ..config import RunConfig, run_config, with_forms
 from ..data import text as tx
 from ..data.cache import resolve_cache_dir, seeded_split
+from ..data.tokenizers import ByteTokenizer
 from .authors import AUTHORS_LRA, AUTHORS_LRA_FORMS, LRA_TASKS
 from .lra_common import LRAClassificationTask, label_line, length_line, require_data
 
-__all__ = ["PRESETS", "LRAClassificationTask", "prepare", "build", "check"]
+__all__ = ["PRESETS", "LRAClassificationTask", "prepare", "build", "restore", "check"]
 
 PRESETS = {
     # Small CPU preset: 512 bytes per review, the paper's model, a few hundred steps (needs --data).
@@ -61,6 +62,11 @@ def build(cfg: RunConfig, data_dir: Path) -> LRAClassificationTask:
                  f"{cfg.data.max_len} bytes (the LRA task definition): {cut}")
     return LRAClassificationTask("text", {"train": train, "val": val, "test": test}, vocab_size=tx.VOCAB_SIZE,
                                  num_classes=len(tx.CLASS_NAMES), notes=notes, extra={"max_len": cfg.data.max_len})
+
+
+def restore(cfg: RunConfig, vocab=None) -> LRAClassificationTask:
+    """The task of a trained run without its data (:class:`mgk.tasks.base.TaskModule`)."""
+    return LRAClassificationTask.restored(cfg, tokenizer=ByteTokenizer())
 
 
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:

@@ -21,7 +21,6 @@ result does not depend on the batch size or the number of processes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -32,14 +31,11 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from .. import config as config_mod
-from ..atomic import write_text_atomic
 from ..data import wikitext as wt
-from ..models import IGNORE_INDEX, TransformerLM
-from . import checkpoint, distributed
-from .records import read_config
-from .rundir import RunDirLock
-from .state import LoopState
+from ..models import IGNORE_INDEX
+from ..tasks.lra_table import run_failure
+from . import distributed, rundir
+from .loop import NonFiniteResult
 
 __all__ = ["evaluate_run", "evaluate_tokens", "window_plan"]
 
@@ -114,61 +110,12 @@ def evaluate_tokens(model, tokens: Tensor, *, context: int, stride: int, batch_s
             "windows": int(starts.numel())}
 
 
-def _data_dir(run_dir: Path, cfg, data) -> Path:
-    if data is not None:
-        return Path(data)
-    if cfg.data.path is not None:
-        return Path(cfg.data.path)
-    return run_dir / "data"  # the generated corpus of a run without --data
-
-
-def _checkpoint_path(run_dir: Path, which: str) -> Path:
-    if which not in ("best", "last"):
-        raise ValueError(f"which must be 'best' or 'last', got {which!r}")
-    path = run_dir / "checkpoints" / f"{which}.pt"
-    return run_dir / "checkpoints" / "last.pt" if which == "best" and not path.is_file() else path
-
-
-def _vocabulary(run_dir: Path, cfg, data_dir: Path) -> wt.Vocabulary:
-    """The run's vocab.txt, else the vocabulary of the data's train split; ValueError when its size is not the
-    trained one."""
-    from ..tasks.lm import cache_dir
-
-    vocab_file = run_dir / "vocab.txt"
-    if vocab_file.is_file():
-        vocab, source = wt.Vocabulary.load(vocab_file), str(vocab_file)
-    else:
-        train = wt.find_split_file(data_dir, "train")
-        if train is None:
-            raise FileNotFoundError(f"{vocab_file} is missing and {data_dir} has no train split to rebuild the "
-                                    "vocabulary from")
-        vocab, source = wt.load_vocabulary(train, cache_dir(cfg, data_dir)), str(train)
-    if cfg.model.vocab_size and len(vocab) != cfg.model.vocab_size:
-        raise ValueError(f"the vocabulary from {source} has {len(vocab)} words but the run was trained with "
-                         f"{cfg.model.vocab_size}: pass --data with the run's own train split")
-    return vocab
-
-
-def _score(cfg, ckpt: dict, vocab, tokens: Tensor, *, context: int, stride: int, batch_size: int, device,
-           progress: bool, desc: str) -> tuple[dict, object]:
-    """Build the run's model, load ``ckpt`` and score ``tokens`` on every rank: (result, dist info)."""
-    d = distributed.setup(device)
-    try:
-        model = TransformerLM(config_mod.lm_config(cfg, len(vocab)))
-        model.load_state_dict(ckpt["model"])
-        model.to(d.device)
-        res = evaluate_tokens(model, tokens, context=context, stride=stride, batch_size=batch_size, dist_info=d,
-                              progress=progress, desc=desc)
-    finally:
-        distributed.teardown()
-    return res, d
-
-
 def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str | os.PathLike | None = None,
                  context: int | None = None, stride: int | None = None, batch_size: int | None = None,
                  device: str | None = None, which: str = "best", json_path: str | os.PathLike | None = None,
                  progress: bool = True) -> dict:
-    """Perplexity of the run in ``run_dir`` (config.yaml, vocab.txt, checkpoints/best.pt or last.pt) on ``split``.
+    """Perplexity of the run in ``run_dir`` (loaded with :func:`mgk.train.load.load_run`: config.yaml, vocab.txt,
+    checkpoints/best.pt or last.pt) on ``split``.
 
     Run directories of 0.1.0 load as they are.
 
@@ -183,53 +130,78 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "valid", data: str 
     Returns the result dict (on rank 0; None elsewhere) with ppl, nll (per token), nll_sum, tokens (predicted),
     protocol ("segments" or "sliding"), context, stride, windows, split, file, checkpoint, step, ...
 
-    Raises FileNotFoundError naming what is missing; ValueError when the vocabulary does not match the checkpoint
-    or ``device`` does not exist here; :class:`~mgk.train.rundir.RunDirError` while a run trains in ``run_dir``
-    (the evaluation holds the directory's lock shared, so evaluations may run side by side).
+    Raises FileNotFoundError naming what is missing (a data folder that moved: pass ``data``); ValueError when the
+    vocabulary does not match the checkpoint, a file of the run is damaged or ``device`` does not exist here;
+    :class:`~mgk.train.rundir.RunDirError` while a run trains in ``run_dir`` (the evaluation holds the directory's
+    lock shared, so evaluations may run side by side); :class:`~mgk.train.loop.NonFiniteResult` when the perplexity
+    is not finite (the JSON, when asked for, is written first with ``failed`` set).
     """
     run_dir = Path(run_dir)
-    cfg = config_mod.from_dict(read_config(run_dir))
+    cfg = rundir.load_config(run_dir)
     if cfg.task != "lm":
         raise ValueError(f"{run_dir} is a {cfg.task!r} run; mgk eval measures language-model perplexity")
     if device is not None:
         distributed.check_device(device)
-    with RunDirLock(run_dir, shared=True):
-        return _evaluate_locked(run_dir, cfg, split=split, data=data, context=context, stride=stride,
+    with rundir.RunDirLock(run_dir, shared=True):
+        return _evaluate_locked(run_dir, split=split, data=data, context=context, stride=stride,
                                 batch_size=batch_size, device=device, which=which, json_path=json_path,
                                 progress=progress)
 
 
-def _evaluate_locked(run_dir: Path, cfg, *, split, data, context, stride, batch_size, device, which, json_path,
-                     progress) -> dict | None:
-    """:func:`evaluate_run` once the run directory is held."""
+def _split_tokens(run, split: str, data) -> tuple[Path, Tensor, int]:
+    """(file, token ids, words mapped to <unk>) of ``split`` in the run's data folder."""
     from ..tasks.lm import cache_dir
 
-    t0 = time.perf_counter()
-    split = wt.split_name(split)
-    path = _checkpoint_path(run_dir, which)
-    ckpt = checkpoint.load(path)
-    data_dir = _data_dir(run_dir, cfg, data)
-    vocab = _vocabulary(run_dir, cfg, data_dir)
+    data_dir = run.data_dir
+    if not data_dir.is_dir():
+        if data is not None:
+            raise FileNotFoundError(f"--data {data}: no such folder")
+        raise FileNotFoundError(f"the data folder {data_dir} of run {run.run_dir} does not exist (moved?): pass its "
+                                "new place with --data")
     split_file = wt.find_split_file(data_dir, split)
     if split_file is None:
         raise FileNotFoundError(f"no {split} split (wiki.{split}.tokens or {split}.txt) in {data_dir}")
-    tokens, mapped = wt.load_split(split_file, vocab, cache_dir=cache_dir(cfg, data_dir))
-    context = context or cfg.eval.context or cfg.data.segment_len
-    stride = stride or cfg.eval.stride or context
-    if stride > context:
-        raise ValueError(f"stride ({stride}) must not exceed context ({context})")
-    res, d = _score(cfg, ckpt, vocab, tokens, context=context, stride=stride,
-                    batch_size=batch_size or cfg.eval.batch_size, device=device, progress=progress,
-                    desc=f"{split} ppl")
-    if not d.is_main:
-        return None
-    step = ckpt["step"] if "step" in ckpt else LoopState.from_checkpoint(ckpt).step  # best.pt / last.pt
+    tokens, mapped = wt.load_split(split_file, run.task.vocab, cache_dir=cache_dir(run.cfg, data_dir))
+    return split_file, tokens, mapped
+
+
+def _evaluate_locked(run_dir: Path, *, split, data, context, stride, batch_size, device, which, json_path,
+                     progress) -> dict | None:
+    """:func:`evaluate_run` once the run directory is held."""
+    from .load import load_run
+
+    t0 = time.perf_counter()
+    split = wt.split_name(split)
+    d = distributed.setup(device)
+    try:
+        run = load_run(run_dir, checkpoint=which, device=d.device, data=data)
+        if run.failure is not None:
+            raise NonFiniteResult(f"{run_dir} failed in training ({run.failure}): its weights are not usable, "
+                                  "nothing to evaluate")
+        cfg = run.cfg
+        split_file, tokens, mapped = _split_tokens(run, split, data)
+        context = context or cfg.eval.context or cfg.data.segment_len
+        stride = stride or cfg.eval.stride or context
+        if stride > context:
+            raise ValueError(f"stride ({stride}) must not exceed context ({context})")
+        res = evaluate_tokens(run.model, tokens, context=context, stride=stride,
+                              batch_size=batch_size or cfg.eval.batch_size, dist_info=d, progress=progress,
+                              desc=f"{split} ppl")
+    finally:
+        distributed.teardown()
     result = {"ppl": res["ppl"], "nll": res["nll"], "nll_sum": res["nll_sum"], "tokens": res["tokens"],
               "protocol": "segments" if stride == context else "sliding", "context": context, "stride": stride,
               "windows": res["windows"], "split": split, "file": str(split_file), "split_tokens": int(tokens.numel()),
-              "oov_to_unk": mapped, "vocab_size": len(vocab), "checkpoint": str(path), "step": step,
-              "run_dir": str(run_dir), "attention": cfg.attention.kind, "num_heads": cfg.attention.num_heads,
+              "oov_to_unk": mapped, "vocab_size": len(run.task.vocab), "checkpoint": str(run.checkpoint),
+              "step": run.step, "run_dir": str(run_dir), "attention": cfg.attention.kind,
+              "num_heads": cfg.attention.num_heads,
               "world_size": d.world_size, "device": str(d.device), "seconds": time.perf_counter() - t0}
-    if json_path is not None:
-        write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
-    return result
+    failure = run_failure(result)
+    if failure is not None:
+        result["failed"] = f"{failure} on {split} with {run.checkpoint.name} (step {run.step})"
+    if json_path is not None and d.is_main:
+        rundir.write_json(json_path, result)
+    if failure is not None:
+        raise NonFiniteResult(f"{run_dir}: {result['failed']}: the weights are not usable"
+                              + (f"; {json_path} records the evaluation as failed" if json_path else ""))
+    return result if d.is_main else None

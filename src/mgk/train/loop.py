@@ -8,7 +8,6 @@ W processes see what one process sees.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shlex
@@ -26,6 +25,7 @@ from ..attention import soft_e_step
 from ..config import RunConfig
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
+from ..tasks.lra_table import run_failure
 from . import checkpoint, distributed, records, rundir
 from .evaluate import eval_slice, evaluate
 from .interrupt import Interrupted, SignalStop, StopSignals, signal_name
@@ -33,17 +33,21 @@ from .precision import autocast, grad_scaler
 from .schedule import build_scheduler, check_resumable
 from .state import LoopState
 
-__all__ = ["EpochSampler", "Interrupted", "LoopState", "NonFiniteLoss", "Trainer", "fit"]
+__all__ = ["EpochSampler", "Interrupted", "LoopState", "NonFiniteLoss", "NonFiniteResult", "Trainer", "fit"]
 
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or inf; the last good checkpoint is kept."""
 
 
+class NonFiniteResult(RuntimeError):
+    """The final evaluation of a run is not finite (its weights went NaN): results.json records the run as failed
+    (``failed``), and tables and reports leave it out."""
+
+
 def _say(run_dir: Path, message: str) -> None:
     tqdm.write(message, file=sys.stderr)
-    with open(run_dir / "train.log", "a") as f:
-        f.write(message + "\n")
+    rundir.append_line(rundir.RunFiles(run_dir).log, message)
 
 
 class Trainer:
@@ -69,7 +73,7 @@ class Trainer:
         self.run_dir, self.resume, self.overwrite, self.stop = Path(run_dir), resume, overwrite, stop
         self.lock: rundir.RunDirLock | None = None
         self.saved_step: int | None = None
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.files = rundir.RunFiles(self.run_dir)
         if cfg.optim.batch_size % (self.dist.world_size * cfg.optim.grad_accum):
             raise ValueError(f"batch_size={cfg.optim.batch_size} must be divisible by world_size "
                              f"({self.dist.world_size}) x grad_accum ({cfg.optim.grad_accum})")
@@ -140,7 +144,7 @@ class Trainer:
 
     def _load_checkpoint(self) -> None:
         """Restore last.pt (0.1.0 checkpoints included); ValueError when it was made with another model."""
-        path = self.ckpt_dir / "last.pt"
+        path = self.files.checkpoint("last")
         ckpt = checkpoint.load(path)
         diffs = self.model_differences(ckpt["config"])
         if diffs:
@@ -171,9 +175,12 @@ class Trainer:
         if not self.dist.is_main:
             return
         cfg = self.cfg
-        records.write_config(self.run_dir, config_mod.to_dict(cfg))
+        rundir.write_config(self.run_dir, config_mod.to_dict(cfg))
         records.write_env(self.run_dir, seed=cfg.seed, world_size=self.dist.world_size, device=str(self.dist.device))
-        self.log = records.MetricsLog(self.run_dir, resume_step=self.state.step if self.resume else None)
+        if self.task.vocab is not None:  # what loading the run needs without its data
+            self.task.vocab.save(self.files.vocab)
+        self.log = records.MetricsLog(self.run_dir, resume_step=self.state.step if self.resume else None,
+                                      say=lambda line: _say(self.run_dir, line))
         for note in self.task.notes:
             _say(self.run_dir, note)
         a = cfg.attention
@@ -231,15 +238,14 @@ class Trainer:
             self.save_checkpoint()
         message = self.stop_message(signum)
         if self.dist.is_main:
-            with open(self.run_dir / "train.log", "a") as f:
-                f.write(message + "\n")
+            rundir.append_line(self.files.log, message)
         self.close()
         raise Interrupted(message, signum, self.state.step, is_main=self.dist.is_main)
 
     def stop_message(self, signum: int) -> str:
         """The one line said when a signal stops the run: where it stopped, what last.pt holds, how to go on."""
         where = f"stopped by {signal_name(signum)} at step {self.state.step} of {self.cfg.optim.steps}"
-        last = self.ckpt_dir / "last.pt"
+        last = self.files.checkpoint("last")
         if self.saved_step is None and not last.is_file():
             return f"{where}; no checkpoint yet: start again with --overwrite --out {shlex.quote(str(self.run_dir))}"
         held = f"{last} holds step {self.saved_step}" if self.saved_step is not None else f"{last} is kept"
@@ -279,7 +285,7 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif cfg.optim.nonfinite == "stop":
-            kept = self.ckpt_dir / "last.pt"
+            kept = self.files.checkpoint("last")
             raise NonFiniteLoss(f"non-finite training loss ({train['loss']}) at step {step + 1}; the last good "
                                 f"checkpoint is {kept if kept.exists() else 'none (no checkpoint yet)'}; "
                                 f"lower lr, use --precision 32, or set nonfinite=skip")
@@ -301,7 +307,10 @@ class Trainer:
                         progress=self.cfg.progress, desc=desc)
 
     def validate(self) -> dict:
-        """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt."""
+        """Validation metrics; a new best (by ``task.best_metric``) is recorded and written to best.pt. A validation
+        that is not finite (the weights went NaN) is never a best: NaN compares false with everything, so a NaN best
+        would block every later one, and the accuracy of NaN weights (the argmax of NaN logits) can beat a real
+        one."""
         ds, cfg = self.splits["val"], self.cfg
         index = None if not cfg.eval.batches else eval_slice(  # the authors' fixed number of dev batches
             len(ds), batches=cfg.eval.batches, batch_size=cfg.eval.batch_size,
@@ -309,12 +318,12 @@ class Trainer:
         val = self.evaluate(ds, index=index, desc="val")
         key, mode = self.task.best_metric
         best = self.state.best
-        if best is None or (val[key] > best if mode == "max" else val[key] < best):
+        if run_failure(val) is None and (best is None or (val[key] > best if mode == "max" else val[key] < best)):
             done = self.state.step
             self.state.best, self.state.best_step, self.state.best_val = val[key], done, val
             if self.dist.is_main:
-                checkpoint.save_atomic({"model": self.model.state_dict(), "step": done,
-                                        "config": config_mod.to_dict(self.cfg)}, self.ckpt_dir / "best.pt")
+                checkpoint.save({"model": self.model.state_dict(), "step": done,
+                                 "config": config_mod.to_dict(self.cfg)}, self.files.checkpoint("best"), kind="best")
         return val
 
     def save_checkpoint(self) -> None:
@@ -323,34 +332,52 @@ class Trainer:
         ckpt = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "loop_state": self.state.to_dict(), "config": config_mod.to_dict(self.cfg),
-                "rng": distributed.gather_objects(checkpoint.rng_state())}
+                "rng": distributed.gather_objects(checkpoint.rng_state()), "step": self.state.step}
         if self.dist.is_main:
-            checkpoint.save_atomic(ckpt, self.ckpt_dir / "last.pt")
+            checkpoint.save(ckpt, self.files.checkpoint("last"), kind="last")
         self.saved_step = self.state.step
 
     # -- end ---------------------------------------------------------------------------------------------------
     def finish(self) -> dict | None:
         """Evaluate the best-validation weights (the last ones without a validation split), write results.json and
-        the plots; returns the results on rank 0 (None elsewhere)."""
-        best_path = self.ckpt_dir / "best.pt"
+        the plots; returns the results on rank 0 (None elsewhere). Raises :class:`NonFiniteResult` on every rank,
+        once results.json is written with the run marked ``failed``, when the final evaluation is not finite."""
+        best_path = self.files.checkpoint("best")
         distributed.barrier()
         if self.splits["val"] is not None and best_path.exists():
             self.model.load_state_dict(checkpoint.load(best_path, map_location=self.dist.device)["model"])
         results = self.results()
+        failure = self._mark_failure(results)
         if self.dist.is_main:
             for name in results.get("missing_splits", []):
                 _say(self.run_dir, f"{name} split absent: results.json reports the splits that exist")
             self.log.close()
             self.log = None
             records.plot_learning_curves(self.run_dir)
-            records.write_results(self.run_dir, results)  # last: its presence means the run is finished
+            rundir.write_json(self.files.results, results)  # last: its presence means the run is finished
+            if failure is not None:
+                rundir.append_line(self.files.log, failure)
             summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                      for k, v in results[n].items())
                                 for n in ("val", "test") if results[n] is not None)
-            _say(self.run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in "
-                               f"{self.run_dir}")
+            if failure is None:
+                _say(self.run_dir, f"done: {summary}; {results['seconds_per_step']:.3f} s/step; results in "
+                                   f"{self.run_dir}")
         self.close()
+        if failure is not None:
+            raise NonFiniteResult(failure)
         return results if self.dist.is_main else None
+
+    def _mark_failure(self, results: dict) -> str | None:
+        """When the final figures are not finite: set ``results["failed"]`` and return the one-line message."""
+        reason = run_failure(results)
+        if reason is None:
+            return None
+        st = self.state
+        results["failed"] = (f"{reason} in the final evaluation after {st.step} steps ({st.skipped} skipped for a "
+                             "non-finite loss)")
+        return (f"{self.run_dir}: {results['failed']}: the weights are not usable; results.json records the run as "
+                "failed and tables leave it out (lower lr, use --precision 32, or check adam_eps)")
 
     def close(self) -> None:
         """Close the records, leave the process group and release the run directory (idempotent)."""
@@ -391,7 +418,7 @@ class Trainer:
         logged value instead of 0."""
         if self.session_steps:
             return self.train_seconds / self.session_steps
-        logged = [r["time/seconds_per_step"] for r in records.read_metrics(self.run_dir)
+        logged = [r["time/seconds_per_step"] for r in rundir.read_metrics(self.run_dir)
                   if "time/seconds_per_step" in r]
         return logged[-1] if logged else 0.0
 
@@ -401,9 +428,9 @@ def finished_results(run_dir: str | Path, cfg: RunConfig) -> dict | None:
     steps and ``cfg`` asks for nothing else than config.yaml says (a changed field goes through the resume checks);
     else None."""
     try:
-        results = json.loads((Path(run_dir) / "results.json").read_text())
-        saved = config_mod.flat(config_mod.from_dict(records.read_config(Path(run_dir))))
-    except (OSError, ValueError):
+        results = rundir.read_results(run_dir)
+        saved = config_mod.flat(rundir.load_config(run_dir))
+    except (OSError, ValueError):  # a damaged results.json: the resume evaluates again and rewrites it
         return None
     now = config_mod.flat(cfg)
     same = all(saved.get(k) == v for k, v in now.items() if k not in ("steps", "progress"))
@@ -417,11 +444,14 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
     (results.json reports ``cfg.optim.steps`` steps or more) changes nothing and returns its results.
 
     Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss is not finite and
-    ``cfg.optim.nonfinite == "stop"``; ValueError when a resumed checkpoint was made with another model config or the
-    device does not exist; RunDirError when the directory is in use or (new run) not empty; Interrupted on a
-    signal."""
+    ``cfg.optim.nonfinite == "stop"``; NonFiniteResult when the final evaluation is not finite (or a resumed run had
+    failed so); ValueError when a resumed checkpoint was made with another model config or the device does not
+    exist; RunDirError when the directory is in use or (new run) not empty; Interrupted on a signal."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if resume and (done := finished_results(run_dir, cfg)) is not None:
+        if done.get("failed"):
+            raise NonFiniteResult(f"{run_dir} failed ({done['failed']}): there is nothing to continue; start it "
+                                  f"again with --overwrite --out {shlex.quote(str(run_dir))}")
         if rank0:
             tqdm.write(f"{run_dir} is finished ({done['steps']} steps, results.json): nothing to do; to train "
                        f"longer: mgk train --resume {shlex.quote(str(run_dir))} --steps N", file=sys.stderr)

@@ -1,17 +1,8 @@
-"""What a run leaves on disk: resolved config, environment, metrics (JSON lines and TensorBoard), plots, results.
+"""What a run records, beyond its checkpoints: the training-protocol fields, the environment, the metrics log
+(JSON lines and TensorBoard), the learning-curve plot and a one-line status of an unfinished run. Where each file
+lives and how it is written and read is :mod:`mgk.train.rundir`'s.
 
-Layout of a run directory::
-
-    config.yaml      the resolved RunConfig
-    env.json         seed, world size, package/torch/python versions, git commit when known
-    metrics.jsonl    one JSON object per logged step: {"step": ..., "train/loss": ..., "val/acc": ...}
-    tb/              TensorBoard events
-    checkpoints/     last.pt (for --resume) and best.pt (best validation accuracy)
-    results.json     final figures (written atomically, last: its presence means the run finished), with
-                     ``protocol``: the training-protocol fields (:func:`protocol`) so that a table can say which
-                     protocol each number came from
-    plots/           learning_curves.png
-    .mgk-lock        the lock of a live run (see :mod:`mgk.train.rundir`)
+results.json carries ``protocol`` (:func:`protocol`), so that a table can say which protocol each number came from.
 """
 from __future__ import annotations
 
@@ -22,11 +13,10 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 from .. import __version__
 from .. import config as config_mod
-from ..atomic import write_text_atomic
+from . import rundir
 
 
 def git_commit() -> str | None:
@@ -71,60 +61,44 @@ def attention_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for m in model.modules() if isinstance(m, AttentionBase) for p in m.parameters())
 
 
-def write_config(run_dir: Path, cfg_dict: dict) -> None:
-    """Write config.yaml."""
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-
-
-def write_results(run_dir: Path, results: dict) -> None:
-    """Write results.json atomically (a temporary file renamed over it): readers such as ``mgk table`` never see
-    half a file."""
-    write_text_atomic(Path(run_dir) / "results.json", json.dumps(results, indent=2) + "\n")
-
-
-def read_config(run_dir: Path) -> dict:
-    """Read config.yaml of a run directory; FileNotFoundError naming it when absent."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory made by `mgk train`?")
-    return yaml.safe_load(path.read_text())
-
-
 def write_env(run_dir: Path, *, seed: int, world_size: int, device: str) -> None:
     """Write env.json with versions and the git commit."""
     env = {"seed": seed, "world_size": world_size, "device": device, "mgk": __version__, "torch": torch.__version__,
            "python": sys.version.split()[0], "platform": platform.platform(), "git_commit": git_commit(),
            "threads": torch.get_num_threads()}
-    (run_dir / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+    rundir.write_json(rundir.RunFiles(run_dir).env, env)
 
 
 class MetricsLog:
     """Appends metrics to metrics.jsonl and TensorBoard. On resume, lines after the checkpoint's step are dropped
-    so that the file reads as one uninterrupted run."""
+    so that the file reads as one uninterrupted run, and so is a last line that a crash cut short (``say`` is
+    told, in one line). A new run starts a new file."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
-        self.path = run_dir / "metrics.jsonl"
+    def __init__(self, run_dir: Path, resume_step: int | None = None, say=None):
+        self.path = rundir.RunFiles(run_dir).metrics
         if resume_step is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
-            write_text_atomic(self.path, "".join(ln + "\n" for ln in kept))
+            torn: list[str] = []
+            kept = [r for r in rundir.read_metrics(run_dir, torn=torn) if r["step"] <= resume_step]
+            if torn and say is not None:
+                say(f"warning: {self.path}: dropped its last line, cut short by the crash that stopped the run "
+                    f"({torn[0][:40]!r})")
+            rundir.rewrite_metrics(run_dir, kept)
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
 
-        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step is not None else None)
-        self._file = open(self.path, "a")
+        self.tb = SummaryWriter(str(rundir.RunFiles(run_dir).tb),
+                                purge_step=resume_step + 1 if resume_step is not None else None)
 
     def log(self, step: int, values: dict) -> None:
         """Record ``values`` (name -> float) at ``step``."""
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
-        self._file.flush()
+        rundir.append_line(self.path, json.dumps({"step": step, **values}))
         for name, value in values.items():
             if isinstance(value, (int, float)):
                 self.tb.add_scalar(name, value, step)
 
     def close(self) -> None:
-        """Flush and close both sinks."""
-        self._file.close()
+        """Flush and close TensorBoard's writer (each metrics line is flushed when written)."""
         self.tb.close()
 
 
@@ -132,28 +106,20 @@ def run_status(run_dir: Path) -> str:
     """One line on a run directory without results.json: its task and model (from config.yaml), the last logged
     step, and whether a live process still trains it (its lock, :mod:`mgk.train.rundir`) or it failed or was
     stopped."""
-    from .rundir import holder_pid
-
     run_dir = Path(run_dir)
     try:
-        cfg = config_mod.from_dict(read_config(run_dir))
+        cfg = rundir.load_config(run_dir)
         what = f"{cfg.task} {cfg.attention.kind} x {cfg.attention.num_heads}"
         total = cfg.optim.steps
-    except (OSError, ValueError, TypeError, yaml.YAMLError, AttributeError):
+    except (OSError, ValueError):
         what, total = "unreadable config.yaml", None
     try:
-        step = read_metrics(run_dir)[-1]["step"]
+        step = rundir.read_metrics(run_dir)[-1]["step"]
     except (OSError, ValueError, IndexError, KeyError):
         step = 0
-    pid = holder_pid(run_dir)
+    pid = rundir.holder_pid(run_dir)
     state = f"running (pid {pid})" if pid is not None else "failed or stopped (resume it with --resume)"
     return f"{run_dir}: {what}, step {step} of {total}, {state}"
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """All records of metrics.jsonl."""
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
 
 
 def plot_learning_curves(run_dir: Path) -> Path | None:
@@ -163,7 +129,7 @@ def plot_learning_curves(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
+    records = rundir.read_metrics(run_dir)
     names = sorted({k for r in records for k in r if k.startswith(("train/", "val/")) and k != "train/lr"})
     if not names:
         return None
@@ -175,7 +141,7 @@ def plot_learning_curves(run_dir: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("optimiser step")
     fig.tight_layout()
-    out = Path(run_dir) / "plots" / "learning_curves.png"
+    out = rundir.RunFiles(run_dir).plots / "learning_curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

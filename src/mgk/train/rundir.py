@@ -1,30 +1,94 @@
-"""Who may write a run directory: an OS file lock held while a process trains or evaluates in it, and the rules
-for starting a new run in a folder that already exists.
+"""The run directory: where each of its files lives (:class:`RunFiles`), reading and writing them (every file that a
+resume, an evaluation or a table reads is written atomically through :mod:`mgk.atomic`; a damaged one is an error
+naming it), and who may write it (an OS file lock).
 
-The lock is ``flock(2)`` on the file ``.mgk-lock`` inside the run directory: the kernel releases it when its
-process ends, however it ends (SIGKILL included), so a crashed run never leaves a stale lock. Training holds it
-exclusively (rank 0 only under torchrun: the ranks of one run must not block each other, and the other ranks write
-nothing into the directory); ``mgk eval`` holds it shared, so evaluations may run side by side but not while the
-run trains. The lock file itself stays behind and does not make a directory "non-empty". On systems without
-``fcntl`` (Windows) nothing is locked.
+Layout (the run-directory format; checkpoints themselves are :mod:`mgk.train.checkpoint`'s)::
+
+    config.yaml      the resolved RunConfig (``mgk.config.to_dict``)
+    env.json         seed, world size, package/torch/python versions, git commit when known
+    metrics.jsonl    one JSON object per logged step, appended as training goes
+    train.log        the lines the run printed, appended
+    tb/              TensorBoard events
+    checkpoints/     last.pt (for --resume) and best.pt (best validation)
+    results.json     final figures, written last: its presence means the run finished
+    eval.json        ``mgk eval --json`` of a reproduce grid
+    vocab.txt        the vocabulary of a task that learns one from its data (language modelling)
+    data/            data generated for a run without --data
+    plots/, analysis/  learning curves; ``mgk analyze``'s default output
+    .mgk-lock        the lock of a live run
+
+Appended files (metrics.jsonl, train.log) are not atomic: a crash can cut their last line, and readers drop a cut
+last line (:func:`read_metrics`). Everything else is replaced whole.
+
+The lock is ``flock(2)`` on ``.mgk-lock``: the kernel releases it when its process ends, however it ends (SIGKILL
+included), so a crashed run never leaves a stale lock. Training holds it exclusively (rank 0 only under torchrun:
+the ranks of one run must not block each other, and the other ranks write nothing into the directory); ``mgk eval``
+holds it shared, so evaluations may run side by side but not while the run trains. The lock file itself stays
+behind and does not make a directory "non-empty". On systems without ``fcntl`` (Windows) nothing is locked.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+
+import yaml
+
+from ..atomic import write_text_atomic
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["LOCK_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "claim", "holder_pid"]
+__all__ = ["LOCK_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "RunFileError", "RunFiles", "append_line",
+           "claim", "find_runs", "holder_pid", "load_config", "read_config", "read_json", "read_metrics",
+           "read_results", "read_run_results", "write_config", "write_json"]
 
 LOCK_NAME = ".mgk-lock"
-# What `mgk train` writes into a run directory; --overwrite clears only folders that hold nothing else.
-RUN_ENTRIES = frozenset({LOCK_NAME, "config.yaml", "env.json", "metrics.jsonl", "tb", "checkpoints", "results.json",
-                         "plots", "train.log", "data", "vocab.txt"})
+
+
+def _entry(name: str, doc: str) -> property:
+    return property(lambda self: self.root / name, doc=f"``{name}``: {doc}")
+
+
+class RunFiles:
+    """The path of every file of the run directory ``root`` (the one place their names are written)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    config = _entry("config.yaml", "the resolved run config")
+    env = _entry("env.json", "versions, seed, world size")
+    metrics = _entry("metrics.jsonl", "one JSON object per logged step (appended)")
+    log = _entry("train.log", "what the run printed (appended)")
+    results = _entry("results.json", "final figures; present once the run finished")
+    eval = _entry("eval.json", "the `mgk eval --json` result of a reproduce grid")
+    vocab = _entry("vocab.txt", "a vocabulary learned from the data")
+    checkpoints = _entry("checkpoints", "the folder of last.pt and best.pt")
+    tb = _entry("tb", "TensorBoard events")
+    plots = _entry("plots", "learning curves")
+    data = _entry("data", "data generated for a run without --data")
+    analysis = _entry("analysis", "`mgk analyze`'s default output folder")
+    lock = _entry(LOCK_NAME, "the lock of a live run")
+
+    def checkpoint(self, which: str) -> Path:
+        """``checkpoints/<which>.pt`` for ``which`` in ("last", "best"); ValueError otherwise."""
+        if which not in ("last", "best"):
+            raise ValueError(f"checkpoint must be 'best' or 'last', got {which!r}")
+        return self.checkpoints / ("last.pt" if which == "last" else "best.pt")
+
+    def existing_checkpoint(self, which: str) -> Path:
+        """:meth:`checkpoint`, where "best" falls back to last.pt when the run has no best.pt (a run without a
+        validation split). The path may not exist."""
+        path = self.checkpoint(which)
+        return self.checkpoint("last") if which == "best" and not path.is_file() else path
+
+
+# What `mgk` writes into a run directory; --overwrite clears only folders that hold nothing else.
+RUN_ENTRIES = frozenset(entry.fget(RunFiles("")).name for entry in vars(RunFiles).values()
+                        if isinstance(entry, property))
 
 
 class RunDirError(RuntimeError):
@@ -35,7 +99,7 @@ def holder_pid(run_dir: str | os.PathLike) -> int | None:
     """The pid of the live process that trains in ``run_dir``, read from its lock file (which the holder fills
     and empties on release), or None. Reads only: it never takes the lock, so it cannot disturb a run starting."""
     try:
-        pid = int((Path(run_dir) / LOCK_NAME).read_text().strip() or "0")
+        pid = int(RunFiles(run_dir).lock.read_text().strip() or "0")
         if pid > 0:
             os.kill(pid, 0)  # a pid left by a killed run names no live process
             return pid
@@ -58,7 +122,7 @@ class RunDirLock:
 
     def __init__(self, run_dir: str | os.PathLike, *, shared: bool = False):
         self.run_dir, self.shared = Path(run_dir), shared
-        self.path = self.run_dir / LOCK_NAME
+        self.path = RunFiles(self.run_dir).lock
         self._fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
@@ -130,7 +194,7 @@ def claim(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool =
         entries = [] if resume else _entries(run_dir)
         if entries and not overwrite:
             hint = (f"continue it with `mgk train --resume {run_dir}`, replace it with --overwrite, "
-                    if "config.yaml" in entries else "")
+                    if RunFiles(run_dir).config.name in entries else "")
             raise RunDirError(f"{run_dir} is not empty ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''})"
                               f": {hint}or choose another --out")
         if entries:
@@ -159,3 +223,169 @@ def _clear(run_dir: Path, entries: list[str], data: str | None) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+# --------------------------------------------------------------------------- reading and writing the files
+
+
+class RunFileError(ValueError):
+    """A file of a run directory is damaged or is not what mgk writes there; the message names the file."""
+
+
+def _damaged(path: Path, what: str) -> RunFileError:
+    return RunFileError(f"{path}: {what}; the file is damaged (a crash while it was written, or an edit?): "
+                        "restore it or start the run again")
+
+
+def read_config(run_dir: str | os.PathLike) -> dict:
+    """config.yaml of ``run_dir`` as a dict. FileNotFoundError naming it when absent (or when ``run_dir`` is not
+    a run directory); :class:`RunFileError` naming the file (and line) when it is not a YAML mapping or was cut
+    short (its last line has no line end)."""
+    run_dir = Path(run_dir)
+    path = RunFiles(run_dir).config
+    if not path.is_file():
+        what = "no such folder" if not run_dir.exists() else "a file" if not run_dir.is_dir() else f"no {path.name}"
+        raise FileNotFoundError(f"{run_dir} is not a run directory made by `mgk train` ({what})")
+    try:
+        text = path.read_text(encoding="utf-8")
+        cfg = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise _damaged(path, f"{where}not valid YAML ({e.problem or e.context})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise _damaged(path, f"not valid YAML ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise _damaged(path, f"holds a {type(cfg).__name__}, not a mapping of config fields")
+    if not text.endswith("\n"):  # mgk ends it with a line end: a file cut short mostly still parses as YAML
+        raise _damaged(path, f"cut short: its last line ({text.splitlines()[-1][:40]!r}) has no line end (if you "
+                             "edited the file, end it with one)")
+    return cfg
+
+
+def load_config(run_dir: str | os.PathLike):
+    """config.yaml of ``run_dir`` as a :class:`~mgk.config.RunConfig` (flat 0.1.0 files included). Errors of
+    :func:`read_config`, and RunFileError naming the file for fields the config does not have."""
+    from .. import config as config_mod
+
+    path = RunFiles(run_dir).config
+    try:
+        return config_mod.from_dict(read_config(run_dir))
+    except RunFileError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise RunFileError(f"{path}: {e}") from None
+
+
+def write_config(run_dir: str | os.PathLike, cfg_dict: dict) -> None:
+    """Write config.yaml (atomically: a resume reads it)."""
+    write_text_atomic(RunFiles(run_dir).config, yaml.safe_dump(cfg_dict, sort_keys=False))
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object file of a run directory (results.json, eval.json, env.json). FileNotFoundError when absent;
+    RunFileError naming the file when it is not a JSON object."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except IsADirectoryError:
+        raise _damaged(path, "is a folder, not a file") from None
+    except json.JSONDecodeError as e:
+        raise _damaged(path, f"line {e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise _damaged(path, "not UTF-8 text") from None
+    if not isinstance(value, dict):
+        raise _damaged(path, f"holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def write_json(path: str | os.PathLike, value: dict) -> Path:
+    """Write ``value`` as indented JSON, atomically (NaN and inf as JSON's extensions ``NaN`` / ``Infinity``)."""
+    return write_text_atomic(path, json.dumps(value, indent=2) + "\n")
+
+
+def read_results(run_dir: str | os.PathLike) -> dict | None:
+    """results.json of ``run_dir``, or None when the run has not finished; RunFileError when it is damaged."""
+    path = RunFiles(run_dir).results
+    return read_json(path) if path.exists() else None
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append ``line`` and a newline to an append-only log (metrics.jsonl, train.log), flushed. A crash can cut
+    only this last line, which :func:`read_metrics` drops."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def read_metrics(run_dir: str | os.PathLike, *, torn: list | None = None) -> list[dict]:
+    """The records of metrics.jsonl ([] when absent). A last line that is not a JSON object is the line a crash cut
+    short: it is dropped (and appended to ``torn`` when given, so that a caller can say so). RunFileError naming
+    the file and line for a damaged line before the last, or a record without its ``step``."""
+    path = RunFiles(run_dir).metrics
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            records.append(rec)
+        elif lineno == len(lines):
+            if torn is not None:
+                torn.append(line)
+        elif line.strip():
+            raise RunFileError(f"{path}: line {lineno}: not a metrics record ({line[:60]!r}); the file is damaged")
+    return records
+
+
+def rewrite_metrics(run_dir: str | os.PathLike, records: list[dict]) -> None:
+    """Replace metrics.jsonl by ``records`` (atomically)."""
+    write_text_atomic(RunFiles(run_dir).metrics, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def find_runs(paths) -> tuple[list[Path], list[Path]]:
+    """``(results.json files, unfinished run directories)`` of ``paths``: each a run directory, a results.json file,
+    or a folder whose sub-folders (any depth) are run directories. A run directory (it has config.yaml) without
+    results.json is unfinished: failed, stopped or still running.
+
+    Raises:
+        FileNotFoundError: a path that does not exist or holds no run at all (the message names it).
+    """
+    config, results = RunFiles("").config.name, RunFiles("").results.name
+    done: list[Path] = []
+    unfinished: list[Path] = []
+    for p in map(Path, paths):
+        files = RunFiles(p)
+        if p.is_file() and p.name == results:
+            done.append(p)
+        elif files.results.is_file():
+            done.append(files.results)
+        elif files.config.is_file():
+            unfinished.append(p)
+        elif p.is_dir() and (runs := sorted({c.parent for c in p.rglob(config)}
+                                            | {r.parent for r in p.rglob(results)})):
+            done.extend(RunFiles(r).results for r in runs if RunFiles(r).results.is_file())
+            unfinished.extend(r for r in runs if not RunFiles(r).results.is_file())
+        elif not p.exists():
+            raise FileNotFoundError(f"{p}: no such run directory")
+        else:
+            raise FileNotFoundError(f"{files.results} not found: is {p} a finished `mgk train` run?")
+    return done, unfinished
+
+
+def read_run_results(files: list[Path]) -> list[tuple[Path, dict]]:
+    """``(results.json path, its dict)`` of each file. RunFileError naming a file that is damaged or lacks
+    task/attention/num_heads."""
+    out = []
+    for f in files:
+        res = read_json(f)
+        missing = [k for k in ("task", "attention", "num_heads") if k not in res]
+        if missing:
+            raise RunFileError(f"{f}: missing {', '.join(missing)} (not written by `mgk train`?)")
+        out.append((f, res))
+    return out
