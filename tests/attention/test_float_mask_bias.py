@@ -41,18 +41,6 @@ def _offset(m, offset):
     return m
 
 
-def _build(kind, pi):
-    torch.manual_seed(0)
-    options = dict(pi=pi, max_len=16) if kind in ("mgk", "smgk") else {}
-    m = mgk.build_attention(kind, E, H, head_dim=D, **options)
-    with torch.no_grad():
-        if hasattr(m, "pi_logits"):
-            m.pi_logits.normal_()
-        if getattr(m, "pi_mode", None) == "soft_e":
-            m.pi.copy_(torch.softmax(torch.randn_like(m.pi), dim=1))
-    return m.eval()
-
-
 def _run(m, x, am, kpm):
     return m(x, attn_mask=am, key_padding_mask=kpm, need_weights=False)[0]
 
@@ -63,8 +51,8 @@ def _as64(t):
 
 @pytest.mark.parametrize("pi", ["learned", "soft_e", "hard_e"])
 @pytest.mark.parametrize("kind", ["mgk", "smgk"])
-def test_mgk_float_masks_with_an_offset_of_1000_match_float64(pi, kind):
-    m = _offset(_build(kind, pi), 1000.0)
+def test_mgk_float_masks_with_an_offset_of_1000_match_float64(pi, kind, build):
+    m = _offset(build(kind, pi), 1000.0)
     m64 = copy.deepcopy(m).double()
     x = torch.randn(2, L, E, generator=torch.Generator().manual_seed(2))
     real = torch.ones(2, L, dtype=torch.bool)
@@ -75,9 +63,9 @@ def test_mgk_float_masks_with_an_offset_of_1000_match_float64(pi, kind):
         torch.testing.assert_close(got[real].double(), ref[real], atol=1e-5, rtol=0)
 
 
-def test_soft_e_update_with_a_float_mask_and_an_offset_matches_float64():
+def test_soft_e_update_with_a_float_mask_and_an_offset_matches_float64(build):
     """Training mode: the output and the updated pi (the E-step under the float mask's -inf entries) match."""
-    m = _offset(_build("mgk", "soft_e"), 1000.0).train()
+    m = _offset(build("mgk", "soft_e"), 1000.0).train()
     m64 = copy.deepcopy(m).double()
     x = torch.randn(2, L, E, generator=torch.Generator().manual_seed(3))
     am, kpm = _alibi(L), _masks()[1][1]
@@ -87,11 +75,11 @@ def test_soft_e_update_with_a_float_mask_and_an_offset_matches_float64():
         out.sum().backward()
         assert mgk.soft_e_step(module) == 1
     torch.testing.assert_close(m.pi.double(), m64.pi, atol=1e-5, rtol=0)
-    assert not torch.equal(m.pi, _build("mgk", "soft_e").pi)  # the E-step ran
+    assert not torch.equal(m.pi, build("mgk", "soft_e").pi)  # the E-step ran
 
 
-def test_softmax_float_masks_match_float64():
-    m = _build("softmax", "learned")
+def test_softmax_float_masks_match_float64(build):
+    m = build("softmax", "learned")
     m64 = copy.deepcopy(m).double()
     x = torch.randn(2, L, E, generator=torch.Generator().manual_seed(4))
     for am, kpm in _masks():
@@ -100,8 +88,8 @@ def test_softmax_float_masks_match_float64():
 
 
 @pytest.mark.parametrize("kind", ["softmax", "mgk"])
-def test_a_float_mask_of_zeros_and_minus_inf_equals_the_bool_mask(kind):
-    m = _build(kind, "learned")
+def test_a_float_mask_of_zeros_and_minus_inf_equals_the_bool_mask(kind, build):
+    m = build(kind, "learned")
     x = torch.randn(2, L, E)
     pad = torch.zeros(2, L, dtype=torch.bool)
     pad[1, 5:] = True
