@@ -36,7 +36,17 @@ from torch import Tensor
 from ..functional import LinearAttentionState
 
 __all__ = ["DecodingCache", "KVCache", "LayerCache", "MixtureKeyCache", "RecurrentCache", "ShiftedKeyCache",
-           "SlotCache"]
+           "SlotCache", "token_positions"]
+
+
+def token_positions(seen: Tensor, valid: Tensor | None, L: int) -> Tensor:
+    """(B, L) int64 positions of L new tokens after ``seen`` (B,) real tokens per row, counted from each row's first
+    real token (``valid`` (B, L) bool, True = real token, or None: all real); a padding token gets the position of
+    the next real one (a valid index that nothing attends to)."""
+    if valid is None:
+        return seen.unsqueeze(1) + torch.arange(L, device=seen.device)
+    step = valid.to(torch.int64)
+    return seen.unsqueeze(1) + step.cumsum(dim=1) - step
 
 
 class LayerCache:
@@ -73,11 +83,8 @@ class LayerCache:
             raise ValueError(f"past_key_values was filled for a batch of {self.batch_size} rows; this call has {B}")
 
     def positions(self, valid: Tensor | None, L: int) -> Tensor:
-        """(B, L) int64 positions of L new tokens, counted per row from its first real token (``valid`` (B, L) bool,
-        True = real token, or None: all real); a padding token gets the position of the next real one."""
-        if valid is None:
-            return self.seen.unsqueeze(1) + torch.arange(L, device=self.seen.device)
-        return self.seen.unsqueeze(1) + valid.to(torch.int64).cumsum(dim=1) - valid.to(torch.int64)
+        """:func:`token_positions` of L new tokens after those this cache has seen."""
+        return token_positions(self.seen, valid, L)
 
     def last_position(self, valid: Tensor | None, L: int) -> int:
         """The largest position of a real token after L new ones (the host's bound, exact without padding)."""
