@@ -5,10 +5,13 @@ Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins fo
 built by kind name (:func:`build_attention`) or from an :class:`AttentionConfig`, and :func:`swap_attention`, which
 puts them into an existing model with its weights; the math is in :mod:`mgk.functional`.
 :func:`soft_e_step` applies the Soft-E update of pi after backward. :func:`load_run` gets a trained run back (its
-model, config and tokenizer).
+model, config and tokenizer). Every module decodes with a cache (``forward(x, past_key_values=module.new_cache(),
+is_causal=True, need_weights=False)``; :class:`DecodingCache` holds one per layer,
+:meth:`mgk.models.TransformerLM.generate` uses it).
 """
 from .attention import (
     AttentionConfig,
+    DecodingCache,
     LinearAttention,
     MGKAttention,
     MLKAttention,
@@ -21,8 +24,8 @@ from .attention import (
 
 __version__ = "0.1.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
-__all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention", "LoadedRun",
-            "load_run"]
+__all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention", "DecodingCache",
+            "LoadedRun", "load_run"]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ from . import config as config_mod
 from .analyze import cli as analyze_cli
 from .attention import attention_kinds
 from .bench import cli as bench_cli
+from .generate import cli as generate_cli
 from .reproduce import cli as reproduce_cli
 from .tasks import all_presets
 
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     bench_cli.add_parser(sub)
     _eval_parser(sub)
+    generate_cli.add_parser(sub)
     _data_parser(sub)
     _table_parser(sub)
     analyze_cli.add_parser(sub)
@@ -261,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                   getattr(args, "data_command", None))))
     if extra:
         parser.exit(2, f"mgk {name}: unrecognized arguments: {' '.join(extra)} (see mgk {name} --help)\n")
-    handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "data": _run_data,
-                "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run}
+    handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "generate": generate_cli.run,
+                "data": _run_data, "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and reports on its own)

@@ -92,18 +92,21 @@ def test_labels_come_from_the_option_values():
     assert run_label("mgk", 8, make_options("mgk", pi_shape="position", max_len=4, sigma2=(4.0, 1.0))) == "mgk-8"
 
 
-@pytest.mark.parametrize("kind, keys", [("softmax", 1), ("mgk", 3), ("smgk", 1)])
-def test_key_value_caches_store_the_declared_keys(kind, keys):
+@pytest.mark.parametrize("kind, keys, scalars", [("softmax", 1, 0), ("mgk", 3, 3), ("smgk", 1, 3)])
+def test_key_value_caches_store_the_declared_keys(kind, keys, scalars):
+    """Key vectors, value vectors and per-key scalars (MGK / sMGK: one per component, the bias log pi - |k|^2 / 2
+    sigma^2 with sMGK's shifts folded in) per token and head."""
     options = make_options(kind, **({"num_keys": 3} if kind != "softmax" else {}))
-    assert get_kind(kind).cache.stored_per_token(options) == (keys, 1)
+    assert get_kind(kind).cache.stored_per_token(options) == (keys, 1, scalars)
     H, D, L = 2, 8, 10
-    assert get_kind(kind).cache.cache_bytes(options, num_heads=H, head_dim=D, length=L) == H * L * (keys + 1) * D * 4
+    assert get_kind(kind).cache.cache_bytes(options, num_heads=H, head_dim=D, length=L) == \
+        H * L * ((keys + 1) * D + scalars) * 4
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlk", "smlk"])
 def test_linear_kinds_keep_a_state_of_fixed_size(kind):
     cache, options = get_kind(kind).cache, make_options(kind)
-    assert cache.recurrent and cache.stored_per_token(options) == (0, 0)
+    assert cache.recurrent and cache.stored_per_token(options) == (0, 0, 0)
     sizes = {cache.cache_bytes(options, num_heads=2, head_dim=8, length=n, element_size=2) for n in (1, 100, 10_000)}
     assert sizes == {2 * (8 * 8 + 8) * 2}
 

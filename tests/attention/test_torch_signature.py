@@ -54,13 +54,17 @@ def _masks(kind, batched, Lq=L, Sk=S):
 
 
 def test_forward_signature_and_defaults_are_torchs():
-    """Names, order and defaults of nn.MultiheadAttention.forward, for every kind's class."""
+    """Names, order and defaults of nn.MultiheadAttention.forward, for every kind's class; the one addition is the
+    keyword-only decoding cache ``past_key_values`` (None), after them, so every positional call is torch's."""
     want = list(inspect.signature(nn.MultiheadAttention.forward).parameters.values())
     for kind in KINDS:
         got = list(inspect.signature(type(mgk.build_attention(kind, E, H)).forward).parameters.values())
-        assert [p.name for p in got] == [p.name for p in want]
+        assert [p.name for p in got[:len(want)]] == [p.name for p in want]
         for g, w in zip(got, want):
             assert g.default == w.default or g.name in ("key", "value"), (kind, g.name)  # key/value: None = self
+        extra = got[len(want):]
+        assert [(p.name, p.kind, p.default) for p in extra] == [
+            ("past_key_values", inspect.Parameter.KEYWORD_ONLY, None)], kind
 
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "length_first"])

@@ -59,7 +59,7 @@ def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor] 
     valid = causal_mask(n, n, x.device) if is_causal else torch.ones(n, n, dtype=torch.bool, device=x.device)
     if isinstance(module, MLKAttention):
         log_pi = module.mixture_log_weights(n)  # (1, H, M, 1) or (1, H, M, n)
-        phi = module.feature_map_fn()
+        phi = module.feature_map_fn
         fk = phi(k.to(torch.float64))  # (1, H, M, n, D)
         part = torch.einsum("bhld,bhmsd->bhlms", phi(q.to(torch.float64)), fk)
         part = part * log_pi.to(torch.float64).exp().unsqueeze(2)  # (1, H, n, M, n)

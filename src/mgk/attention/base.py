@@ -8,6 +8,10 @@ follow torch's documentation: ``key_padding_mask`` (B, S) or (S,) unbatched, ``a
 (B*H, L, S) / (B, H, L, S); bool True = not allowed, float = added to the attention logits (-inf = not allowed).
 They are converted once here to the functional core's convention (bool, True = may attend); see
 :mod:`mgk.attention.module_masks`.
+
+Decoding: ``forward(x, past_key_values=cache, is_causal=True, need_weights=False)`` with the layer's cache
+(:meth:`AttentionBase.new_cache`, :mod:`mgk.attention.cache`) attends from the new tokens x to every token the cache
+has seen and to themselves, adds them to the cache in place and returns ``(output, None)``.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from torch import Tensor, nn
 
 from ..functional import masks as _masks
 from . import module_masks
+from .cache import LayerCache
 
 _LAYOUTS = ("batch_first=True for (B, T, E) inputs, or batch_first=False for (T, B, E) inputs "
             "(torch.nn.MultiheadAttention's default)")
@@ -97,6 +102,11 @@ class AttentionBase(nn.Module, abc.ABC):
               query_mask: Tensor | None):
         """Attention on projected heads; returns ((B, H, L, D), weights (B, H, L, S) or None)."""
 
+    def _cached_core(self, q: Tensor, x: Tensor, v: Tensor, valid: Tensor | None, cache: LayerCache) -> Tensor:
+        """Attention of the new tokens (queries q (B, H, L, D), inputs x (B, L, E), values v (B, H, L, Dv); ``valid``
+        (B, L) bool True = real token, or None) over ``cache`` and themselves; adds them to ``cache``."""
+        raise NotImplementedError(f"{type(self).__name__} has no decoding cache")
+
     def _attn_mask_hook(self, attn_mask, is_causal: bool, L: int, S: int):
         """Subclasses that cannot take a query-dependent mask may recognise a causal one here."""
         return attn_mask, is_causal
@@ -106,6 +116,13 @@ class AttentionBase(nn.Module, abc.ABC):
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
+    _cache_type: type = LayerCache  # the registry's CacheSpec.layer_cache of the kind (tests check they agree)
+
+    def new_cache(self, capacity: int | None = None) -> LayerCache:
+        """An empty decoding cache for this layer, room for ``capacity`` tokens allocated at its first call (default
+        that call's length; it grows by doubling). Pass it as ``past_key_values``."""
+        return self._cache_type(capacity)
+
     @property
     def attn_dropout(self) -> float:
         """Dropout probability in effect now (0 in eval mode)."""
@@ -113,9 +130,10 @@ class AttentionBase(nn.Module, abc.ABC):
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                 key_padding_mask: Tensor | None = None, need_weights: bool = True, attn_mask: Tensor | None = None,
-                average_attn_weights: bool = True, is_causal: bool = False):
+                average_attn_weights: bool = True, is_causal: bool = False, *,
+                past_key_values: LayerCache | None = None):
         """Attend from ``query`` to ``key`` / ``value``, as ``nn.MultiheadAttention.forward`` (same arguments, order
-        and defaults).
+        and defaults), or decode with ``past_key_values``.
 
         Args:
             query: (B, L, E) with ``batch_first=True``, (L, B, E) with False, or (L, E) unbatched.
@@ -128,6 +146,11 @@ class AttentionBase(nn.Module, abc.ABC):
             average_attn_weights: return the weights averaged over heads (default), else per head.
             is_causal: the bottom-right causal mask. With an ``attn_mask`` (torch's hint that it is causal) both
                 apply; without one it applies alone (torch then raises; here it is the causal mask itself).
+            past_key_values: keyword only: this layer's decoding cache (:meth:`new_cache`), updated in place. Then
+                the call is causal self-attention of the new tokens ``query`` over the cache and themselves
+                (``key`` / ``value`` None, ``is_causal=True``, no ``attn_mask``, ``need_weights=False``);
+                ``key_padding_mask`` (B, L) marks padding among the new tokens (left padding of prompts of different
+                lengths), which is never attended and not counted in the rows' positions.
         Returns:
             ``(output, weights)``: output shaped like ``query`` with E features; weights None without
             ``need_weights``, else (B, L, S) averaged / (B, H, L, S) per head ((L, S) / (H, L, S) unbatched), float.
@@ -136,6 +159,9 @@ class AttentionBase(nn.Module, abc.ABC):
         Raises:
             ValueError naming the argument for wrong ranks or sizes; MaskError for masks of other dtypes/shapes.
         """
+        if past_key_values is not None:
+            return self._forward_cached(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
+                                        past_key_values)
         self_attention = key is None or key is query
         key = query if key is None else key
         value = key if value is None else value
@@ -149,6 +175,33 @@ class AttentionBase(nn.Module, abc.ABC):
         out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
         return self._outputs(out, weights if need_weights else None, batched, average_attn_weights)
+
+    def _forward_cached(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache):
+        """:meth:`forward` with ``past_key_values``: checks, projections, :meth:`_cached_core`, output."""
+        if not isinstance(cache, self._cache_type):
+            raise ValueError(f"past_key_values must be this layer's cache ({self._cache_type.__name__}, from "
+                             f"new_cache()), got {type(cache).__name__}")
+        wrong = [why for bad, why in (
+            ((key is not None and key is not query) or (value is not None and value is not query),
+             "key / value None (self-attention of the new tokens)"),
+            (not is_causal, "is_causal=True"), (attn_mask is not None, "no attn_mask"),
+            (need_weights, "need_weights=False")) if bad]
+        if wrong:
+            raise ValueError(f"decoding with past_key_values needs {', '.join(wrong)}")
+        batched = self._check_inputs(query, query, query, key_padding_mask)
+        x, _, _, key_padding_mask = self._batch_first(query, query, query, key_padding_mask, batched)
+        B, L = x.shape[0], x.shape[1]
+        key_padding_mask, _, _ = module_masks.split_masks(key_padding_mask, None, B, self.num_heads, L, L,
+                                                          bias_ok=False, owner=type(self).__name__)
+        valid = None
+        if key_padding_mask is not None:
+            _masks.from_module_masks(key_padding_mask, None, B, L, L, self.num_heads)  # dtype and shape checks
+            valid = ~key_padding_mask
+        cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device)
+        q, v = self._split(self.q_proj(x)), self._split(self.v_proj(x))
+        out = self._cached_core(q, x, v, valid, cache)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
+        return self._outputs(out, None, batched, True)
 
     def _check_inputs(self, query, key, value, key_padding_mask) -> bool:
         """Whether the inputs are batched; ValueError naming the argument for wrong ranks, widths or sizes."""

@@ -2,9 +2,14 @@
 
 Two forms. A *key/value* cache grows with the sequence: per token and head it stores ``keys_per_token`` key vectors
 of size D (M for separate-key MGK, whose M projections must all be kept; 1 for softmax, and for sMGK, whose learned
-offsets are applied when the cache is read) and ``values_per_token`` value vectors of size Dv. A *recurrent* state
-(linear attention and MLK) has a fixed size per head whatever the length: the key-value sum ``sum_j phi(k_j) v_j^T``
-(D x Dv) and the normaliser ``sum_j phi(k_j)`` (D). The cache itself is built on top of this declaration.
+offsets are applied when the cache is read), ``values_per_token`` value vectors of size Dv and ``scalars_per_token``
+numbers (MGK and sMGK: one per component, ``log pi_jr - |k_jr|^2 / (2 sigma_r^2)`` with the shifts folded in for
+sMGK, which saves a second pass over the keys at every step). A *recurrent* state (linear attention and MLK) has a
+fixed size per head whatever the length: the key-value sum ``sum_j phi(k_j) v_j^T`` (D x Dv) and the normaliser
+``sum_j phi(k_j)`` (D). ``layer_cache`` is the class of :mod:`mgk.attention.cache` a layer of the kind fills.
+
+Per token, layer and head dim D = Dv at b bytes an element: softmax with 2H heads stores ``4 H D b``; MGK with H
+heads and M = 2 ``H (3 D + 2) b``, i.e. ``0.75 + M / (4 D)`` of it; sMGK ``H (2 D + 2) b``, ``0.5 + M / (4 D)``.
 """
 from __future__ import annotations
 
@@ -18,19 +23,26 @@ class CacheSpec:
     """A layer's decoding cache per head.
 
     ``keys_per_token``: key vectors stored per token: an int, or the name of the kind's option that gives the count
-    (``"num_keys"``). ``values_per_token``: value vectors per token. ``recurrent``: a fixed state of D * Dv + D
-    numbers instead (then no key or value is stored per token)."""
+    (``"num_keys"``). ``values_per_token``: value vectors per token. ``scalars_per_token``: single numbers per token
+    (an int or an option's name). ``recurrent``: a fixed state of D * Dv + D numbers instead (then nothing is stored
+    per token). ``layer_cache``: the :class:`mgk.attention.cache.LayerCache` subclass of the kind's layers."""
 
     keys_per_token: int | str = 1
     values_per_token: int = 1
+    scalars_per_token: int | str = 0
     recurrent: bool = False
+    layer_cache: type | None = None
 
-    def stored_per_token(self, options) -> tuple[int, int]:
-        """(key vectors, value vectors) kept per token and head under ``options`` ((0, 0) for a recurrent state)."""
+    def stored_per_token(self, options) -> tuple[int, int, int]:
+        """(key vectors, value vectors, scalars) kept per token and head under ``options`` ((0, 0, 0) for a
+        recurrent state)."""
         if self.recurrent:
-            return 0, 0
-        keys = self.keys_per_token
-        return (getattr(options, keys) if isinstance(keys, str) else keys), self.values_per_token
+            return 0, 0, 0
+
+        def count(n):
+            return getattr(options, n) if isinstance(n, str) else n
+
+        return count(self.keys_per_token), self.values_per_token, count(self.scalars_per_token)
 
     def cache_bytes(self, options, *, num_heads: int, head_dim: int, length: int, element_size: int = 4,
                     value_dim: int | None = None) -> int:
@@ -39,5 +51,5 @@ class CacheSpec:
         dv = head_dim if value_dim is None else value_dim
         if self.recurrent:
             return num_heads * (head_dim * dv + head_dim) * element_size
-        keys, values = self.stored_per_token(options)
-        return num_heads * length * (keys * head_dim + values * dv) * element_size
+        keys, values, scalars = self.stored_per_token(options)
+        return num_heads * length * (keys * head_dim + values * dv + scalars) * element_size

@@ -7,6 +7,7 @@ from ..functional._linear_forms import linear_form
 from ..functional.linear import linear_attention, mlk_attention
 from . import module_masks
 from .base import AttentionBase
+from .cache import RecurrentCache
 from .mixture_keys import PI_MODES, MixtureKeys, MixtureKeysMixin
 
 
@@ -37,9 +38,21 @@ class _FormOptions:
         return {"eps": self.eps, "normalize": self.normalize, "feature_map": self.feature_map,
                 "output_scale": self.output_scale, "eps_mode": self.eps_mode}
 
+    @property
     def feature_map_fn(self):
-        """The feature map phi this module applies (a callable, shape-preserving), resolved from its option."""
+        """The feature map phi this module applies, a callable (..., D) -> (..., D') resolved from its option: pass
+        it as ``feature_map=`` to :mod:`mgk.functional` (or pass :attr:`feature_map` itself)."""
         return linear_form(**self._form_kwargs()).feature_map
+
+    _cache_type = RecurrentCache
+
+    def _recurrent(self, attend, q, k, v, valid, cache: RecurrentCache, **extra):
+        """One cached call of linear / MLK attention ``attend``: the cache's state in, the next state kept."""
+        mask = None if valid is None else valid[:, None, None, :]
+        out, state = attend(q, k, v, attn_mask=mask, is_causal=True, initial_state=cache.state,
+                            output_final_state=True, **extra, **self._form_kwargs())
+        cache.update(valid, q.shape[2], state)
+        return out
 
     def _form_repr(self) -> str:
         fm = self.feature_map
@@ -80,6 +93,9 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         result = linear_attention(q, k, v, attn_mask=mask, is_causal=is_causal, return_weights=need_weights,
                                   **self._form_kwargs())
         return result if need_weights else (result, None)
+
+    def _cached_core(self, q, x, v, valid, cache):
+        return self._recurrent(linear_attention, q, self._keys(x), v, valid, cache)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self._form_repr() + " (dropout unused)"
@@ -137,6 +153,12 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         """log pi broadcastable to (B, H, M, S). Raises ValueError when S > max_len for per-position weights."""
         self.mixture.check_length(S, "MLKAttention")
         return self.mixture.log_weights(S)
+
+    def _cached_core(self, q, x, v, valid, cache):
+        L = x.shape[1]
+        self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
+        log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
+        return self._recurrent(mlk_attention, q, self._keys(x), v, valid, cache, log_pi=log_pi, mix=self.mix)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask):
         log_pi = self.mixture_log_weights(k.shape[3])

@@ -82,20 +82,49 @@ class MixtureKeys(nn.Module):
 
     def forward(self, key: Tensor) -> Tensor:
         """Project key inputs (B, S, kdim) to mixture keys (B, H, M, S, D)."""
+        k = self.project(key)
+        return k if self.keys == "separate" else self.shift(k)
+
+    def project(self, key: Tensor) -> Tensor:
+        """The key projection of inputs (B, S, kdim): the M components (B, H, M, S, D) for separate keys; for
+        shifted keys the one unshifted key (B, H, S, D), whose components are :meth:`shift` of it."""
         B, S, _ = key.shape
         H, D, M = self.num_heads, self.head_dim, self.num_keys
         if self.keys == "separate":
             return self.k_proj(key).view(B, S, M, H, D).permute(0, 3, 2, 1, 4)
-        k = self.k_proj(key).view(B, S, H, D).transpose(1, 2).unsqueeze(2)  # (B, H, 1, S, D)
-        shift = torch.cat([self.key_shift.new_zeros(1, H, D), self.key_shift], dim=0)  # (M, H, D), mu_1 = 0
-        return k - shift.transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
+        return self.k_proj(key).view(B, S, H, D).transpose(1, 2)
+
+    def shifts(self) -> Tensor:
+        """(M, H, D): the offsets mu_r of shifted keys (``k_r = k - mu_r``), mu_1 = 0."""
+        H, D = self.num_heads, self.head_dim
+        return torch.cat([self.key_shift.new_zeros(1, H, D), self.key_shift], dim=0)
+
+    def shift(self, k: Tensor) -> Tensor:
+        """The M components (B, H, M, S, D) of an unshifted key (B, H, S, D)."""
+        return k.unsqueeze(2) - self.shifts().transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
+
+    def position_limit(self) -> tuple[str, int] | None:
+        """(option, max_len) when the weights are per key position (pi_shape="position" or pi="soft_e"), which
+        then cover positions 0 .. max_len - 1 only; None otherwise."""
+        if self.pi_mode == "soft_e":
+            return "pi='soft_e'", self.max_len
+        if self.pi_mode == "learned" and self.pi_shape == "position":
+            return "pi_shape='position'", self.max_len
+        return None
 
     def check_length(self, S: int, owner: str) -> None:
         """Raise ValueError naming S and max_len when per-position weights do not cover S keys."""
-        per_position = self.pi_mode == "soft_e" or (self.pi_mode == "learned" and self.pi_shape == "position")
-        if per_position and S > self.max_len:
+        if self.position_limit() is not None and S > self.max_len:
             raise ValueError(f"key sequence length {S} exceeds max_len={self.max_len} of this {owner} "
                              f"(per-position mixture weights exist for {self.max_len} positions)")
+
+    def check_position(self, last: int, owner: str) -> None:
+        """Raise ValueError naming the option and its limit when position ``last`` (counted from a row's first real
+        token) has no per-position weight."""
+        limit = self.position_limit()
+        if limit is not None and last >= limit[1]:
+            raise ValueError(f"{owner}: {limit[0]} has mixture weights for max_len={limit[1]} key positions (its "
+                             f"trained length); position {last} is past them")
 
     def log_weights(self, S: int) -> Tensor | None:
         """log pi broadcastable to (B, H, M, S); None for Hard-E. Soft-E reads the buffer's first S positions."""
@@ -107,6 +136,18 @@ class MixtureKeys(nn.Module):
         logits = self.pi_logits[:, :, :S] if self.pi_shape == "position" else self.pi_logits.unsqueeze(-1)
         log_pi = torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits
         return log_pi.unsqueeze(0)
+
+    def log_weights_at(self, positions: Tensor) -> Tensor | None:
+        """log pi at the key positions ``positions`` (B, S) int64 (of each row: decoding counts them from a row's
+        first real token), broadcastable to (B, H, M, S); None for Hard-E. Positions must be < max_len for
+        per-position weights (:meth:`check_position`)."""
+        if self.position_limit() is None:
+            return self.log_weights(1)
+        if self.pi_mode == "soft_e":
+            pi = self.pi[:, :, positions].permute(2, 0, 1, 3)  # (H, M, B, S) -> (B, H, M, S)
+            return pi.clamp_min(torch.finfo(pi.dtype).tiny).log()
+        logits = self.pi_logits[:, :, positions].permute(2, 0, 1, 3)
+        return torch.log_softmax(logits, dim=2) if self.pi_norm == "softmax" else logits
 
 
 def upgrade_state_dict(state_dict: dict, prefix: str, name: str = "mixture") -> None:

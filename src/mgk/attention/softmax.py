@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..functional.softmax import softmax_attention, softmax_attention_reference
+from ..functional.softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference
 from .base import AttentionBase
+from .cache import KVCache
 
 # nn.MultiheadAttention's entries that have no counterpart here, and the constructor option that creates them.
 _UNCARRIED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
@@ -53,9 +54,16 @@ class MultiheadAttention(AttentionBase):
     ``add_zero_attn`` has no counterpart.
     """
 
+    _cache_type = KVCache
+
     def __init__(self, embed_dim: int, num_heads: int, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
         self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None)
+
+    def _cached_core(self, q, x, v, valid, cache: KVCache):
+        entries = cache.append(valid, keys=self._keys(x), values=v)
+        return softmax_attention_cached(q, entries["keys"], entries["values"], attn_mask=cache.attn_mask(),
+                                        is_causal=True, dropout_p=self.attn_dropout)
 
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key))

@@ -1,4 +1,4 @@
-"""Argument parsing of ``mgk bench attention`` and ``mgk bench model``."""
+"""Argument parsing of ``mgk bench attention``, ``mgk bench model`` and ``mgk bench decode``."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +39,25 @@ def _model_kinds(text: str) -> list[tuple[str, int]]:
         if variant(name).attention_only:
             raise SystemExit(f"--kinds: {name!r} exists only in `mgk bench attention`")
     return kinds
+
+
+def _decode_kinds(text: str) -> list[tuple[str, int]]:
+    """--kinds of ``bench decode``: as ``bench model``'s (a decoding cache is the module's, whatever its backend)."""
+    return _model_kinds(text)
+
+
+def _targets(text: str) -> list[str]:
+    """--targets of ``bench decode``: ``layer`` and language-model presets."""
+    from ..tasks import all_presets
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    lm = sorted(n for n, cfg in all_presets().items() if cfg.task == "lm")
+    for name in names:
+        if name != "layer" and name not in lm:
+            raise argparse.ArgumentTypeError(f"unknown target {name!r}; choose layer or an LM preset ({', '.join(lm)})")
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one target")
+    return names
 
 
 def _lengths(text: str) -> list[int]:
@@ -87,7 +106,7 @@ def _json_path(text: str) -> Path:
 
 
 def add_parser(sub) -> None:
-    """Register ``bench`` with its two sub-commands on the ``mgk`` parser."""
+    """Register ``bench`` with its sub-commands on the ``mgk`` parser."""
     bench = sub.add_parser("bench", help="measure attention and model speed, memory and FLOPs")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     a = kinds.add_parser("attention", help="attention modules (with projections) across lengths")
@@ -115,11 +134,70 @@ def add_parser(sub) -> None:
     m.add_argument("--timeout", type=_positive(float), default=3600.0,
                    help="seconds per row before it is reported as failed")
     m.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
+    _decode_parser(kinds)
+
+
+def _decode_parser(kinds) -> None:
+    from .decode import DEFAULT_KINDS as DECODE_KINDS
+    from .decode import DEFAULT_TARGETS
+
+    d = kinds.add_parser("decode", help="cached decoding: time per generated token, prefill time, cache bytes",
+                         description="Per attention kind: prefill CONTEXT tokens through the decoding cache, then "
+                                     "time single-token steps; report the cache's measured bytes beside the "
+                                     "registry's formula. Targets: one attention layer and LM preset shapes "
+                                     "(random weights), or a trained run with --run.")
+    d.add_argument("--targets", type=_targets, default=list(DEFAULT_TARGETS),
+                   help=f"comma-separated: layer and/or LM presets (default {','.join(DEFAULT_TARGETS)})")
+    d.add_argument("--kinds", type=_decode_kinds, default=_decode_kinds(DECODE_KINDS), help=f"default {DECODE_KINDS}")
+    d.add_argument("--contexts", type=_lengths, default=_lengths("256,1024,4096"), help="default 256,1024,4096")
+    d.add_argument("--batches", type=_lengths, default=_lengths("1,8"), help="default 1,8")
+    d.add_argument("--steps", type=_positive(int), default=8, help="timed steps per row (median reported)")
+    d.add_argument("--embed-dim", type=_positive(int), default=256, help="the layer target's width")
+    d.add_argument("--head-dim", type=_positive(int), default=32, help="the layer target's head size")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the LM presets (e.g. vocab_size=1000)")
+    d.add_argument("--run", default=None, metavar="RUN_DIR", help="measure this trained LM run instead of the "
+                                                                  "targets (its own kind and heads)")
+    d.add_argument("--device", type=_device, default="cpu")
+    d.add_argument("--timeout", type=_positive(float), default=1200.0,
+                   help="seconds per row before it is reported as failed")
+    d.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
+
+
+def _run_decode(args) -> dict:
+    from .decode import run as run_decode
+    from .decode import table as decode_table
+
+    if args.run is not None:
+        from ..train.rundir import RunFileError, load_config
+
+        try:
+            load_config(args.run)
+        except RunFileError as exc:
+            raise SystemExit(f"--run: {exc}") from None
+    if args.overrides:
+        from ..config import apply_overrides
+        from ..tasks import all_presets
+
+        try:
+            apply_overrides(all_presets()["lm-small"], args.overrides)
+        except ValueError as exc:
+            raise SystemExit(f"--set: {exc}") from None
+    targets = ["run"] if args.run is not None else args.targets
+    result = run_decode(targets, args.kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
+                        timeout=args.timeout, embed_dim=args.embed_dim, head_dim=args.head_dim,
+                        overrides=args.overrides, run_dir=args.run)
+    print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
+    print(decode_table(result))
+    return result
 
 
 def run(args) -> int:
     """Run the chosen benchmark, print its table and write the JSON when asked."""
-    if args.bench_command == "attention":
+    if args.bench_command == "decode":
+        result = _run_decode(args)
+        failed = [row for row in result["rows"] if "error" in row]
+    elif args.bench_command == "attention":
         from .attention import run as run_attention
         from .attention import table
 

@@ -11,15 +11,16 @@ from typing import Iterable
 
 from . import listops as lo
 from . import text as tx
-from .wikitext import EOS, Vocabulary
+from .wikitext import EOS, UNK, Vocabulary
 
 __all__ = ["ByteTokenizer", "ListOpsTokenizer", "WordTokenizer"]
 
 
 class WordTokenizer:
-    """Words of a :class:`~mgk.data.wikitext.Vocabulary` (WikiText-103's tokenisation: words split on white space,
-    each line ended by ``<eos>``). ``encode`` maps a word outside the vocabulary to ``<unk>`` (KeyError naming it
-    when the vocabulary has none); ``decode`` writes ``<eos>`` as a line end."""
+    """Words of a :class:`~mgk.data.wikitext.Vocabulary` (WikiText-103's tokenisation: words split on white space
+    with the case kept, each line ended by ``<eos>``). ``encode`` maps a word outside the vocabulary to ``<unk>``
+    (:meth:`unknown_words` lists them; ValueError naming them when the vocabulary has no ``<unk>``); ``decode``
+    writes ``<eos>`` as a line end."""
 
     def __init__(self, vocab: Vocabulary):
         self.vocab = vocab
@@ -27,15 +28,29 @@ class WordTokenizer:
     def __len__(self) -> int:
         return len(self.vocab)
 
+    @staticmethod
+    def words(text: str) -> list[str]:
+        """The words of ``text``, ``<eos>`` after every line that ends with a line end (as the corpus ends each)."""
+        out: list[str] = []
+        for line in text.splitlines(keepends=True):
+            out.extend(line.split())
+            if line.endswith(("\n", "\r")):
+                out.append(EOS)
+        return out
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of ``text`` outside the vocabulary, in order, once each."""
+        return list(dict.fromkeys(w for w in self.words(text) if w not in self.vocab))
+
     def encode(self, text: str) -> list[int]:
-        """Ids of the words of ``text``; every line end is ``<eos>`` (a last line without one gets none)."""
-        lines = text.split("\n")
-        ids: list[int] = []
-        for i, line in enumerate(lines):
-            ids.extend(self.vocab.id(w) for w in line.split())
-            if i < len(lines) - 1:
-                ids.append(self.vocab.eos_id)
-        return ids
+        """Ids of the words of ``text`` (:meth:`words`); unknown words as ``<unk>``. ValueError naming the unknown
+        words when the vocabulary has no ``<unk>``."""
+        unknown = self.unknown_words(text)
+        if unknown and UNK not in self.vocab:
+            shown = ", ".join(repr(w) for w in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise ValueError(f"{len(unknown)} word(s) are not in the run's vocabulary, which has no {UNK} to read "
+                             f"them as: {shown}")
+        return [self.vocab.id(w) for w in self.words(text)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """The words of ``ids`` joined by spaces, ``<eos>`` as a line end."""

@@ -118,6 +118,7 @@ _RULES = {
     "chunk_size": _positive_int,
     "is_causal": _flag,
     "return_weights": _flag,
+    "output_final_state": _flag,
     "scale": _optional_positive,
     "eps": _non_negative,
 }
@@ -127,7 +128,8 @@ def check_arguments(*, backends: tuple[str, ...] | None = None, **values) -> Non
     """Check the options of a public attention function, one rule per argument name, so every entry point refuses
     a bad value with the same ValueError naming the argument and the accepted range:
 
-    dropout_p a float in [0, 1]; chunk_size an int >= 1; is_causal and return_weights bools; scale None or a finite
+    dropout_p a float in [0, 1]; chunk_size an int >= 1; is_causal, return_weights and
+    output_final_state bools; scale None or a finite
     float > 0; eps a finite float >= 0; backend None or one of ``backends``.
 
     Raises ValueError for a bad value; KeyError (a bug of the caller) for a name without a rule."""

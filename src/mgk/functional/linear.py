@@ -34,8 +34,6 @@ Sums and denominators run in float32 (float64 for float64 inputs) with autocast 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -62,6 +60,7 @@ from ._linear_forms import (
     elu_sum_feature_map,
     linear_form,
 )
+from ._linear_state import LinearAttentionState, Prior, check_state, final_state
 from .mgk import BackendError, _log_prior
 from .mgk import _check as _check_mixture
 
@@ -117,7 +116,9 @@ def _key_features(form: LinearForm, key: Tensor, log_pi: Tensor | None, keep: Te
     return phi
 
 
-def _scaled(phi: Tensor, scale: float | None) -> Tensor:
+def _scaled(phi: Tensor, scale: float | Tensor | None) -> Tensor:
+    if isinstance(scale, Tensor):
+        return phi * scale.to(phi.dtype)
     return phi if scale is None else phi * scale
 
 
@@ -179,17 +180,31 @@ def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
     return num.reshape(B, H, n * c, Dv)[:, :, :N], den.reshape(B, H, n * c)[:, :, :N]
 
 
-def _causal(phi_q, phi_k, v, chunk: int):
-    """Bottom-right aligned causal sums: query i sees keys j <= i + S - L."""
+def _causal(phi_q, phi_k, v, chunk: int, prior: Prior | None = None):
+    """Bottom-right aligned causal sums: query i sees keys j <= i + S - L, and every key of ``prior``."""
     L, S = phi_q.shape[2], phi_k.shape[2]
     off = S - L
-    if off < 0:  # the first -off queries see no key
-        num, den = _causal(phi_q[:, :, -off:], phi_k, v, chunk)
-        return F.pad(num, (0, 0, -off, 0)), F.pad(den, (-off, 0))
+    if off < 0:  # the first -off queries see no new key (only the prior's)
+        num, den = _causal(phi_q[:, :, -off:], phi_k, v, chunk, prior)
+        if prior is None:
+            return F.pad(num, (0, 0, -off, 0)), F.pad(den, (-off, 0))
+        head = phi_q[:, :, :-off]
+        return (torch.cat([head @ prior.kv, num], dim=2),
+                torch.cat([(head @ prior.k_sum.unsqueeze(-1)).squeeze(-1), den], dim=2))
     # Keys before the aligned block are seen by every query: they form the initial state.
     kv0 = phi_k[:, :, :off].transpose(-1, -2) @ v[:, :, :off]
     z0 = phi_k[:, :, :off].sum(dim=-2)
+    if prior is not None:
+        kv0, z0 = kv0 + prior.kv, z0 + prior.k_sum
     return _chunked_prefix(phi_q, phi_k[:, :, off:], v[:, :, off:], kv0, z0, chunk)
+
+
+def _full(phi_q, phi_k, v, prior: Prior | None):
+    """Non-causal sums: every query sees every key (and the prior's)."""
+    kv, z = phi_k.transpose(-1, -2) @ v, phi_k.sum(dim=-2)
+    if prior is not None:
+        kv, z = kv + prior.kv, z + prior.k_sum
+    return phi_q @ kv, (phi_q @ z.unsqueeze(-1)).squeeze(-1)
 
 
 def select_linear_backend(return_weights: bool = False) -> str:
@@ -199,54 +214,118 @@ def select_linear_backend(return_weights: bool = False) -> str:
     return "explicit" if return_weights else "chunked"
 
 
-def _backend(backend: str | None, return_weights: bool, is_causal: bool) -> str:
-    check_arguments(backend=backend, backends=LINEAR_BACKENDS, return_weights=return_weights, is_causal=is_causal)
+def _backend(backend: str | None, return_weights: bool, is_causal: bool, initial_state=None,
+             output_final_state: bool = False) -> str:
+    check_arguments(backend=backend, backends=LINEAR_BACKENDS, return_weights=return_weights, is_causal=is_causal,
+                    output_final_state=output_final_state)
+    if return_weights and initial_state is not None:
+        raise ValueError("return_weights=True cannot be combined with initial_state: the state keeps sums, not the "
+                         "keys whose weights would be returned")
     if backend is None:
         return select_linear_backend(return_weights)
     if return_weights and backend != "explicit":
         raise BackendError(f"backend={backend!r} cannot serve these inputs: return_weights=True needs the "
                            "(B, H, L, S) weights, which only backend='explicit' builds")
+    if backend == "explicit" and (initial_state is not None or output_final_state):
+        raise BackendError("backend='explicit' cannot serve these inputs: it builds the (B, H, L, S) weights and "
+                           "keeps no state (initial_state / output_final_state need backend='chunked')")
     return backend
 
 
-def _run(query, key, value, log_pi, keep, is_causal, form: LinearForm, chunk_size, return_weights, backend):
-    """Shared core of linear and MLK attention; key is (B, H, M, S, D), already checked."""
+def _length_scales(form: LinearForm, L: int, S: int, counts: Tensor | None):
+    """(query, key) feature scales under normalize="length": L^(-1/4), S^(-1/4) of the tensor lengths; when decoding
+    (``counts`` (B, H): real keys per row so far, this call's included), n^(-1/2) on the queries and none on the
+    keys, so that the state holds unscaled sums and each call equals one call over the row's whole sequence."""
+    if form.normalize != "length":
+        return None, None
+    if counts is None:
+        return form.length_scale(L), form.length_scale(S)
+    return counts.clamp_min(1).to(torch.float64).pow(-0.5).view(*counts.shape, 1, 1), None
+
+
+def _decoded_lengths(form: LinearForm, prior: Prior | None, keep, B: int, H: int, S: int) -> Tensor | None:
+    """(B, H) real keys per row after this call (the prior's and this call's), for normalize="length" (else
+    None)."""
+    if form.normalize != "length":
+        return None
+    if prior is not None and prior.length is None:
+        raise ValueError("normalize='length' with initial_state needs initial_state.length (the real keys each row "
+                         "has seen), which the states these functions return carry")
+    added = (torch.full((B, H), S, dtype=torch.int64, device=prior.kv.device if prior is not None else None)
+             if keep is None else keep.sum(dim=-1).to(torch.int64).expand(B, H))
+    return added if prior is None else added + prior.length.to(added.device)
+
+
+def _sums(phi_q, phi_k, v, is_causal: bool, chunk_size: int, prior: Prior | None):
+    """(numerator (B, H, L, Dv), denominator (B, H, L)) of the chunked backend."""
+    if is_causal:
+        return _causal(phi_q, phi_k, v, chunk_size, prior)
+    return _full(phi_q, phi_k, v, prior)
+
+
+def _explicit(phi_q, phi_k, v, is_causal: bool, form: LinearForm, empty):
+    """(out, weights) of the explicit backend: the (B, H, L, S) weights with ``out = weights @ v``."""
+    L, S = phi_q.shape[2], phi_k.shape[2]
+    weights = phi_q @ phi_k.transpose(-1, -2)  # padded keys and empty rows are already 0
+    if is_causal:
+        weights = torch.where(_masks.causal_mask(L, S, phi_q.device), weights,
+                              torch.zeros((), dtype=weights.dtype, device=weights.device))
+    weights = _finish(weights, weights.sum(dim=-1, keepdim=True), form, empty)
+    return weights @ v, weights
+
+
+def _run(query, key, value, log_pi, keep, is_causal, form: LinearForm, chunk_size, return_weights, backend,
+         state=None, final: bool = False, scales=None):
+    """Shared core of linear and MLK attention; key is (B, H, M, S, D), already checked. ``state``: the initial
+    state or None; ``final``: also return the final state; ``scales``: (query, key) feature scales that replace
+    normalize="length"'s (the step's explicit lengths)."""
     out_dtype = query.dtype
-    L, S = query.shape[2], key.shape[3]
+    B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[3]
     dt = compute_dtype(query, key, value)
     q, k, v = query.to(dt), key.to(dt), value.to(dt)
     zero = torch.zeros((), dtype=dt, device=query.device)
     with full_precision(query.device):
+        phi_k = _key_features(form, k, log_pi, keep)
+        prior = None if state is None else check_state(state, B, H, phi_k.shape[-1], v.shape[-1], dt)
         empty = _empty_rows(keep, is_causal, L, S, query.device)
+        if empty is not None and prior is not None:  # a row that sees no new key still sees the prior's keys
+            empty = empty & ~prior.seen
         if empty is not None:  # rows that see no key: inert (NaN queries there must not reach any gradient); they
             q = torch.where(empty, zero, q)  # meet only zero key features, so their num and den are exactly 0
-        phi_q = _scaled(_features(form.feature_map, q, "query"), form.length_scale(L))
-        phi_k = _scaled(_key_features(form, k, log_pi, keep), form.length_scale(S))
+        counts = _decoded_lengths(form, prior, keep, B, H, S) if (state is not None or final) else None
+        q_scale, k_scale = scales if scales is not None else _length_scales(form, L, S, counts)
+        phi_q = _scaled(_features(form.feature_map, q, "query"), q_scale)
+        phi_k = _scaled(phi_k, k_scale)
         check_same("feature_map(query)", phi_q.shape[-1], "feature_map(key)", phi_k.shape[-1], "feature size D'")
         if keep is not None:
             v = torch.where(keep.unsqueeze(-1), v, zero)
         if backend == "explicit":
-            weights = phi_q @ phi_k.transpose(-1, -2)  # (B, H, L, S); padded keys and empty rows are already 0
-            if is_causal:
-                weights = torch.where(_masks.causal_mask(L, S, query.device), weights, zero)
-            # the weights are returned such that out = weights @ v
-            weights = _finish(weights, weights.sum(dim=-1, keepdim=True), form, empty)
-            out = weights @ v
+            out, weights = _explicit(phi_q, phi_k, v, is_causal, form, empty)
         else:
-            if is_causal:
-                num, den = _causal(phi_q, phi_k, v, chunk_size)
-            else:
-                num = phi_q @ (phi_k.transpose(-1, -2) @ v)
-                den = (phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)).squeeze(-1)
+            num, den = _sums(phi_q, phi_k, v, is_causal, chunk_size, prior)
             out = _finish(num, den.unsqueeze(-1), form, empty)
+        new_state = final_state(prior, phi_k, v, keep) if final else None
     out = out.to(out_dtype)
-    return (out, weights.to(out_dtype)) if return_weights else out
+    if return_weights:
+        return out, weights.to(out_dtype)
+    return (out, new_state) if final else out
+
+
+_STATE_DOC = """
+        initial_state: a :class:`LinearAttentionState` whose keys every query also sees (they precede this call's
+            keys: decoding continues a sequence), or None. Not with ``return_weights`` or backend "explicit".
+        output_final_state: also return the state after this call's keys (prior's plus every real key here), to
+            pass as the next call's ``initial_state`` (flash-linear-attention's convention). With either of these two,
+            normalize="length" scales by each row's count of real keys so far (the state's plus this call's) instead
+            of the tensor lengths, for queries and keys alike: every call then equals the last rows of one call over
+            that row's whole unpadded sequence, so a prefill followed by steps gives what recomputing gives."""
 
 
 def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
                      is_causal: bool = False, eps: float = 1e-6, feature_map: FeatureMap | str | None = None,
                      normalize: str = "row", output_scale: float = 1.0, eps_mode: str = "guard",
-                     chunk_size: int = 64, return_weights: bool = False, backend: str | None = None):
+                     chunk_size: int = 64, return_weights: bool = False, backend: str | None = None,
+                     initial_state: LinearAttentionState | None = None, output_final_state: bool = False):
     """Linear attention ``o_i = phi(q_i)^T sum_j phi(k_j) v_j^T / phi(q_i)^T sum_j phi(k_j)``.
 
     Katharopoulos et al. (2020), "Transformers are RNNs", eq. 6; the paper's linear baseline. ``normalize``,
@@ -275,27 +354,33 @@ def linear_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Te
         chunk_size: positions per chunk of the causal prefix sums (speed and memory only).
         return_weights: also return the explicit (B, H, L, S) weights W with ``output = W @ value`` (normalised
             rows times ``output_scale`` under normalize="row"; O(L S) memory).
-        backend: None (:func:`select_linear_backend`), "chunked" or "explicit".
+        backend: None (:func:`select_linear_backend`), "chunked" or "explicit".{state}
     Returns:
-        (B, H, L, Dv) in query's dtype, and the weights when ``return_weights``. Rows that may attend to no key
-        (every key padded, or before the first visible key in causal mode) are exactly zero.
+        (B, H, L, Dv) in query's dtype, and the weights when ``return_weights``, or ``(out, final_state)`` with
+        ``output_final_state``. Rows that may attend to no key (every key padded, or before the first visible key in
+        causal mode, with no key in ``initial_state``) are exactly zero.
     Raises:
-        ValueError naming the argument for wrong ranks, sizes, mixed dtypes, options or backend; MaskError for a
-        non-bool mask or a mask that is not a key-padding mask.
+        ValueError naming the argument for wrong ranks, sizes, mixed dtypes, options, backend or state; MaskError
+        for a non-bool mask or a mask that is not a key-padding mask.
     """
     B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
     form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
                        eps_mode=eps_mode, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
-    name = _backend(backend, return_weights, is_causal)
-    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, form, chunk_size, return_weights, name)
+    name = _backend(backend, return_weights, is_causal, initial_state, output_final_state)
+    return _run(query, key.unsqueeze(2), value, None, keep, is_causal, form, chunk_size, return_weights, name,
+                initial_state, output_final_state)
+
+
+linear_attention.__doc__ = linear_attention.__doc__.replace("{state}", _STATE_DOC)
 
 
 def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
                   attn_mask: Tensor | None = None, is_causal: bool = False, eps: float = 1e-6,
                   feature_map: FeatureMap | str | None = None, normalize: str = "row", output_scale: float = 1.0,
                   eps_mode: str = "guard", mix: str = "features", chunk_size: int = 64,
-                  return_weights: bool = False, backend: str | None = None):
+                  return_weights: bool = False, backend: str | None = None,
+                  initial_state: LinearAttentionState | None = None, output_final_state: bool = False):
     """Attention with a mixture of linear keys (MLK, paper eq. 14).
 
     Linear attention whose key feature is ``phi~(k_j) = sum_r pi_jr phi(k_jr)``:
@@ -303,7 +388,8 @@ def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
 
     Args:
         query: (B, H, L, D) floating.
-        key: (B, H, M, S, D), M mixture components per key position.
+        key: (B, H, M, S, D), M mixture components per key position (an :class:`mgk.MLKAttention`'s keys are
+            ``module.mixture(x)``, already in this layout).
         value: (B, H, S, Dv).
         log_pi: log mixture weights broadcastable to (B, H, M, S); default uniform ``-log M``. Entries of -inf
             switch a component off. Not normalised here (un-normalised weights rescale a key's mass).
@@ -311,31 +397,19 @@ def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
             phi(sum_r pi_jr k_jr)``: mix the raw keys before the feature map, the authors' LRA form; with
             position-independent weights it is one effective key projection).
         attn_mask, is_causal, eps, feature_map, normalize, output_scale, eps_mode, chunk_size, return_weights,
-            backend: as :func:`linear_attention`.
+            backend, initial_state, output_final_state: as :func:`linear_attention`.
     Returns:
         As :func:`linear_attention`.
     Raises:
-        ValueError naming the argument for wrong ranks, sizes, dtypes or options; MaskError for masks.
+        ValueError naming the argument for wrong ranks, sizes, dtypes, options or state; MaskError for masks.
     """
     B, H, L, S, M, D, _ = _check_mixture(query, key, value, log_pi, "sum", None)
     form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
                        eps_mode=eps_mode, mix=mix, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)
-    name = _backend(backend, return_weights, is_causal)
-    return _run(query, key, value, log_pi, keep, is_causal, form, chunk_size, return_weights, name)
-
-
-@dataclass(frozen=True)
-class LinearAttentionState:
-    """Running sums of causal linear/MLK attention, in float32 (float64 for float64 inputs).
-
-    Attributes:
-        kv: (B, H, D', Dv), ``sum_j phi~(k_j) v_j^T`` over the keys seen so far.
-        k_sum: (B, H, D'), ``sum_j phi~(k_j)``.
-    """
-
-    kv: Tensor
-    k_sum: Tensor
+    name = _backend(backend, return_weights, is_causal, initial_state, output_final_state)
+    return _run(query, key, value, log_pi, keep, is_causal, form, chunk_size, return_weights, name,
+                initial_state, output_final_state)
 
 
 def _step_log_pi(log_pi_t, mlk: bool, B: int, H: int, M: int) -> Tensor | None:
@@ -383,10 +457,13 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
 
     Adds position t to the running sums, then attends from ``query_t`` (the diagonal is included). Running it over
     t = 0..L-1 gives the outputs of :func:`linear_attention` / :func:`mlk_attention` with ``is_causal=True`` and
-    the same options.
+    the same options. It is ``linear_attention`` / ``mlk_attention`` with ``initial_state=state`` and
+    ``output_final_state=True`` on one position; a model's layers decode through their caches instead
+    (``past_key_values``, :mod:`mgk.attention.cache`), which also hold the keys' layout.
 
     Args:
-        query_t: (B, H, D); key_t: (B, H, D) or (B, H, M, D); value_t: (B, H, Dv).
+        query_t: (B, H, D); key_t: (B, H, D) or (B, H, M, D) (an :class:`mgk.MLKAttention`'s keys are
+            ``module.mixture(x)``, (B, H, M, S, D); take position t as ``[:, :, :, t]``); value_t: (B, H, Dv).
         state: the state returned by the previous step; None at t = 0.
         log_pi_t: MLK log mixture weights of this key, broadcastable to (B, H, M); default uniform. Only with a
             4-dim key_t.
@@ -394,7 +471,8 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
             e.g. left padding in batched decoding). None: every step is real.
         feature_map, eps, normalize, output_scale, eps_mode: as :func:`linear_attention`; mix: as
             :func:`mlk_attention`.
-        lengths: (L, S), the whole query and key tensor lengths; required by normalize="length" only.
+        lengths: (L, S), the whole query and key tensor lengths; required by normalize="length" only (the features
+            are then scaled by L^(-1/4) and S^(-1/4) before the sums, reproducing one call over those lengths).
     Returns:
         ``(out_t, state)``: out_t (B, H, Dv) in query_t's dtype (zero while no real key has been seen) and the new
         :class:`LinearAttentionState` (the old one is not modified).
@@ -415,29 +493,12 @@ def linear_attention_step(query_t: Tensor, key_t: Tensor, value_t: Tensor, state
     check_same("key_t", H, "value_t", value_t.shape[1], "number of heads")
     form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
                        eps_mode=eps_mode, mix=mix)
-    q_scale, k_scale = _step_lengths(form, lengths)
+    scales = _step_lengths(form, lengths) if form.normalize == "length" else None
     log_pi = _step_log_pi(log_pi_t, mlk, B, H, key.shape[2])
     keep = _step_keep(key_mask_t, B, H)
-    dt = compute_dtype(query_t, key_t, value_t)
-    with full_precision(query_t.device):
-        q, k, v = query_t.to(dt), key.to(dt), value_t.to(dt)
-        phi_q = _scaled(_features(form.feature_map, q, "query_t"), q_scale)
-        phi_k = _scaled(_key_features(form, k, log_pi, keep)[:, :, 0], k_scale)  # (B, H, D')
-        check_same("feature_map(query_t)", phi_q.shape[-1], "feature_map(key_t)", phi_k.shape[-1], "feature size D'")
-        if keep is not None:
-            v = torch.where(keep, v, torch.zeros((), dtype=dt, device=v.device))
-        kv = phi_k.unsqueeze(-1) * v.unsqueeze(-2)
-        z = phi_k
-        if state is not None:
-            if not isinstance(state, LinearAttentionState):
-                raise ValueError(f"state must be a LinearAttentionState or None, got {type(state).__name__}")
-            want = (B, H, phi_k.shape[-1], v.shape[-1])
-            if tuple(state.kv.shape) != want or tuple(state.k_sum.shape) != want[:3]:
-                raise ValueError(f"state has kv {tuple(state.kv.shape)} and k_sum {tuple(state.k_sum.shape)}; "
-                                 f"this step needs {want} and {want[:3]}")
-            kv = state.kv.to(dt) + kv
-            z = state.k_sum.to(dt) + z
-        num = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)
-        den = (phi_q * z).sum(dim=-1, keepdim=True)
-        out = _finish(num, den, form, None).to(query_t.dtype)
-    return out, LinearAttentionState(kv, z)
+    if state is not None and not isinstance(state, LinearAttentionState):
+        raise ValueError(f"state must be a LinearAttentionState or None, got {type(state).__name__}")
+    # The recurrent form is the chunked causal form with one query and one key after the state's keys.
+    out, new_state = _run(query_t.unsqueeze(2), key, value_t.unsqueeze(2), log_pi, keep, True, form, 1, False,
+                          "chunked", state, True, scales)
+    return out[:, :, 0], new_state

@@ -165,3 +165,31 @@ def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, at
         dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights
         out = (dropped @ v).to(query.dtype)
     return (out, weights.to(query.dtype)) if return_weights else out
+
+
+def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
+                             is_causal: bool = True, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """Softmax attention of new queries over a decoding cache, read in place (a decoding step of
+    :class:`mgk.attention.cache.KVCache`): :func:`softmax_attention` through SDPA, except that keys and values at
+    slots no query may attend to must be finite (a cache stores zeros there), so they are not copied to be zeroed.
+
+    Args: query (B, H, L, D), the L new queries; key (B, H, S, D) and value (B, H, S, Dv), the cache's slots in use
+        (the new ones included); attn_mask bool broadcastable to (B, H, L, S), True = may attend; is_causal
+        bottom-right (a no-op for L = 1: the last query sees every key); dropout_p, scale as
+        :func:`softmax_attention`.
+    Returns: (B, H, L, Dv) in query's dtype; rows that may attend to no key are zero.
+    Raises: as :func:`softmax_attention`."""
+    check_arguments(is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+    B, H, L, S, D, mask, _ = _checked(query, key, value, attn_mask, None)
+    dt = compute_dtype(query, key, value)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    with full_precision(query.device):
+        q, k, v = query.to(dt), key.to(dt), value.to(dt)
+        causal = is_causal and L > 1
+        if mask is None and (not causal or L == S):  # SDPA's causal flag is top-left: ours when L == S
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
+                                                  scale=scale).to(query.dtype)
+        mask = _masks.combine(mask, causal, L, S, query.device)
+        empty = ~mask.any(dim=-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p, scale=scale)
+        return _masks.zero_rows(out, empty).to(query.dtype)

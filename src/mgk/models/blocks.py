@@ -30,7 +30,8 @@ class TransformerBlock(nn.Module):
             module with the ``forward(x, *, key_padding_mask, need_weights, is_causal)`` signature of
             :class:`mgk.attention.base.AttentionBase` (called with ``need_weights=False``).
         ffn_dim, dropout, activation: of the feed-forward part; dropout also applies to both residual branches.
-    Forward: x (B, L, E), key_padding_mask bool (B, L) True = padding -> (B, L, E).
+    Forward: x (B, L, E), key_padding_mask bool (B, L) True = padding -> (B, L, E); with ``past_key_values`` (the
+    attention's layer cache, :mod:`mgk.attention.cache`) x holds the new tokens only and the attention decodes.
     """
 
     def __init__(self, d_model: int, attention: AttentionConfig | nn.Module, ffn_dim: int, dropout: float, *,
@@ -43,12 +44,15 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.norm_first = norm_first
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False,
+                past_key_values=None) -> Tensor:
+        # a module from outside mgk may not take past_key_values: it is passed only when decoding
+        extra = {} if past_key_values is None else {"past_key_values": past_key_values}
         if self.norm_first:
             h = self.norm1(x)
             x = x + self.drop(self.attn(h, key_padding_mask=key_padding_mask, need_weights=False,
-                                        is_causal=is_causal)[0])
+                                        is_causal=is_causal, **extra)[0])
             return x + self.drop(self.ffn(self.norm2(x)))
         x = self.norm1(x + self.drop(self.attn(x, key_padding_mask=key_padding_mask, need_weights=False,
-                                               is_causal=is_causal)[0]))
+                                               is_causal=is_causal, **extra)[0]))
         return self.norm2(x + self.drop(self.ffn(x)))

@@ -9,26 +9,34 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..attention.cache import DecodingCache, token_positions
 from .adaptive import TiedAdaptiveSoftmax
 from .adaptive_authors import AuthorsAdaptiveSoftmax
 from .blocks import TransformerBlock
 from .config import LMConfig
+from .generation import generate
 from .init import check_init, init_lm_paper_
 
 ADAPTIVE_SOFTMAX = {"torch": TiedAdaptiveSoftmax, "authors": AuthorsAdaptiveSoftmax}
 
-__all__ = ["IGNORE_INDEX", "TransformerLM", "sinusoidal_positions"]
+__all__ = ["IGNORE_INDEX", "TransformerLM", "sinusoidal_embedding", "sinusoidal_positions"]
 
 IGNORE_INDEX = -100  # a target with this value is not scored
 
 
-def sinusoidal_positions(length: int, dim: int, *, device=None, dtype=torch.float32) -> Tensor:
-    """(length, dim) encodings ``[sin(p w_0), ..., sin(p w_{k-1}), cos(p w_0), ...]`` with
-    ``w_i = 10000^(-2i/dim)`` (Vaswani et al. 2017; the sin/cos halves concatenated as in Transformer-XL)."""
+def sinusoidal_embedding(positions: Tensor, dim: int, *, dtype=torch.float32) -> Tensor:
+    """(..., dim) encodings ``[sin(p w_0), ..., sin(p w_{k-1}), cos(p w_0), ...]`` of integer ``positions`` (...)
+    with ``w_i = 10000^(-2i/dim)`` (Vaswani et al. 2017; the sin/cos halves concatenated as in Transformer-XL)."""
     half = (dim + 1) // 2
-    inv_freq = torch.exp(torch.arange(half, device=device, dtype=torch.float64) * (-2.0 * math.log(10000.0) / dim))
-    angles = torch.arange(length, device=device, dtype=torch.float64).unsqueeze(1) * inv_freq
-    return torch.cat([angles.sin(), angles.cos()], dim=1)[:, :dim].to(dtype)
+    inv_freq = torch.exp(torch.arange(half, device=positions.device, dtype=torch.float64)
+                         * (-2.0 * math.log(10000.0) / dim))
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)[..., :dim].to(dtype)
+
+
+def sinusoidal_positions(length: int, dim: int, *, device=None, dtype=torch.float32) -> Tensor:
+    """(length, dim) :func:`sinusoidal_embedding` of positions 0 .. length - 1."""
+    return sinusoidal_embedding(torch.arange(length, device=device), dim, dtype=dtype)
 
 
 class TransformerLM(nn.Module):
@@ -91,16 +99,66 @@ class TransformerLM(nn.Module):
         """Parameters of the blocks' attention modules (projections and mixture weights)."""
         return sum(p.numel() for block in self.blocks for p in block.attn.parameters())
 
-    def hidden(self, tokens: Tensor) -> Tensor:
-        """Final hidden states (B, L, E) of integer tokens (B, L); position t sees tokens 0..t only."""
+    def hidden(self, tokens: Tensor, *, key_padding_mask: Tensor | None = None,
+               past_key_values: DecodingCache | None = None) -> Tensor:
+        """Final hidden states (B, L, E) of integer tokens (B, L); position t sees tokens 0..t only.
+
+        ``past_key_values`` (:meth:`new_cache`): decode: ``tokens`` are the new tokens after those the cache has
+        seen, attended with them and added to it; positions continue per row. ``key_padding_mask`` (B, L) bool,
+        True = padding (the left padding of prompts of different lengths): padded tokens are never attended and
+        each row's positions count its real tokens only, so a row gives what it gives alone (a cache is made for
+        the call when none is given). Hidden states at padded positions are meaningless."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an integer tensor of shape (B, L), got {tokens.dtype} "
                              f"{tuple(tokens.shape)}")
+        if key_padding_mask is not None and past_key_values is None:
+            past_key_values = self.new_cache()
         x = self.adaptive.embed(tokens.long())
-        x = self.drop(x + sinusoidal_positions(tokens.shape[1], self.d_model, device=x.device, dtype=x.dtype))
-        for block in self.blocks:
-            x = block(x, is_causal=True)
+        if past_key_values is None:
+            pos = sinusoidal_positions(tokens.shape[1], self.d_model, device=x.device, dtype=x.dtype)
+        else:
+            pos = sinusoidal_embedding(self._positions(tokens, key_padding_mask, past_key_values), self.d_model,
+                                       dtype=x.dtype)
+        x = self.drop(x + pos)
+        for i, block in enumerate(self.blocks):
+            layer = None if past_key_values is None else past_key_values[i]
+            x = block(x, key_padding_mask=key_padding_mask, is_causal=True, past_key_values=layer)
         return x
+
+    @staticmethod
+    def _positions(tokens: Tensor, key_padding_mask: Tensor | None, cache: DecodingCache) -> Tensor:
+        """(B, L) positions of new tokens after those ``cache`` has seen, per row."""
+        B, L = tokens.shape
+        if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                             or tuple(key_padding_mask.shape) != (B, L)):
+            raise ValueError(f"key_padding_mask must be bool of the tokens' shape {(B, L)} (True = padding), got "
+                             f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        seen = cache.seen if cache.seen is not None else torch.zeros(B, dtype=torch.int64, device=tokens.device)
+        if seen.shape[0] != B:
+            raise ValueError(f"past_key_values was filled for a batch of {seen.shape[0]} rows; tokens have {B}")
+        return token_positions(seen, None if key_padding_mask is None else ~key_padding_mask, L)
+
+    def new_cache(self, capacity: int | None = None) -> DecodingCache:
+        """An empty :class:`~mgk.attention.cache.DecodingCache`, one layer cache per block (room for ``capacity``
+        tokens allocated at the first call)."""
+        return DecodingCache(block.attn.new_cache(capacity) for block in self.blocks)
+
+    def next_log_probs(self, tokens: Tensor, *, key_padding_mask: Tensor | None = None,
+                       past_key_values: DecodingCache | None = None) -> Tensor:
+        """(B, V) float32 log-probabilities of the token after the last of ``tokens`` (B, L), arguments as
+        :meth:`hidden`."""
+        h = self.hidden(tokens, key_padding_mask=key_padding_mask, past_key_values=past_key_values)[:, -1]
+        return self.adaptive.log_prob(self.out_drop(h))
+
+    def position_limit(self) -> tuple[str, int] | None:
+        """(option, max_len) of the first block whose attention has mixture weights per key position (which cover
+        max_len positions only), or None when any position can be decoded."""
+        limits = [block.attn.mixture.position_limit() for block in self.blocks
+                  if hasattr(getattr(block.attn, "mixture", None), "position_limit")]
+        limits = [lim for lim in limits if lim is not None]
+        return min(limits, key=lambda lim: lim[1]) if limits else None
+
+    generate = generate
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         h = self.hidden(tokens)

@@ -1,0 +1,259 @@
+"""Decoding caches: one object per attention layer, updated in place by the layer's ``forward(...,
+past_key_values=cache)``, and :class:`DecodingCache`, one per model (a cache per layer).
+
+The anchor is Hugging Face's ``past_key_values`` objects (``DynamicCache``), so the drop-in ``forward`` keeps
+returning ``(output, weights)``: a layer called with a cache attends from its new tokens to every token the cache has
+seen and to themselves (causally, bottom-right aligned), then adds them to the cache. The first call is the prefill
+(any length), every later call one token or a few.
+
+What a layer's cache holds is its kind's declaration in the registry (:class:`mgk.attention.cache_spec.CacheSpec`,
+whose ``layer_cache`` is one of the classes here):
+
+* :class:`KVCache` (softmax): keys (B, H, T, D) and values (B, H, T, Dv);
+* :class:`MixtureKeyCache` (MGK): the M component keys centred on the prefill's centre and divided by sigma_r^2
+  (B, H, M, T, D), the per-key scalars ``log pi_jr - |k~_jr|^2 / (2 sigma_r^2)`` (B, H, M, T) and the values
+  (:mod:`mgk.functional.mgk_cache`);
+* :class:`ShiftedKeyCache` (sMGK): the one unshifted centred key (B, H, T, D), M scalars per key and the values; the
+  shifts are applied when the cache is read;
+* :class:`RecurrentCache` (linear, MLK): the state (S, z) of :class:`mgk.functional.LinearAttentionState`, of a
+  fixed size whatever the length.
+
+Slots are shared by the rows of a batch: call t writes the same columns for every row. Per row, a cache counts the
+real tokens it has seen (:attr:`LayerCache.seen`): padding (``key_padding_mask`` of the new tokens, e.g. the left
+padding of prompts of different lengths) is stored as zeros, never attended, and not counted, so positions (of
+per-position mixture weights, and of the LM's sinusoids) continue from each row's own prompt and a left-padded row
+decodes as that row alone. Key/value buffers are allocated for a capacity (:meth:`SlotCache.reserve`, or the first
+call's length) and grown geometrically; a step reads only the slots in use (gpt-fast#233 read empty slots). Each
+layer has its own cache and counts (flash-linear-attention#747 counted the length once for all layers).
+
+Caches hold detached tensors: a backward through a cached call reaches the new tokens' queries only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..functional import LinearAttentionState
+
+__all__ = ["DecodingCache", "KVCache", "LayerCache", "MixtureKeyCache", "RecurrentCache", "ShiftedKeyCache",
+           "SlotCache", "token_positions"]
+
+
+def token_positions(seen: Tensor, valid: Tensor | None, L: int) -> Tensor:
+    """(B, L) int64 positions of L new tokens after ``seen`` (B,) real tokens per row, counted from each row's first
+    real token (``valid`` (B, L) bool, True = real token, or None: all real); a padding token gets the position of
+    the next real one (a valid index that nothing attends to)."""
+    if valid is None:
+        return seen.unsqueeze(1) + torch.arange(L, device=seen.device)
+    step = valid.to(torch.int64)
+    return seen.unsqueeze(1) + step.cumsum(dim=1) - step
+
+
+class LayerCache:
+    """One layer's decoding state for a batch of B rows. Subclasses say what is stored.
+
+    Attributes:
+        length: tokens (padding included) this layer has been called with since it was created.
+        seen: (B,) int64, real tokens per row (None before the first call).
+    """
+
+    def __init__(self):
+        self.length = 0
+        self.seen: Tensor | None = None
+        self._owner: tuple | None = None
+        self._max_seen = 0  # an upper bound of seen.max(), kept on the host (no device sync per step)
+
+    @property
+    def batch_size(self) -> int | None:
+        """B, once the first call has been made."""
+        return None if self.seen is None else self.seen.shape[0]
+
+    def bind(self, owner: tuple, B: int, device) -> None:
+        """Check that this cache serves the layer described by ``owner`` (its class and sizes) with B rows; the first
+        call sets them. ValueError naming ``past_key_values`` otherwise."""
+        if self._owner is None:
+            self._owner = owner
+            self.seen = torch.zeros(B, dtype=torch.int64, device=device)
+            return
+        if owner != self._owner:
+            raise ValueError(f"past_key_values holds the cache of another layer ({self._owner[0]} with "
+                             f"{self._owner[1:]}), not of this {owner[0]} with {owner[1:]}: give each layer its own "
+                             "cache (DecodingCache holds one per layer)")
+        if B != self.batch_size:
+            raise ValueError(f"past_key_values was filled for a batch of {self.batch_size} rows; this call has {B}")
+
+    def positions(self, valid: Tensor | None, L: int) -> Tensor:
+        """:func:`token_positions` of L new tokens after those this cache has seen."""
+        return token_positions(self.seen, valid, L)
+
+    def last_position(self, valid: Tensor | None, L: int) -> int:
+        """The largest position of a real token after L new ones (the host's bound, exact without padding)."""
+        added = L if valid is None else int(valid.sum(dim=1).max()) if valid.numel() else 0
+        return self._max_seen + added - 1
+
+    def _count(self, valid: Tensor | None, L: int) -> None:
+        self.seen = self.seen + (L if valid is None else valid.sum(dim=1))
+        self._max_seen += L if valid is None else (int(valid.sum(dim=1).max()) if valid.numel() else 0)
+        self.length += L
+
+    def nbytes(self) -> int:
+        """Bytes of what attention reads: the entries of the tokens seen (or the state); bookkeeping excluded."""
+        raise NotImplementedError
+
+
+class SlotCache(LayerCache):
+    """A cache of per-token entries along a slot dimension, in buffers pre-allocated for ``capacity`` tokens (grown
+    by doubling when full). ``SLOTS`` maps each entry's name to its slot dimension."""
+
+    SLOTS: dict[str, int] = {}
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__()
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self._buffers: dict[str, Tensor] = {}
+        self._valid: Tensor | None = None  # (B, capacity) bool: a real token in the slot
+        self._padded = False
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` tokens in all (before the first call: allocate that much)."""
+        if self._buffers:
+            self._grow(capacity)
+        elif self.capacity is None or capacity > self.capacity:
+            self.capacity = capacity
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self._valid.shape[1]:
+            return
+        new = max(needed, 2 * self._valid.shape[1])
+        for name, buf in self._buffers.items():
+            dim = self.SLOTS[name]
+            shape = list(buf.shape)
+            shape[dim] = new
+            grown = buf.new_zeros(shape)
+            grown.narrow(dim, 0, self.length).copy_(buf.narrow(dim, 0, self.length))
+            self._buffers[name] = grown
+        valid = self._valid.new_zeros(self._valid.shape[0], new)
+        valid[:, :self.length] = self._valid[:, :self.length]
+        self._valid, self.capacity = valid, new
+
+    def _allocate(self, entries: dict[str, Tensor], L: int) -> None:
+        capacity = max(self.capacity or 0, L)
+        for name, x in entries.items():
+            shape = list(x.shape)
+            shape[self.SLOTS[name]] = capacity
+            self._buffers[name] = x.new_zeros(shape)
+        self._valid = torch.zeros(self.batch_size, capacity, dtype=torch.bool, device=self.seen.device)
+        self.capacity = capacity
+
+    def append(self, valid: Tensor | None, **entries: Tensor) -> dict[str, Tensor]:
+        """Write L new tokens' entries (each with batch dim 0 and L along its slot dimension); padded tokens are
+        stored as zeros. Returns every entry's view over the slots in use (the new ones included)."""
+        L = next(iter(entries.values())).shape[self.SLOTS[next(iter(entries))]]
+        if not self._buffers:
+            self._allocate(entries, L)
+        self._grow(self.length + L)
+        for name, x in entries.items():
+            dim = self.SLOTS[name]
+            x = x.detach()
+            if valid is not None:
+                keep = valid.view(valid.shape[0], *([1] * (dim - 1)), L, *([1] * (x.dim() - dim - 1)))
+                x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+            self._buffers[name].narrow(dim, self.length, L).copy_(x)
+        self._valid[:, self.length:self.length + L] = True if valid is None else valid
+        self._padded = self._padded or valid is not None
+        self._count(valid, L)
+        return {name: buf.narrow(self.SLOTS[name], 0, self.length) for name, buf in self._buffers.items()}
+
+    def attn_mask(self) -> Tensor | None:
+        """(B, 1, 1, T) bool, True = a real token (the functional core's key-padding mask over the slots in use), or
+        None when no call has had padding."""
+        return self._valid[:, None, None, :self.length] if self._padded else None
+
+    def nbytes(self) -> int:
+        return sum(buf.narrow(self.SLOTS[name], 0, self.length).numel() * buf.element_size()
+                   for name, buf in self._buffers.items())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers as allocated (capacity slots)."""
+        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
+
+
+class KVCache(SlotCache):
+    """Softmax attention's keys (B, H, T, D) and values (B, H, T, Dv)."""
+
+    SLOTS = {"keys": 2, "values": 2}
+
+
+class MixtureKeyCache(SlotCache):
+    """MGK's component keys, centred and scaled (B, H, M, T, D), their scalars (B, H, M, T), the values
+    (B, H, T, Dv) and the prefill's centre (B, H, D) (:func:`mgk.functional.mgk_cache_entries`)."""
+
+    SLOTS = {"keys": 3, "key_bias": 3, "values": 2}
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__(capacity)
+        self.centre: Tensor | None = None
+
+
+class ShiftedKeyCache(MixtureKeyCache):
+    """sMGK's one unshifted centred key (B, H, T, D), M scalars per key (B, H, M, T), the values and the centre; the
+    shifts are applied on read."""
+
+    SLOTS = {"keys": 2, "key_bias": 3, "values": 2}
+
+
+class RecurrentCache(LayerCache):
+    """Linear attention's and MLK's state (:class:`mgk.functional.LinearAttentionState`): (B, H, D', Dv) and
+    (B, H, D') whatever the length."""
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__()  # ``capacity`` is accepted for one constructor across kinds; a state needs none
+        self.state: LinearAttentionState | None = None
+
+    def reserve(self, capacity: int) -> None:
+        """Nothing to reserve: the state has a fixed size."""
+
+    def update(self, valid: Tensor | None, L: int, state: LinearAttentionState) -> None:
+        """Take the state after L new tokens."""
+        self.state = LinearAttentionState(state.kv.detach(), state.k_sum.detach(), state.length)
+        self._count(valid, L)
+
+    def nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes()
+
+    def allocated_bytes(self) -> int:
+        """The same as :meth:`nbytes` (nothing is allocated ahead)."""
+        return self.nbytes()
+
+
+class DecodingCache:
+    """The caches of a model's attention layers, one per layer, each with its own length and per-row counts
+    (``model(..., past_key_values=cache)``; :meth:`mgk.models.TransformerLM.new_cache` makes one)."""
+
+    def __init__(self, layers):
+        self.layers = list(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def seen(self) -> Tensor | None:
+        """(B,) real tokens per row seen by the first layer (every layer sees the same tokens)."""
+        return self.layers[0].seen if self.layers else None
+
+    def reserve(self, capacity: int) -> None:
+        """:meth:`SlotCache.reserve` on every layer."""
+        for layer in self.layers:
+            layer.reserve(capacity)
+
+    def nbytes(self) -> int:
+        """Bytes attention reads, summed over the layers."""
+        return sum(layer.nbytes() for layer in self.layers)

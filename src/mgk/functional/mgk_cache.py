@@ -1,0 +1,215 @@
+"""MGK attention over a decoding cache: the keys stored in the form every step reads, and the step itself.
+
+A step of MGK (Nguyen et al. 2022, eq. 9-10) scores a new query against every cached key position j and component r:
+
+    s_ijr = q~_i . k~_jr / sigma_r^2 + b_jr (- |q~_i|^2 / (2 sigma_r^2) when the variances differ)
+    b_jr  = log pi_jr - |k~_jr|^2 / (2 sigma_r^2)
+
+with ``q~ = q - c`` and ``k~ = k - c`` centred on the prefill's centre c (:mod:`._centre`: fixed at prefill, so a
+step never re-centres the cache). The cache therefore holds what does not depend on the query:
+
+* separate keys (MGK): ``k~_jr / sigma_r^2`` (M vectors of D per position and head) and ``b_jr`` (M scalars);
+* shifted keys (sMGK, ``k_jr = k_j - mu_r``): the one unshifted ``k~_j`` (D numbers) and
+  ``b_jr = log pi_jr - (|k~_j|^2 - 2 k~_j . mu_r) / (2 sigma_r^2)`` (M scalars); the shifts are applied when the
+  cache is read, through the per-query term ``-(q~_i . mu_r) / sigma_r^2 - |mu_r|^2 / (2 sigma_r^2)``, so a step
+  reads S * D key numbers instead of M * S * D;
+* the values (Dv per position and head).
+
+Storing ``b_jr`` costs M numbers per position and head and saves a second pass over the keys at every step (its
+|k~|^2 would otherwise be recomputed from them). The step (:func:`mgk_attention_cached`) equals
+:func:`mgk.functional.mgk_attention` of the uncached keys with the same centre, which is its reference in the tests;
+Hard-E (mixture="max") takes the best component instead of the log-sum-exp and stores ``b_jr`` without log pi.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import masks as _masks
+from ._centre import check_centre
+from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
+from ._mgk_backends import _chunks, _per_component, needs_qnorm
+from .mgk import MIXTURES, _log_prior, _variances
+
+__all__ = ["mgk_attention_cached", "mgk_cache_entries"]
+
+
+def _check_shifts(shifts, M: int | None, H: int, D: int) -> Tensor | None:
+    if shifts is None:
+        return None
+    if not isinstance(shifts, Tensor) or not shifts.is_floating_point() or shifts.dim() != 3 or tuple(
+            shifts.shape[1:]) != (H, D) or (M is not None and shifts.shape[0] != M):
+        what = tuple(shifts.shape) if isinstance(shifts, Tensor) else type(shifts).__name__
+        raise ValueError(f"shifts must be a floating tensor (M, H, D) = ({M or 'M'}, {H}, {D}) of the components' "
+                         f"offsets mu_r (sMGK's k_r = k - mu_r), got {what}")
+    return shifts
+
+
+def _check_mixture_args(mixture, log_pi) -> None:
+    if mixture not in MIXTURES:
+        raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
+    if mixture == "max" and log_pi is not None:
+        raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
+
+
+def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = None,
+                      sigma2: float | Tensor | None = None, mixture: str = "sum",
+                      shifts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """What a decoding cache stores for S new key positions (module docstring).
+
+    Args:
+        key: (B, H, M, S, D) the component keys (MGK); or, with ``shifts``, (B, H, S, D) the one unshifted key of
+            sMGK, whose components are ``key - shifts[r]``.
+        centre: (B, H, D) (or broadcastable), the prefill's :func:`mgk.functional.mgk_centre`.
+        log_pi: log prior of each component broadcastable to (B, H, M, S) (default uniform); None for mixture="max".
+        sigma2: variances as :func:`mgk.functional.mgk_attention`.
+        mixture: "sum" or "max" (Hard-E: the bias holds no log pi).
+        shifts: (M, H, D), sMGK's offsets mu_r, or None for separate keys.
+    Returns:
+        ``(keys, key_bias)`` in the compute dtype (float32 for 16-bit keys): keys (B, H, M, S, D) scaled by
+        1 / sigma_r^2, or (B, H, S, D) centred for sMGK; key_bias (B, H, M, S). No gradient is kept.
+    Raises:
+        ValueError naming the argument for wrong shapes, dtypes, variances or mixture.
+    """
+    shifted = shifts is not None
+    check_tensor(key, "key", 4 if shifted else 5, "(B, H, S, D) with shifts" if shifted else "(B, H, M, S, D)")
+    _check_mixture_args(mixture, log_pi)
+    B, H = key.shape[:2]
+    S, D = key.shape[-2], key.shape[-1]
+    shifts = _check_shifts(shifts, None, H, D)
+    M = shifts.shape[0] if shifted else key.shape[2]
+    dt = compute_dtype(key)
+    with torch.no_grad(), full_precision(key.device):
+        c = check_centre(centre, B, H, D, dt, key.device)
+        s2 = _variances(sigma2, H, M, D, dt, key.device)
+        k = key.detach().to(dt) - (c.unsqueeze(2) if shifted else c[:, :, None, None])
+        prior = 0.0 if mixture == "max" else _log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
+        half = 0.5 / _per_component(s2, 1)  # (1, H', M, 1)
+        if shifted:
+            mu = shifts.detach().to(dt).transpose(0, 1)  # (H, M, D)
+            cross = torch.einsum("bhsd,hmd->bhms", k, mu)
+            bias = prior - ((k * k).sum(-1).unsqueeze(2) - 2.0 * cross) * half
+            return k, bias
+        bias = prior - (k * k).sum(-1) * half
+        return k * (2.0 * half).unsqueeze(-1), bias
+
+
+def _scores(q, keys, key_bias, s2, shifts):
+    """s_ijr as (B, H, M, L, S) for centred queries q (B, H, L, D) against cached entries. (query @ keys^T reads the
+    cache as the transposed operand of one GEMM per head, several times faster on CPU than keys @ query.)"""
+    if shifts is None:
+        s = q.unsqueeze(2) @ keys.transpose(-1, -2)  # (B, H, 1, L, D) @ (B, H, M, D, S)
+    else:
+        inv = 1.0 / _per_component(s2, 1)  # (1, H', M, 1)
+        mu = shifts.to(q.dtype).transpose(0, 1)  # (H, M, D)
+        per_query = -(torch.einsum("bhld,hmd->bhml", q, mu) * inv
+                      + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * inv)  # (B, H, M, L)
+        s = (q @ keys.transpose(-1, -2)).unsqueeze(2) * inv.unsqueeze(-1) + per_query.unsqueeze(-1)
+    s = s + key_bias.unsqueeze(3)
+    if needs_qnorm(s2):
+        s = s - ((q * q).sum(-1).unsqueeze(2) * (0.5 / _per_component(s2, 1))).unsqueeze(-1)
+    return s
+
+
+def _attend(s, v, mask, mixture, dropout_p: float):
+    """The output (B, H, L, Dv) from scores s (B, H, M, L, S), values v (B, H, S, Dv) and a bool mask broadcastable
+    to (B, H, L, S)."""
+    B, H, M, L, S = s.shape
+    if mixture == "max":
+        s = s.amax(dim=2)
+        w = torch.softmax(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
+        return (F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v
+    if mask is not None:
+        s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    # softmax_j(logsumexp_r s_ijr) is one softmax over the M * S pairs, summed over r (a view for L = 1).
+    w = torch.softmax(s.permute(0, 1, 3, 2, 4).reshape(B, H, L, M * S), dim=-1)
+    if dropout_p > 0.0:  # on each key's mixed weight, as the other backends
+        return F.dropout(w.view(B, H, L, M, S).sum(dim=3), p=dropout_p) @ v
+    # the sum over r after the value product: one GEMM of M rows per query instead of a pass over the weights
+    return (w.view(B, H, L * M, S) @ v).view(B, H, L, M, v.shape[-1]).sum(dim=3)
+
+
+def _rows(t: Tensor | None, a: int, b: int) -> Tensor | None:
+    return t if t is None or t.shape[2] == 1 else t[:, :, a:b]
+
+
+def _inert(mask, kb, mixture, is_causal: bool, L: int, S: int):
+    """(mask, empty rows): causality folded into the mask, a key whose every component has log pi = -inf masked
+    (looked for first: a cache made from finite priors has none, and a step then builds no mask at all), and the
+    rows that see no key marked (their mask opened so that the softmax stays finite; the caller zeroes them).
+    Masked slots are removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
+    if mixture == "sum" and kb.numel() and bool(kb.amin() == float("-inf")):
+        live = (kb > float("-inf")).any(dim=2).unsqueeze(2)  # (B, H, 1, S)
+        mask = live if mask is None else mask & live
+    mask = _masks.combine(mask, is_causal and L > 1, L, S, kb.device)  # one query at the end sees every key
+    if mask is None:
+        return None, None
+    empty = ~mask.any(dim=-1, keepdim=True)  # (B, H, L, 1)
+    return mask | empty, empty
+
+
+def _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask):
+    check_tensor(query, "query", 4, "(B, H, L, D)")
+    shifted = shifts is not None
+    check_tensor(keys, "keys", 4 if shifted else 5, "(B, H, S, D) with shifts" if shifted else "(B, H, M, S, D)")
+    check_tensor(value, "value", 4, "(B, H, S, Dv)")
+    check_tensor(key_bias, "key_bias", 4, "(B, H, M, S)")
+    B, H, L, D = query.shape
+    S = keys.shape[-2]
+    for name, t in (("keys", keys), ("key_bias", key_bias), ("value", value)):
+        check_same("query", B, name, t.shape[0], "batch size")
+        check_same("query", H, name, t.shape[1], "number of heads")
+    check_same("query", D, "keys", keys.shape[-1], "head_dim")
+    check_same("keys", S, "value", value.shape[2], "key length S")
+    check_same("keys", S, "key_bias", key_bias.shape[-1], "key length S")
+    M = key_bias.shape[2]
+    if not shifted:
+        check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
+    _check_mixture_args(mixture, None)
+    return B, H, L, S, M, D, _check_shifts(shifts, M, H, D), _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
+
+
+def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, centre: Tensor,
+                         sigma2: float | Tensor | None = None, shifts: Tensor | None = None, mixture: str = "sum",
+                         attn_mask: Tensor | None = None, is_causal: bool = True, dropout_p: float = 0.0,
+                         chunk_size: int = 512) -> Tensor:
+    """MGK attention of new queries over a cache of :func:`mgk_cache_entries` (a decoding step).
+
+    Args:
+        query: (B, H, L, D), the L new queries (L = 1 for one generated token).
+        keys, key_bias: the cache's entries for its S positions (the new ones included), as
+            :func:`mgk_cache_entries` returns them: keys (B, H, M, S, D) (or (B, H, S, D) with ``shifts``), key_bias
+            (B, H, M, S).
+        value: (B, H, S, Dv).
+        centre: the centre the entries were made with, (B, H, D).
+        sigma2, shifts, mixture: those the entries were made with.
+        attn_mask: bool broadcastable to (B, H, L, S), True = may attend (empty cache slots and padding False).
+            Values at slots no query may attend to must be finite (a cache stores zeros there): the step reads the
+            cache in place, and a weight of exactly 0 times NaN would still be NaN.
+        is_causal: bottom-right causal masking among the positions (query i sees j <= i + S - L).
+        dropout_p: dropout on the mixed attention weights, in [0, 1].
+        chunk_size: queries per chunk (memory O(chunk * M * S) per head).
+    Returns:
+        (B, H, L, Dv) in query's dtype (float32 compute for 16-bit inputs). Rows that may attend to no key are
+        zero. Equals ``mgk_attention(query, k, v, log_pi=..., sigma2=..., mixture=..., attn_mask=...,
+        is_causal=..., centre=centre)`` of the keys k the entries were made from.
+    Raises:
+        ValueError naming the argument for wrong shapes, dtypes or options; MaskError for the mask.
+    """
+    check_arguments(is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size)
+    B, H, L, S, M, D, shifts, mask = _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask)
+    out_dtype = query.dtype
+    dt = compute_dtype(query, keys, value)
+    with full_precision(query.device):
+        c = check_centre(centre, B, H, D, dt, query.device)
+        s2 = _variances(sigma2, H, M, D, dt, query.device)
+        q = query.to(dt) - c.unsqueeze(2)
+        kc, kb, v = keys.to(dt), key_bias.to(dt), value.to(dt)
+        mask, empty = _inert(mask, kb, mixture, is_causal, L, S)
+        outs = []
+        for a, b in _chunks(L, chunk_size):
+            rows = _rows(mask, a, b)
+            out = _attend(_scores(q[:, :, a:b], kc, kb, s2, shifts), v, rows, mixture, dropout_p)
+            outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
+    return torch.cat(outs, dim=2).to(out_dtype)

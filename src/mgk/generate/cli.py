@@ -1,0 +1,116 @@
+"""Argument parsing and the handler of ``mgk generate``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_parser(sub) -> None:
+    """Register ``generate`` on the ``mgk`` parser."""
+    p = sub.add_parser("generate", help="continue a text with a trained language model (lm runs)",
+                       description="Continue a prompt with RUN_DIR's language model (best checkpoint, else last): "
+                                   "words in the run's own vocabulary (unknown words are read as <unk> and "
+                                   "reported), one token at a time through the model's decoding cache, words out "
+                                   "(<eos> printed as a line break). An empty prompt starts at a line boundary.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory made by `mgk train --task lm`")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", default=None, help="the prompt text (whitespace-separated words)")
+    source.add_argument("--prompt-file", default=None, metavar="FILE",
+                        help="read the prompt from FILE (UTF-8; every line that ends with a newline ends with <eos>)")
+    p.add_argument("--max-new-tokens", type=_count, default=50, help="tokens to generate per sample (default 50)")
+    p.add_argument("--temperature", type=_temperature, default=1.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=_count, default=None, help="sample from the K most likely tokens only")
+    p.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set of mass P (nucleus)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--num-samples", type=_count, default=1, help="continuations of the prompt (default 1)")
+    p.add_argument("--checkpoint", default="best", choices=["best", "last"], help="which checkpoint (default: best)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step (slow; the "
+                                                           "reference the cache must equal)")
+
+
+def _prompt_text(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-file: {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _generate(args) -> list[str]:
+    """The samples' texts (prompt and continuation); notes about the prompt go to stderr."""
+    from ..train.load import load_run
+    from ..train.rundir import RunDirError, load_config
+
+    try:
+        text = _prompt_text(args)
+        cfg = load_config(args.run_dir)
+        if cfg.task != "lm":
+            raise ValueError(f"{args.run_dir} is a {cfg.task!r} run (a classifier): only language-model runs "
+                             "(--task lm) generate text")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        run = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
+        tokenizer = run.tokenizer
+        unknown = tokenizer.unknown_words(text)
+        if unknown:
+            shown = ", ".join(unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+            print(f"mgk generate: {len(unknown)} prompt word(s) not in the run's vocabulary, read as <unk>: {shown}",
+                  file=sys.stderr)
+        ids = tokenizer.encode(text) or [tokenizer.vocab.eos_id]  # an empty prompt starts at a line boundary
+        idx = torch.tensor([ids] * args.num_samples, dtype=torch.int64, device=device)
+        out = run.model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
+                                 use_cache=not args.no_cache)
+    except (FileNotFoundError, ValueError, RunDirError) as e:
+        raise SystemExit(f"mgk generate: {e}") from None
+    return [tokenizer.decode(row.tolist()) for row in out]
+
+
+def run(args) -> int:
+    """Print each sample (separated by a header line when there are several)."""
+    samples = _generate(args)
+    for i, sample in enumerate(samples):
+        if len(samples) > 1:
+            print(f"--- sample {i + 1} of {len(samples)} ---")
+        print(sample.rstrip("\n"))
+    return 0

@@ -1,0 +1,265 @@
+"""Cached decoding (``forward(..., past_key_values=cache)``) equals the uncached causal forward, for every kind and
+option set: at every step, after prefills of 1, 63, 65 and 300 tokens, with single- and several-token steps, and for
+left-padded batches of prompts of different lengths; the bytes the caches hold are the registry's formula; the
+bugs other libraries shipped (flash-linear-attention#747, gpt-fast#233, x-transformers#219/#311, litgpt#298) are
+cases here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mgk
+from mgk.attention.cache import DecodingCache
+from mgk.attention.registry import get_kind, kind_variants, variant_name
+
+E, H, D = 16, 2, 8
+TOL = dict(atol=1e-5, rtol=1e-5)  # float32
+
+
+def _close(got, want, scale, msg=""):
+    """Within 1e-5 of the outputs' scale (float32): unnormalised linear attention (normalize='none') sums hundreds
+    of terms whose rounding depends on the order of summation, chunks against a running state."""
+    tol = 1e-5 * max(1.0, scale)
+    torch.testing.assert_close(got, want, atol=tol, rtol=1e-5, msg=lambda s: f"{msg}: {s}")
+STEPS = (1, 1, 3, 1, 2, 1)  # after the prefill: single tokens and k-token steps (bottom-right causal alignment)
+# Beyond the registry's variants: per-position learned weights, and every form of linear attention and MLK.
+_FORMS = ({"normalize": "length"}, {"normalize": "none"},
+          {"feature_map": "elu_sum", "output_scale": D ** -0.5, "eps": 1e-5, "eps_mode": "add"})
+CASES = [*kind_variants(), ("mgk", {"pi_shape": "position"}), ("smgk", {"pi_shape": "position"}),
+         ("mlk", {"pi_shape": "position"}), ("smlk", {"pi_shape": "position", "pi_norm": "none"}),
+         *(("linear", f) for f in _FORMS), *(("mlk", f) for f in _FORMS), ("mlk", {"mix": "keys", **_FORMS[0]})]
+IDS = [variant_name(k, v) for k, v in CASES]
+
+
+def _module(kind, options, max_len=400, batch_first=True):
+    """The module, E=16, H=2, D=8, in eval mode, its mixture weights made non-uniform so that they matter."""
+    options = dict(options)
+    if "max_len" in get_kind(kind).options.names():
+        options["max_len"] = max_len
+    torch.manual_seed(0)
+    m = mgk.build_attention(kind, E, H, head_dim=D, batch_first=batch_first, **options)
+    with torch.no_grad():
+        if hasattr(m, "pi_logits"):
+            m.pi_logits.normal_()
+        if getattr(m, "pi_mode", None) == "soft_e":
+            m.pi.copy_(torch.softmax(torch.randn_like(m.pi), dim=1))
+    return m.eval()
+
+
+def _uncached(m, x):
+    with torch.no_grad():
+        return m(x, need_weights=False, is_causal=True)[0]
+
+
+def _decode(m, x, prefill, steps=STEPS, key_padding_mask=None, cache=None):
+    """Outputs of a prefill then ``steps``, and the cache."""
+    cache = m.new_cache() if cache is None else cache
+    outs, t = [], prefill
+    with torch.no_grad():
+        outs.append(m(x[:, :prefill], past_key_values=cache, is_causal=True, need_weights=False,
+                      key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, :prefill])[0])
+        for k in steps:
+            outs.append(m(x[:, t:t + k], past_key_values=cache, is_causal=True, need_weights=False)[0])
+            t += k
+    return outs, cache
+
+
+@pytest.mark.parametrize("prefill", [1, 63, 65, 300])
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_cached_decoding_equals_the_uncached_causal_forward_at_every_step(kind, options, prefill):
+    m = _module(kind, options)
+    torch.manual_seed(1)
+    x = torch.randn(2, prefill + sum(STEPS), E)
+    outs, cache = _decode(m, x, prefill)
+    scale = float(_uncached(m, x).abs().max())
+    _close(outs[0], _uncached(m, x[:, :prefill]), scale, "prefill")
+    t = prefill
+    for k, out in zip(STEPS, outs[1:]):
+        t += k  # the step's tokens are the last k rows of the uncached forward over everything so far
+        _close(out, _uncached(m, x[:, :t])[:, -k:], scale, f"step to {t}")
+    assert cache.length == t and cache.seen.tolist() == [t, t]
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_a_left_padded_batch_decodes_each_row_as_that_row_alone(kind, options):
+    """Prompts of 9, 4 and 1 tokens left-padded to 9 (padding filled with NaN: inert); positions count from each
+    row's first real token, so per-position weights and normalize='length' give each row its own numbers."""
+    m = _module(kind, options)
+    torch.manual_seed(2)
+    lengths, P = [9, 4, 1], 9
+    x = torch.randn(3, P + sum(STEPS), E)
+    pad = torch.zeros(3, P, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        pad[b, :P - n] = True
+    x[:, :P][pad] = float("nan")
+    outs, cache = _decode(m, x, P, key_padding_mask=pad)
+    assert cache.seen.tolist() == [n + sum(STEPS) for n in lengths]
+    for b, n in enumerate(lengths):
+        row = x[b:b + 1, P - n:]
+        scale = float(_uncached(m, row).abs().max())
+        _close(outs[0][b:b + 1, P - n:], _uncached(m, row[:, :n]), scale, f"row {b} prefill")
+        t = n
+        for k, out in zip(STEPS, outs[1:]):
+            t += k  # as the row alone: the last k rows of the uncached forward over its own tokens so far
+            _close(out[b:b + 1], _uncached(m, row[:, :t])[:, -k:], scale, f"row {b} step to {t}")
+
+
+@pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
+def test_the_registry_declares_the_cache_each_layer_fills(kind, options):
+    m = _module(kind, options)
+    assert type(m.new_cache()) is get_kind(kind).cache.layer_cache
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_measured_cache_bytes_are_the_registry_formula(kind, options):
+    m = _module(kind, options)
+    spec, opts = get_kind(kind), get_kind(kind).make_options(**{**options, **(
+        {"max_len": 400} if "max_len" in get_kind(kind).options.names() else {})})
+    for T in (5, 37):
+        cache = m.new_cache()
+        with torch.no_grad():
+            m(torch.randn(3, T, E), past_key_values=cache, is_causal=True, need_weights=False)
+        assert cache.nbytes() == 3 * spec.cache.cache_bytes(opts, num_heads=H, head_dim=D, length=T)
+
+
+def _bytes_per_token(kind, heads, T=64, head_dim=16, **options):
+    m = mgk.build_attention(kind, 64, heads, head_dim=head_dim, **options).eval()
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randn(1, T, 64), past_key_values=cache, is_causal=True, need_weights=False)
+    return cache.nbytes() / T
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_mgk4_holds_three_quarters_and_smgk4_half_of_softmax8s_keys_and_values(head_dim):
+    """Per token and layer: softmax-8 16 D floats; MGK-4 (M = 2) 12 D (0.75x) and sMGK-4 8 D (0.5x, the shifts
+    applied on read), each plus its M per-key scalars (M / (4 D) of softmax-8's bytes)."""
+    softmax8 = _bytes_per_token("softmax", 8, head_dim=head_dim)
+    mgk4, smgk4 = _bytes_per_token("mgk", 4, head_dim=head_dim), _bytes_per_token("smgk", 4, head_dim=head_dim)
+    scalars = 4 * 2 * 4  # 4 heads x M = 2 scalars x 4 bytes
+    assert softmax8 == 8 * 2 * head_dim * 4
+    assert (mgk4 - scalars) / softmax8 == 0.75 and (smgk4 - scalars) / softmax8 == 0.5
+    assert mgk4 / softmax8 == 0.75 + 2 / (4 * head_dim) and smgk4 / softmax8 == 0.5 + 2 / (4 * head_dim)
+
+
+def test_mlk4_state_is_the_same_size_from_256_to_4096_tokens():
+    m = mgk.build_attention("mlk", 64, 4, head_dim=16).eval()
+    cache, sizes = m.new_cache(), []
+    with torch.no_grad():
+        m(torch.randn(1, 256, 64), past_key_values=cache, is_causal=True, need_weights=False)
+        sizes.append(cache.nbytes())
+        m(torch.randn(1, 4096 - 256, 64), past_key_values=cache, is_causal=True, need_weights=False)
+        sizes.append(cache.nbytes())
+    assert cache.length == 4096 and sizes == [4 * (16 * 16 + 16) * 4] * 2
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "smgk"])
+def test_reserved_slots_are_never_attended(kind):
+    """gpt-fast#233: slots allocated ahead hold NaN here, and the steps read none of them."""
+    m = _module(kind, {})
+    x = torch.randn(2, 12, E)
+    cache = m.new_cache(capacity=64)
+    with torch.no_grad():
+        m(x[:, :4], past_key_values=cache, is_causal=True, need_weights=False)
+        for name, buf in cache._buffers.items():
+            buf.narrow(type(cache).SLOTS[name], 4, 60).fill_(float("nan"))
+    with torch.no_grad():
+        got = [m(x[:, t:t + 1], past_key_values=cache, is_causal=True, need_weights=False)[0] for t in range(4, 12)]
+    assert cache.capacity == 64
+    torch.testing.assert_close(torch.cat(got, 1), _uncached(m, x)[:, 4:], **TOL)
+
+
+def test_buffers_grow_geometrically_and_keep_their_contents():
+    m = _module("mgk", {})
+    x = torch.randn(1, 40, E)
+    cache = m.new_cache(capacity=3)
+    capacities = []
+    with torch.no_grad():
+        for t in range(40):
+            m(x[:, t:t + 1], past_key_values=cache, is_causal=True, need_weights=False)
+            capacities.append(cache.capacity)
+    assert sorted(set(capacities)) == [3, 6, 12, 24, 48]
+    assert cache.allocated_bytes() == cache.nbytes() * 48 // 40
+
+
+def _shifted_as_separate():
+    """A cache filled by a separate-key MGK layer, of the sMGK cache's class (sMGK's is a subclass)."""
+    cache = _module("smgk", {}).new_cache()
+    cache.bind(("MGKAttention", H, D, "separate"), 2, "cpu")
+    return cache
+
+
+def test_each_layer_of_a_model_counts_its_own_tokens():
+    """flash-linear-attention#747 counted the length once for all layers: here each layer's cache has its own
+    length and per-row counts, and a layer refuses another layer's cache."""
+    a, b = _module("softmax", {}), _module("mgk", {})
+    cache = DecodingCache([a.new_cache(), b.new_cache()])
+    with torch.no_grad():
+        a(torch.randn(2, 5, E), past_key_values=cache[0], is_causal=True, need_weights=False)
+        b(torch.randn(2, 3, E), past_key_values=cache[1], is_causal=True, need_weights=False)
+    assert [layer.length for layer in cache] == [5, 3]
+    with pytest.raises(ValueError, match="another layer"):  # a separate-key MGK cache given to sMGK
+        _module("smgk", {})(torch.randn(2, 1, E), past_key_values=_shifted_as_separate(), is_causal=True,
+                            need_weights=False)
+    with pytest.raises(ValueError, match="batch of 2 rows"):
+        b(torch.randn(3, 1, E), past_key_values=cache[1], is_causal=True, need_weights=False)
+
+
+def test_per_position_weights_refuse_to_decode_past_their_trained_length():
+    m = _module("mgk", {"pi_shape": "position"}, max_len=8)
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randn(1, 8, E), past_key_values=cache, is_causal=True, need_weights=False)  # positions 0..7: fine
+        with pytest.raises(ValueError, match=r"pi_shape='position' has mixture weights for max_len=8 .*position 8"):
+            m(torch.randn(1, 1, E), past_key_values=cache, is_causal=True, need_weights=False)
+    soft = _module("smgk", {"pi": "soft_e"}, max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="pi='soft_e' has mixture weights for max_len=4"):
+        soft(torch.randn(1, 5, E), past_key_values=soft.new_cache(), is_causal=True, need_weights=False)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"need_weights": True}, "need_weights=False"),
+    ({"is_causal": False}, "is_causal=True"),
+    ({"attn_mask": torch.zeros(3, 3, dtype=torch.bool)}, "no attn_mask"),
+])
+def test_a_cached_call_that_cannot_be_decoding_is_refused(kwargs, message):
+    m = _module("softmax", {})
+    call = {"need_weights": False, "is_causal": True, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        m(torch.randn(1, 3, E), past_key_values=m.new_cache(), **call)
+    with pytest.raises(ValueError, match="self-attention"):
+        m(torch.randn(1, 3, E), torch.randn(1, 3, E), past_key_values=m.new_cache(), is_causal=True,
+          need_weights=False)
+    with pytest.raises(ValueError, match="KVCache"):
+        m(torch.randn(1, 3, E), past_key_values=_module("mlk", {}).new_cache(), is_causal=True, need_weights=False)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_layouts_and_unbatched_inputs_decode_alike(batch_first):
+    m = _module("mgk", {}, batch_first=batch_first)
+    x = torch.randn(2, 7, E)
+    want = _uncached(_module("mgk", {}), x)
+    cache, single = m.new_cache(), m.new_cache()
+    with torch.no_grad():
+        first = x[:, :5] if batch_first else x[:, :5].transpose(0, 1)
+        out = m(first, past_key_values=cache, is_causal=True, need_weights=False)[0]
+        out = out if batch_first else out.transpose(0, 1)
+        lone = [m(x[0, :5], past_key_values=single, is_causal=True, need_weights=False)[0]]
+        for t in (5, 6):
+            step = x[:, t:t + 1] if batch_first else x[:, t:t + 1].transpose(0, 1)
+            o = m(step, past_key_values=cache, is_causal=True, need_weights=False)[0]
+            out = torch.cat([out, o if batch_first else o.transpose(0, 1)], dim=1)
+            lone.append(m(x[0, t:t + 1], past_key_values=single, is_causal=True, need_weights=False)[0])
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(torch.cat(lone), want[0], **TOL)
+
+
+def test_a_cached_call_with_gradients_reaches_the_new_queries_only():
+    m = _module("mgk", {})
+    cache = m.new_cache()
+    x = torch.randn(1, 6, E, requires_grad=True)
+    m(x[:, :5], past_key_values=cache, is_causal=True, need_weights=False)
+    out = m(x[:, 5:], past_key_values=cache, is_causal=True, need_weights=False)[0]
+    out.sum().backward()
+    assert x.grad[:, :5].abs().sum() == 0 and x.grad[:, 5:].abs().sum() > 0
+    assert all(not t.requires_grad for t in cache._buffers.values())

@@ -1,0 +1,85 @@
+"""`mgk bench decode`: the JSON fields, and the cache bytes it measures against the registry's formula (MGK-4 and
+sMGK-4 against softmax-8, MLK-4's state constant over the context). No timing is asserted: speed figures live in
+BENCHMARKS.md, measured on a quiet machine."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mgk.bench.decode import measure, table
+
+FIELDS = ("target", "kind", "label", "heads", "head_dim", "layers", "context", "batch", "prefill_ms", "step_ms",
+          "ms_per_token", "tokens_per_s", "cache_bytes", "cache_bytes_formula", "cache_bytes_per_token_layer",
+          "cache_bytes_allocated", "params", "device")
+SMALL_LM = ["vocab_size=64", "num_layers=2"]
+
+
+@pytest.mark.parametrize("kind,heads", [("softmax", 8), ("mgk", 4), ("smgk", 4), ("linear", 8), ("mlk", 4),
+                                        ("mgk+pi=hard_e", 4), ("mgk-softe", 4)])
+def test_a_layer_row_is_complete_and_its_bytes_are_the_formula(kind, heads, one_thread):
+    row = measure("layer", kind, heads, 24, batch=2, steps=2, device="cpu", embed_dim=64, head_dim=16)
+    assert set(FIELDS) <= set(row)
+    assert row["cache_bytes"] == row["cache_bytes_formula"] > 0
+    assert row["step_ms"] > 0 and row["prefill_ms"] > 0 and row["cache_bytes_allocated"] >= row["cache_bytes"]
+
+
+def test_bytes_per_token_and_layer_of_mgk4_and_smgk4_against_softmax8_and_a_constant_mlk4_state(one_thread):
+    D, M = 16, 2
+
+    def row(kind, heads, context=32):
+        return measure("layer", kind, heads, context, batch=2, steps=1, device="cpu", embed_dim=64, head_dim=D)
+
+    softmax = row("softmax", 8)["cache_bytes_per_token_layer"]
+    assert row("mgk", 4)["cache_bytes_per_token_layer"] / softmax == 0.75 + M / (4 * D)
+    assert row("smgk", 4)["cache_bytes_per_token_layer"] / softmax == 0.5 + M / (4 * D)
+    assert row("mlk", 4, 16)["cache_bytes"] == row("mlk", 4, 64)["cache_bytes"] == 2 * 4 * (D * D + D) * 4
+
+
+@pytest.mark.parametrize("preset,kind", [("lm-small", "mgk"), ("wt103-paper", "mgk"), ("wt103-paper", "mlk")])
+def test_a_model_row_counts_every_layer_and_reads_past_the_presets_segment(preset, kind, one_thread):
+    """The wt103-paper MGK has per-position weights: the bench gives them the positions it decodes (300 > 256)."""
+    row = measure(preset, kind, 4, 300, batch=1, steps=1, device="cpu", overrides=SMALL_LM)
+    assert row["layers"] == 2 and row["cache_bytes"] == row["cache_bytes_formula"]
+
+
+def test_cli_writes_the_grid_as_json_rows_and_a_table(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, "-m", "mgk", "bench", "decode", "--targets", "layer,lm-small", "--kinds",
+           "softmax:4,mgk:2", "--contexts", "8,16", "--batches", "1,2", "--steps", "1", "--embed-dim", "32",
+           "--head-dim", "8", "--json", str(out), *(x for kv in SMALL_LM for x in ("--set", kv))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    keys = [(r["target"], r["kind"], r["batch"], r["context"]) for r in result["rows"]]
+    assert keys == [(t, k, b, c) for t in ("layer", "lm-small") for k in ("softmax", "mgk") for b in (1, 2)
+                    for c in (8, 16)]
+    for r in result["rows"]:
+        assert set(FIELDS) <= set(r) and r["cache_bytes"] == r["cache_bytes_formula"]
+    assert {"machine", "torch", "settings", "date"} <= set(result)
+    assert "| layer | mgk | 2 | 2 | 16 |" in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--targets", "listops-small"], "unknown target"),
+    (["--kinds", "reference:4"], "exists only in `mgk bench attention`"),
+    (["--contexts", "0"], "positive"),
+    (["--run", "/nonexistent"], "not a run directory"),
+])
+def test_bad_arguments_give_one_line_before_running(args, message):
+    p = subprocess.run([sys.executable, "-m", "mgk", "bench", "decode", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and message in p.stderr
+
+
+def test_a_trained_run_is_measured_through_the_loader(run_v0_1_0, one_thread):
+    run_dir, _ = run_v0_1_0
+    row = measure("run", None, None, 8, batch=2, steps=1, device="cpu", run_dir=str(run_dir))
+    assert row["kind"] == "mgk" and row["cache_bytes"] == row["cache_bytes_formula"]
+
+
+def test_table_shows_failed_rows():
+    rows = [{"target": "layer", "kind": "mgk", "heads": 4, "batch": 1, "context": 8, "error": "boom"}]
+    assert "error: boom" in table({"rows": rows})
