@@ -20,7 +20,7 @@ __all__ = ["AUTHORS_LRA", "AUTHORS_LM", "AUTHORS_LRA_FORMS", "AUTHORS_LM_FORMS",
 AUTHORS_LRA = dict(
     d_model=64, ffn_dim=128, head_dim=32, num_layers=2,  # lra/run_tasks.py:53-79 defaults; Nystromformer cfg
     dropout=0.1, attn_dropout=0.1,  # lra/run_tasks.py:53-79 (dropout, attention dropout 0.1)
-    pooling="mean",  # lra/model_wrapper.py:11 (MEAN; ours over real tokens only, see README deviations)
+    pooling="mean",  # lra/model_wrapper.py:11 (MEAN; ours over real tokens only, see docs/paper-protocol.md)
     classifier_dim=128, classifier_activation="relu",  # lra/model_wrapper.py:35-39 Linear(64,128)-ReLU-Linear
     attn_bias=True,  # lra/attention.py:256-258, 289, 291 (projections with bias)
     init="paper",  # lra/model.py:20-24 (word and position embeddings from N(0, 0.02); the rest torch defaults)

@@ -17,7 +17,7 @@ PRESETS = {
     # Paper, keeping the authors' values (Nguyen et al. 2022, Section 4.1; sources in mgk.tasks.authors): CIFAR-10
     # grey, 1024 pixels, 10 classes, batch 256, AdamW lr 1e-4 eps 1e-6, OneCycle (175 of 35000 steps up), fp16,
     # ReLU head, N(0, 0.02) embeddings, validation every 175 steps on 20 batches (Nystromformer cfg "image");
-    # 2 layers, d_model 64, FFN 128, head_dim 32. Pixel 0 is a pixel, not padding (README deviations).
+    # 2 layers, d_model 64, FFN 128, head_dim 32. Pixel 0 is a pixel, not padding (docs/paper-protocol.md).
     "image-paper": with_forms(run_config(task="image", **AUTHORS_LRA, **LRA_TASKS["image"],
                                          checkpoint_every=1000, log_every=100), AUTHORS_LRA_FORMS),
 }

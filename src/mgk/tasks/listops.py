@@ -18,8 +18,8 @@ PRESETS = {
     # Paper, keeping the authors' values (Nguyen et al. 2022, Section 4.1; their code's protocol, each value's source
     # in mgk.tasks.authors): 2 layers, d_model 64, FFN 128, head_dim 32, batch 32, AdamW lr 1e-4 eps 1e-6,
     # OneCycle (1000 of 5000 steps up), fp16 autocast, ReLU head, N(0, 0.02) embeddings, validation every 50
-    # steps on 62 dev batches (Nystromformer cfg "listops"); sequences up to 2000 tokens. Deviations: README "The
-    # paper's protocol". On CPU add --precision 32 --set attn_dropout=0 (SDPA's fused kernel needs no dropout).
+    # steps on 62 dev batches (Nystromformer cfg "listops"); sequences up to 2000 tokens. Deviations:
+    # docs/paper-protocol.md. On CPU add --precision 32 --set attn_dropout=0 (SDPA's fused kernel needs no dropout).
     "listops-paper": with_forms(run_config(task="listops", **AUTHORS_LRA, **LRA_TASKS["listops"],
                                            checkpoint_every=500, log_every=50), AUTHORS_LRA_FORMS),
 }

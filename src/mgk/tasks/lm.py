@@ -45,7 +45,7 @@ PRESETS = {
     # cosine of the global step over 500k steps, seed 1111, validation every 4000 steps with batch 10. The MGK runs
     # (--attention mgk --heads 4) get sigma^2 = (sqrt(D), sqrt(D)/3) and per-position mixture weights (the authors'
     # form; not passed to kinds that do not take them). Final numbers: `mgk eval RUN --split test --context 256
-    # --stride 1`. Deviations from the authors' code: README "The paper's protocol".
+    # --stride 1`. Deviations from the authors' code: docs/paper-protocol.md.
     "wt103-paper": with_forms(run_config(**AUTHORS_LM, attention="softmax", num_heads=8, checkpoint_every=4000,
                                          log_every=200), AUTHORS_LM_FORMS),
     # Our protocol on the paper's model (Nguyen et al. 2022, Section 4.2; the small setting of Schlag et al. 2021):

@@ -19,7 +19,7 @@ PRESETS = {
     # Pathfinder-32 curv_contour_length_14, 1024 pixels, 2 classes, batch 256, AdamW lr 1e-4 eps 1e-6, OneCycle
     # (312 of 62400 steps up), fp16, ReLU head, N(0, 0.02) embeddings, validation every 312 steps on 312 batches
     # (Nystromformer cfg "pathfinder32"); 2 layers, d_model 64, FFN 128, head_dim 32. Seeded split, pixel 0 not
-    # padding (README deviations).
+    # padding (docs/paper-protocol.md).
     "pathfinder-paper": with_forms(run_config(task="pathfinder", **AUTHORS_LRA, **LRA_TASKS["pathfinder"],
                                               checkpoint_every=2000, log_every=100), AUTHORS_LRA_FORMS),
 }

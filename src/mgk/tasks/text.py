@@ -19,7 +19,7 @@ PRESETS = {
     # Paper, keeping the authors' values (Nguyen et al. 2022, Section 4.1; sources in mgk.tasks.authors): IMDb bytes,
     # 1000 per review, batch 32, AdamW lr 1e-4 eps 1e-6, OneCycle (8000 of 20000 steps up), fp16, ReLU head,
     # N(0, 0.02) embeddings, validation every 500 steps on 781 batches (Nystromformer cfg "text"); 2 layers,
-    # d_model 64, FFN 128, head_dim 32. Validates on our held-out part of train, not on test (README deviations).
+    # d_model 64, FFN 128, head_dim 32. Validates on our held-out part of train, not on test (docs/paper-protocol.md).
     "text-paper": with_forms(run_config(task="text", **AUTHORS_LRA, **LRA_TASKS["text"], checkpoint_every=1000,
                                         log_every=100), AUTHORS_LRA_FORMS),
     # The same with 4000 bytes per review (the paper's second Text setting).

@@ -29,8 +29,8 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-# The run-config fields (by --set name) that make a training protocol (the authors' values or ours; see README "The
-# paper's protocol"). The attention-form fields are recorded where the run's kind takes them.
+# The run-config fields (by --set name) that make a training protocol (the authors' values or ours; see
+# docs/paper-protocol.md). The attention-form fields are recorded where the run's kind takes them.
 PROTOCOL_FIELDS = ("init", "schedule", "lr", "warmup_steps", "steps", "batch_size", "precision", "grad_clip",
                    "eval_every", "eval_batches", "eval_batch_size", "attn_bias")
 LRA_PROTOCOL_FIELDS = ("classifier_activation", "pooling")
