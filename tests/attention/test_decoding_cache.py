@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import mgk
+from attention.conftest import D, E, H, build_kind
 from mgk.attention.cache import DecodingCache
 from mgk.attention.registry import get_kind, kind_variants, variant_name
 
-E, H, D = 16, 2, 8
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32
 
 
@@ -32,18 +32,10 @@ IDS = [variant_name(k, v) for k, v in CASES]
 
 
 def _module(kind, options, max_len=400, batch_first=True):
-    """The module, E=16, H=2, D=8, in eval mode, its mixture weights made non-uniform so that they matter."""
-    options = dict(options)
-    if "max_len" in get_kind(kind).options.names():
-        options["max_len"] = max_len
-    torch.manual_seed(0)
-    m = mgk.build_attention(kind, E, H, head_dim=D, batch_first=batch_first, **options)
-    with torch.no_grad():
-        if hasattr(m, "pi_logits"):
-            m.pi_logits.normal_()
-        if getattr(m, "pi_mode", None) == "soft_e":
-            m.pi.copy_(torch.softmax(torch.randn_like(m.pi), dim=1))
-    return m.eval()
+    """The attention tests' module (E=16, H=2, D=8, eval mode, non-uniform mixture weights), ``max_len`` long enough
+    for the longest prefill here."""
+    return build_kind(kind, {"max_len": max_len, **options} if "max_len" in get_kind(kind).options.names()
+                      else options, batch_first=batch_first)
 
 
 def _uncached(m, x):

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from ..argtypes import number
+
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
 
 
@@ -72,16 +74,7 @@ def _lengths(text: str) -> list[int]:
 
 def _positive(kind):
     """argparse type: a positive int or float, named in the error."""
-    def parse(text: str):
-        """``text`` as ``kind``; raises argparse.ArgumentTypeError unless it is a number > 0."""
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
+    return number(kind, 0, low_open=True)
 
 
 def _device(text: str) -> str:

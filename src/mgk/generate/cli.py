@@ -1,44 +1,16 @@
 """Argument parsing and the handler of ``mgk generate``."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
+from ..argtypes import number
 
-def _count(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    """argparse type: a finite float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+_count = number(int, 1)
+_temperature = number(float, 0, note="(0 = greedy)")
+_top_p = number(float, 0, 1, low_open=True)
 
 
 def add_parser(sub) -> None:
