@@ -61,12 +61,14 @@ def _targets(text: str) -> list[str]:
 
 
 def _lengths(text: str) -> list[int]:
+    """argparse type: comma-separated positive ints (the error names the option it came from: --lengths,
+    --contexts, --batches)."""
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise SystemExit(f"--lengths: {text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if any(v < 1 for v in values):
-        raise SystemExit("--lengths must be positive")
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text}")
     return values
 
 
