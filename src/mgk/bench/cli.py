@@ -68,7 +68,7 @@ def _lengths(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"every value must be positive (>= 1), got {text}")
     return values
 
 

@@ -133,6 +133,9 @@ class TransformerLM(nn.Module):
                 type(cache).__name__
             raise ValueError(f"past_key_values must be a DecodingCache of this model's {len(self.blocks)} layers "
                              f"(model.new_cache()), got {what}")
+        if len({layer.length for layer in cache}) > 1:
+            raise ValueError(f"past_key_values has layers of different lengths {[layer.length for layer in cache]}: "
+                             "a call through it was interrupted part-way; start a new cache (model.new_cache())")
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
                                              or tuple(key_padding_mask.shape) != (B, L)):
             raise ValueError(f"key_padding_mask must be bool of the tokens' shape {(B, L)} (True = padding), got "
