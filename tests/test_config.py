@@ -157,3 +157,27 @@ def test_models_are_built_from_their_config_objects():
     attn = model.encoder.blocks[0].attn
     assert (attn.keys, attn.pi_mode, attn.num_heads, attn.head_dim, attn.max_len) == ("shifted", "soft_e", 2, 4, 9)
     assert dataclasses.replace(enc, max_len=9) == enc
+
+
+@pytest.mark.parametrize("key,near", [
+    ("lrr", "'lr'"), ("cutoffs", "'adaptive_cutoffs'"), ("num_head", "'num_heads'"), ("pi_shap", "'pi_shape'"),
+    ("model.d_modle", "'model.d_model'"), ("optim.lrr", "'optim.lr'"),
+    ("attention.options.num_key", "'attention.options.num_keys'"),
+])
+def test_a_mistyped_set_key_gets_a_close_match_in_one_line(key, near):
+    for call in (lambda: config_mod.apply_overrides(config_mod.RunConfig(), [f"{key}=1"]),
+                 lambda: config_mod.replace(config_mod.RunConfig(), {key: 1})):
+        with pytest.raises(ValueError, match=rf"^--set {key}: unknown config field; did you mean {near}") as err:
+            call()
+        assert "\n" not in str(err.value) and "known fields" not in str(err.value)
+    if "." not in key:
+        with pytest.raises(ValueError, match=rf"^--set {key}: unknown config field; did you mean {near}"):
+            config_mod.run_config(**{key: 1})
+
+
+def test_mistyped_fields_of_a_saved_config_get_close_matches():
+    with pytest.raises(ValueError, match=r"^unknown config fields \['model.d_modle'\]; did you mean "
+                                         r"'model.d_model' for model.d_modle\?$"):
+        config_mod.from_dict({"model": {"d_modle": 3}})
+    with pytest.raises(ValueError, match=r"^unknown config fields \['lrr'\]; did you mean 'lr' for lrr\?$"):
+        config_mod.from_dict({"lrr": 1})

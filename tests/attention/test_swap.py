@@ -185,6 +185,28 @@ def test_a_shared_module_stays_shared_and_ours_are_swapped_too():
     assert type(model["c"]) is mgk.MGKAttention
 
 
+class _TwoNames(nn.Module):
+    """One attention module under two names of the same parent (weight tying), and a parent shared twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder_attn = nn.MultiheadAttention(E, H, batch_first=True)
+        self.decoder_attn = self.encoder_attn
+        self.first = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True)
+        self.second = self.first
+        self.blocks = nn.ModuleList([self.encoder_attn, nn.Linear(E, E), self.encoder_attn])
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "mlk"])
+def test_every_name_of_a_module_shared_within_one_parent_gets_the_one_new_module(kind):
+    model = mgk.swap_attention(_TwoNames(), kind)
+    new = model.encoder_attn
+    assert isinstance(new, mgk.attention.AttentionBase)
+    assert model.decoder_attn is new and model.blocks[0] is new and model.blocks[2] is new
+    assert model.second is model.first and isinstance(model.first.self_attn, mgk.attention.AttentionBase)
+    assert not any(isinstance(m, nn.MultiheadAttention) for _, m in model.named_modules(remove_duplicate=False))
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: nn.Sequential(nn.MultiheadAttention(E, H, add_bias_kv=True)), r"0 is nn.MultiheadAttention\(add_bias_kv"),
     (lambda: nn.Sequential(nn.MultiheadAttention(E, H, add_zero_attn=True)), r"add_zero_attn=True"),

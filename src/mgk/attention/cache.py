@@ -69,8 +69,8 @@ class LayerCache:
         return None if self.seen is None else self.seen.shape[0]
 
     def bind(self, owner: tuple, B: int, device) -> None:
-        """Check that this cache serves the layer described by ``owner`` (its class and sizes) with B rows; the first
-        call sets them. ValueError naming ``past_key_values`` otherwise."""
+        """Check that this cache serves the layer described by ``owner`` (its class and sizes) with B rows on
+        ``device``; the first call sets them. ValueError naming ``past_key_values`` otherwise."""
         if self._owner is None:
             self._owner = owner
             self.seen = torch.zeros(B, dtype=torch.int64, device=device)
@@ -81,6 +81,10 @@ class LayerCache:
                              "cache (DecodingCache holds one per layer)")
         if B != self.batch_size:
             raise ValueError(f"past_key_values was filled for a batch of {self.batch_size} rows; this call has {B}")
+        if torch.device(device) != self.seen.device:
+            raise ValueError(f"past_key_values lives on {self.seen.device} but this call's inputs are on "
+                             f"{torch.device(device)}: a cache stays on the device it was filled on (start a new one "
+                             "after moving the model)")
 
     def positions(self, valid: Tensor | None, L: int) -> Tensor:
         """:func:`token_positions` of L new tokens after those this cache has seen."""

@@ -90,7 +90,7 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     build = {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
     if _is_attention(model):
         return _replacement(model, type(model).__name__, build)
-    if not _swap_children(model, "", build):
+    if not _swap_children(model, build):
         raise ValueError(f"swap_attention: {type(model).__name__} holds no nn.MultiheadAttention or mgk attention "
                          "module")
     for module in model.modules():
@@ -105,17 +105,16 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, (nn.MultiheadAttention, AttentionBase))
 
 
-def _swap_children(module: nn.Module, path: str, build: dict) -> int:
-    """Replace the attention modules below ``module``; returns how many places were replaced."""
-    count = 0
-    for name, child in list(module.named_children()):
-        where = f"{path}.{name}" if path else name
-        if _is_attention(child):
-            setattr(module, name, _replacement(child, where, build))
-            count += 1
-        else:
-            count += _swap_children(child, where, build)
-    return count
+def _swap_children(model: nn.Module, build: dict) -> int:
+    """Replace the attention modules below ``model``; returns how many places were replaced. Every place is visited,
+    also a module held twice by one parent (``named_children`` lists it once, so its second name kept the old
+    module); attention modules nested inside another are left to their owner."""
+    places = [(path, m) for path, m in model.named_modules(remove_duplicate=False) if path and _is_attention(m)]
+    places = [(path, m) for path, m in places if not any(path.startswith(f"{p}.") for p, _ in places)]
+    for path, old in places:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, _replacement(old, path, build))
+    return len(places)
 
 
 def _replacement(old: nn.Module, path: str, build: dict) -> AttentionBase:

@@ -63,12 +63,14 @@ def _targets(text: str) -> list[str]:
 
 
 def _lengths(text: str) -> list[int]:
+    """argparse type: comma-separated positive ints (the error names the option it came from: --lengths,
+    --contexts, --batches)."""
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise SystemExit(f"--lengths: {text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if any(v < 1 for v in values):
-        raise SystemExit("--lengths must be positive")
+        raise argparse.ArgumentTypeError(f"every value must be positive (>= 1), got {text}")
     return values
 
 
@@ -139,9 +141,9 @@ def _decode_parser(kinds) -> None:
                                      "time single-token steps; report the cache's measured bytes beside the "
                                      "registry's formula. Targets: one attention layer and LM preset shapes "
                                      "(random weights), or a trained run with --run.")
-    d.add_argument("--targets", type=_targets, default=list(DEFAULT_TARGETS),
+    d.add_argument("--targets", type=_targets, default=None,
                    help=f"comma-separated: layer and/or LM presets (default {','.join(DEFAULT_TARGETS)})")
-    d.add_argument("--kinds", type=_decode_kinds, default=_decode_kinds(DECODE_KINDS), help=f"default {DECODE_KINDS}")
+    d.add_argument("--kinds", type=_decode_kinds, default=None, help=f"default {DECODE_KINDS}")
     d.add_argument("--contexts", type=_lengths, default=_lengths("256,1024,4096"), help="default 256,1024,4096")
     d.add_argument("--batches", type=_lengths, default=_lengths("1,8"), help="default 1,8")
     d.add_argument("--steps", type=_positive(int), default=8, help="timed steps per row (median reported)")
@@ -158,11 +160,19 @@ def _decode_parser(kinds) -> None:
 
 
 def _run_decode(args) -> dict:
+    from .decode import DEFAULT_KINDS, DEFAULT_TARGETS
     from .decode import run as run_decode
     from .decode import table as decode_table
 
     if args.run is not None:
         from ..train.rundir import RunFileError, load_config
+
+        given = {"--targets": args.targets is not None, "--kinds": args.kinds is not None,
+                 "--set": bool(args.overrides)}
+        ignored = [flag for flag, yes in given.items() if yes]
+        if ignored:  # the run's own model is measured: these would be dropped without a word
+            raise SystemExit(f"--run measures the run's own model (its kind, heads and sizes): drop "
+                             f"{' and '.join(ignored)}")
 
         try:
             load_config(args.run)
@@ -176,8 +186,9 @@ def _run_decode(args) -> dict:
             apply_overrides(all_presets()["lm-small"], args.overrides)
         except ValueError as exc:
             raise SystemExit(f"--set: {exc}") from None
-    targets = ["run"] if args.run is not None else args.targets
-    result = run_decode(targets, args.kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
+    targets = ["run"] if args.run is not None else args.targets or list(DEFAULT_TARGETS)
+    kinds = args.kinds if args.kinds is not None else _decode_kinds(DEFAULT_KINDS)
+    result = run_decode(targets, kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
                         timeout=args.timeout, embed_dim=args.embed_dim, head_dim=args.head_dim,
                         overrides=args.overrides, run_dir=args.run)
     print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")

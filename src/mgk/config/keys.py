@@ -14,6 +14,7 @@ to their defaults, while the same options set in the call are reported by :func:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 
 from .. import fields
@@ -21,8 +22,8 @@ from ..attention import get_kind
 from ..attention.registry import attention_kinds
 from .groups import GROUPS, RunConfig
 
-__all__ = ["RENAMES", "flat_keys", "flat_name", "field_of", "resolve_key", "replace", "apply_overrides",
-           "flat", "run_config", "with_forms"]
+__all__ = ["RENAMES", "close_matches", "flat_keys", "flat_name", "field_of", "resolve_key", "replace",
+           "apply_overrides", "flat", "run_config", "with_forms"]
 
 # Dotted path -> flat name, where the flat name is not the field's own name (that of 0.1.0 run directories).
 RENAMES = {"data.path": "data", "data.path_as_given": "data_as_given", "attention.kind": "attention",
@@ -94,7 +95,25 @@ def resolve_key(key: str) -> str:
         return key
     if key in _DERIVED:
         raise ValueError(f"--set {key}: filled in from max_len (set max_len)")
+    near = close_matches(key, keys.values() if "." in key else keys)  # in the form the key was written
+    if near:
+        raise ValueError(f"--set {key}: unknown config field; did you mean {near}?")
     raise ValueError(f"--set {key}: unknown config field (known fields: {', '.join(sorted(keys))})")
+
+
+def close_matches(name: str, known) -> str:
+    """The names in ``known`` close to a mistyped ``name``, quoted and joined with " or " ("" when none is close), as
+    argparse suggests choices. A name is compared whole and by its last dotted part (``cutoffs`` finds
+    ``adaptive_cutoffs``); only those about as close as the closest are kept."""
+    leaf = name.rsplit(".", 1)[-1]
+
+    def score(k: str) -> float:
+        return max(difflib.SequenceMatcher(None, name, k).ratio(),
+                   difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio())
+
+    scored = sorted(((score(k), k) for k in set(known)), key=lambda sk: (-sk[0], sk[1]))
+    best = scored[0][0] if scored else 0.0
+    return " or ".join(repr(k) for s, k in scored[:3] if s >= max(0.6, best - 0.1))
 
 
 def _get(cfg, path: str):

@@ -7,7 +7,7 @@ import dataclasses
 
 from ..attention import AttentionConfig, get_kind
 from .groups import GROUPS, RunConfig
-from .keys import _apply, flat_keys
+from .keys import _apply, close_matches, flat_keys
 
 __all__ = ["to_dict", "from_dict"]
 
@@ -27,11 +27,18 @@ def to_dict(cfg: RunConfig) -> dict:
     return _plain(out)
 
 
+def _did_you_mean(unknown, known, prefix: str = "") -> str:
+    """"; did you mean ...?" for the unknown keys that have close matches among ``known`` ("" when none has)."""
+    hints = [f"{near} for {prefix}{k}" for k in unknown if (near := close_matches(f"{prefix}{k}", known))]
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
 def _group(cls, values: dict, where: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown config fields {[f'{where}.{k}' for k in unknown]}")
+        raise ValueError(f"unknown config fields {[f'{where}.{k}' for k in unknown]}"
+                         + _did_you_mean(unknown, [f"{where}.{k}" for k in known], prefix=f"{where}."))
     return cls(**values)
 
 
@@ -39,7 +46,7 @@ def _from_nested(d: dict) -> RunConfig:
     top = {f.name: f for f in dataclasses.fields(RunConfig) if f.name != "attention_forms"}
     unknown = sorted(set(d) - set(top))
     if unknown:
-        raise ValueError(f"unknown config fields {unknown}")
+        raise ValueError(f"unknown config fields {unknown}" + _did_you_mean(unknown, top))
     values = {k: v for k, v in d.items() if k not in GROUPS}
     for name in GROUPS:
         if name not in d:
@@ -60,7 +67,7 @@ def _from_flat(d: dict) -> RunConfig:
     keys = flat_keys()
     unknown = sorted(set(d) - set(keys))
     if unknown:
-        raise ValueError(f"unknown config fields {unknown}")
+        raise ValueError(f"unknown config fields {unknown}" + _did_you_mean(unknown, keys))
     kind = d.get("attention", RunConfig().attention.kind)
     takes = get_kind(kind).options.names()
     changes = {keys[k]: v for k, v in d.items()

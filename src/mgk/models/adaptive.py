@@ -51,6 +51,17 @@ class ChunkedNLL:
     vocab_size: int
     chunk: int
 
+    def _full_precision(self, hidden: Tensor) -> Tensor:
+        """``hidden`` in the weights' dtype when that is float32 or float64 (a ``model.double()`` scores in
+        float64). ValueError for 16-bit weights: the log-softmax runs in at least float32, so a bf16 / fp16 model
+        keeps float32 weights and runs its blocks under ``torch.autocast``."""
+        dtype = next(self.parameters()).dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the adaptive softmax's weights are {dtype}: it computes in float32 or float64, so "
+                             "keep the model in float32 and use torch.autocast(..., dtype=torch.bfloat16) instead "
+                             "of model.to(torch.bfloat16)")
+        return hidden.to(dtype)
+
     def _set_sizes(self, vocab_size: int, dim: int, cutoffs, scale_embedding: bool, chunk: int) -> list[int]:
         """Sizes shared by the adaptive softmaxes: the cutoffs below ``vocab_size`` (returned; the others are
         dropped with a note in ``self.notes``), the embedding scale sqrt(dim) (or 1) and the nll chunk."""
@@ -74,7 +85,7 @@ class ChunkedNLL:
             raise ValueError(f"target ids must be in [0, {self.vocab_size}), got [{int(target.min())}, "
                              f"{int(target.max())}]")
         with torch.autocast(hidden.device.type, enabled=False):
-            hidden = hidden.float()
+            hidden = self._full_precision(hidden)
             if torch.is_grad_enabled() or hidden.shape[0] <= self.chunk:
                 return self._nll(hidden, target)
             return torch.cat([self._nll(hidden[i:i + self.chunk], target[i:i + self.chunk])
@@ -155,9 +166,10 @@ class TiedAdaptiveSoftmax(ChunkedNLL, nn.Module):
         return -self.softmax(hidden, target).output
 
     def log_prob(self, hidden: Tensor) -> Tensor:
-        """Log-probabilities of every word, (N, E) -> (N, V) float32 (sums to 1 over V)."""
+        """Log-probabilities of every word, (N, E) -> (N, V) float32 (float64 for float64 weights; sums to 1 over V).
+        ValueError for 16-bit weights (:meth:`ChunkedNLL._full_precision`)."""
         with torch.autocast(hidden.device.type, enabled=False):
-            hidden = hidden.float()
+            hidden = self._full_precision(hidden)
             if self.softmax is None:
                 return F.log_softmax(F.linear(hidden, self.weight), dim=-1)
             return self.softmax.log_prob(hidden)

@@ -113,9 +113,10 @@ class AuthorsAdaptiveSoftmax(ChunkedNLL, nn.Module):
         return out
 
     def log_prob(self, hidden: Tensor) -> Tensor:
-        """Log-probabilities of every word, (N, E) -> (N, V) float32 (sums to 1 over V)."""
+        """Log-probabilities of every word, (N, E) -> (N, V) float32 (float64 for float64 weights; sums to 1 over V).
+        ValueError for 16-bit weights (:meth:`ChunkedNLL._full_precision`)."""
         with torch.autocast(hidden.device.type, enabled=False):
-            hidden = hidden.float()
+            hidden = self._full_precision(hidden)
             head = self._head_logprob(hidden)
             bounds, width = self.bounds, head.shape[1]
             parts = [head[:, :bounds[1]]]

@@ -85,7 +85,8 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
         ``max_new_tokens``, or fewer when every row has reached ``eos``.
     Raises:
         ValueError naming the argument for bad values, and in one line when the model cannot decode that far
-        (per-position mixture weights: their option and max_len) or through a cache (normalize="length").
+        (per-position mixture weights: their option and max_len) or through a cache (normalize="length"), and
+        naming ``log_probs`` when the model's next-token scores are not finite (:func:`mgk.models.sampling.next_token`).
     """
     pad = _prompt_padding(idx, key_padding_mask)
     check_sampling(temperature, top_k, top_p, generator)

@@ -125,10 +125,17 @@ class TransformerLM(nn.Module):
             x = block(x, key_padding_mask=key_padding_mask, is_causal=True, past_key_values=layer)
         return x
 
-    @staticmethod
-    def _positions(tokens: Tensor, key_padding_mask: Tensor | None, cache: DecodingCache) -> Tensor:
+    def _positions(self, tokens: Tensor, key_padding_mask: Tensor | None, cache: DecodingCache) -> Tensor:
         """(B, L) positions of new tokens after those ``cache`` has seen, per row."""
         B, L = tokens.shape
+        if not isinstance(cache, DecodingCache) or len(cache) != len(self.blocks):
+            what = f"a DecodingCache of {len(cache)} layers" if isinstance(cache, DecodingCache) else \
+                type(cache).__name__
+            raise ValueError(f"past_key_values must be a DecodingCache of this model's {len(self.blocks)} layers "
+                             f"(model.new_cache()), got {what}")
+        if len({layer.length for layer in cache}) > 1:
+            raise ValueError(f"past_key_values has layers of different lengths {[layer.length for layer in cache]}: "
+                             "a call through it was interrupted part-way; start a new cache (model.new_cache())")
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
                                              or tuple(key_padding_mask.shape) != (B, L)):
             raise ValueError(f"key_padding_mask must be bool of the tokens' shape {(B, L)} (True = padding), got "

@@ -41,11 +41,19 @@ def next_token(log_probs: Tensor, *, temperature: float = 1.0, top_k: int | None
     temperature 0: the argmax (greedy; ties go to the lowest id). Otherwise a draw from ``softmax(log_probs /
     temperature)`` restricted to the ``top_k`` most likely tokens and to the nucleus of mass ``top_p`` (both
     optional), with ``generator`` (its device is used for the draw, so a CPU generator reproduces on any device).
-    Raises ValueError as :func:`check_sampling`."""
+    Raises ValueError as :func:`check_sampling`, and naming ``log_probs`` when a row holds NaN or no finite entry
+    (a model whose weights went non-finite: argmax would silently answer token 0, a draw would fail)."""
     check_sampling(temperature, top_k, top_p, generator)
+    best = log_probs.amax(dim=-1, keepdim=True)
+    if bool(torch.isnan(log_probs).any() | ~torch.isfinite(best).all()):
+        raise ValueError("log_probs has NaN or a row without a finite entry: the model's next-token scores are not "
+                         "finite (are its weights?)")
     if temperature == 0:
         return log_probs.argmax(dim=-1)
-    logits = log_probs.float() / temperature
+    # Shifted so that the most likely token scores 0 before the division, in float64 (where a temperature of 1e-300
+    # is not 0): any temperature > 0, however small, keeps it finite (an unshifted float32 log p / 1e-40 overflows
+    # to -inf for every token, and the draw fails).
+    logits = (log_probs.double() - best.double()) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

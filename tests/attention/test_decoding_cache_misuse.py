@@ -1,0 +1,52 @@
+"""A decoding cache used where it cannot serve is a ValueError naming ``past_key_values``, before anything is written:
+a call on another device than the one the cache was filled on (it failed deep inside torch, with nothing named), and
+a model's cache whose layers have different lengths because a call through it was interrupted part-way (the next
+step read positions from the first layer and mixed caches of different lengths silently)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mgk
+from mgk.attention.registry import kind_variants, variant_name
+from mgk.models import AttentionConfig, LMConfig, TransformerLM
+
+E, H = 16, 2
+
+
+@pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
+def test_a_cache_filled_on_one_device_is_refused_on_another(kind, options):
+    options = {**options, **({"max_len": 8} if options.get("pi") == "soft_e" else {})}
+    m = mgk.build_attention(kind, E, H, **options).eval()
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randn(1, 3, E), past_key_values=cache, is_causal=True, need_weights=False)
+        moved = copy.deepcopy(m).to("meta")  # a second device that exists on every machine
+        with pytest.raises(ValueError, match=r"^past_key_values lives on cpu but this call's inputs are on meta"):
+            moved(torch.randn(1, 1, E, device="meta"), past_key_values=cache, is_causal=True, need_weights=False)
+    assert cache.length == 3 and cache.seen.tolist() == [3]
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "mlk"])
+def test_a_cache_left_uneven_by_an_interrupted_call_is_refused(kind, monkeypatch):
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=30, d_model=E, num_layers=2, ffn_dim=32, dropout=0.0, cutoffs=(10,),
+                                   attention=AttentionConfig(kind=kind, num_heads=H, head_dim=8))).eval()
+    idx = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache()
+    with torch.no_grad():
+        model.next_log_probs(idx, past_key_values=cache)
+        second = model.blocks[1].attn
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(second, "forward", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model.next_log_probs(idx[:, :1], past_key_values=cache)
+        monkeypatch.undo()
+        assert [layer.length for layer in cache] == [6, 5]
+        with pytest.raises(ValueError, match=r"^past_key_values has layers of different lengths \[6, 5\]"):
+            model.next_log_probs(idx[:, :1], past_key_values=cache)
