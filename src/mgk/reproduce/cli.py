@@ -5,6 +5,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..choices import argparse_type
 from .experiments import EXPERIMENTS, get_experiment
 from .grid import ONLY_KEYS, expand, parse_data, parse_only
 from .scales import SCALES
@@ -20,9 +21,9 @@ def add_parser(sub) -> None:
                     "resolved config), run the unfinished ones (finished runs are skipped, interrupted ones "
                     "resumed from their last checkpoint), then write <out>/REPORT.md, <out>/report.json and "
                     "<out>/plots/. Experiments: " + ", ".join(EXPERIMENTS) + ".")
-    p.add_argument("experiment", metavar="EXPERIMENT", choices=sorted(EXPERIMENTS),
+    p.add_argument("experiment", metavar="EXPERIMENT", type=argparse_type("experiment", EXPERIMENTS),
                    help="one of: " + ", ".join(EXPERIMENTS))
-    p.add_argument("--scale", default="cpu", choices=SCALES,
+    p.add_argument("--scale", default="cpu", type=argparse_type("scale", SCALES),
                    help="paper (the *-paper presets, for GPUs), cpu (reduced: minutes a run on one core; default) "
                         "or smoke (seconds a run)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")

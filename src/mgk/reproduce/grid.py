@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..attention import get_kind
+from ..choices import did_you_mean
 from ..train.rundir import RunFiles
 from .experiments import TASK_LABELS, Experiment, Row
 from .scales import TaskSetting, task_setting
@@ -89,7 +90,8 @@ def parse_only(pairs) -> dict[str, set[str]]:
     only: dict[str, set[str]] = {}
     for k, v in _split_pairs(pairs, "--only"):
         if k not in ONLY_KEYS:
-            raise ValueError(f"--only {k}={v}: unknown key {k!r}; use one of {', '.join(ONLY_KEYS)}")
+            raise ValueError(f"--only {k}={v}: unknown key {k!r}{did_you_mean(k, ONLY_KEYS)}; use one of "
+                             f"{', '.join(ONLY_KEYS)}")
         only.setdefault(k, set()).update(x.strip() for x in v.split(",") if x.strip())
     return only
 
@@ -99,7 +101,8 @@ def parse_data(pairs, tasks) -> dict[str, str]:
     data = {}
     for k, v in _split_pairs(pairs, "--data"):
         if k not in tasks:
-            raise ValueError(f"--data {k}={v}: this experiment has no task {k!r} (tasks: {', '.join(tasks)})")
+            raise ValueError(f"--data {k}={v}: this experiment has no task {k!r}{did_you_mean(k, tasks)} "
+                             f"(tasks: {', '.join(tasks)})")
         data[k] = v
     return data
 
@@ -111,7 +114,8 @@ def _check_only(only: dict, exp: Experiment, tasks, seeds) -> None:
     for k, values in only.items():
         bad = sorted(values - set(known[k]))
         if bad:
-            raise ValueError(f"--only {k}={','.join(bad)}: not in {exp.name} (choose from {', '.join(known[k])})")
+            raise ValueError(f"--only {k}={','.join(bad)}: not in {exp.name}{did_you_mean(bad[0], known[k])} "
+                             f"(choose from {', '.join(known[k])})")
 
 
 def _resolve(row: Row, task: str, seed: int, setting: TaskSetting, data: str | None) -> tuple[tuple, tuple | None]:
