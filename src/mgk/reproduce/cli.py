@@ -62,10 +62,16 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _dry_run(runs, args, out: Path, params) -> None:
+def _dry_run(runs, args, out: Path, params, tasks) -> None:
     from .executor import run_state, sbatch_preview
 
     print(f"{len(runs)} runs in {out}")
+    for t in tasks:
+        print(f"# task {t.describe()}" + "".join(f"\n#   note: {n}" for n in t.notes))
+        if t.problem:
+            print(f"#   WARNING: {t.problem}")
+            print(f"mgk reproduce: warning: {t.problem} (a real run stops here before running anything)",
+                  file=sys.stderr)
     for run in runs:
         print(f"\n# {run.task} {run.row.key} seed {run.seed} [{run_state(run)}] key {run.key}")
         print(run.describe(sys.executable))
@@ -99,9 +105,15 @@ def run(args) -> int:
         raise SystemExit(f"mgk reproduce: {e}") from None
     if not runs:
         raise SystemExit("mgk reproduce: --only leaves no run")
+    from .data_check import check_data
+
+    tasks = check_data(runs, args.scale, data) if not args.report_only else []
     if args.dry_run:
-        _dry_run(runs, args, out, params)
+        _dry_run(runs, args, out, params, tasks)
         return 0
+    problems = [t.problem for t in tasks if t.problem]
+    if problems:  # before any run starts or any job is submitted
+        raise SystemExit("mgk reproduce: " + "; ".join(problems) + " (nothing was run)")
     threads = args.threads or None
     todo = [r for r in runs if r.data is None or Path(r.data).exists()]
     missing = [r for r in runs if r.data is not None and not Path(r.data).exists()]
