@@ -85,7 +85,6 @@ def _dry_run(runs, args, out: Path, params, tasks) -> None:
 def run(args) -> int:
     """Handler of ``mgk reproduce``."""
     from . import executor as ex
-    from .report import write_report
 
     try:
         exp = get_experiment(args.experiment)
@@ -121,15 +120,26 @@ def run(args) -> int:
         print(f"mgk reproduce: no data for {r[0]} at {r[1]}: its runs are reported as not run "
               f"(pass --data {r[0]}=PATH)", file=sys.stderr)
     records = {}
-    if not args.report_only:
-        print(f"mgk reproduce {exp.name}: {len(todo)} runs, {sum(ex.run_state(r) == 'finished' for r in todo)} "
-              f"finished earlier; out {out}", flush=True)
-        if args.executor == "local":
-            done = ex.run_local(todo, args.jobs, threads)
-        else:
-            done = ex.run_submitit(todo, args.executor, out / "submitit", jobs=args.jobs, params=params,
-                                   threads=threads)
-        records = dict(zip(map(id, todo), done))
+    from .stopping import GridStop
+
+    with GridStop() as stop:  # held until the report is written: a signal stops the runs, never the report
+        if not args.report_only:
+            print(f"mgk reproduce {exp.name}: {len(todo)} runs, {sum(ex.run_state(r) == 'finished' for r in todo)} "
+                  f"finished earlier; out {out}", flush=True)
+            if args.executor == "local":
+                done = ex.run_local(todo, args.jobs, threads, stop)
+            else:
+                done = ex.run_submitit(todo, args.executor, out / "submitit", jobs=args.jobs, params=params,
+                                       threads=threads, stop=stop)
+            # An interrupted or never-started run is reported by the state of its directory (resume / not started).
+            records = {id(r): rec for r, rec in zip(todo, done) if rec is not None and rec["status"] != "interrupted"}
+        return _report(args, exp, out, runs, records, stop)
+
+
+def _report(args, exp, out: Path, runs, records: dict, stop) -> int:
+    from . import executor as ex
+    from .report import write_report
+
     recs = []
     for r in runs:
         if id(r) in records:
@@ -142,7 +152,7 @@ def run(args) -> int:
                          "status": "skipped" if state == "finished" else state})
     command = "mgk reproduce " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["reproduce"] else sys.argv[1:])
     analysis = None
-    if args.analyze:
+    if args.analyze and not stop.signum:
         from .analysis import analyse_grid
 
         print(f"mgk reproduce: analysing the finished rows of each task ({args.analyze} examples)", flush=True)
@@ -152,4 +162,7 @@ def run(args) -> int:
     rep = write_report(out, exp, args.scale, runs, recs, command, analysis=analysis)
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
     print(f"report: {out / 'REPORT.md'} ({len(runs) - len(failed)}/{len(runs)} runs finished)")
+    if stop.signum:
+        print(f"mgk reproduce: interrupted by {stop.name}; resume with: {command}", file=sys.stderr, flush=True)
+        return 128 + stop.signum
     return 1 if failed else 0
