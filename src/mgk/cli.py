@@ -179,8 +179,20 @@ def _table_parser(sub) -> None:
     p = sub.add_parser("table", help="print the LRA results table of finished runs",
                        description="Read results.json of each run directory (or of every run below a folder) and "
                                    "print the LRA table (ListOps, Text, Retrieval, Image, Pathfinder, Avg) as "
-                                   "markdown: one row per (attention kind, heads), mean ± std over seeds.")
+                                   "markdown: one row per (attention kind, heads), mean ± std over seeds. Language-"
+                                   "modelling runs: validation and test perplexity (the paper's Table 3), each with "
+                                   "its evaluation window (mgk eval's, else the training's segments).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or folders holding them)")
+
+
+def _lm_evals(run_dir: Path) -> dict:
+    """The ``mgk eval --json`` results of an LM run directory: ``{"val": eval.json, "test": eval_test.json}``
+    (None where absent)."""
+    from .train.rundir import RunFiles, read_json
+
+    files = RunFiles(run_dir)
+    return {split: read_json(path) if path.is_file() else None for split, path in (("val", files.eval),
+                                                                                    ("test", files.eval_test))}
 
 
 def _run_table(args) -> int:
@@ -190,8 +202,20 @@ def _run_table(args) -> int:
 
     done, unfinished = find_runs(args.runs)
     results = read_run_results(done)
-    table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
-    print(table)
+    lm = [r for _, r in results if r.get("task") == "lm"]
+    tables, warnings = [], []
+    if len(lm) < len(results) or not lm:
+        table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
+        tables.append(table)
+    else:
+        warnings += [f"unfinished (no results.json): {run_status(d)}" for d in unfinished]
+    if lm:  # WikiText-103 (Table 3): valid and test perplexity, each with its window
+        from .tasks.lm_table import lm_table
+
+        table, more = lm_table([(r, _lm_evals(Path(f).parent)) for f, r in results if r.get("task") == "lm"])
+        tables += [table] if table else []
+        warnings += more
+    print("\n\n".join(tables))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return 0

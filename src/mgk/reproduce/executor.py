@@ -59,7 +59,8 @@ def run_state(run: Run) -> str:
     if files.results.is_file():
         if read_record(d).get("key") != run.key:
             return "conflict"
-        return "evaluate" if run.eval_args is not None and not run.eval_json.is_file() else "finished"
+        evaluated = [run.eval_json] * (run.eval_args is not None) + [run.eval_test_json] * run.test_eval
+        return "evaluate" if not all(p.is_file() for p in evaluated) else "finished"
     return "resume" if files.checkpoint("last").is_file() else "new"
 
 
@@ -113,8 +114,9 @@ def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1,
         # A "new" directory that is not empty holds a start that died before its first checkpoint: start over.
         restart = state == "new" and run.run_dir.is_dir() and any(run.run_dir.iterdir())
         commands.append(("train", run.train_command(python, resume=state == "resume", overwrite=restart)))
-    if run.eval_args is not None:
-        commands.append(("eval", run.eval_command(python)))
+    for done, cmd in ((run.eval_json, run.eval_command(python)), (run.eval_test_json, run.test_eval_command(python))):
+        if cmd is not None and (state != "evaluate" or not done.is_file()):  # a finished evaluation is not redone
+            commands.append(("eval", cmd))
     rec["status"] = "done"
     # The key is on disk before any command runs: a harness killed between the run's results.json and the record
     # below must not leave a finished run that the next pass takes for another config's directory.
