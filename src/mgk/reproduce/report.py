@@ -193,8 +193,8 @@ def render(rep: dict) -> str:
             "- runs: " + "; ".join(f"{k} {', '.join(v)}" for k, v in rep["versions"].items()),
             f"- machine: {m['cpu']}, {m['cpus']} CPUs, {m['mem_gb']} GB, {m['platform']}"
             + (f", GPU {m['cuda']}" if m["cuda"] else ""), "",
-            "Plots: `plots/learning_curves_<task>.png` (validation curve of each row, mean over seeds), "
-            "`plots/metric_vs_attention_params.png`.", ""]
+            "Plots: `plots/learning_curves_<task>.png` (validation curve of each row, mean over seeds with a band of "
+            "± 1 std), `plots/metric_vs_attention_params.png` (error bars ± 1 std over seeds).", ""]
     return "\n".join(out)
 
 
