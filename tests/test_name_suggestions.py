@@ -66,3 +66,22 @@ def test_the_suggestion_helper():
     assert require("task", "lm", TASKS) == "lm"
     with pytest.raises(ValueError, match=r"unknown task 'lmm' \(did you mean 'lm'\?\); choose from listops, lm"):
         require("task", "lmm", TASKS)
+
+
+@pytest.mark.parametrize("argv, prefix, fragment, names", [
+    (["bench", "model", "--task", "listop"], "mgk bench model: ", "unknown task 'listop' (did you mean 'listops'?)",
+     TASKS),
+    (["bench", "model", "--preset", "listops-smal"], "mgk bench model: ",
+     "unknown preset 'listops-smal' (did you mean 'listops-small'", sorted(all_presets())),
+    (["bench", "attention", "--kinds", "mgkk:4"], "mgk bench attention: ",
+     "unknown kind 'mgkk' (did you mean 'mgk'", attention_kinds()),
+    (["bench", "model", "--kinds", "softmaxx:8"], "mgk bench model: ", "unknown kind 'softmaxx' (did you mean "
+     "'softmax'?)", attention_kinds()),
+    (["train", "--pi", "soft-e"], "mgk train: ", "unknown pi mode 'soft-e' (did you mean 'soft_e'?)",
+     ("learned", "soft_e", "hard_e")),
+])
+def test_bench_and_the_pi_flag_suggest_the_close_name_and_list_the_names(capsys, argv, prefix, fragment, names):
+    """`mgk bench model --task listop` used to answer with a preset problem (`unknown preset 'listop-small'`)."""
+    line = _line(capsys, argv)
+    assert line.startswith(prefix) and fragment in line and "preset 'listop-small'" not in line, line
+    assert all(n in line for n in names), line

@@ -35,7 +35,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--attention", default=None, type=argparse_type("attention kind", attention_kinds),
                    help=f"attention kind: {', '.join(attention_kinds())}")
     p.add_argument("--heads", type=int, default=None, help="number of attention heads")
-    p.add_argument("--pi", default=None, choices=config_mod.field_of("attention.options.pi").metadata["choices"],
+    p.add_argument("--pi", default=None, type=argparse_type("pi mode", config_mod.field_of("attention.options.pi")
+                                                            .metadata["choices"]),
                    help="mixture-weight mode of mgk / smgk (mlk / smlk: learned only); an error for other kinds")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps")
     p.add_argument("--seed", type=int, default=None)
