@@ -8,6 +8,7 @@ from pathlib import Path
 from mgk.data.listops import generate_listops, write_listops_tsv
 from mgk.reproduce import expand, get_experiment
 from mgk.reproduce.data_check import check_data
+from mgk.reproduce.report import build_report, render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +59,10 @@ def test_paper_scale_of_wt103_runs_the_paper_preset_and_the_dry_run_names_it(tmp
     assert p.returncode == 0, p.stderr
     assert "# task lm (WikiText-103): 7 runs, preset wt103-paper" in p.stdout
     assert p.stdout.count("--preset wt103-paper") == 7 and "wt103-small" not in p.stdout
+    exp = get_experiment("wt103")  # the report names it too
+    runs = expand(exp, "paper", [0], tmp_path / "out")
+    rep = build_report(exp, "paper", runs, [{"status": "new"}] * len(runs), "cmd")
+    assert rep["tasks"][0]["preset"] == "wt103-paper" and "Protocol: preset `wt103-paper`" in render(rep)
     p = _cli("lra-softmax-family", "--scale", "cpu", "--only", "task=listops", "--seeds", "0", "--dry-run",
              "--out", str(tmp_path))
     assert "# task listops (ListOps (generated, short)): 10 runs, preset listops-small with --set steps=800" in p.stdout
