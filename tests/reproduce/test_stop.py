@@ -77,3 +77,21 @@ def test_a_stopped_grid_resumes_on_the_rerun(tmp_path, signum, group):
     assert len(list((out / "runs").rglob("results.json"))) == 4
     rep = json.loads((out / "report.json").read_text())
     assert [r["status"] for r in rep["runs"]] == ["done"] * 4
+
+
+def test_an_error_of_the_harness_in_one_run_fails_that_run_and_the_others_go_on(tmp_path, monkeypatch):
+    from mgk.reproduce import executor, expand, get_experiment
+    from mgk.reproduce.grid import parse_only
+
+    runs = expand(get_experiment("lra-softmax-family"), "smoke", [0, 1, 2], tmp_path,
+                  only=parse_only(["row=mgk-4", "task=listops"]))
+
+    def fake(run, python, threads, stop):
+        if run.seed == 1:
+            raise PermissionError(f"cannot write {run.run_dir}")
+        return {"status": "done"}
+
+    monkeypatch.setattr(executor, "execute_run", fake)
+    records = executor.run_local(runs, jobs=2)
+    assert [r["status"] for r in records] == ["done", "failed", "done"]
+    assert "PermissionError: cannot write" in records[1]["error"]

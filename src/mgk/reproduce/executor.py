@@ -168,7 +168,11 @@ def run_local(runs: list[Run], jobs: int, threads: int | None = 1, stop: GridSto
                 if not todo:
                     return
                 i = todo.pop(0)
-            records[i] = execute_run(runs[i], sys.executable, threads, stop)
+            try:
+                records[i] = execute_run(runs[i], sys.executable, threads, stop)
+            except Exception as exc:  # e.g. an unwritable output folder: this run failed, the others go on
+                records[i] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                              "log": str(log_path(runs[i].run_dir))}
             with lock:
                 done[0] += 1
                 _announce(runs[i], records[i], done[0], len(runs))
