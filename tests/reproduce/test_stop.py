@@ -42,8 +42,8 @@ def _stop_grid(tmp_path: Path, signum: int, group: bool) -> tuple[Path, subproce
         stdout, stderr = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"mgk reproduce still running 10 s after {signal.Signals(signum).name}")
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"mgk reproduce still running 10 s after {signal.Signals(signum).name}:\n{stdout}\n{stderr}")
     took = time.monotonic() - t0
     return out, subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), took
 

@@ -120,6 +120,7 @@ def run(args) -> int:
         print(f"mgk reproduce: no data for {r[0]} at {r[1]}: its runs are reported as not run "
               f"(pass --data {r[0]}=PATH)", file=sys.stderr)
     records = {}
+    from .report import write_report  # with torch, before any run starts: a stopped grid reports at once
     from .stopping import GridStop
 
     with GridStop() as stop:  # held until the report is written: a signal stops the runs, never the report
@@ -133,12 +134,11 @@ def run(args) -> int:
                                        threads=threads, stop=stop)
             # An interrupted or never-started run is reported by the state of its directory (resume / not started).
             records = {id(r): rec for r, rec in zip(todo, done) if rec is not None and rec["status"] != "interrupted"}
-        return _report(args, exp, out, runs, records, stop)
+        return _report(args, exp, out, runs, records, stop, write_report)
 
 
-def _report(args, exp, out: Path, runs, records: dict, stop) -> int:
+def _report(args, exp, out: Path, runs, records: dict, stop, write_report) -> int:
     from . import executor as ex
-    from .report import write_report
 
     recs = []
     for r in runs:
