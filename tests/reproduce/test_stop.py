@@ -95,3 +95,30 @@ def test_an_error_of_the_harness_in_one_run_fails_that_run_and_the_others_go_on(
     records = executor.run_local(runs, jobs=2)
     assert [r["status"] for r in records] == ["done", "failed", "done"]
     assert "PermissionError: cannot write" in records[1]["error"]
+
+
+def test_a_child_that_lost_the_signal_gets_it_again_long_before_the_grace_kill():
+    """A child can lose the first signal (a library's import code catching everything swallows the KeyboardInterrupt
+    of a Ctrl-C that comes while it starts) and would then train on until the grace kill: it gets it again."""
+    import threading
+
+    from mgk.reproduce.stopping import GridStop
+
+    script = ("import signal, sys, time\nseen = []\n"
+              "signal.signal(signal.SIGINT, lambda s, f: seen.append(s) if not seen else sys.exit(130))\n"
+              "print('ready', flush=True)\nwhile True:\n    time.sleep(0.05)\n")
+    with GridStop(grace=30.0, resend=0.5) as stop:
+        child = stop.popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        codes = []
+        waiter = threading.Thread(target=lambda: codes.append(stop.wait(child)[0]))
+        waiter.start()
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal to this process: the handler forwards it
+        while waiter.is_alive() and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+            stop.enforce_grace()
+        waiter.join(timeout=5)
+        child.stdout.close()
+    assert stop.name == "SIGINT" and codes == [130] and time.monotonic() - t0 < 5
+    assert stop.popen([sys.executable, "-c", "pass"]) is None  # stopped: nothing new starts

@@ -1,8 +1,9 @@
 """Ctrl-C (SIGINT) and SIGTERM during a grid: no new run starts, the running ones stop, the harness reports.
 
 The first signal is recorded and passed on to every running ``mgk train`` / ``mgk eval`` child, which finishes its
-step, writes its checkpoint and exits (128 + signal); no run starts after it. A child still alive ``grace`` seconds
-later, or any child at a second signal, is killed (its run resumes from its last checkpoint). Whether the signal
+step, writes its checkpoint and exits (128 + signal); no run starts after it. A child still alive gets the signal
+again every ``resend`` seconds (one can lose it while it starts); one still alive ``grace`` seconds later, or any
+child at a second signal, is killed (its run resumes from its last checkpoint). Whether the signal
 reached the whole process group (a terminal's Ctrl-C) or the harness alone, the children get it: the training loop
 ignores a repeated signal while its step finishes, as it does for torchrun's forwarded Ctrl-C.
 """
@@ -27,10 +28,11 @@ class GridStop:
     that outlive the grace period. Handlers are installed only in the main thread (Python's rule) and restored on
     exit."""
 
-    def __init__(self, grace: float = 20.0):
-        self.grace = grace
+    def __init__(self, grace: float = 20.0, resend: float = 2.0):
+        self.grace, self.resend = grace, resend
         self.signum = 0
         self._deadline: float | None = None
+        self._sent = 0.0
         self._children: dict[int, subprocess.Popen] = {}
         self._lock = threading.RLock()  # re-entrant: a second signal may arrive while the first one's handler runs
         self._previous: dict = {}
@@ -61,7 +63,8 @@ class GridStop:
                 self._kill()
                 return
             self.signum = signum
-            self._deadline = time.monotonic() + self.grace
+            self._sent = time.monotonic()
+            self._deadline = self._sent + self.grace
             self._say(f"{signal_name(signum)}: no new run starts; stopping {len(self._children)} running run(s) "
                       f"(each saves its checkpoint; killed after {self.grace:g} s, or at once on a second signal)")
             for p in list(self._children.values()):
@@ -99,8 +102,15 @@ class GridStop:
         return p.returncode, usage
 
     def enforce_grace(self) -> None:
-        """Kill the children still alive once the grace period after the first signal is over."""
+        """Send the signal again, every ``resend`` seconds, to the children still alive after the first one, and
+        kill them once the grace period is over. A child can lose a signal: a library's import code that catches
+        every exception swallows the KeyboardInterrupt of a Ctrl-C that comes while it starts (seen with torch's),
+        and the run then trains on; a training loop finishing its step ignores the repeats."""
         with self._lock:
+            if self._deadline is not None and time.monotonic() > self._sent + self.resend:
+                self._sent = time.monotonic()
+                for p in list(self._children.values()):
+                    self._send(p, self.signum)
             if self._deadline is not None and time.monotonic() > self._deadline and self._children:
                 self._say(f"killing {len(self._children)} run(s) still running {self.grace:g} s after "
                           f"{self.name}")
