@@ -177,7 +177,7 @@ CASES = [
     ("data check", "bad-set", lambda c: ["data", "check", "--task", "listops", "--data", str(c.tmp), "--set", "x"],
      "--set expects key=value"),
     ("data check", "unknown-preset", lambda c: ["data", "check", "--task", "listops", "--data", str(c.tmp),
-                                                "--preset", "nope"], "no preset 'nope'"),
+                                                "--preset", "nope"], "unknown preset 'nope'"),
     ("data check", "no-task", lambda c: ["data", "check", "--data", str(c.tmp)], "required: --task"),
     # table
     ("table", "missing", lambda c: ["table", str(c.tmp / "none")], "no such run directory"),
@@ -224,7 +224,7 @@ CASES = [
     ("analyze", "failed-run", lambda c: ["analyze", str(_failed(c.lo()))], "nothing to analyse"),
     ("analyze", "bad-samples", lambda c: ["analyze", str(c.lo()), "--samples", "0"], "samples must be >= 1"),
     # reproduce
-    ("reproduce", "unknown-experiment", lambda c: ["reproduce", "nope"], "invalid choice: 'nope'"),
+    ("reproduce", "unknown-experiment", lambda c: ["reproduce", "nope"], "unknown experiment 'nope'"),
     ("reproduce", "bad-seeds", lambda c: ["reproduce", "lra-softmax-family", "--seeds", "a"], "--seeds"),
     ("reproduce", "bad-only", lambda c: ["reproduce", "lra-softmax-family", "--only", "nope=1"], "nope"),
     ("reproduce", "bad-data", lambda c: ["reproduce", "lra-softmax-family", "--data", "listops"], "listops"),

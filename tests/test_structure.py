@@ -8,8 +8,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Each top-level part of mgk may import from its own layer and the layers below, never from a layer above.
 LAYERS = {
-    "atomic": 0, "fields": 0, "functional": 0, "argtypes": 0,  # the attention math, the atomic file writer, declared
-    # fields, argparse number types
+    "argtypes": 0, "atomic": 0, "choices": 0, "fields": 0, "functional": 0,  # the attention math, file writer,
+    # fields, names and numbers of the command line
     "attention": 1,                          # nn.Modules over the functional core
     "models": 2,                             # model families built from attention modules
     "config": 3, "data": 3,                  # the run configuration (built from model configs); datasets, caches

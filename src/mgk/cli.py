@@ -16,21 +16,28 @@ from . import config as config_mod
 from .analyze import cli as analyze_cli
 from .attention import attention_kinds
 from .bench import cli as bench_cli
+from .choices import argparse_type, require
 from .generate import cli as generate_cli
 from .reproduce import cli as reproduce_cli
-from .tasks import all_presets
+from .tasks import TASKS, all_presets
+
+_TASK = argparse_type("task", TASKS)
+_PRESET = argparse_type("preset", lambda: sorted(all_presets()))
 
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model on a task (default: generated ListOps, small CPU preset)",
                        description="Train on a task. Without --data, ListOps is generated (the embedded default).")
-    p.add_argument("--task", default=None, help="task name (default: the preset's task, listops)")
-    p.add_argument("--preset", default=None, choices=sorted(all_presets()),
-                   help="starting configuration (default: <task>-small)")
+    p.add_argument("--task", default=None, type=_TASK, help=f"task: {', '.join(TASKS)} (default: the preset's "
+                                                             "task, listops)")
+    p.add_argument("--preset", default=None, type=_PRESET,
+                   help=f"starting configuration: {', '.join(sorted(all_presets()))} (default: <task>-small)")
     p.add_argument("--data", default=None, help="folder with the release files (default: generate)")
-    p.add_argument("--attention", default=None, help=f"attention kind: {', '.join(attention_kinds())}")
+    p.add_argument("--attention", default=None, type=argparse_type("attention kind", attention_kinds),
+                   help=f"attention kind: {', '.join(attention_kinds())}")
     p.add_argument("--heads", type=int, default=None, help="number of attention heads")
-    p.add_argument("--pi", default=None, choices=config_mod.field_of("attention.options.pi").metadata["choices"],
+    p.add_argument("--pi", default=None, type=argparse_type("pi mode", config_mod.field_of("attention.options.pi")
+                                                            .metadata["choices"]),
                    help="mixture-weight mode of mgk / smgk (mlk / smlk: learned only); an error for other kinds")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps")
     p.add_argument("--seed", type=int, default=None)
@@ -62,8 +69,7 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
     task = args.task or "listops"
     preset = args.preset or f"{task}-small"
     presets = all_presets()
-    if preset not in presets:
-        raise SystemExit(f"no preset {preset!r}; choose --preset from {sorted(presets)}")
+    require("preset", preset, sorted(presets))
     flags = {"task": args.task, "data": args.data, "attention": args.attention, "num_heads": args.heads,
              "pi": args.pi, "steps": args.steps, "seed": args.seed, "precision": args.precision}
     # Flags and --set at once: an option the chosen kind does not take is an error when set here, while the
@@ -140,9 +146,9 @@ def _data_parser(sub) -> None:
                         description="Validate the files of a task: counts per split, label balance, length "
                                     "statistics. Every malformed or missing file is an error naming it (and the line "
                                     "for text formats); the exit status is 1 when there is any.")
-    c.add_argument("--task", required=True, help="listops, text, retrieval, image, pathfinder or lm")
+    c.add_argument("--task", required=True, type=_TASK, help=", ".join(TASKS))
     c.add_argument("--data", required=True, help="the folder or archive to check (as for mgk train --data)")
-    c.add_argument("--preset", default=None, help="configuration the check assumes (max_len, level, "
+    c.add_argument("--preset", default=None, type=_PRESET, help="configuration the check assumes (max_len, level, "
                                                   "val_fraction, ...; default: <task>-small)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set max_len=1000 --set level=curv_baseline")
@@ -156,9 +162,7 @@ def _run_data(args) -> int:
     try:
         get_task(args.task)
         presets = all_presets()
-        preset = args.preset or f"{args.task}-small"
-        if preset not in presets:
-            raise ValueError(f"no preset {preset!r}; choose --preset from {sorted(presets)}")
+        preset = require("preset", args.preset or f"{args.task}-small", sorted(presets))
         cfg = config_mod.apply_overrides(presets[preset], args.overrides, task=args.task, data=args.data)
         lines, errors = data_check(args.task, cfg, args.data)
     except ValueError as e:
@@ -177,8 +181,20 @@ def _table_parser(sub) -> None:
     p = sub.add_parser("table", help="print the LRA results table of finished runs",
                        description="Read results.json of each run directory (or of every run below a folder) and "
                                    "print the LRA table (ListOps, Text, Retrieval, Image, Pathfinder, Avg) as "
-                                   "markdown: one row per (attention kind, heads), mean ± std over seeds.")
+                                   "markdown: one row per (attention kind, heads), mean ± std over seeds. Language-"
+                                   "modelling runs: validation and test perplexity (the paper's Table 3), each with "
+                                   "its evaluation window (mgk eval's, else the training's segments).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or folders holding them)")
+
+
+def _lm_evals(run_dir: Path) -> dict:
+    """The ``mgk eval --json`` results of an LM run directory: ``{"val": eval.json, "test": eval_test.json}``
+    (None where absent)."""
+    from .train.rundir import RunFiles, read_json
+
+    files = RunFiles(run_dir)
+    return {split: read_json(path) if path.is_file() else None for split, path in (("val", files.eval),
+                                                                                    ("test", files.eval_test))}
 
 
 def _run_table(args) -> int:
@@ -188,8 +204,20 @@ def _run_table(args) -> int:
 
     done, unfinished = find_runs(args.runs)
     results = read_run_results(done)
-    table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
-    print(table)
+    lm = [r for _, r in results if r.get("task") == "lm"]
+    tables, warnings = [], []
+    if len(lm) < len(results) or not lm:
+        table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
+        tables.append(table)
+    else:
+        warnings += [f"unfinished (no results.json): {run_status(d)}" for d in unfinished]
+    if lm:  # WikiText-103 (Table 3): valid and test perplexity, each with its window
+        from .tasks.lm_table import lm_table
+
+        table, more = lm_table([(r, _lm_evals(Path(f).parent)) for f, r in results if r.get("task") == "lm"])
+        tables += [table] if table else []
+        warnings += more
+    print("\n\n".join(tables))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return 0

@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from .choices import did_you_mean
+
 __all__ = ["Label", "spec", "check", "check_value", "parse", "range_text", "inapplicable", "type_name"]
 
 _NONE_WORDS = ("none", "null", "")
@@ -127,7 +129,7 @@ def check_value(value, hint, meta, name: str) -> None:
     if choices is not None and isinstance(value, str) and value not in choices:
         allowed = repr(choices[0]) if len(choices) == 1 else "one of " + ", ".join(map(repr, choices))
         why = f" ({meta['why']})" if meta.get("why") else ""
-        raise ValueError(f"{name} must be {allowed}, got {value!r}{why}")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}{did_you_mean(value, choices)}{why}")
     text = range_text(meta)
     numbers = _numbers(value)
     if text is not None and not all(_in_range(x, meta) for x in numbers):

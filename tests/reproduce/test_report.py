@@ -99,7 +99,7 @@ def test_a_harness_killed_after_the_run_finished_leaves_its_key(tmp_path, monkey
     [run] = expand(get_experiment("lra-softmax-family"), "smoke", [0], tmp_path,
                    only=parse_only(["row=mgk-4", "task=listops"]))
 
-    def finish_then_die(cmd, log, env):
+    def finish_then_die(cmd, log, env, stop=None):
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "results.json").write_text("{}")
         raise KeyboardInterrupt  # as a SIGKILL of the harness right after the training process exits

@@ -71,9 +71,11 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, th):
         assert abs(x - y) <= 1e-5 * abs(x)
 
 
-def test_cli_errors_are_one_line_and_name_the_cause(tmp_path, th):
-    with pytest.raises(SystemExit, match="attention must be one of"):
+def test_cli_errors_are_one_line_and_name_the_cause(tmp_path, th, capsys):
+    with pytest.raises(SystemExit):  # argparse's type: one line on stderr, exit 2
         main(["train", "--attention", "nosuch", "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown attention kind 'nosuch'; choose from softmax, mgk" in err
     with pytest.raises(SystemExit, match="lr must be a finite number > 0"):
         main(["train", "--set", "lr=nan", "--out", str(tmp_path / "b")])
     with pytest.raises(SystemExit, match="no ListOps train split"):

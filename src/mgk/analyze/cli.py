@@ -114,12 +114,14 @@ def run(args) -> int:
         raise SystemExit(f"mgk analyze: {e}") from None
     for line in notes:
         print(f"mgk analyze: {line}", file=sys.stderr)
+    from .report import effective_heads_text
+
     for label, r in results.items():
         for layer in r["layers"]:
             rk = layer["rank"][settings.rank_mode]
             red = layer["redundancy"]
             print(f"{label} layer {layer['layer']}: rank {rk['mean']:.2f} (median {rk['median']:g}), JS "
                   f"{red['js'].get('mean', float('nan')):.3f}, effective heads "
-                  f"{red['effective_heads']['mean']:.2f} of {layer['num_heads']}")
+                  f"{effective_heads_text(red['effective_heads'], layer['num_heads'], spread=False)}")
     print(f"mgk analyze: wrote {out}/analysis.md, analysis.json and figures ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -25,18 +25,23 @@ def _save(fig, path: Path) -> Path:
 
 def attention_grid(maps: list, path: Path, title: str) -> Path:
     """A grid of attention matrices: one row per example, one column per head; ``maps`` is a list of (H, n, n)
-    tensors (real tokens only). Colour scale per panel (each map's own maximum)."""
+    tensors (real tokens only). One colour scale per example, from 0 to the largest weight of its heads, shown by
+    the colour bar at the end of its row (the heads of an example compare by colour)."""
     rows, cols = len(maps), maps[0].shape[0]
-    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols + 0.4, 1.6 * rows + 0.5), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols + 1.0, 1.6 * rows + 0.5), squeeze=False)
     for r, m in enumerate(maps):
+        top = max(float(m.max()), 1e-12)  # an all-zero map still gets a valid scale
         for h in range(cols):
             ax = axes[r][h]
-            ax.imshow(m[h].numpy(), cmap="viridis", interpolation="nearest", vmin=0.0)
+            image = ax.imshow(m[h].numpy(), cmap="viridis", interpolation="nearest", vmin=0.0, vmax=top)
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
                 ax.set_title(f"head {h}", fontsize=8)
         axes[r][0].set_ylabel(f"ex {r} (n={m.shape[-1]})", fontsize=7)
+        bar = fig.colorbar(image, ax=list(axes[r]), fraction=0.04, pad=0.02)
+        bar.set_label("attention weight", fontsize=6)
+        bar.ax.tick_params(labelsize=6)
     fig.suptitle(title, fontsize=9)
     return _save(fig, path)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..atomic import write_text_atomic
 from . import plots
 
-__all__ = ["write_figures", "write_json", "write_markdown"]
+__all__ = ["write_figures", "write_json", "write_markdown", "effective_heads_text"]
 
 
 def write_json(result, path: Path) -> Path:
@@ -72,6 +72,16 @@ def _fmt(cell: dict, digits: int = 3) -> str:
     return f"{cell['mean']:.{digits}f} ± {cell['std']:.{digits}f}"
 
 
+def effective_heads_text(cell: dict, num_heads: int, spread: bool = True) -> str:
+    """``"3.20 of 8 (0.40)"`` (``"3.20 ± 0.10 of 8 (0.40)"`` with ``spread`` over two or more matrices): the mean
+    effective number of heads of a :func:`mgk.analyze.stats.summary` ``cell`` beside the layer's heads and as a
+    fraction of them, so that layers of 8 and 4 heads compare; "-" without a value."""
+    if not cell or cell.get("n", 0) == 0:
+        return "-"
+    spread = f" ± {cell['std']:.2f}" if spread and cell["n"] > 1 else ""
+    return f"{cell['mean']:.2f}{spread} of {num_heads} ({cell['mean'] / num_heads:.2f})"
+
+
 def _layer_rows(results: dict) -> list[str]:
     mode = next(iter(results.values()))["settings"]["rank_mode"]
     rows = ["| run | layer | heads | matrices | mean length | rank (" + mode + ") | median rank | rank / length | "
@@ -82,7 +92,8 @@ def _layer_rows(results: dict) -> list[str]:
             mean_len = sum(layer["lengths"]) / max(1, len(layer["lengths"]))
             rows.append(f"| {lab} | {layer['layer']} | {layer['num_heads']} | {rk.get('n', 0)} | {mean_len:.1f} | "
                         f"{_fmt(rk, 2)} | {rk.get('median', math.nan):g} | {_fmt(layer['rank_over_length'])} | "
-                        f"{_fmt(red['js'])} | {_fmt(red['l2'])} | {_fmt(red['effective_heads'], 2)} |")
+                        f"{_fmt(red['js'])} | {_fmt(red['l2'])} | "
+                        f"{effective_heads_text(red['effective_heads'], layer['num_heads'])} |")
     return rows
 
 

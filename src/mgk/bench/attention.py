@@ -30,6 +30,7 @@ from torch import nn
 
 from ..attention import MGKAttention, attention_kinds, get_kind
 from ..attention.registry import display_label
+from ..choices import did_you_mean
 from ..functional import select_backend
 
 
@@ -81,8 +82,9 @@ def variant(name: str) -> BenchVariant:
     try:
         spec = get_kind(kind)
     except ValueError:
-        raise ValueError(f"unknown kind {kind!r}; choose a registered kind ({', '.join(attention_kinds())}), one with "
-                         f"options (mgk+pi=hard_e) or a variant ({', '.join(VARIANTS)})") from None
+        close = did_you_mean(kind, [*attention_kinds(), *VARIANTS])
+        raise ValueError(f"unknown kind {kind!r}{close}; choose a registered kind ({', '.join(attention_kinds())}), "
+                         f"one with options (mgk+pi=hard_e) or a variant ({', '.join(VARIANTS)})") from None
     options = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")

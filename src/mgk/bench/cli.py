@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ..argtypes import number
+from ..choices import argparse_type, unknown
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
 
@@ -56,10 +57,22 @@ def _targets(text: str) -> list[str]:
     lm = sorted(n for n, cfg in all_presets().items() if cfg.task == "lm")
     for name in names:
         if name != "layer" and name not in lm:
-            raise argparse.ArgumentTypeError(f"unknown target {name!r}; choose layer or an LM preset ({', '.join(lm)})")
+            raise argparse.ArgumentTypeError(unknown("target", name, ["layer", *lm]))
     if not names:
         raise argparse.ArgumentTypeError("give at least one target")
     return names
+
+
+def _task_names() -> list[str]:
+    from ..tasks import TASKS
+
+    return list(TASKS)
+
+
+def _preset_names() -> list[str]:
+    from ..tasks import all_presets
+
+    return sorted(all_presets())
 
 
 def _lengths(text: str) -> list[int]:
@@ -119,8 +132,8 @@ def add_parser(sub) -> None:
                    help="seconds per row before it is reported as failed")
     a.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
     m = kinds.add_parser("model", help="training/inference tokens per second and memory of a preset's model")
-    m.add_argument("--task", default="listops")
-    m.add_argument("--preset", default=None, help="default <task>-small")
+    m.add_argument("--task", default="listops", type=argparse_type("task", _task_names))
+    m.add_argument("--preset", default=None, type=argparse_type("preset", _preset_names), help="default <task>-small")
     m.add_argument("--kinds", type=_model_kinds, default=None,
                    help="NAME:HEADS,... compared side by side, e.g. softmax:8,mgk:4 (default: the preset's own)")
     m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -217,8 +230,8 @@ def run(args) -> int:
         from .model import table as model_table
 
         preset = args.preset or f"{args.task}-small"
-        if preset not in all_presets():
-            raise SystemExit(f"--preset: unknown preset {preset!r}; choose from {', '.join(sorted(all_presets()))}")
+        if preset not in all_presets():  # a task without a small preset: name the presets there are
+            raise SystemExit(f"--preset: {unknown('preset', preset, sorted(all_presets()))}")
         from ..config import apply_overrides
 
         try:

@@ -20,6 +20,7 @@ import typing
 from .. import fields
 from ..attention import get_kind
 from ..attention.registry import attention_kinds
+from ..choices import did_you_mean
 from .groups import GROUPS, RunConfig
 
 __all__ = ["RENAMES", "close_matches", "flat_keys", "flat_name", "field_of", "resolve_key", "replace",
@@ -142,7 +143,8 @@ def _choose_kind(cfg: RunConfig, kind: str) -> RunConfig:
     if kind == cfg.attention.kind:
         return cfg
     if kind not in attention_kinds():
-        raise ValueError(f"config field attention must be one of {attention_kinds()}, got {kind!r}")
+        raise ValueError(f"config field attention must be one of {attention_kinds()}, got {kind!r}"
+                         + did_you_mean(kind, attention_kinds()))
     spec = get_kind(kind)
     options = cfg.attention_forms.get(kind) or spec.options()
     return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, kind=kind, options=options))

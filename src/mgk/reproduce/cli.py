@@ -5,6 +5,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..choices import argparse_type
 from .experiments import EXPERIMENTS, get_experiment
 from .grid import ONLY_KEYS, expand, parse_data, parse_only
 from .scales import SCALES
@@ -20,9 +21,9 @@ def add_parser(sub) -> None:
                     "resolved config), run the unfinished ones (finished runs are skipped, interrupted ones "
                     "resumed from their last checkpoint), then write <out>/REPORT.md, <out>/report.json and "
                     "<out>/plots/. Experiments: " + ", ".join(EXPERIMENTS) + ".")
-    p.add_argument("experiment", metavar="EXPERIMENT", choices=sorted(EXPERIMENTS),
+    p.add_argument("experiment", metavar="EXPERIMENT", type=argparse_type("experiment", EXPERIMENTS),
                    help="one of: " + ", ".join(EXPERIMENTS))
-    p.add_argument("--scale", default="cpu", choices=SCALES,
+    p.add_argument("--scale", default="cpu", type=argparse_type("scale", SCALES),
                    help="paper (the *-paper presets, for GPUs), cpu (reduced: minutes a run on one core; default) "
                         "or smoke (seconds a run)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
@@ -61,10 +62,16 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _dry_run(runs, args, out: Path, params) -> None:
+def _dry_run(runs, args, out: Path, params, tasks) -> None:
     from .executor import run_state, sbatch_preview
 
     print(f"{len(runs)} runs in {out}")
+    for t in tasks:
+        print(f"# task {t.describe()}" + "".join(f"\n#   note: {n}" for n in t.notes))
+        if t.problem:
+            print(f"#   WARNING: {t.problem}")
+            print(f"mgk reproduce: warning: {t.problem} (a real run stops here before running anything)",
+                  file=sys.stderr)
     for run in runs:
         print(f"\n# {run.task} {run.row.key} seed {run.seed} [{run_state(run)}] key {run.key}")
         print(run.describe(sys.executable))
@@ -78,7 +85,6 @@ def _dry_run(runs, args, out: Path, params) -> None:
 def run(args) -> int:
     """Handler of ``mgk reproduce``."""
     from . import executor as ex
-    from .report import write_report
 
     try:
         exp = get_experiment(args.experiment)
@@ -98,9 +104,15 @@ def run(args) -> int:
         raise SystemExit(f"mgk reproduce: {e}") from None
     if not runs:
         raise SystemExit("mgk reproduce: --only leaves no run")
+    from .data_check import check_data
+
+    tasks = check_data(runs, args.scale, data) if not args.report_only else []
     if args.dry_run:
-        _dry_run(runs, args, out, params)
+        _dry_run(runs, args, out, params, tasks)
         return 0
+    problems = [t.problem for t in tasks if t.problem]
+    if problems:  # before any run starts or any job is submitted
+        raise SystemExit("mgk reproduce: " + "; ".join(problems) + " (nothing was run)")
     threads = args.threads or None
     todo = [r for r in runs if r.data is None or Path(r.data).exists()]
     missing = [r for r in runs if r.data is not None and not Path(r.data).exists()]
@@ -108,15 +120,26 @@ def run(args) -> int:
         print(f"mgk reproduce: no data for {r[0]} at {r[1]}: its runs are reported as not run "
               f"(pass --data {r[0]}=PATH)", file=sys.stderr)
     records = {}
-    if not args.report_only:
-        print(f"mgk reproduce {exp.name}: {len(todo)} runs, {sum(ex.run_state(r) == 'finished' for r in todo)} "
-              f"finished earlier; out {out}", flush=True)
-        if args.executor == "local":
-            done = ex.run_local(todo, args.jobs, threads)
-        else:
-            done = ex.run_submitit(todo, args.executor, out / "submitit", jobs=args.jobs, params=params,
-                                   threads=threads)
-        records = dict(zip(map(id, todo), done))
+    from .report import write_report  # with torch, before any run starts: a stopped grid reports at once
+    from .stopping import GridStop
+
+    with GridStop() as stop:  # held until the report is written: a signal stops the runs, never the report
+        if not args.report_only:
+            print(f"mgk reproduce {exp.name}: {len(todo)} runs, {sum(ex.run_state(r) == 'finished' for r in todo)} "
+                  f"finished earlier; out {out}", flush=True)
+            if args.executor == "local":
+                done = ex.run_local(todo, args.jobs, threads, stop)
+            else:
+                done = ex.run_submitit(todo, args.executor, out / "submitit", jobs=args.jobs, params=params,
+                                       threads=threads, stop=stop)
+            # An interrupted or never-started run is reported by the state of its directory (resume / not started).
+            records = {id(r): rec for r, rec in zip(todo, done) if rec is not None and rec["status"] != "interrupted"}
+        return _report(args, exp, out, runs, records, stop, write_report)
+
+
+def _report(args, exp, out: Path, runs, records: dict, stop, write_report) -> int:
+    from . import executor as ex
+
     recs = []
     for r in runs:
         if id(r) in records:
@@ -129,7 +152,7 @@ def run(args) -> int:
                          "status": "skipped" if state == "finished" else state})
     command = "mgk reproduce " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["reproduce"] else sys.argv[1:])
     analysis = None
-    if args.analyze:
+    if args.analyze and not stop.signum:
         from .analysis import analyse_grid
 
         print(f"mgk reproduce: analysing the finished rows of each task ({args.analyze} examples)", flush=True)
@@ -139,4 +162,7 @@ def run(args) -> int:
     rep = write_report(out, exp, args.scale, runs, recs, command, analysis=analysis)
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped")]
     print(f"report: {out / 'REPORT.md'} ({len(runs) - len(failed)}/{len(runs)} runs finished)")
+    if stop.signum:
+        print(f"mgk reproduce: interrupted by {stop.name}; resume with: {command}", file=sys.stderr, flush=True)
+        return 128 + stop.signum
     return 1 if failed else 0

@@ -71,6 +71,11 @@ def attention_flops(cfg) -> int:
     return per_layer * cfg.model.num_layers * towers
 
 
+def _window(ev: dict) -> str | None:
+    """``"context 256, stride 1"``: the evaluation window of an ``mgk eval`` result (None without one)."""
+    return f"context {ev['context']}, stride {ev['stride']}" if "context" in ev and "stride" in ev else None
+
+
 def run_figures(run: Run, metric: str) -> dict:
     """The figures of one run directory (``value`` None when it has none; ``failed``: why it has none although it
     finished; ``problems``: damaged files, named)."""
@@ -84,9 +89,13 @@ def run_figures(run: Run, metric: str) -> dict:
         failed.append(f"{files.results}: {reason}")
     if metric == "ppl":
         ev = _read(run.eval_json, failed) or {}
-        out.update(value=ev.get("ppl"), split=ev.get("split"), protocol=ev.get("protocol"))
+        out.update(value=ev.get("ppl"), split=ev.get("split"), protocol=ev.get("protocol"), window=_window(ev))
         if ev and (reason := run_failure(ev)) is not None:
             failed.append(f"{run.eval_json}: {reason}")
+        test = (_read(run.eval_test_json, failed) or {}) if run.test_eval else {}
+        out.update(test_value=test.get("ppl"), test_window=_window(test))
+        if test and (reason := run_failure(test)) is not None:
+            failed.append(f"{run.eval_test_json}: {reason}")
     elif res:
         acc, split = run_accuracy(res)
         out.update(value=None if acc is None else 100 * acc, split=split)
@@ -129,6 +138,13 @@ def aggregate(exp: Experiment, runs: list[Run], figures: list[dict]) -> list[dic
                     "splits": sorted({f["split"] for f in figs if f["split"]})}
             if vals:
                 cell["mean"], cell["std"] = _mean_std(vals)
+            if exp.metric == "ppl":  # Table 3's second column: test perplexity, with the window of each column
+                tests = [f["test_value"] for f in figs if f["value"] in vals and isinstance(f.get("test_value"), float)
+                         and math.isfinite(f["test_value"])]
+                cell["test"] = {"n": len(tests), "values": tests, "paper": row.paper.get("test"),
+                                **dict(zip(("mean", "std"), _mean_std(tests) if tests else ()))}
+                for name in ("window", "test_window"):
+                    cell[name] = sorted({f[name] for f in figs if f.get(name)})
             for name in ("params", "attention_params", "flops", "s_per_step", "peak_rss_mb", "majority_acc"):
                 xs = [f.get(name) for f in figs if isinstance(f.get(name), (int, float))]
                 cell[name] = statistics.fmean(xs) if xs and name in ("s_per_step", "peak_rss_mb",

@@ -15,13 +15,14 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..atomic import write_text_atomic
 from ..train.rundir import RunFiles
 from .grid import Run
+from .stopping import GridStop
 
 __all__ = ["run_state", "execute_run", "run_local", "run_submitit", "slurm_parameters", "sbatch_preview",
            "read_record", "record_path", "log_path"]
@@ -58,7 +59,8 @@ def run_state(run: Run) -> str:
     if files.results.is_file():
         if read_record(d).get("key") != run.key:
             return "conflict"
-        return "evaluate" if run.eval_args is not None and not run.eval_json.is_file() else "finished"
+        evaluated = [run.eval_json] * (run.eval_args is not None) + [run.eval_test_json] * run.test_eval
+        return "evaluate" if not all(p.is_file() for p in evaluated) else "finished"
     return "resume" if files.checkpoint("last").is_file() else "new"
 
 
@@ -70,21 +72,29 @@ def _child_env(threads: int | None) -> dict:
     return env
 
 
-def _spawn(cmd: list[str], log: Path, env: dict) -> tuple[int, float, float]:
-    """Run ``cmd`` appending to ``log``: (exit code, wall seconds, peak RSS in MB of that process)."""
+def _spawn(cmd: list[str], log: Path, env: dict, stop: GridStop | None = None) -> tuple[int, float, float] | None:
+    """Run ``cmd`` appending to ``log``: (exit code, wall seconds, peak RSS in MB of that process); None when
+    ``stop`` has stopped the grid (nothing started)."""
     t0 = time.time()
     with open(log, "a") as fh:
         fh.write(f"\n$ {shlex.join(cmd)}\n")
         fh.flush()
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)  # wait4: the rusage of this child alone
-        p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, time.time() - t0, usage.ru_maxrss / 1024
+        if stop is None:
+            p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+            _, status, usage = os.wait4(p.pid, 0)  # wait4: the rusage of this child alone
+            rc = os.waitstatus_to_exitcode(status)
+        else:
+            p = stop.popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+            if p is None:
+                return None
+            rc, usage = stop.wait(p)
+    return rc, time.time() - t0, usage.ru_maxrss / 1024
 
 
-def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1) -> dict:
+def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1, stop: GridStop | None = None) -> dict:
     """Bring ``run`` to finished: train (or resume), then evaluate for LM. Returns its record (``status``:
-    ``skipped``, ``done`` or ``failed``; ``log``; per-command exit codes). Never raises for a failed command."""
+    ``skipped``, ``done``, ``failed`` or, once ``stop`` has caught a signal, ``interrupted``; ``log``; per-command
+    exit codes). Never raises for a failed command."""
     state = run_state(run)
     if state in ("finished", "conflict"):
         rec = read_record(run.run_dir)
@@ -104,21 +114,28 @@ def execute_run(run: Run, python: str = sys.executable, threads: int | None = 1)
         # A "new" directory that is not empty holds a start that died before its first checkpoint: start over.
         restart = state == "new" and run.run_dir.is_dir() and any(run.run_dir.iterdir())
         commands.append(("train", run.train_command(python, resume=state == "resume", overwrite=restart)))
-    if run.eval_args is not None:
-        commands.append(("eval", run.eval_command(python)))
+    for done, cmd in ((run.eval_json, run.eval_command(python)), (run.eval_test_json, run.test_eval_command(python))):
+        if cmd is not None and (state != "evaluate" or not done.is_file()):  # a finished evaluation is not redone
+            commands.append(("eval", cmd))
     rec["status"] = "done"
     # The key is on disk before any command runs: a harness killed between the run's results.json and the record
     # below must not leave a finished run that the next pass takes for another config's directory.
     _write_record(run.run_dir, {**rec, "status": "running"})
     for name, cmd in commands:
-        rc, wall, rss = _spawn(cmd, log, env)
+        spawned = _spawn(cmd, log, env, stop)
+        if spawned is None or (stop is not None and stop.signum and spawned[0] != 0):
+            rec.update(status="interrupted", error=f"stopped by {stop.name}; the next pass resumes it")
+            if spawned is None:
+                break
+        rc, wall, rss = spawned
         rec["attempts"].append({"what": name, "state": state, "command": shlex.join(cmd), "rc": rc,
                                 "wall_s": round(wall, 2), "peak_rss_mb": round(rss, 1),
                                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         if name == "train" and rc == 0:
             rec["peak_rss_mb"] = round(rss, 1)
         if rc != 0:
-            rec.update(status="failed", error=f"`mgk {name}` exited with {rc}; see {log}")
+            if rec["status"] != "interrupted":
+                rec.update(status="failed", error=f"`mgk {name}` exited with {rc}; see {log}")
             break
         if name == "train":  # recorded before the LM evaluation starts, so that a crash there keeps it
             _write_record(run.run_dir, rec)
@@ -132,20 +149,41 @@ def _say(msg: str) -> None:
 
 
 def _announce(run: Run, rec: dict, i: int, n: int) -> None:
-    what = {"skipped": "finished earlier, skipped", "done": "done", "failed": f"FAILED ({rec.get('error')})"}
+    what = {"skipped": "finished earlier, skipped", "done": "done", "failed": f"FAILED ({rec.get('error')})",
+            "interrupted": "interrupted (the next pass resumes it)"}
     _say(f"[{i}/{n}] {run.task} {run.row.key} seed {run.seed}: {what.get(rec['status'], rec['status'])}")
 
 
-def run_local(runs: list[Run], jobs: int, threads: int | None = 1) -> list[dict]:
-    """Run the grid with ``jobs`` processes at once on this machine (plain subprocesses)."""
-    records: dict[int, dict] = {}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(execute_run, r, sys.executable, threads): i for i, r in enumerate(runs)}
-        for k, fut in enumerate(as_completed(futures), 1):
-            i = futures[fut]
-            records[i] = fut.result()
-            _announce(runs[i], records[i], k, len(runs))
-    return [records[i] for i in range(len(runs))]
+def run_local(runs: list[Run], jobs: int, threads: int | None = 1, stop: GridStop | None = None) -> list[dict | None]:
+    """Run the grid with ``jobs`` processes at once on this machine (plain subprocesses). Each of ``jobs`` workers
+    takes the next run only while ``stop`` has caught no signal (nothing is queued ahead, so a stopped grid starts
+    nothing more); the records of runs never started are None."""
+    stop = stop or GridStop()
+    records: list[dict | None] = [None] * len(runs)
+    todo, lock, done = list(range(len(runs))), threading.Lock(), [0]
+
+    def worker() -> None:
+        while not stop.signum:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            try:
+                records[i] = execute_run(runs[i], sys.executable, threads, stop)
+            except Exception as exc:  # e.g. an unwritable output folder: this run failed, the others go on
+                records[i] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                              "log": str(log_path(runs[i].run_dir))}
+            with lock:
+                done[0] += 1
+                _announce(runs[i], records[i], done[0], len(runs))
+
+    workers = [threading.Thread(target=worker, daemon=True) for _ in range(min(max(1, jobs), len(runs)))]
+    for w in workers:
+        w.start()
+    while any(w.is_alive() for w in workers):  # the main thread stays free to run the signal handler
+        time.sleep(0.2)
+        stop.enforce_grace()
+    return records
 
 
 # --------------------------------------------------------------------------- submitit: local and Slurm
@@ -214,15 +252,21 @@ def _make_executor(kind: str, folder: Path, params: dict):
 
 
 def run_submitit(runs: list[Run], kind: str, folder: Path, *, jobs: int, params: dict | None = None,
-                 threads: int | None = 1) -> list[dict]:
+                 threads: int | None = 1, stop: GridStop | None = None) -> list[dict | None]:
     """Run each grid entry as a submitit job (``kind``: ``submitit-local`` or ``slurm``), at most ``jobs`` at once,
-    and wait for them. A job that dies is a failed run with its submitit log; the others go on."""
+    and wait for them. A job that dies is a failed run with its submitit log; the others go on. Once ``stop`` has
+    caught a signal nothing more is submitted and the active jobs are cancelled (their records are None)."""
     ex = _make_executor(kind, folder, params or {})
+    stop = stop or GridStop()
     pending = list(enumerate(runs))
     active: list = []
     records: dict[int, dict] = {}
     done = 0
     while pending or active:
+        if stop.signum:
+            for _, job in active:
+                job.cancel(check=False)
+            break
         while pending and len(active) < max(1, jobs):
             i, run = pending.pop(0)
             active.append((i, ex.submit(execute_run, run, sys.executable, threads)))
@@ -236,4 +280,4 @@ def run_submitit(runs: list[Run], kind: str, folder: Path, *, jobs: int, params:
                               "log": str(job.paths.stdout)}
             done += 1
             _announce(runs[i], records[i], done, len(runs))
-    return [records[i] for i in range(len(runs))]
+    return [records.get(i) for i in range(len(runs))]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..attention import get_kind
+from ..choices import did_you_mean
 from ..train.rundir import RunFiles
 from .experiments import TASK_LABELS, Experiment, Row
 from .scales import TaskSetting, task_setting
@@ -37,6 +38,7 @@ class Run:
     eval_args: tuple | None  # after ``python -m mgk``, without RUN_DIR / --json
     key: str
     run_dir: Path
+    test_eval: bool = False  # LM data with a test split: also `mgk eval --split test` (same window; not in the key)
 
     @property
     def task_label(self) -> str:
@@ -55,17 +57,31 @@ class Run:
             return [python, "-m", "mgk", "train", "--resume", str(self.run_dir), "--set", "progress=false"]
         return [python, "-m", "mgk", *self.train_args, "--out", str(self.run_dir), *(["--overwrite"] * overwrite)]
 
+    @property
+    def eval_test_json(self) -> Path:
+        """Where ``mgk eval --split test --json`` writes the test perplexity."""
+        return RunFiles(self.run_dir).eval_test
+
     def eval_command(self, python: str) -> list[str] | None:
         """The ``mgk eval`` command line (LM runs), or None."""
         if self.eval_args is None:
             return None
         return [python, "-m", "mgk", "eval", str(self.run_dir), *self.eval_args, "--json", str(self.eval_json)]
 
+    def test_eval_command(self, python: str) -> list[str] | None:
+        """The ``mgk eval`` command line on the test split, with the validation's window (None: no test split)."""
+        if self.eval_args is None or not self.test_eval:
+            return None
+        args = list(self.eval_args)
+        args[args.index("--split") + 1] = "test"
+        return [python, "-m", "mgk", "eval", str(self.run_dir), *args, "--json", str(self.eval_test_json)]
+
     def describe(self, python: str = "python") -> str:
         """The commands as one shell line each."""
         lines = [shlex.join(self.train_command(python))]
-        if (ev := self.eval_command(python)) is not None:
-            lines.append(shlex.join(ev))
+        for ev in (self.eval_command(python), self.test_eval_command(python)):
+            if ev is not None:
+                lines.append(shlex.join(ev))
         return "\n".join(lines)
 
 
@@ -89,7 +105,8 @@ def parse_only(pairs) -> dict[str, set[str]]:
     only: dict[str, set[str]] = {}
     for k, v in _split_pairs(pairs, "--only"):
         if k not in ONLY_KEYS:
-            raise ValueError(f"--only {k}={v}: unknown key {k!r}; use one of {', '.join(ONLY_KEYS)}")
+            raise ValueError(f"--only {k}={v}: unknown key {k!r}{did_you_mean(k, ONLY_KEYS)}; use one of "
+                             f"{', '.join(ONLY_KEYS)}")
         only.setdefault(k, set()).update(x.strip() for x in v.split(",") if x.strip())
     return only
 
@@ -99,7 +116,8 @@ def parse_data(pairs, tasks) -> dict[str, str]:
     data = {}
     for k, v in _split_pairs(pairs, "--data"):
         if k not in tasks:
-            raise ValueError(f"--data {k}={v}: this experiment has no task {k!r} (tasks: {', '.join(tasks)})")
+            raise ValueError(f"--data {k}={v}: this experiment has no task {k!r}{did_you_mean(k, tasks)} "
+                             f"(tasks: {', '.join(tasks)})")
         data[k] = v
     return data
 
@@ -111,7 +129,8 @@ def _check_only(only: dict, exp: Experiment, tasks, seeds) -> None:
     for k, values in only.items():
         bad = sorted(values - set(known[k]))
         if bad:
-            raise ValueError(f"--only {k}={','.join(bad)}: not in {exp.name} (choose from {', '.join(known[k])})")
+            raise ValueError(f"--only {k}={','.join(bad)}: not in {exp.name}{did_you_mean(bad[0], known[k])} "
+                             f"(choose from {', '.join(known[k])})")
 
 
 def _resolve(row: Row, task: str, seed: int, setting: TaskSetting, data: str | None) -> tuple[tuple, tuple | None]:
@@ -129,6 +148,19 @@ def _resolve(row: Row, task: str, seed: int, setting: TaskSetting, data: str | N
         context, stride = setting.eval
         ev = ("--split", "valid", "--context", str(context), "--stride", str(stride), "--no-progress")
     return tuple(args), ev
+
+
+def _has_test_split(setting: TaskSetting, path: str | None) -> bool:
+    """Whether the LM data of a run has a test split: ``wiki.test.tokens`` / ``test.txt`` in its folder, or, for the
+    generated corpus, a test line count above 0."""
+    if path is not None:
+        from ..data.wikitext import find_split_file
+
+        return Path(path).is_dir() and find_split_file(Path(path), "test") is not None
+    from .. import config as config_mod
+    from ..tasks import all_presets
+
+    return config_mod.apply_overrides(all_presets()[setting.preset], setting.overrides).data.gen_test > 0
 
 
 def run_key(train_args, eval_args) -> str:
@@ -164,7 +196,8 @@ def expand(exp: Experiment, scale: str, seeds: list, out: Path, *, only=None, da
                 train_args, eval_args = _resolve(row, task, seed, setting, path)
                 key = run_key(train_args, eval_args)
                 run_dir = Path(out).absolute() / "runs" / task / row.key / f"seed{seed}-{key}"
-                runs.append(Run(row, task, seed, setting, path, train_args, eval_args, key, run_dir))
+                test_eval = eval_args is not None and _has_test_split(setting, path)
+                runs.append(Run(row, task, seed, setting, path, train_args, eval_args, key, run_dir, test_eval))
     # Task by task, seed-major: every row gets seed 0 before any gets seed 1, so a grid stopped part-way (or its
     # report written early) compares rows over the same seeds.
     order = {t: i for i, t in enumerate(tasks)}

@@ -31,7 +31,8 @@ def _curve(run: Run, name: str) -> dict[int, float]:
 
 
 def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Path]:
-    """``learning_curves_<task>.png``: per row, the validation metric (mean over seeds at each logged step)."""
+    """``learning_curves_<task>.png``: per row, the validation metric (mean over seeds at each logged step, with a
+    band of ± 1 sample std where two or more seeds logged that step)."""
     plt = _pyplot()
     name = "val/acc" if metric == "acc" else "val/ppl"
     written = []
@@ -41,15 +42,20 @@ def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Pat
         for key, label in dict.fromkeys((r.row.key, r.row.label) for r in runs if r.task == task):
             curves = [_curve(r, name) for r in runs if r.task == task and r.row.key == key]
             steps = sorted(set().union(*curves)) if curves else []
-            pts = [(s, statistics.fmean(c[s] for c in curves if s in c)) for s in steps]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+            at = [[c[s] for c in curves if s in c] for s in steps]
+            mean = [statistics.fmean(v) for v in at]
+            if mean:
+                line, = ax.plot(steps, mean, marker=".", label=label)
                 drawn = True
+            if any(len(v) > 1 for v in at):  # the seed spread: mean ± sample std where two or more seeds logged
+                std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in at]
+                ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                                color=line.get_color(), alpha=0.2, linewidth=0)
         if not drawn:
             plt.close(fig)
             continue
         ax.set_xlabel("optimiser step")
-        ax.set_ylabel(name)
+        ax.set_ylabel(f"{name} (mean; band: ± 1 std over seeds)")
         ax.set_title(runs[[r.task for r in runs].index(task)].task_label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -63,7 +69,8 @@ def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Pat
 
 
 def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
-    """``metric_vs_attention_params.png``: one point per row and task (mean over seeds)."""
+    """``metric_vs_attention_params.png``: one point per row and task (mean over seeds, error bar ± 1 sample std;
+    none with one seed)."""
     cells = [c for c in rep["rows"] if c["n"] and c.get("attention_params")]
     if not cells:
         return None
@@ -72,12 +79,13 @@ def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
     labels = {t["task"]: t["label"] for t in rep["tasks"]}
     for task in dict.fromkeys(c["task"] for c in cells):
         mine = [c for c in cells if c["task"] == task]
-        ax.scatter([c["attention_params"] for c in mine], [c["mean"] for c in mine], label=labels.get(task, task))
+        ax.errorbar([c["attention_params"] for c in mine], [c["mean"] for c in mine], fmt="o", capsize=3,
+                    yerr=[c["std"] or 0.0 for c in mine], label=labels.get(task, task))  # ± 1 std over seeds
         for c in mine:
             ax.annotate(c["row"], (c["attention_params"], c["mean"]), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")
     ax.set_xlabel("attention parameters")
-    ax.set_ylabel("accuracy %" if rep["metric"] == "acc" else "perplexity")
+    ax.set_ylabel(("accuracy %" if rep["metric"] == "acc" else "perplexity") + " (mean ± 1 std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -83,7 +83,7 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seeds": sorted({r.seed for r in runs}),
             "tasks": tasks, "rows": aggregate(exp, runs, figures),
             "runs": [{k: f.get(k) for k in ("row", "task", "seed", "key", "run_dir", "status", "value", "split",
-                                            "log", "error", "problems")} for f in figures],
+                                            "test_value", "log", "error", "problems")} for f in figures],
             "data": _data_facts(runs, figures), "machine": machine_facts(), "analysis": analysis or {},
             "versions": {k: sorted({str(e.get(k)) for e in envs}) for k in ("mgk", "torch", "python",
                                                                             "git_commit", "threads")}}
@@ -111,10 +111,19 @@ def _si(x) -> str:
     return str(x)
 
 
+def _lm_columns(c: dict) -> str:
+    """Valid and test perplexity (Table 3's two columns), each with the paper's figure and its window."""
+    t = c.get("test") or {"n": 0, "paper": None}
+    window = "; ".join(f"{split}: {' / '.join(c.get(k) or ()) or DASH}" for split, k in (("valid", "window"),
+                                                                                        ("test", "test_window")))
+    return f"{_cell(t)} | {t['n']}/{c['planned']} | {_num(t['paper'])} | {window}"
+
+
 def _table(rep: dict, task: dict) -> list[str]:
     acc = rep["metric"] == "acc"
-    unit = "accuracy %" if acc else "perplexity"
-    head = (f"| Row | {task['label']} ({unit}) | n | paper | split | attn params | params | attn FLOPs/fwd | "
+    unit = "accuracy %" if acc else "valid perplexity"
+    split = "split" if acc else "test perplexity | n | paper | evaluation window"
+    head = (f"| Row | {task['label']} ({unit}) | n | paper | {split} | attn params | params | attn FLOPs/fwd | "
             "s/step | peak RSS MB |" + (" > majority |" if acc else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in (c for c in rep["rows"] if c["task"] == task["task"]):
@@ -125,7 +134,8 @@ def _table(rep: dict, task: dict) -> list[str]:
             above = DASH if not c["n"] or maj is None else (
                 f"{'yes' if c['mean'] > maj else 'NO'} ({maj:.1f})")
             above = f" {above} |"
-        lines.append(f"| {c['label']} | {_cell(c)} | {n} | {_num(c['paper'])} | {'/'.join(c['splits']) or DASH} | "
+        split = ('/'.join(c['splits']) or DASH) if acc else _lm_columns(c)
+        lines.append(f"| {c['label']} | {_cell(c)} | {n} | {_num(c['paper'])} | {split} | "
                      f"{_si(c['attention_params'])} | {_si(c['params'])} | {_si(c['flops'])} | "
                      f"{_num(c['s_per_step'], '{:.3f}')} | {_num(c['peak_rss_mb'], '{:.0f}')} |{above}")
     return lines
@@ -148,7 +158,8 @@ def render(rep: dict) -> str:
     out += ["Cells: mean ± sample standard deviation (n - 1) over the seeds that finished; n = finished/planned. "
             "`paper`: the number reported by Nguyen et al. (ICML 2022), mean of 5 seeds at the paper's full "
             "protocol on the LRA release (or WikiText-103), so at a reduced scale it is a reference, not a target. "
-            "`split`: test when the data has a test split, else validation (the best-validation checkpoint). "
+            "`split`: test when the data has a test split, else validation (the best-validation checkpoint); "
+            "perplexity: validation and, when the data has a test split, test, each with its evaluation window. "
             "attn FLOPs/fwd: analytic FLOPs of all attention layers for one sequence of the run's length "
             "(`mgk bench`'s count). Peak RSS: the training process's resident memory.", ""]
     for task in rep["tasks"]:
@@ -159,7 +170,8 @@ def render(rep: dict) -> str:
         out += [f"Protocol: preset `{task['preset']}`" + (f" with `{' '.join(task['overrides'])}`"
                                                           if task["overrides"] else "") + f"; {proto}.", ""]
         if task.get("eval"):
-            out += [f"Final evaluation: `mgk eval --context {task['eval'][0]} --stride {task['eval'][1]}`.", ""]
+            out += [f"Final evaluation: `mgk eval --context {task['eval'][0]} --stride {task['eval'][1]}` on the "
+                    "validation split and, when the data has one, on the test split.", ""]
         out += _analysis_line(rep.get("analysis", {}).get(task["task"]))
     finished = sum(r["status"] in ("done", "skipped") for r in rep["runs"])
     pending = [r for r in rep["runs"] if r["status"] in _PENDING]
@@ -181,8 +193,8 @@ def render(rep: dict) -> str:
             "- runs: " + "; ".join(f"{k} {', '.join(v)}" for k, v in rep["versions"].items()),
             f"- machine: {m['cpu']}, {m['cpus']} CPUs, {m['mem_gb']} GB, {m['platform']}"
             + (f", GPU {m['cuda']}" if m["cuda"] else ""), "",
-            "Plots: `plots/learning_curves_<task>.png` (validation curve of each row, mean over seeds), "
-            "`plots/metric_vs_attention_params.png`.", ""]
+            "Plots: `plots/learning_curves_<task>.png` (validation curve of each row, mean over seeds with a band of "
+            "± 1 std), `plots/metric_vs_attention_params.png` (error bars ± 1 std over seeds).", ""]
     return "\n".join(out)
 
 

@@ -43,7 +43,7 @@ _GEN_SHORT = ("gen_train=6000", "gen_val=1000", "gen_test=1000")
 _SETTINGS = {
     "paper": {t: TaskSetting(f"{t}-paper", _DATA[t]) for t in ("listops", "text", "retrieval", "image",
                                                                 "pathfinder")}
-    | {"lm": TaskSetting("wt103-small", _DATA["lm"], eval=(256, 1),
+    | {"lm": TaskSetting("wt103-paper", _DATA["lm"], eval=(256, 1),
                          note="final perplexity: stride-1 sliding window of 256 tokens")},
     "cpu": {
         "listops": TaskSetting("listops-small", None, ("steps=800", "warmup_steps=80", "eval_every=200",

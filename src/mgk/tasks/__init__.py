@@ -6,6 +6,7 @@ modules share lives in :mod:`mgk.tasks.lra_common`.
 """
 from __future__ import annotations
 
+from ..choices import require
 from . import image, listops, lm, pathfinder, retrieval, text
 from .base import EpochSampler, Task, TaskModule
 
@@ -21,7 +22,5 @@ def all_presets() -> dict:
 
 
 def get_task(name: str) -> TaskModule:
-    """The task module named ``name``; ValueError for an unknown name."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {tuple(TASKS)}")
-    return TASKS[name]
+    """The task module named ``name``; ValueError naming the tasks (and the close matches) for an unknown name."""
+    return TASKS[require("task", name, TASKS)]

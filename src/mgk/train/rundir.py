@@ -11,7 +11,8 @@ Layout (the run-directory format; checkpoints themselves are :mod:`mgk.train.che
     tb/              TensorBoard events
     checkpoints/     last.pt (for --resume) and best.pt (best validation)
     results.json     final figures, written last: its presence means the run finished
-    eval.json        ``mgk eval --json`` of a reproduce grid
+    eval.json        ``mgk eval --json`` of a reproduce grid (validation split)
+    eval_test.json   the same on the test split, when the data has one
     vocab.txt        the vocabulary of a task that learns one from its data (language modelling)
     data/            data generated for a run without --data
     plots/, analysis/  learning curves; ``mgk analyze``'s default output
@@ -65,6 +66,7 @@ class RunFiles:
     log = _entry("train.log", "what the run printed (appended)")
     results = _entry("results.json", "final figures; present once the run finished")
     eval = _entry("eval.json", "the `mgk eval --json` result of a reproduce grid")
+    eval_test = _entry("eval_test.json", "the `mgk eval --split test --json` result of a reproduce grid")
     vocab = _entry("vocab.txt", "a vocabulary learned from the data")
     checkpoints = _entry("checkpoints", "the folder of last.pt and best.pt")
     tb = _entry("tb", "TensorBoard events")
