@@ -50,6 +50,14 @@ class RunConfig:
     val_fraction: float = _f(0.1, "data")  # share of train carved out as validation where a release has no val split
     split_seed: int = _f(0, "data")  # seed of such carved splits (fixed, documented, independent of the training seed)
     level: str = _f("curv_contour_length_14", "data")  # Pathfinder difficulty folder
+    # ---- begin: generator settings of the synthetic head-count tasks (dretrieval, mqar, cmqar; mgk.data.dretrieval,
+    # mgk.data.mqar), used when data is None; the tasks' presets set them ----
+    gen_seq_len: int = _f(16, "data")  # dretrieval: T positions (the model also sees a class token); mqar: L tokens
+    gen_features: int = _f(4, "data")  # dretrieval: D, the features the target combines
+    gen_vocab: int = _f(64, "data")  # dretrieval: V grid points (token values); mqar / cmqar: vocabulary size
+    gen_kv_pairs: int = _f(8, "data")  # mqar / cmqar: key-value pairs per sequence (a square for cmqar)
+    gen_power_a: float = _f(0.01, "data")  # mqar / cmqar: power-law exponent of the query gaps (Zoology's default)
+    # ---- end: generator settings of the synthetic head-count tasks ----
     # tokenised-array cache: None = <data dir>/.mgk-cache when writable, else
     cache_dir: Optional[str] = _f(None, "data")
     # $XDG_CACHE_HOME/mgk (~/.cache/mgk); "off" disables caching
