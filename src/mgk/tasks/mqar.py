@@ -23,8 +23,7 @@ from torch import Tensor, nn
 
 from ..config import RunConfig, encoder_config
 from ..data import mqar as mq
-from ..models import EncoderConfig
-from ..models.tagger import TokenTagger
+from ..models import EncoderConfig, TokenTagger
 from .base import Task
 
 __all__ = ["PRESETS", "TokenSplit", "MQARTask", "prepare", "build", "check", "spec_of", "small_preset"]
