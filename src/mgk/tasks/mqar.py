@@ -76,6 +76,7 @@ class TokenSplit:
 
     @classmethod
     def of(cls, split: mq.MQARSplit) -> "TokenSplit":
+        """The tensors of a generated or read split (int64 copies of its arrays)."""
         return cls(torch.from_numpy(split.inputs.astype(np.int64)), torch.from_numpy(split.targets.astype(np.int64)),
                    split.spec, split.source)
 
