@@ -16,6 +16,7 @@ from mgk.data import dretrieval as dr
 from mgk.data import mqar as mq
 from mgk.models.tagger import TokenTagger
 from mgk.tasks import cmqar, dretrieval, get_task, mqar
+from mgk.tasks.lra_table import lra_table
 from mgk.tasks.synthetic_table import synthetic_table
 from mgk.train.records import read_metrics
 
@@ -220,6 +221,8 @@ def test_table_has_a_row_per_kind_heads_and_keys(tmp_path, capsys):
     assert "| linear | 4 | — | — | 50.00 |" in out and "dretrieval D=4, T=16 (NMSE)" in out
     assert "| Attention | Heads | ListOps |" in out  # the LRA table is still there for the ListOps run
     assert synthetic_table([{"task": "listops"}]) == ("", [])
+    _, warnings = lra_table([{"task": "mqar", "attention": "linear", "num_heads": 4, "test": {"loss": 1.0}}])
+    assert warnings == ["run of task mqar (linear x 4) left out: no test or validation acc"]
 
 
 def test_every_synthetic_task_is_registered_with_a_small_preset():

@@ -124,7 +124,8 @@ def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, lis
     lra = [r for r in results if r.get("task") not in SYNTHETIC_TASKS]
     extra, extra_warnings = synthetic_table(synthetic)
     if not extra:
-        return _lra_markdown(lra, unfinished)
+        table, warnings = _lra_markdown(lra, unfinished)
+        return table, warnings + extra_warnings
     if not lra:
         tail = [f"Not in the table, unfinished (no results.json): {len(unfinished)} run(s)"] if unfinished else []
         return "\n".join([extra, *tail, *(f"- {line}" for line in unfinished)]), extra_warnings
