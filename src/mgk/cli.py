@@ -17,13 +17,14 @@ from .analyze import cli as analyze_cli
 from .attention import attention_kinds
 from .bench import cli as bench_cli
 from .reproduce import cli as reproduce_cli
-from .tasks import all_presets
+from .tasks import TASKS, all_presets
 
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model on a task (default: generated ListOps, small CPU preset)",
                        description="Train on a task. Without --data, ListOps is generated (the embedded default).")
-    p.add_argument("--task", default=None, help="task name (default: the preset's task, listops)")
+    p.add_argument("--task", default=None, help=f"task name: {', '.join(TASKS)} (default: the preset's task, "
+                                                "listops)")
     p.add_argument("--preset", default=None, choices=sorted(all_presets()),
                    help="starting configuration (default: <task>-small)")
     p.add_argument("--data", default=None, help="folder with the release files (default: generate)")
@@ -139,7 +140,7 @@ def _data_parser(sub) -> None:
                         description="Validate the files of a task: counts per split, label balance, length "
                                     "statistics. Every malformed or missing file is an error naming it (and the line "
                                     "for text formats); the exit status is 1 when there is any.")
-    c.add_argument("--task", required=True, help="listops, text, retrieval, image, pathfinder or lm")
+    c.add_argument("--task", required=True, help=f"one of: {', '.join(TASKS)}")
     c.add_argument("--data", required=True, help="the folder or archive to check (as for mgk train --data)")
     c.add_argument("--preset", default=None, help="configuration the check assumes (max_len, level, "
                                                   "val_fraction, ...; default: <task>-small)")
