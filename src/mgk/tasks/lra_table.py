@@ -18,7 +18,7 @@ from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
 from ..config import RunConfig
 
-__all__ = ["COLUMNS", "run_accuracy", "run_failure", "setting", "lra_table", "data_check"]
+__all__ = ["COLUMNS", "run_accuracy", "run_metric", "run_failure", "setting", "lra_table", "data_check"]
 
 COLUMNS = (("listops", "ListOps"), ("text", "Text"), ("retrieval", "Retrieval"), ("image", "Image"),
            ("pathfinder", "Pathfinder"))
@@ -43,14 +43,19 @@ def run_failure(record: dict) -> str | None:
     return None
 
 
-def run_accuracy(res: dict) -> tuple[float | None, str | None]:
-    """``(accuracy in [0, 1], "test" or "val")``: test when the run has it, else validation; (None, None) when
-    neither has an accuracy."""
+def run_metric(res: dict, name: str = "acc") -> tuple[float | None, str | None]:
+    """``(metric name of the run, "test" or "val")``: test when the run has it, else validation; (None, None) when
+    neither has it."""
     for split in ("test", "val"):
         m = res.get(split)
-        if isinstance(m, dict) and isinstance(m.get("acc"), (int, float)):
-            return float(m["acc"]), split
+        if isinstance(m, dict) and isinstance(m.get(name), (int, float)):
+            return float(m[name]), split
     return None, None
+
+
+def run_accuracy(res: dict) -> tuple[float | None, str | None]:
+    """``(accuracy in [0, 1], "test" or "val")``: :func:`run_metric` of ``acc``."""
+    return run_metric(res, "acc")
 
 
 def setting(res: dict) -> tuple[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..attention import attention_kinds
-from .lra_table import run_failure, setting
+from .lra_table import run_failure, run_metric, setting
 
 __all__ = ["SYNTHETIC_TASKS", "METRICS", "column", "row_key", "synthetic_table", "metric_of"]
 
@@ -55,12 +55,10 @@ def _order(key):
 
 
 def _value(res: dict) -> tuple[float | None, str | None, dict]:
-    metric = METRICS[res["task"]][0]
-    for split in ("test", "val"):
-        m = res.get(split)
-        if isinstance(m, dict) and isinstance(m.get(metric), (int, float)) and not math.isnan(m[metric]):
-            return float(m[metric]), split, m
-    return None, None, {}
+    value, split = run_metric(res, METRICS[res["task"]][0])
+    if value is None or not math.isfinite(value):
+        return None, None, {}
+    return value, split, res.get(split) or {}
 
 
 def _cell(values: list[float], task: str) -> str:
