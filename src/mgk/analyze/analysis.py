@@ -123,9 +123,11 @@ def _mixture_result(module, sums, pairs, longest: int) -> dict:
 
 def _sequences(call, batch):
     """(b, n) of every sequence of a recorded call: n real tokens from the key-padding mask, or for a language-model
-    batch (no mask; padding only at the end of the last segment) from the targets that are scored."""
+    batch (no mask; padding only at the end of the last segment) from the targets that are scored. A target per
+    sequence (a class, a regression value: D-retrieval) says nothing about the length."""
     lengths = call.real_lengths()
-    if call.key_padding_mask is None and isinstance(batch, dict) and "target" in batch:
+    per_token = isinstance(batch, dict) and isinstance(batch.get("target"), torch.Tensor) and batch["target"].dim() == 2
+    if call.key_padding_mask is None and per_token:
         lengths = (batch["target"] != IGNORE_INDEX).sum(dim=1).cpu()
     return [(b, int(n)) for b, n in enumerate(lengths.tolist()) if n > 0]
 

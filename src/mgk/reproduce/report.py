@@ -202,8 +202,10 @@ def _analysis_line(entry: dict | None) -> list[str]:
     runs = ", ".join(f"{r['row']} (seed {r['seed']})" for r in entry["runs"])
     if entry.get("error"):
         return [f"Analysis of {runs} failed: {entry['error']}.", ""]
+    prune = (f" Head importance and pruning curves (`mgk analyze --prune`): [{entry['prune_path']}]"
+             f"({entry['prune_path']})." if entry.get("prune_path") else "")
     return [f"Why it works (`mgk analyze --compare`, {entry['samples']} validation examples; {runs}): rank, head "
-            f"redundancy, attention maps and mixture weights in [{entry['path']}]({entry['path']}).", ""]
+            f"redundancy, attention maps and mixture weights in [{entry['path']}]({entry['path']}).{prune}", ""]
 
 
 def render(rep: dict) -> str:
