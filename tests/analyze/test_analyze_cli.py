@@ -121,8 +121,11 @@ def test_language_model_run_causal_soft_e(tmp_path, th):
     layer = result["layers"][0]
     assert layer["mixture"]["pi_mode"] == "soft_e" and layer["mixture"]["positions"] <= 8
     assert len(layer["lengths"]) == 3 * 2 and max(layer["lengths"]) <= 8
-    # a causal map is lower triangular with a positive diagonal: full rank
+    # a causal map is lower triangular with a positive diagonal: full rank, and the report says rank cannot tell
     assert layer["ranks"]["relative"] == layer["lengths"]
+    assert all(layer["causal"] for layer in result["layers"])
+    md = (tmp_path / "a" / "analysis.md").read_text()
+    assert md.count("Causal layers: rank does not discriminate") == 1 and "mgk analyze --prune" in md
 
 
 def test_retrieval_run_counts_both_documents(tmp_path, th):
@@ -132,6 +135,7 @@ def test_retrieval_run_counts_both_documents(tmp_path, th):
     analyze(str(run), "--samples", "3", "--out", str(tmp_path / "a"))
     layer = json.loads((tmp_path / "a" / "analysis.json").read_text())["layers"][0]
     assert len(layer["lengths"]) == 3 * 2 * 2  # examples x documents x heads
+    assert layer["causal"] is False and "Causal layers" not in (tmp_path / "a" / "analysis.md").read_text()
     assert layer["mixture"]["share_kind"] == "share of the linear kernel"
 
 

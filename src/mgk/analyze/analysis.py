@@ -66,11 +66,13 @@ class _Layer:
         self.maps: list = []
         self.sums = self.pairs = None
         self.longest = 0
+        self.causal = False
 
     def add(self, maps, x, is_causal: bool, settings: Settings) -> None:
         """Accumulate the statistics of one sequence's (H, n, n) float64 attention maps and its layer input x."""
         n = maps.shape[-1]
         self.longest = max(self.longest, n)
+        self.causal |= bool(is_causal)
         for mode, ranks in stats.numerical_ranks(maps, settings.rank_tol).items():  # one SVD for both rules
             self.ranks[mode] += ranks.tolist()
         self.lengths += [n] * maps.shape[0]
@@ -90,7 +92,7 @@ class _Layer:
         """This layer's entry of analysis.json: rank, redundancy and mixture summaries over what was added."""
         rel_rank = [r / n for r, n in zip(self.ranks[settings.rank_mode], self.lengths)]
         out = {"layer": index, "module": self.name, "kind": type(self.module).__name__,
-               "num_heads": self.module.num_heads,
+               "num_heads": self.module.num_heads, "causal": self.causal,
                "rank": {m: stats.summary(self.ranks[m]) for m in stats.RANK_MODES},
                "rank_over_length": stats.summary(rel_rank),
                "ranks": {m: self.ranks[m] for m in stats.RANK_MODES}, "lengths": self.lengths,
