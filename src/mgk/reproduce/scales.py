@@ -60,12 +60,12 @@ def _heads(scale: str) -> dict:
     smoke = scale == "smoke"
     extra = _SMOKE_STEPS + ("gen_train=200", "gen_val=50", "gen_test=50") if smoke else ()
     out = {f"dretrieval-d{d}": TaskSetting("dretrieval-small", None, (f"gen_features={d}", *extra),
-                                           label=f"D-retrieval D={d} (T=16, V=64; NMSE)", task="dretrieval",
+                                           label=f"D-retrieval D={d} (T=16, V=64)", task="dretrieval",
                                            note=f"generated D-retrieval, D = {d} features, T = 16 tokens from V = "
                                                 "64 grid points, 20000/2000/2000 sequences (generator seed 0); test "
                                                 "NMSE of the best-validation checkpoint, lower is better")
            for d in (2, 4, 8)}
-    out["mqar-n8"] = TaskSetting("mqar-small", None, extra or _MQAR_LONG, label="MQAR n=8 (L=64, V=128; accuracy)",
+    out["mqar-n8"] = TaskSetting("mqar-small", None, extra or _MQAR_LONG, label="MQAR n=8 (L=64, V=128)",
                                  task="mqar",
                                  note="generated MQAR, 8 key-value pairs in 64 tokens, 20000/1000/1000 sequences "
                                       "(generator seed 0), 6000 steps (600 warm-up); test accuracy over the "
