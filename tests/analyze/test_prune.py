@@ -223,3 +223,21 @@ def test_mgk_analyze_prune_writes_curves_ablation_and_figures(tmp_path, th):
     assert "One-head ablation" in md and "One-component ablation" in md
     with pytest.raises(SystemExit, match="mgk analyze: "):
         main(["analyze", "--prune", str(tmp_path / "missing")])
+
+
+def test_the_last_component_of_a_head_takes_its_heads_importance(tmp_path):
+    task, cfg = _task(tmp_path, "mgk", 2)
+    model = _model(task, cfg, seed=5)
+    layers = prune.attention_layers(model)
+    with torch.no_grad():
+        layers[0].mixture.pi_logits.normal_()
+    ds, index = task.splits["val"], torch.arange(20)
+    gates = [torch.tensor([[1.0, 0.0], [1.0, 1.0]])]  # head 0 has one component left
+    (plain,) = prune.importance(task, model, layers, ds, index, gates, unit="component", batch_size=8)
+    assert plain[0, 0] == pytest.approx(0.0, abs=1e-7)  # its weight is 1 whatever its gate
+    assert plain[1, 0] == pytest.approx(float(plain[1, 1]), rel=1e-4) and plain[1, 0] > 0  # M = 2: opposite
+    (comp,) = prune.component_importance(task, model, layers, ds, index, gates, batch_size=8)
+    (heads,) = prune.importance(task, model, layers, ds, index, prune.unit_gates(layers, "head"), unit="head",
+                                batch_size=8, components=gates)
+    assert comp[0, 0] == pytest.approx(float(heads[0])) and comp[0, 0] > 0
+    assert torch.equal(comp[1], plain[1])

@@ -22,7 +22,8 @@ Components of one head: attention normalised over the keys does not change when 
 by one factor, so the derivatives of a head's component gates sum to zero; with M = 2 the two are opposite and the
 two components have the same importance, exactly. Component importance then ranks heads, and within a head the tie
 is broken by the component's index (the sort is stable): a first-order estimate cannot tell which of the two to
-keep, and the curve says what removing one costs.
+keep, and the curve says what removing one costs. The last component left in a head has derivative 0 (its weight is
+1 whatever its gate), so it takes the importance of its head (:func:`component_importance`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ..train.distributed import Dist
 from ..train.evaluate import evaluate
 
 __all__ = ["PruneSettings", "attention_layers", "has_components", "gated", "unit_gates", "importance",
-           "prune_curve", "random_curves", "ablation", "metric_of_task"]
+           "component_importance", "prune_curve", "random_curves", "ablation", "metric_of_task"]
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,16 @@ def unit_gates(layers, unit: str) -> list[Tensor | None]:
     return gates
 
 
-def _with(layers, gates, unit: str):
-    return gated(layers, gates, None) if unit == "head" else gated(layers, None, gates)
+def _with(layers, gates, unit: str, components=None):
+    return gated(layers, gates, components) if unit == "head" else gated(layers, None, gates)
 
 
-def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_size: int) -> list[Tensor | None]:
+def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_size: int,
+               components=None) -> list[Tensor | None]:
     """Per layer, ``E_x |dL(x) / dxi|`` over the examples ``index`` of ``dataset`` for the gates of ``unit``
     ("head": (H,), "component": (H, M); None for a layer without them) at their current values ``gates``; not
-    normalised. Model in eval mode; the parameters' ``.grad`` are not touched. float64 per layer."""
+    normalised. ``components``: component gates held fixed while head gates are differentiated. Model in eval
+    mode; the parameters' ``.grad`` are not touched. float64 per layer."""
     model.eval()
     device = next(model.parameters()).device
     totals = [None if g is None else torch.zeros(g.shape, dtype=torch.float64) for g in gates]
@@ -129,7 +132,7 @@ def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_s
         per = [None if g is None else g.to(device).expand(len(rows), *g.shape).clone().requires_grad_()
                for g in gates]
         wrt = [p for p in per if p is not None]
-        with torch.enable_grad(), _with(layers, per, unit):
+        with torch.enable_grad(), _with(layers, per, unit, components):
             loss_sum, _ = task.loss(model, batch)
             grads = torch.autograd.grad(loss_sum, wrt, allow_unused=True)
         grads = iter(grads)
@@ -137,6 +140,24 @@ def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_s
             if t is not None and (g := next(grads)) is not None:
                 t += g.detach().abs().sum(0).double().cpu()
     return [None if t is None else t / max(len(index), 1) for t in totals]
+
+
+def component_importance(task, model, layers, dataset, index, gates, *, batch_size: int) -> list[Tensor | None]:
+    """:func:`importance` of the component gates ``gates``, where the last component left in a head takes the
+    importance of that head's output gate (at the same component gates). With the weights renormalised over the
+    components a head's only component has pi = 1 whatever its gate, so its derivative is 0, yet removing it removes
+    the head: without this, pruning by importance would take a head's last component next, every time."""
+    scores = importance(task, model, layers, dataset, index, gates, unit="component", batch_size=batch_size)
+    last = [None if g is None else ((g > 0).sum(-1) == 1) for g in gates]
+    if not any(m is not None and bool(m.any()) for m in last):
+        return scores
+    device = next(model.parameters()).device
+    heads = importance(task, model, layers, dataset, index, unit_gates(layers, "head"), unit="head",
+                       batch_size=batch_size, components=[None if g is None else g.to(device) for g in gates])
+    for s, g, m, h in zip(scores, gates, last, heads):
+        if m is not None:
+            s[:] = torch.where(m.unsqueeze(-1) & (g > 0), h.unsqueeze(-1), s)
+    return scores
 
 
 def _normalised(scores, gates) -> list[Tensor | None]:
@@ -179,8 +200,10 @@ def prune_curve(task, model, layers, data, *, unit: str, settings, order: torch.
         if order is not None:
             chosen = [alive[int(j)] for j in torch.randperm(len(alive), generator=order)[:n]]
         else:
-            scores = _normalised(importance(task, model, layers, imp_ds, imp_index, gates, unit=unit,
-                                            batch_size=settings.batch_size), gates)
+            find = importance if unit == "head" else component_importance
+            kw = {"unit": unit} if unit == "head" else {}
+            scores = _normalised(find(task, model, layers, imp_ds, imp_index, gates, batch_size=settings.batch_size,
+                                      **kw), gates)
             chosen = sorted(alive, key=lambda u: float(scores[u[0]][u[1]]))[:n]
         for layer, idx in chosen:
             gates[layer][idx] = 0.0

@@ -47,8 +47,9 @@ def prune_run(run, settings: prune.PruneSettings) -> dict:
     units = ["head"] + (["component"] if any(prune.has_components(m) for m in layers) else [])
     for unit in units:
         gates = prune.unit_gates(layers, unit)
-        scores = prune.importance(task, model, layers, data[0], data[1], gates, unit=unit,
-                                  batch_size=settings.batch_size)
+        find = prune.importance if unit == "head" else prune.component_importance
+        scores = find(task, model, layers, data[0], data[1], gates, batch_size=settings.batch_size,
+                      **({"unit": unit} if unit == "head" else {}))
         norm = [None if s is None else (s / n if (n := torch.linalg.vector_norm(s)) > 0 else s) for s in scores]
         curve = prune.prune_curve(task, model, layers, data, unit=unit, settings=settings)
         rand = prune.random_curves(task, model, layers, data, unit=unit, settings=settings)
