@@ -24,6 +24,7 @@ def test_heads_rows_run_on_their_own_tasks():
         {f"linear-{h}" for h in (1, 2, 4, 8)} | {f"mlk-{h}" for h in (1, 2, 4)})
     assert rows["mgk-4"].keys_per_head == 2 and rows["mgk-1-m4"].keys_per_head == 4
     assert rows["softmax-8"].keys_per_head == 1 and rows["mlk-2"].keys_per_head == 2
+    assert rows["mgk-1-m4"].label == "MGK x 1, M = 4" and rows["mgk-1"].label == "MGK x 1"  # told apart
     # every comparison names rows of the experiment; the primary pair is M = 2 keys at half the heads
     assert all(a in rows and b in rows for a, b in exp.comparisons) and ("mgk-4", "softmax-8") in exp.comparisons
 

@@ -59,8 +59,11 @@ class Row:
 
     @property
     def label(self) -> str:
-        """Human name from the registry, e.g. ``sMGK x 4 (Soft-E)``."""
-        return display_label(self.attention, self.heads, self.options)
+        """Human name from the registry, e.g. ``sMGK x 4 (Soft-E)``; ``M = 4`` added where the keys per head are not
+        the kind's default (``MGK x 1, M = 4``)."""
+        label = display_label(self.attention, self.heads, self.options)
+        default = getattr(get_kind(self.attention).options(), "num_keys", 1)
+        return label if self.keys_per_head == default else f"{label}, M = {self.keys_per_head}"
 
 
 @dataclass(frozen=True)
