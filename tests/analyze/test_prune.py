@@ -223,6 +223,8 @@ def test_mgk_analyze_prune_writes_curves_ablation_and_figures(tmp_path, th):
     assert "One-head ablation" in md and "One-component ablation" in md
     with pytest.raises(SystemExit, match="mgk analyze: "):
         main(["analyze", "--prune", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="mgk analyze: --prune-random must be >= 0, got -1"):
+        main(["analyze", "--prune", str(run), "--out", str(out), "--prune-random", "-1"])
 
 
 def test_the_last_component_of_a_head_takes_its_heads_importance(tmp_path):
