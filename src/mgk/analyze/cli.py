@@ -140,6 +140,9 @@ def _prune(args, out: Path, notes: list, t0: float) -> int:
     from .prune import PruneSettings
     from .prune_report import prune_dirs
 
+    for flag, value in (("--prune-random", args.prune_random), ("--prune-examples", args.prune_examples)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     settings = PruneSettings(random_orders=args.prune_random, batch_size=args.batch_size,
                              importance_examples=args.prune_examples, eval_examples=args.prune_examples,
                              seed=args.seed).check()
