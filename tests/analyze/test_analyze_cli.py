@@ -121,8 +121,11 @@ def test_language_model_run_causal_soft_e(tmp_path, th):
     layer = result["layers"][0]
     assert layer["mixture"]["pi_mode"] == "soft_e" and layer["mixture"]["positions"] <= 8
     assert len(layer["lengths"]) == 3 * 2 and max(layer["lengths"]) <= 8
-    # a causal map is lower triangular with a positive diagonal: full rank
+    # a causal map is lower triangular with a positive diagonal: full rank, and the report says rank cannot tell
     assert layer["ranks"]["relative"] == layer["lengths"]
+    assert all(layer["causal"] for layer in result["layers"])
+    md = (tmp_path / "a" / "analysis.md").read_text()
+    assert md.count("Causal layers: rank does not discriminate") == 1 and "mgk analyze --prune" in md
 
 
 def test_retrieval_run_counts_both_documents(tmp_path, th):
@@ -132,4 +135,17 @@ def test_retrieval_run_counts_both_documents(tmp_path, th):
     analyze(str(run), "--samples", "3", "--out", str(tmp_path / "a"))
     layer = json.loads((tmp_path / "a" / "analysis.json").read_text())["layers"][0]
     assert len(layer["lengths"]) == 3 * 2 * 2  # examples x documents x heads
+    assert layer["causal"] is False and "Causal layers" not in (tmp_path / "a" / "analysis.md").read_text()
     assert layer["mixture"]["share_kind"] == "share of the linear kernel"
+
+
+def test_a_run_with_one_regression_target_per_sequence_is_analysed(tmp_path, th):
+    # D-retrieval's batch has a float target per sequence and no padding mask: not a language model's token targets
+    run = tmp_path / "dr"
+    main(["train", "--task", "dretrieval", "--attention", "mgk", "--heads", "2", "--steps", "2", "--out", str(run),
+          *th.sets("gen_seq_len=8", "gen_vocab=32", "gen_train=64", "gen_val=16", "gen_test=16", "d_model=16",
+                   "head_dim=4", "ffn_dim=16", "classifier_dim=16", "num_layers=1", "batch_size=8", "eval_every=2",
+                   "checkpoint_every=2", "warmup_steps=1", "progress=false")])
+    analyze(str(run), "--samples", "4", "--out", str(tmp_path / "a"), "--examples", "1")
+    layer = json.loads((tmp_path / "a" / "analysis.json").read_text())["layers"][0]
+    assert layer["lengths"] == [9] * 4 * 2  # T = 8 tokens and the class token, every example x head

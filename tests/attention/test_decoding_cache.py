@@ -255,3 +255,19 @@ def test_a_cached_call_with_gradients_reaches_the_new_queries_only():
     out.sum().backward()
     assert x.grad[:, :5].abs().sum() == 0 and x.grad[:, 5:].abs().sum() > 0
     assert all(not t.requires_grad for t in cache._buffers.values())
+
+
+@pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
+def test_gated_heads_and_components_decode_as_the_gated_forward(kind, options):
+    """The pruning gates (head_gate; component_gate of mixtures) act on cached decoding as on the full forward."""
+    m = _module(kind, options)
+    m.head_gate = torch.tensor([1.0, 0.0])
+    mixture = getattr(m, "mixture", None)
+    if mixture is not None and getattr(m, "pi_mode", "learned") != "hard_e":
+        mixture.component_gate = torch.tensor([[1.0, 0.0], [0.5, 1.0]])
+    torch.manual_seed(1)
+    x = torch.randn(2, 5 + sum(STEPS), E)
+    outs, _ = _decode(m, x, 5)
+    scale = float(_uncached(m, x).abs().max())
+    _close(outs[0], _uncached(m, x[:, :5]), scale, "prefill")
+    _close(torch.cat(outs[1:], dim=1), _uncached(m, x)[:, 5:], scale, "steps")

@@ -83,3 +83,23 @@ def test_a_trained_run_is_measured_through_the_loader(run_v0_1_0, one_thread):
 def test_table_shows_failed_rows():
     rows = [{"target": "layer", "kind": "mgk", "heads": 4, "batch": 1, "context": 8, "error": "boom"}]
     assert "error: boom" in table({"rows": rows})
+
+
+def test_decode_rows_run_under_the_allocators_defaults(monkeypatch):
+    """The attention bench forces glibc to serve every block over 64 KiB from mmap (so that the resident set follows
+    live memory); that costs page faults on every large allocation, which a decoding step makes each token. Decode
+    rows measure only time and tensor bytes, so they must run as a user's process does."""
+    import subprocess
+
+    from mgk.bench import decode
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(kw.get("env") or {})
+        return subprocess.CompletedProcess(cmd, 1, "", "boom")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    decode.run(["layer"], [("mgk", 4)], [16], [1], steps=1, device="cpu", timeout=5.0)
+    assert seen and all("MALLOC_MMAP_THRESHOLD_" not in env for env in seen)

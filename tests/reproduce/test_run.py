@@ -76,6 +76,11 @@ def test_smoke_grid_reports_every_row_and_resumes_without_rerunning(tmp_path):
     compared = json.loads((out / "analysis" / "listops" / "analysis.json").read_text())["runs"]
     assert sorted(compared) == ["mgk-4", "softmax-8"]
     assert all(layer["rank"]["absolute"]["n"] > 0 for r in compared.values() for layer in r["layers"])
+    assert entry["prune_path"] == "analysis/listops/prune.md"
+    assert "](analysis/listops/prune.md)" in (out / "REPORT.md").read_text()
+    pruned = json.loads((out / "analysis" / "listops" / "prune.json").read_text())["runs"]
+    assert sorted(pruned) == ["mgk-4", "softmax-8"] and "component" in pruned["mgk-4"]["units"]
+    assert pruned["softmax-8"]["units"]["head"]["curve"]["kept"][0] == 2 * 8  # two layers of 8 heads
 
 
 def test_a_failed_run_is_reported_and_the_others_go_on(tmp_path):

@@ -1,5 +1,6 @@
-"""The task interface is declared: every task module provides PRESETS, prepare, build and check, every built task
-is a `Task` (the loop calls nothing else), and a task class that lacks a required member cannot be built."""
+"""The task interface is declared: every task module provides PRESETS, prepare, build, restore and check, every
+built task is a `Task` (the loop calls nothing else), and a task class that lacks a required member cannot be
+built."""
 import dataclasses
 
 import pytest
@@ -15,7 +16,7 @@ from mgk.train.state import LoopState
 def test_every_task_module_has_the_members(name):
     module = TASKS[name]
     assert module.PRESETS and all(cfg.task == name for cfg in module.PRESETS.values())
-    for member in ("prepare", "build", "check"):
+    for member in ("prepare", "build", "restore", "check"):
         assert callable(getattr(module, member)), member
 
 

@@ -66,11 +66,13 @@ class _Layer:
         self.maps: list = []
         self.sums = self.pairs = None
         self.longest = 0
+        self.causal = False
 
     def add(self, maps, x, is_causal: bool, settings: Settings) -> None:
         """Accumulate the statistics of one sequence's (H, n, n) float64 attention maps and its layer input x."""
         n = maps.shape[-1]
         self.longest = max(self.longest, n)
+        self.causal |= bool(is_causal)
         for mode, ranks in stats.numerical_ranks(maps, settings.rank_tol).items():  # one SVD for both rules
             self.ranks[mode] += ranks.tolist()
         self.lengths += [n] * maps.shape[0]
@@ -90,7 +92,7 @@ class _Layer:
         """This layer's entry of analysis.json: rank, redundancy and mixture summaries over what was added."""
         rel_rank = [r / n for r, n in zip(self.ranks[settings.rank_mode], self.lengths)]
         out = {"layer": index, "module": self.name, "kind": type(self.module).__name__,
-               "num_heads": self.module.num_heads,
+               "num_heads": self.module.num_heads, "causal": self.causal,
                "rank": {m: stats.summary(self.ranks[m]) for m in stats.RANK_MODES},
                "rank_over_length": stats.summary(rel_rank),
                "ranks": {m: self.ranks[m] for m in stats.RANK_MODES}, "lengths": self.lengths,
@@ -123,9 +125,11 @@ def _mixture_result(module, sums, pairs, longest: int) -> dict:
 
 def _sequences(call, batch):
     """(b, n) of every sequence of a recorded call: n real tokens from the key-padding mask, or for a language-model
-    batch (no mask; padding only at the end of the last segment) from the targets that are scored."""
+    batch (no mask; padding only at the end of the last segment) from the targets that are scored. A target per
+    sequence (a class, a regression value: D-retrieval) says nothing about the length."""
     lengths = call.real_lengths()
-    if call.key_padding_mask is None and isinstance(batch, dict) and "target" in batch:
+    per_token = isinstance(batch, dict) and isinstance(batch.get("target"), torch.Tensor) and batch["target"].dim() == 2
+    if call.key_padding_mask is None and per_token:
         lengths = (batch["target"] != IGNORE_INDEX).sum(dim=1).cpu()
     return [(b, int(n)) for b, n in enumerate(lengths.tolist()) if n > 0]
 

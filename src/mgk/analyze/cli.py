@@ -34,6 +34,14 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint", default="best", choices=["best", "last"], help="which checkpoint")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--prune", action="store_true",
+                   help="instead: head importance (Michel et al. 2019: |dL/d gate| per head, and per mixture "
+                        "component for MGK/MLK) on the validation split, iterative pruning of the least important "
+                        "10%% (importance recomputed), a random-order baseline and the one-head ablation, scored on "
+                        "the test split; writes prune.json, prune.md, prune_head.png (prune_component.png)")
+    p.add_argument("--prune-random", type=int, default=5, help="random pruning orders of the baseline (default 5)")
+    p.add_argument("--prune-examples", type=int, default=0,
+                   help="examples of each split the pruning reads (default 0: all)")
 
 
 def _settings(args):
@@ -108,6 +116,8 @@ def run(args) -> int:
                                                else Path(args.runs[0]) / "analysis")
         t0 = time.perf_counter()
         notes: list[str] = []
+        if args.prune:
+            return _prune(args, out, notes, t0)
         results = analyse_dirs(args.runs, out, settings, data=args.data, which=args.checkpoint,
                                device=args.device, progress=not args.no_progress, notes=notes)
     except (FileNotFoundError, ValueError) as e:
@@ -124,4 +134,28 @@ def run(args) -> int:
                   f"{red['js'].get('mean', float('nan')):.3f}, effective heads "
                   f"{effective_heads_text(red['effective_heads'], layer['num_heads'], spread=False)}")
     print(f"mgk analyze: wrote {out}/analysis.md, analysis.json and figures ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _prune(args, out: Path, notes: list, t0: float) -> int:
+    """``mgk analyze --prune``: :func:`mgk.analyze.prune_report.prune_dirs` and one line per run and unit."""
+    from .prune import PruneSettings
+    from .prune_report import prune_dirs
+
+    for flag, value in (("--prune-random", args.prune_random), ("--prune-examples", args.prune_examples)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    settings = PruneSettings(random_orders=args.prune_random, batch_size=args.batch_size,
+                             importance_examples=args.prune_examples, eval_examples=args.prune_examples,
+                             seed=args.seed).check()
+    results = prune_dirs(args.runs, out, settings, data=args.data, which=args.checkpoint, device=args.device,
+                         notes=notes)
+    for line in notes:
+        print(f"mgk analyze: {line}", file=sys.stderr)
+    for label, r in results.items():
+        for unit, u in r["units"].items():
+            c = u["curve"]
+            print(f"{label} {unit}s: {r['metric']} {c['metric'][0]:.4f} with all {c['units']}, "
+                  f"{c['metric'][-1]:.4f} with {c['kept'][-1]} kept")
+    print(f"mgk analyze: wrote {out}/prune.md, prune.json and figures ({time.perf_counter() - t0:.1f} s)")
     return 0

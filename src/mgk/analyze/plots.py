@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyp
 
 from ..atomic import atomic_write  # noqa: E402
 
-__all__ = ["attention_grid", "rank_histograms", "per_layer_lines", "mixture_bars"]
+__all__ = ["attention_grid", "rank_histograms", "per_layer_lines", "mixture_bars", "pruning_curves"]
 
 
 def _save(fig, path: Path) -> Path:
@@ -117,4 +117,25 @@ def mixture_bars(series: dict, path: Path, title: str, ylabel: str) -> Path:
     axes[0][0].set_ylabel(ylabel, fontsize=8)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def pruning_curves(series: dict, path: Path, title: str, ylabel: str, xlabel: str) -> Path:
+    """The metric against the units kept: ``series`` maps a run label to ``{"kept": [...], "importance": [...],
+    "random_mean": [...], "random_std": [...]}`` (random lists may be empty); importance order solid, random
+    order dashed with its std band."""
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for j, (lab, s) in enumerate(series.items()):
+        ax.plot(s["kept"], s["importance"], marker="o", color=f"C{j}", label=f"{lab}: by importance")
+        if s.get("random_mean"):
+            lo = [m - d for m, d in zip(s["random_mean"], s["random_std"])]
+            hi = [m + d for m, d in zip(s["random_mean"], s["random_std"])]
+            ax.plot(s["kept"], s["random_mean"], ls="--", color=f"C{j}", label=f"{lab}: random order")
+            ax.fill_between(s["kept"], lo, hi, color=f"C{j}", alpha=0.15)
+    ax.invert_xaxis()
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title(title, fontsize=9)
     return _save(fig, path)

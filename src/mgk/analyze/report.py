@@ -8,7 +8,13 @@ from pathlib import Path
 from ..atomic import write_text_atomic
 from . import plots
 
-__all__ = ["write_figures", "write_json", "write_markdown", "effective_heads_text"]
+__all__ = ["write_figures", "write_json", "write_markdown", "CAUSAL_RANK_NOTE", "effective_heads_text"]
+
+CAUSAL_RANK_NOTE = (
+    "**Causal layers: rank does not discriminate.** A causal attention map is lower triangular with a positive "
+    "diagonal (each query gives its own key a positive weight), so it has full rank by construction, for softmax "
+    "and MGK alike; the few missing ranks are diagonal entries below the tolerance. Read the effective heads (as a "
+    "fraction of the heads), the JS divergence and the pruning curves (`mgk analyze --prune`) instead.")
 
 
 def write_json(result, path: Path) -> Path:
@@ -137,6 +143,8 @@ def write_markdown(results: dict, figs: dict, path: Path, title: str, left_out: 
               "heads' attention rows. L2: mean over head pairs of |A_h - A_h'|_F / sqrt(n). Effective heads: "
               "exp(entropy) of the normalised eigenvalues of the heads' cosine-similarity matrix (1 = all heads "
               "alike, H = all distinct).", ""]
+    if any(layer.get("causal") for r in results.values() for layer in r["layers"]):
+        lines += [CAUSAL_RANK_NOTE, ""]
     mix = _mixture_rows(results)
     if mix:
         lines += ["## Mixture", "", *mix, ""]

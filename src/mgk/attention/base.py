@@ -64,6 +64,9 @@ class AttentionBase(nn.Module, abc.ABC):
     in_proj_bias = None
     # Whether a float bias (from a float mask) can be added to the logits; linear attention has none.
     _takes_bias = True
+    # Multiplies each head's output before out_proj (Michel et al. 2019, "Are Sixteen Heads Really Better than
+    # One?", eq. 2): (H,) for every example or (B, H) per example, None = no gate. Set by mgk.analyze.prune.
+    head_gate: Tensor | None = None
 
     def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, dropout: float = 0.0,
                  bias: bool = True, kdim: int | None = None, vdim: int | None = None,
@@ -173,6 +176,8 @@ class AttentionBase(nn.Module, abc.ABC):
         q, k, v = self._split(self.q_proj(query)), self._keys(key), self._split(self.v_proj(value))
         extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
         out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
+        if self.head_gate is not None:
+            out = out * self._gate_shape(self.head_gate, B)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
         return self._outputs(out, weights if need_weights else None, batched, average_attn_weights)
 
@@ -200,8 +205,18 @@ class AttentionBase(nn.Module, abc.ABC):
         cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device)
         q, v = self._split(self.q_proj(x)), self._split(self.v_proj(x))
         out = self._cached_core(q, x, v, valid, cache)
+        if self.head_gate is not None:  # decoding sees the same gated heads as the full forward
+            out = out * self._gate_shape(self.head_gate, B)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
         return self._outputs(out, None, batched, True)
+
+    def _gate_shape(self, gate: Tensor, B: int) -> Tensor:
+        """:attr:`head_gate` (H,) or (B, H) as (B or 1, H, 1, 1); ValueError naming it for another shape."""
+        H = self.num_heads
+        if gate.shape not in ((H,), (B, H)):
+            raise ValueError(f"head_gate must have shape (num_heads,) = ({H},) or (B, num_heads) = ({B}, {H}), "
+                             f"got {tuple(gate.shape)}")
+        return gate.reshape(-1, H, 1, 1)
 
     def _check_inputs(self, query, key, value, key_padding_mask) -> bool:
         """Whether the inputs are batched; ValueError naming the argument for wrong ranks, widths or sizes."""

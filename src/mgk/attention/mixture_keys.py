@@ -45,6 +45,11 @@ class MixtureKeys(nn.Module):
         ValueError naming the option for bad values.
     """
 
+    # Multiplies the mixture weights pi_{h,r} (renormalised over r): (H, M) for every example or (B, H, M) per
+    # example, None = no gate; the component form of Michel et al.'s head gate (2019, eq. 2). Set by
+    # mgk.analyze.prune; 0 switches a component off exactly.
+    component_gate: Tensor | None = None
+
     def __init__(self, kdim: int, num_heads: int, head_dim: int, *, num_keys: int = 2, keys: str = "separate",
                  pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", max_len: int | None = None,
                  bias: bool = True):
@@ -127,15 +132,36 @@ class MixtureKeys(nn.Module):
                              f"trained length); position {last} is past them")
 
     def log_weights(self, S: int) -> Tensor | None:
-        """log pi broadcastable to (B, H, M, S); None for Hard-E. Soft-E reads the buffer's first S positions."""
+        """log pi broadcastable to (B, H, M, S); None for Hard-E. Soft-E reads the buffer's first S positions.
+        With a :attr:`component_gate` the weights are multiplied by it (and renormalised unless pi_norm="none")."""
         if self.pi_mode == "hard_e":
+            if self.component_gate is not None:
+                raise ValueError("component_gate needs mixture weights; pi='hard_e' has none")
             return None
         if self.pi_mode == "soft_e":
             pi = self.pi[:, :, :S]
-            return pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
-        logits = self.pi_logits[:, :, :S] if self.pi_shape == "position" else self.pi_logits.unsqueeze(-1)
-        log_pi = torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits
-        return log_pi.unsqueeze(0)
+            log_pi = pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
+        else:
+            logits = self.pi_logits[:, :, :S] if self.pi_shape == "position" else self.pi_logits.unsqueeze(-1)
+            log_pi = (torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits).unsqueeze(0)
+        return log_pi if self.component_gate is None else self._gated(log_pi)
+
+    def _gated(self, log_pi: Tensor) -> Tensor:
+        """log(xi pi / sum_r xi_r pi_r) for the gate xi of :attr:`component_gate` (no renormalisation for
+        pi_norm="none"). A gate of 0 is log 0 = -inf, which the functional core reads as the component switched off
+        exactly; a head with every component off has every key masked, so a zero output."""
+        gate, (H, M) = self.component_gate, (self.num_heads, self.num_keys)
+        if gate.shape[-2:] != (H, M) or gate.dim() not in (2, 3):
+            raise ValueError(f"component_gate must have shape (num_heads, num_keys) = ({H}, {M}) or (B, {H}, {M}), "
+                             f"got {tuple(gate.shape)}")
+        on = gate > 0
+        log_gate = torch.where(on, torch.where(on, gate, 1.0).log(), float("-inf"))
+        lp = log_pi + log_gate.reshape(-1, H, M, 1).to(log_pi.dtype)
+        if self.pi_norm == "none" and self.pi_mode == "learned":
+            return lp
+        off = ~on.reshape(-1, H, M, 1).any(dim=2, keepdim=True)  # a head with no component left: keep -inf
+        norm = torch.logsumexp(torch.where(off, 0.0, lp), dim=2, keepdim=True)
+        return lp - torch.where(off, 0.0, norm)
 
     def log_weights_at(self, positions: Tensor) -> Tensor | None:
         """log pi at the key positions ``positions`` (B, S) int64 (of each row: decoding counts them from a row's

@@ -157,7 +157,7 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
                                 overrides=overrides or [], run_dir=run_dir)
                     code = ("import json; from mgk.bench.decode import measure; "
                             f"print(json.dumps(measure({target!r}, {kind!r}, {heads!r}, {context}, **{args!r})))")
-                    row = run_row(code, timeout)
+                    row = run_row(code, timeout, rss=False)  # times and tensor bytes: no RSS to follow
                     if "error" in row:
                         row = {"target": target, "kind": kind or "run", "heads": heads, "context": context,
                                "batch": batch, **row}

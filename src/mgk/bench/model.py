@@ -199,11 +199,13 @@ def failure(returncode: int, stderr: str) -> str:
     return f"{text}; last error line: {tail}" if tail else f"{text}; no error output"
 
 
-def run_row(code: str, timeout: float) -> dict:
+def run_row(code: str, timeout: float, *, rss: bool = True) -> dict:
     """Run Python ``code`` (which prints one JSON row last) in a fresh subprocess: the row, or ``{"error": ...}``
-    naming the exit status and likely cause when it dies or times out."""
-    # Large blocks straight from mmap and back on free: the resident set follows live memory (glibc only).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    naming the exit status and likely cause when it dies or times out. ``rss``: the row measures the resident set,
+    so large blocks come straight from mmap and go back on free (glibc), and the resident set follows live memory;
+    that costs page faults on every large allocation, so rows that measure only time (and tensor bytes) pass
+    False and run under the allocator's defaults, as a user's process does."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if rss else dict(os.environ)
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

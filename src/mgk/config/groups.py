@@ -51,6 +51,16 @@ class DataConfig:
                                                     "no validation split (0: none)")
     split_seed: int = spec(0, ge=0, doc="seed of such carved splits (fixed, independent of the training seed)")
     level: str = spec("curv_contour_length_14", doc="Pathfinder difficulty folder (or easy / intermediate / hard)")
+    # The synthetic head-count tasks (mgk.data.dretrieval, mgk.data.mqar); their presets set them.
+    gen_seq_len: int = spec(16, ge=1, doc="generated dretrieval: T positions (the model also sees a class token); "
+                                          "mqar / cmqar: L tokens")
+    gen_features: int = spec(4, ge=1, doc="generated dretrieval: D, the features the target combines")
+    gen_vocab: int = spec(64, ge=2, le=32767, doc="generated dretrieval: V grid points (token values); mqar / "
+                                                  "cmqar: vocabulary size")
+    gen_kv_pairs: int = spec(8, ge=1, doc="generated mqar / cmqar: key-value pairs per sequence (a square for "
+                                          "cmqar)")
+    gen_power_a: float = spec(0.01, gt=0, le=1, doc="generated mqar / cmqar: power-law exponent of the query gaps "
+                                                    "(Zoology's default)")
     cache_dir: str | None = spec(None, doc="tokenised-array cache: None = <data>/.mgk-cache when writable, else "
                                            "$XDG_CACHE_HOME/mgk; 'off' disables caching")
     segment_len: int = spec(256, ge=1, doc="language modelling: training and evaluation segment length")

@@ -43,7 +43,9 @@ class LRAEncoder(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """tokens (B, L) int64/int32, padding_mask bool (B, L) True = padding -> (B, L, E); ``is_causal``: position
+        t attends to positions <= t only (every block)."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an integer tensor of shape (B, L), got {tokens.dtype} "
                              f"{tuple(tokens.shape)}")
@@ -53,7 +55,7 @@ class LRAEncoder(nn.Module):
         pos = torch.arange(L, device=tokens.device)
         x = self.drop(self.token_embedding(tokens) + self.position_embedding(pos))
         for block in self.blocks:
-            x = block(x, key_padding_mask=padding_mask)
+            x = block(x, key_padding_mask=padding_mask, is_causal=is_causal)
         return self.norm(x)
 
 

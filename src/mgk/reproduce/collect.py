@@ -2,8 +2,10 @@
 
 Everything comes from the run directories that ``mgk train`` / ``mgk eval`` write: results.json, config.yaml,
 env.json, metrics.jsonl, eval.json, the checkpoint (attention parameter count) and <run>.reproduce.json (peak memory,
-exit codes). Accuracy per run is :func:`mgk.tasks.lra_table.run_accuracy` (test, else validation), the same rule
-as ``mgk table``. A failed run (:func:`mgk.tasks.lra_table.run_failure`: its final evaluation was not finite), or one
+exit codes). The figure of a run is its task's metric (:func:`mgk.tasks.synthetic_table.metric_of`: accuracy in %,
+or NMSE for D-retrieval) by :func:`mgk.tasks.lra_table.run_metric` (test, else validation), the same rule as
+``mgk table``; its chance level is the majority-class accuracy (%) or the NMSE of the constant prediction. A failed
+run (:func:`mgk.tasks.lra_table.run_failure`: its final evaluation was not finite), or one
 whose results.json / eval.json / config.yaml is damaged, has no value (``failed`` says why) and is not averaged in;
 a damaged file the value does not need (env.json, the checkpoint) is named in ``problems``.
 """
@@ -16,13 +18,15 @@ import statistics
 from pathlib import Path
 
 from .. import config as config_mod
-from ..tasks.lra_table import run_accuracy, run_failure
+from ..tasks.lra_table import run_failure, run_metric
+from ..tasks.synthetic_table import metric_of
 from ..train import checkpoint, rundir
 from .executor import record_path
 from .experiments import Experiment
 from .grid import Run
 
-__all__ = ["run_figures", "attention_params", "attention_flops", "aggregate", "file_facts", "PROTOCOL_FIELDS"]
+__all__ = ["run_figures", "attention_params", "attention_flops", "aggregate", "file_facts", "PROTOCOL_FIELDS",
+           "task_metric"]
 
 PROTOCOL_FIELDS = ("max_len", "batch_size", "steps", "lr", "warmup_steps", "schedule", "weight_decay", "adam_eps",
                    "d_model", "num_layers", "ffn_dim", "head_dim", "num_keys", "dropout", "attn_dropout", "pooling",
@@ -57,16 +61,38 @@ def attention_params(run_dir: Path) -> int | None:
     return int(sum(v.numel() for k, v in state.items() if ".attn." in k and not k.endswith((".sigma2", ".pi"))))
 
 
+def task_metric(run: Run, exp_metric: str) -> tuple[str, str, float, str]:
+    """``(name in results.json or eval.json, name in reports, factor to the shown unit, "lower" or "higher")`` of
+    the runs of ``run``'s task in an experiment whose metric is ``exp_metric``."""
+    if exp_metric == "ppl":
+        return "ppl", "perplexity", 1.0, "lower"
+    return metric_of(run.setting.task or run.task)
+
+
+def _sequence(cfg) -> tuple[int, bool]:
+    """(tokens of one sequence, causal) of the task of ``cfg``: the LM segment; the generated synthetic tasks' own
+    length (D-retrieval: T and the class token; MQAR: L, causal), whatever ``max_len`` allows; else ``max_len``."""
+    d = cfg.data
+    if cfg.task == "lm":
+        return d.segment_len, True
+    if cfg.task == "dretrieval" and d.path is None:
+        return d.gen_seq_len + 1, False
+    if cfg.task in ("mqar", "cmqar"):
+        return (d.gen_seq_len if d.path is None else d.max_len), True
+    return d.max_len, False
+
+
 def attention_flops(cfg) -> int:
-    """Analytic FLOPs of the attention layers in one forward pass of one sequence of ``max_len`` (``segment_len``
-    for LM) tokens, all layers, of the RunConfig ``cfg``: the registry's formula of its kind and options
-    (:mod:`mgk.attention.flops`; CPU-kernel form for MGK)."""
+    """Analytic FLOPs of the attention layers in one forward pass of one sequence (``max_len`` tokens; the LM's
+    ``segment_len``; a generated synthetic task's own length), all layers, of the RunConfig ``cfg``: the registry's
+    formula of its kind and options (:mod:`mgk.attention.flops`; CPU-kernel form for MGK)."""
     from ..attention import get_kind
 
-    a, lm = cfg.attention, cfg.task == "lm"
+    a = cfg.attention
+    length, causal = _sequence(cfg)
     per_layer = get_kind(a.kind).flops(a.options, heads=a.num_heads, batch=1, embed_dim=cfg.model.d_model,
-                                       length=cfg.data.segment_len if lm else cfg.data.max_len, head_dim=a.head_dim,
-                                       causal=lm, backward=False, mixture_kernel=True)
+                                       length=length, head_dim=a.head_dim, causal=causal, backward=False,
+                                       mixture_kernel=True)
     towers = 2 if cfg.task == "retrieval" else 1
     return per_layer * cfg.model.num_layers * towers
 
@@ -84,7 +110,7 @@ def run_figures(run: Run, metric: str) -> dict:
     rec = _json(record_path(d)) or {}
     cfg = _read(d, failed, rundir.load_config)
     out = {"row": run.row.key, "task": run.task, "seed": run.seed, "key": run.key, "run_dir": str(d),
-           "value": None, "split": None, "majority_acc": None}
+           "value": None, "split": None, "majority_acc": None, "constant": None}
     if res and (reason := run_failure(res)) is not None:
         failed.append(f"{files.results}: {reason}")
     if metric == "ppl":
@@ -97,10 +123,13 @@ def run_figures(run: Run, metric: str) -> dict:
         if test and (reason := run_failure(test)) is not None:
             failed.append(f"{run.eval_test_json}: {reason}")
     elif res:
-        acc, split = run_accuracy(res)
-        out.update(value=None if acc is None else 100 * acc, split=split)
-        if split:
+        name, _, factor, _ = task_metric(run, metric)
+        value, split = run_metric(res, name)
+        out.update(value=None if value is None else factor * value, split=split)
+        if split and name == "acc":
             out["majority_acc"] = 100 * res[split].get("majority_acc", float("nan"))
+        elif split:
+            out["constant"] = res[split].get("constant_nmse")
     if res:
         out.update(params=res.get("params"), s_per_step=res.get("seconds_per_step"), steps=res.get("steps"),
                    best_step=res.get("best_step"),
@@ -145,11 +174,16 @@ def aggregate(exp: Experiment, runs: list[Run], figures: list[dict]) -> list[dic
                                 **dict(zip(("mean", "std"), _mean_std(tests) if tests else ()))}
                 for name in ("window", "test_window"):
                     cell[name] = sorted({f[name] for f in figs if f.get(name)})
-            for name in ("params", "attention_params", "flops", "s_per_step", "peak_rss_mb", "majority_acc"):
+            for name in ("params", "attention_params", "flops", "s_per_step", "peak_rss_mb", "majority_acc",
+                         "constant"):
                 xs = [f.get(name) for f in figs if isinstance(f.get(name), (int, float))]
-                cell[name] = statistics.fmean(xs) if xs and name in ("s_per_step", "peak_rss_mb",
-                                                                      "majority_acc") else (xs[0] if xs else None)
-            rows.append({"row": row.key, "label": row.label, "task": task, **cell})
+                cell[name] = statistics.fmean(xs) if xs and name in ("s_per_step", "peak_rss_mb", "majority_acc",
+                                                                      "constant") else (xs[0] if xs else None)
+            first = next(r for r in runs if r.row.key == row.key and r.task == task)
+            metric, shown, _, better = task_metric(first, exp.metric)
+            rows.append({"row": row.key, "label": row.label, "task": task, "heads": row.heads,
+                         "keys": row.keys_per_head, "kind": row.attention, "metric": metric, "metric_label": shown,
+                         "better": better, **cell})
     return rows
 
 

@@ -4,6 +4,10 @@ Paper numbers are those of T. Nguyen et al., "Improving Transformers with Probab
 Table 1 (softmax / MGK family on LRA), Table 2 (linear / MLK family), Table 4 (mixture-weight ablation, 1 head) and
 Table 3 (WikiText-103 perplexity). LRA numbers are test accuracy in % (mean of 5 seeds); WikiText-103 numbers are
 perplexities on valid and test. ``None`` marks a setting whose number we do not carry (the report prints "—").
+
+``heads`` is not a table of the paper: the synthetic tasks where the number of heads decides the result
+(D-retrieval, Yu et al. ICLR 2026; MQAR, Arora et al. 2023), to test the paper's claim that M keys per head let k
+heads do the work of M k (:data:`HEADS_COMPARISONS`; the decision rule is pre-registered in results/cpu/heads.md).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 from ..attention import get_kind
 from ..attention.registry import display_label
 
-__all__ = ["Row", "Experiment", "EXPERIMENTS", "get_experiment", "TASK_LABELS"]
+__all__ = ["Row", "Experiment", "EXPERIMENTS", "get_experiment", "TASK_LABELS", "HEADS_COMPARISONS"]
 
 TASK_LABELS = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
                "pathfinder": "Pathfinder", "lm": "WikiText-103"}
@@ -23,7 +27,8 @@ class Row:
     """One model setting of a table.
 
     ``key`` names it on the command line (``--only row=mgk-4``); ``paper`` maps a task (or, for language modelling,
-    a split: ``valid`` / ``test``) to the paper's number; ``overrides`` are extra ``--set key=value`` pairs.
+    a split: ``valid`` / ``test``) to the paper's number; ``overrides`` are extra ``--set key=value`` pairs;
+    ``tasks``: the experiment's tasks this row runs on (empty: all of them).
     """
 
     key: str
@@ -32,6 +37,16 @@ class Row:
     pi: str = "learned"
     paper: dict = field(default_factory=dict)
     overrides: tuple = ()
+    tasks: tuple = ()
+
+    def runs_on(self, task: str) -> bool:
+        """Whether the row has runs on the experiment's task ``task``."""
+        return not self.tasks or task in self.tasks
+
+    @property
+    def keys_per_head(self) -> int:
+        """M, the keys of each head: ``num_keys`` of the kinds that take it, else 1."""
+        return int(getattr(self.options, "num_keys", 1))
 
     @property
     def options(self):
@@ -44,13 +59,20 @@ class Row:
 
     @property
     def label(self) -> str:
-        """Human name from the registry, e.g. ``sMGK x 4 (Soft-E)``."""
-        return display_label(self.attention, self.heads, self.options)
+        """Human name from the registry, e.g. ``sMGK x 4 (Soft-E)``; ``M = 4`` added where the keys per head are not
+        the kind's default (``MGK x 1, M = 4``)."""
+        label = display_label(self.attention, self.heads, self.options)
+        default = getattr(get_kind(self.attention).options(), "num_keys", 1)
+        return label if self.keys_per_head == default else f"{label}, M = {self.keys_per_head}"
 
 
 @dataclass(frozen=True)
 class Experiment:
-    """A table of the paper: rows x tasks. ``metric`` is ``acc`` (higher is better) or ``ppl`` (lower)."""
+    """A table: rows x tasks. ``metric`` is ``ppl`` (perplexity from ``mgk eval``, lower is better) or ``acc``:
+    the metric of each task's results.json (accuracy, or for the synthetic tasks the one
+    :func:`mgk.tasks.synthetic_table.metric_of` names, e.g. NMSE, lower is better). ``comparisons``: pairs
+    ``(row, reference row)`` the report sets side by side on every task where both ran (the difference of the means
+    against the seeds' standard deviations)."""
 
     name: str
     title: str
@@ -58,6 +80,7 @@ class Experiment:
     optional_tasks: tuple
     rows: tuple
     metric: str = "acc"
+    comparisons: tuple = ()
 
 
 def _lra(listops, text, retrieval) -> dict:
@@ -116,6 +139,33 @@ _WT103 = (
     Row("mlk-8", "mlk", 8, paper=_ppl(37.78, 38.99)),
 )
 
+_D_TASKS = ("dretrieval-d8", "dretrieval-d4", "dretrieval-d2")
+_MQAR_TASKS = ("mqar-n8",)
+
+
+def _heads_rows() -> tuple:
+    """Softmax h in {1, 2, 4, 8}, MGK and sMGK h in {1, 2, 4} with M = 2, MGK M = 4 at h = 1 on D-retrieval; linear
+    h in {1, 2, 4, 8} and MLK h in {1, 2, 4} (M = 2) on MQAR. head_dim is fixed by the presets."""
+    rows = [Row(f"softmax-{h}", "softmax", h, tasks=_D_TASKS) for h in (8, 4, 2, 1)]
+    rows += [Row(f"{kind}-{h}", kind, h, tasks=_D_TASKS) for kind in ("mgk", "smgk") for h in (4, 2, 1)]
+    rows.append(Row("mgk-1-m4", "mgk", 1, overrides=("num_keys=4",), tasks=_D_TASKS))
+    rows += [Row(f"linear-{h}", "linear", h, tasks=_MQAR_TASKS) for h in (8, 4, 2, 1)]
+    rows += [Row(f"mlk-{h}", "mlk", h, tasks=_MQAR_TASKS) for h in (4, 2, 1)]
+    return tuple(rows)
+
+
+# (row, reference): M keys per head against M times the heads (equal h * M), the preconditions (does the task
+# separate k heads from 2k?) and, on MQAR, equal state size (MLK-k against linear-k).
+HEADS_COMPARISONS = (
+    ("softmax-8", "softmax-2"), ("softmax-8", "softmax-4"),
+    ("mgk-4", "softmax-8"), ("mgk-2", "softmax-4"), ("mgk-1", "softmax-2"), ("mgk-1-m4", "softmax-4"),
+    ("smgk-4", "softmax-8"), ("smgk-2", "softmax-4"), ("smgk-1", "softmax-2"),
+    ("mgk-4", "softmax-4"), ("mgk-2", "softmax-2"), ("mgk-1", "softmax-1"),
+    ("linear-8", "linear-4"),
+    ("mlk-4", "linear-4"), ("mlk-4", "linear-8"), ("mlk-2", "linear-4"), ("mlk-1", "linear-2"),
+    ("mlk-2", "linear-2"), ("mlk-1", "linear-1"),
+)
+
 _LRA_TASKS = ("listops", "text", "retrieval")
 _LRA_OPTIONAL = ("image", "pathfinder")
 
@@ -128,6 +178,8 @@ EXPERIMENTS = {e.name: e for e in (
                "(paper Table 4)", _LRA_TASKS, _LRA_OPTIONAL, _PI_ABLATION),
     Experiment("wt103", "WikiText-103 perplexity, sliding-window evaluation (paper Table 3)", ("lm",), (), _WT103,
                metric="ppl"),
+    Experiment("heads", "Heads that matter: D-retrieval and MQAR against the number of heads and keys per head",
+               (*_D_TASKS, *_MQAR_TASKS), (), _heads_rows(), comparisons=HEADS_COMPARISONS),
 )}
 
 

@@ -134,7 +134,7 @@ def _check_only(only: dict, exp: Experiment, tasks, seeds) -> None:
 
 
 def _resolve(row: Row, task: str, seed: int, setting: TaskSetting, data: str | None) -> tuple[tuple, tuple | None]:
-    args = ["train", "--task", task, "--preset", setting.preset, "--attention", row.attention,
+    args = ["train", "--task", setting.task or task, "--preset", setting.preset, "--attention", row.attention,
             "--heads", str(row.heads)]
     if "pi" in get_kind(row.attention).options.names():  # mgk train refuses an option the kind does not take
         args += ["--pi", row.pi]
@@ -186,7 +186,7 @@ def expand(exp: Experiment, scale: str, seeds: list, out: Path, *, only=None, da
         values = {"row": row.key, "attention": row.attention, "heads": str(row.heads), "pi": row.pi}
         if any(k in only and v not in only[k] for k, v in values.items()):
             continue
-        for task in tasks:
+        for task in (t for t in tasks if row.runs_on(t)):
             setting = task_setting(scale, task)
             path = data.get(task) or (str(root / setting.data) if setting.data is not None else None)
             path = str(Path(path).resolve()) if path is not None else None

@@ -1,4 +1,5 @@
-"""Plots of a grid: validation curves of every row overlaid per task, and the metric against attention parameters."""
+"""Plots of a grid: validation curves of every row overlaid per task, the metric against attention parameters, and
+per task the metric against the heads h, the keys h x M, the attention parameters and FLOPs."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from .grid import Run
 
-__all__ = ["plot_learning_curves", "plot_accuracy_vs_params"]
+__all__ = ["plot_learning_curves", "plot_accuracy_vs_params", "plot_metric_vs_heads"]
 
 
 def _pyplot():
@@ -33,10 +34,12 @@ def _curve(run: Run, name: str) -> dict[int, float]:
 def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Path]:
     """``learning_curves_<task>.png``: per row, the validation metric (mean over seeds at each logged step, with a
     band of ± 1 sample std where two or more seeds logged that step)."""
+    from .collect import task_metric
+
     plt = _pyplot()
-    name = "val/acc" if metric == "acc" else "val/ppl"
     written = []
     for task in dict.fromkeys(r.task for r in runs):
+        name = "val/" + task_metric(next(r for r in runs if r.task == task), metric)[0]
         fig, ax = plt.subplots(figsize=(6, 3.6))
         drawn = False
         for key, label in dict.fromkeys((r.row.key, r.row.label) for r in runs if r.task == task):
@@ -85,7 +88,9 @@ def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
             ax.annotate(c["row"], (c["attention_params"], c["mean"]), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")
     ax.set_xlabel("attention parameters")
-    ax.set_ylabel(("accuracy %" if rep["metric"] == "acc" else "perplexity") + " (mean ± 1 std over seeds)")
+    ax.set_ylabel(" / ".join(dict.fromkeys(c.get("metric_label") or ("accuracy %" if rep["metric"] == "acc"
+                                                                     else "perplexity") for c in cells))
+                  + " (mean ± 1 std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -94,3 +99,47 @@ def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
     fig.savefig(path, dpi=72)
     plt.close(fig)
     return path
+
+
+_AXES = (("heads", "heads h", False), ("keys_total", "keys h x M", False),
+         ("attention_params", "attention parameters", True), ("flops", "attention FLOPs per sequence (forward)", True))
+
+
+def plot_metric_vs_heads(folder: Path, rep: dict) -> list[Path]:
+    """``metric_vs_heads_<task>.png`` per task: four panels, the metric (mean ± sample std over seeds) against h,
+    h x M, the attention parameters and the attention FLOPs, one line per kind and M (softmax, MGK M=2, ...)."""
+    cells = [c for c in rep["rows"] if c["n"] and c.get("heads")]
+    if not cells:
+        return []
+    plt = _pyplot()
+    labels = {t["task"]: t["label"] for t in rep["tasks"]}
+    written = []
+    for task in dict.fromkeys(c["task"] for c in cells):
+        mine = [{**c, "keys_total": c["heads"] * c.get("keys", 1)} for c in cells if c["task"] == task]
+        fig, axes = plt.subplots(1, 4, figsize=(14, 3.4), sharey=True)
+        series = dict.fromkeys((c["kind"], c.get("keys", 1)) for c in mine)
+        for (kind, m) in series:
+            pts = sorted((c for c in mine if (c["kind"], c.get("keys", 1)) == (kind, m)), key=lambda c: c["heads"])
+            name = kind if m == 1 else f"{kind} M={m}"
+            for ax, (key, _, _) in zip(axes, _AXES):
+                xs = [c.get(key) for c in pts]
+                if any(x is None for x in xs):
+                    continue
+                ax.errorbar(xs, [c["mean"] for c in pts], yerr=[c["std"] or 0.0 for c in pts], marker="o",
+                            capsize=2, label=name)
+        for ax, (_, xlabel, log) in zip(axes, _AXES):
+            ax.set_xscale("log", base=2 if not log else 10)
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+        c0 = mine[0]
+        axes[0].set_ylabel(c0.get("metric_label", "metric") + (" (lower is better)" if c0.get("better") == "lower"
+                                                                else ""))
+        axes[0].legend(fontsize=7)
+        fig.suptitle(labels.get(task, task), fontsize=9)
+        fig.tight_layout()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"metric_vs_heads_{task}.png"
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -12,7 +12,7 @@ from ..atomic import write_text_atomic
 from .collect import aggregate, file_facts, run_figures
 from .experiments import Experiment
 from .grid import Run
-from .plots import plot_accuracy_vs_params, plot_learning_curves
+from .plots import plot_accuracy_vs_params, plot_learning_curves, plot_metric_vs_heads
 
 __all__ = ["build_report", "write_report", "machine_facts"]
 
@@ -78,10 +78,11 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
 
         finished = [f["results"] for f in figures if f["results"]]
         table = lra_table(finished)[0] if finished else None
+    cells = aggregate(exp, runs, figures)
     return {"experiment": exp.name, "mgk_table": table, "title": exp.title, "scale": scale, "metric": exp.metric,
-            "command": command,
+            "command": command, "comparisons": compare(cells, exp.comparisons),
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seeds": sorted({r.seed for r in runs}),
-            "tasks": tasks, "rows": aggregate(exp, runs, figures),
+            "tasks": tasks, "rows": cells,
             "runs": [{k: f.get(k) for k in ("row", "task", "seed", "key", "run_dir", "status", "value", "split",
                                             "test_value", "log", "error", "problems")} for f in figures],
             "data": _data_facts(runs, figures), "machine": machine_facts(), "analysis": analysis or {},
@@ -89,16 +90,47 @@ def build_report(exp: Experiment, scale: str, runs: list[Run], records: list[dic
                                                                             "git_commit", "threads")}}
 
 
+def compare(cells: list[dict], pairs) -> list[dict]:
+    """For each ``(row, reference)`` of ``pairs`` and each task where both have at least two finished seeds: the
+    means, sample standard deviations, the difference (row - reference), the larger of the two standard deviations
+    and the pooled one (sqrt of the mean of the variances), and ``verdict``: "within one std" when the difference is
+    at most the larger std, else "better" or "worse" by the task's direction (lower NMSE or perplexity is
+    better)."""
+    by = {(c["row"], c["task"]): c for c in cells}
+    out = []
+    for row, ref in pairs:
+        for task in dict.fromkeys(c["task"] for c in cells):
+            a, b = by.get((row, task)), by.get((ref, task))
+            if not a or not b or a["n"] < 2 or b["n"] < 2:
+                continue
+            diff, larger = a["mean"] - b["mean"], max(a["std"], b["std"])
+            pooled = ((a["std"] ** 2 + b["std"] ** 2) / 2) ** 0.5
+            gain = -diff if a["better"] == "lower" else diff
+            verdict = "within one std" if abs(diff) <= larger else ("better" if gain > 0 else "worse")
+            out.append({"task": task, "row": row, "reference": ref, "mean": a["mean"], "std": a["std"], "n": a["n"],
+                        "ref_mean": b["mean"], "ref_std": b["std"], "ref_n": b["n"], "difference": diff,
+                        "larger_std": larger, "pooled_std": pooled,
+                        "diff_over_larger_std": abs(diff) / larger if larger else float("inf"),
+                        "diff_over_pooled_std": abs(diff) / pooled if pooled else float("inf"),
+                        "metric": a.get("metric"), "better": a["better"], "verdict": verdict})
+    return out
+
+
 def _num(x, fmt="{:.2f}") -> str:
     return DASH if x is None else fmt.format(x)
+
+
+def _digits(c: dict) -> int:
+    return 4 if c.get("metric") == "nmse" else 2
 
 
 def _cell(c: dict) -> str:
     if not c["n"]:
         return DASH
-    text = f"{c['mean']:.2f}"
+    d = _digits(c)
+    text = f"{c['mean']:.{d}f}"
     if c["std"] is not None:
-        text += f" ± {c['std']:.2f}"
+        text += f" ± {c['std']:.{d}f}"
     return text
 
 
@@ -119,26 +151,61 @@ def _lm_columns(c: dict) -> str:
     return f"{_cell(t)} | {t['n']}/{c['planned']} | {_num(t['paper'])} | {window}"
 
 
+def _chance(c: dict) -> str:
+    """Beats the chance level? Accuracy above the majority class, NMSE below the constant prediction's."""
+    if c.get("metric") == "nmse":
+        ref, beats = c.get("constant"), lambda m, r: m < r
+    else:
+        ref, beats = c.get("majority_acc"), lambda m, r: m > r
+    if not c["n"] or ref is None:
+        return DASH
+    return f"{'yes' if beats(c['mean'], ref) else 'NO'} ({ref:.{3 if c.get('metric') == 'nmse' else 1}f})"
+
+
 def _table(rep: dict, task: dict) -> list[str]:
-    acc = rep["metric"] == "acc"
-    unit = "accuracy %" if acc else "valid perplexity"
-    split = "split" if acc else "test perplexity | n | paper | evaluation window"
-    head = (f"| Row | {task['label']} ({unit}) | n | paper | {split} | attn params | params | attn FLOPs/fwd | "
-            "s/step | peak RSS MB |" + (" > majority |" if acc else ""))
+    cells = [c for c in rep["rows"] if c["task"] == task["task"]]
+    first = cells[0] if cells else {}
+    unit = first.get("metric_label") or ("accuracy %" if rep["metric"] == "acc" else "perplexity")
+    chance = {"acc": " > majority |", "nmse": " < constant |"}.get(first.get("metric", rep["metric"]), "")
+    keys = bool(rep.get("comparisons")) or any(c.get("keys", 1) > 1 for c in cells)
+    better = f", {first['better']} is better" if first.get("better") == "lower" and rep["metric"] != "ppl" else ""
+    ppl = rep["metric"] == "ppl"
+    unit = "valid perplexity" if ppl else unit
+    split = "test perplexity | n | paper | evaluation window" if ppl else "split"
+    head = (f"| Row | {task['label']} ({unit}{better}) | n | paper | {split} | attn params | params | "
+            "attn FLOPs/fwd | s/step | peak RSS MB |" + chance + (" h x M |" if keys else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for c in (c for c in rep["rows"] if c["task"] == task["task"]):
+    for c in cells:
         n = f"{c['n']}/{c['planned']}"
-        above = ""
-        if acc:
-            maj = c.get("majority_acc")
-            above = DASH if not c["n"] or maj is None else (
-                f"{'yes' if c['mean'] > maj else 'NO'} ({maj:.1f})")
-            above = f" {above} |"
-        split = ('/'.join(c['splits']) or DASH) if acc else _lm_columns(c)
+        above = f" {_chance(c)} |" if chance else ""
+        hm = f" {c['heads']} x {c['keys']} |" if keys else ""
+        split = _lm_columns(c) if ppl else ('/'.join(c['splits']) or DASH)
         lines.append(f"| {c['label']} | {_cell(c)} | {n} | {_num(c['paper'])} | {split} | "
                      f"{_si(c['attention_params'])} | {_si(c['params'])} | {_si(c['flops'])} | "
-                     f"{_num(c['s_per_step'], '{:.3f}')} | {_num(c['peak_rss_mb'], '{:.0f}')} |{above}")
+                     f"{_num(c['s_per_step'], '{:.3f}')} | {_num(c['peak_rss_mb'], '{:.0f}')} |{above}{hm}")
     return lines
+
+
+def _comparison_lines(rep: dict) -> list[str]:
+    comps = rep.get("comparisons") or []
+    if not comps:
+        return []
+    labels = {t["task"]: t["label"] for t in rep["tasks"]}
+    lines = ["## Comparisons", "",
+             "Each row against its reference on the same task: means ± sample std (n), the difference (row - "
+             "reference), the larger of the two standard deviations and the pooled one, and the verdict: within one "
+             "std (|difference| <= the larger std), else better or worse in the task's direction.", "",
+             "| task | row | reference | row mean ± std (n) | reference mean ± std (n) | difference | larger std | "
+             "pooled std | |diff| / larger std | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in comps:
+        d = 4 if c.get("metric") == "nmse" else 2
+        f = f"{{:.{d}f}}"
+        lines.append(f"| {labels.get(c['task'], c['task'])} | {c['row']} | {c['reference']} | "
+                     f"{f.format(c['mean'])} ± {f.format(c['std'])} ({c['n']}) | {f.format(c['ref_mean'])} ± "
+                     f"{f.format(c['ref_std'])} ({c['ref_n']}) | {c['difference']:+.{d}f} | "
+                     f"{f.format(c['larger_std'])} | {f.format(c['pooled_std'])} | {c['diff_over_larger_std']:.2f} | "
+                     f"{c['verdict']} |")
+    return lines + [""]
 
 
 def _analysis_line(entry: dict | None) -> list[str]:
@@ -147,8 +214,10 @@ def _analysis_line(entry: dict | None) -> list[str]:
     runs = ", ".join(f"{r['row']} (seed {r['seed']})" for r in entry["runs"])
     if entry.get("error"):
         return [f"Analysis of {runs} failed: {entry['error']}.", ""]
+    prune = (f" Head importance and pruning curves (`mgk analyze --prune`): [{entry['prune_path']}]"
+             f"({entry['prune_path']})." if entry.get("prune_path") else "")
     return [f"Why it works (`mgk analyze --compare`, {entry['samples']} validation examples; {runs}): rank, head "
-            f"redundancy, attention maps and mixture weights in [{entry['path']}]({entry['path']}).", ""]
+            f"redundancy, attention maps and mixture weights in [{entry['path']}]({entry['path']}).{prune}", ""]
 
 
 def render(rep: dict) -> str:
@@ -161,7 +230,9 @@ def render(rep: dict) -> str:
             "`split`: test when the data has a test split, else validation (the best-validation checkpoint); "
             "perplexity: validation and, when the data has a test split, test, each with its evaluation window. "
             "attn FLOPs/fwd: analytic FLOPs of all attention layers for one sequence of the run's length "
-            "(`mgk bench`'s count). Peak RSS: the training process's resident memory.", ""]
+            "(`mgk bench`'s count). Peak RSS: the training process's resident memory. `> majority`: above the "
+            "majority-class accuracy (in brackets); `< constant`: an NMSE below that of predicting the train mean "
+            "(in brackets; NMSE is lower-is-better). `h x M`: heads times keys per head.", ""]
     for task in rep["tasks"]:
         out += [f"## {task['label']}", ""] + _table(rep, task) + [""]
         if task["note"]:
@@ -173,6 +244,7 @@ def render(rep: dict) -> str:
             out += [f"Final evaluation: `mgk eval --context {task['eval'][0]} --stride {task['eval'][1]}` on the "
                     "validation split and, when the data has one, on the test split.", ""]
         out += _analysis_line(rep.get("analysis", {}).get(task["task"]))
+    out += _comparison_lines(rep)
     finished = sum(r["status"] in ("done", "skipped") for r in rep["runs"])
     pending = [r for r in rep["runs"] if r["status"] in _PENDING]
     failed = [r for r in rep["runs"] if r["status"] not in ("done", "skipped", *_PENDING)]
@@ -194,7 +266,9 @@ def render(rep: dict) -> str:
             f"- machine: {m['cpu']}, {m['cpus']} CPUs, {m['mem_gb']} GB, {m['platform']}"
             + (f", GPU {m['cuda']}" if m["cuda"] else ""), "",
             "Plots: `plots/learning_curves_<task>.png` (validation curve of each row, mean over seeds with a band of "
-            "± 1 std), `plots/metric_vs_attention_params.png` (error bars ± 1 std over seeds).", ""]
+            "± 1 std), `plots/metric_vs_attention_params.png` (error bars ± 1 std over seeds), "
+            "`plots/metric_vs_heads_<task>.png` (the metric against the heads h, the keys h x M, the attention "
+            "parameters and the attention FLOPs, mean ± std over seeds).", ""]
     return "\n".join(out)
 
 
@@ -207,4 +281,5 @@ def write_report(out: Path, exp: Experiment, scale: str, runs: list[Run], record
     write_text_atomic(out / "REPORT.md", render(rep))
     plot_learning_curves(out / "plots", runs, rep["metric"])
     plot_accuracy_vs_params(out / "plots", rep)
+    plot_metric_vs_heads(out / "plots", rep)
     return rep

@@ -11,6 +11,15 @@ package's generator), the ``--set`` overrides and, for language modelling, the f
   (lengths 10-100, depth 3): the LRA release (500-2000 tokens) stays at its majority plateau (~16%) for every model
   in the few hundred steps a CPU affords, so it would compare nothing. Text is IMDb bytes cut to 512.
 - ``smoke``: the cpu data at a few steps, seconds a run: checks a grid end to end before launching it.
+
+The head-count experiment (``heads``) has task settings of its own, named by the experiment and run as their
+``task``: ``dretrieval-d2/-d4/-d8`` (the ``dretrieval-small`` preset at D = 2, 4, 8: T = 16, V = 64, one layer,
+d_model 64, head_dim 8, 2000 steps; the sizes were fixed on softmax runs only, results/cpu/heads-exploration.md; a
+run takes about 40-60 s on an idle core, 50-130 s on the shared machine) and ``mqar-n8`` (``mqar-small``: n = 8
+pairs in L = 64, two causal layers, head_dim 16, 6000 steps, since in 2000 steps linear attention with 4 heads and
+with 8 stays on the 1/n plateau alike; 3-4 minutes a run on an idle core, 8-16 on the shared machine). Only the
+``cpu`` and ``smoke`` scales define them (there is no paper protocol). A subset in minutes:
+``mgk reproduce heads --only task=dretrieval-d8 --only row=softmax-2,softmax-8,mgk-4 --seeds 0``.
 """
 from __future__ import annotations
 
@@ -24,7 +33,9 @@ SCALES = ("paper", "cpu", "smoke")
 @dataclass(frozen=True)
 class TaskSetting:
     """How one task runs at one scale. ``data``: path relative to the data root (None = generated);
-    ``label``: the task's name in the report; ``eval``: ``(context, stride)`` of ``mgk eval`` for LM runs."""
+    ``label``: the task's name in the report; ``eval``: ``(context, stride)`` of ``mgk eval`` for LM runs;
+    ``task``: the ``mgk train --task`` when the experiment names the setting otherwise (``dretrieval-d8`` runs task
+    ``dretrieval``), else None."""
 
     preset: str
     data: str | None
@@ -32,6 +43,7 @@ class TaskSetting:
     label: str | None = None
     eval: tuple | None = None
     note: str = ""
+    task: str | None = None
 
 
 _DATA = {"listops": "listops", "text": "imdb/aclImdb_train.tar.gz", "retrieval": "aan",
@@ -39,6 +51,27 @@ _DATA = {"listops": "listops", "text": "imdb/aclImdb_train.tar.gz", "retrieval":
 
 _SMOKE_STEPS = ("steps=6", "warmup_steps=2", "log_every=2", "eval_every=3", "checkpoint_every=3")
 _GEN_SHORT = ("gen_train=6000", "gen_val=1000", "gen_test=1000")
+
+_MQAR_LONG = ("steps=6000", "warmup_steps=600", "eval_every=1000", "checkpoint_every=1000", "log_every=200")
+
+
+def _heads(scale: str) -> dict:
+    """The head-count task settings at ``scale`` (cpu or smoke)."""
+    smoke = scale == "smoke"
+    extra = _SMOKE_STEPS + ("gen_train=200", "gen_val=50", "gen_test=50") if smoke else ()
+    out = {f"dretrieval-d{d}": TaskSetting("dretrieval-small", None, (f"gen_features={d}", *extra),
+                                           label=f"D-retrieval D={d} (T=16, V=64)", task="dretrieval",
+                                           note=f"generated D-retrieval, D = {d} features, T = 16 tokens from V = "
+                                                "64 grid points, 20000/2000/2000 sequences (generator seed 0); test "
+                                                "NMSE of the best-validation checkpoint, lower is better")
+           for d in (2, 4, 8)}
+    out["mqar-n8"] = TaskSetting("mqar-small", None, extra or _MQAR_LONG, label="MQAR n=8 (L=64, V=128)",
+                                 task="mqar",
+                                 note="generated MQAR, 8 key-value pairs in 64 tokens, 20000/1000/1000 sequences "
+                                      "(generator seed 0), 6000 steps (600 warm-up); test accuracy over the "
+                                      "answers only (1/8 = picking one of the context's values)")
+    return out
+
 
 _SETTINGS = {
     "paper": {t: TaskSetting(f"{t}-paper", _DATA[t]) for t in ("listops", "text", "retrieval", "image",
@@ -62,6 +95,7 @@ _SETTINGS = {
         "pathfinder": TaskSetting("pathfinder-small", None, label="Pathfinder (generated)"),
         "lm": TaskSetting("lm-small", _DATA["lm"], eval=(256, 256),
                           note="final perplexity by non-overlapping 256-token windows (stride 1 is too slow on CPU)"),
+        **_heads("cpu"),
     },
     "smoke": {
         "listops": TaskSetting("listops-small", None, _SMOKE_STEPS + ("gen_train=200", "gen_val=50", "gen_test=50"),
@@ -75,6 +109,7 @@ _SETTINGS = {
                                   label="Pathfinder (generated)"),
         "lm": TaskSetting("lm-small", None, _SMOKE_STEPS + ("gen_train=400", "gen_val=100", "gen_test=100"),
                           eval=(32, 32), label="LM (generated corpus)"),
+        **_heads("smoke"),
     },
 }
 

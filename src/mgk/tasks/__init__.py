@@ -7,11 +7,11 @@ modules share lives in :mod:`mgk.tasks.lra_common`.
 from __future__ import annotations
 
 from ..choices import require
-from . import image, listops, lm, pathfinder, retrieval, text
+from . import cmqar, dretrieval, image, listops, lm, mqar, pathfinder, retrieval, text
 from .base import EpochSampler, Task, TaskModule
 
 TASKS: dict[str, TaskModule] = {"listops": listops, "lm": lm, "text": text, "retrieval": retrieval, "image": image,
-                                "pathfinder": pathfinder}
+                                "pathfinder": pathfinder, "dretrieval": dretrieval, "mqar": mqar, "cmqar": cmqar}
 
 __all__ = ["TASKS", "Task", "TaskModule", "EpochSampler", "all_presets", "get_task"]
 

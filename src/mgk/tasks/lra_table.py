@@ -18,7 +18,7 @@ from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
 from ..config import RunConfig
 
-__all__ = ["COLUMNS", "run_accuracy", "run_failure", "setting", "lra_table", "data_check"]
+__all__ = ["COLUMNS", "run_accuracy", "run_metric", "run_failure", "setting", "lra_table", "data_check"]
 
 COLUMNS = (("listops", "ListOps"), ("text", "Text"), ("retrieval", "Retrieval"), ("image", "Image"),
            ("pathfinder", "Pathfinder"))
@@ -43,14 +43,19 @@ def run_failure(record: dict) -> str | None:
     return None
 
 
-def run_accuracy(res: dict) -> tuple[float | None, str | None]:
-    """``(accuracy in [0, 1], "test" or "val")``: test when the run has it, else validation; (None, None) when
-    neither has an accuracy."""
+def run_metric(res: dict, name: str = "acc") -> tuple[float | None, str | None]:
+    """``(metric name of the run, "test" or "val")``: test when the run has it, else validation; (None, None) when
+    neither has it."""
     for split in ("test", "val"):
         m = res.get(split)
-        if isinstance(m, dict) and isinstance(m.get("acc"), (int, float)):
-            return float(m["acc"]), split
+        if isinstance(m, dict) and isinstance(m.get(name), (int, float)):
+            return float(m[name]), split
     return None, None
+
+
+def run_accuracy(res: dict) -> tuple[float | None, str | None]:
+    """``(accuracy in [0, 1], "test" or "val")``: :func:`run_metric` of ``acc``."""
+    return run_metric(res, "acc")
 
 
 def setting(res: dict) -> tuple[str, int]:
@@ -84,6 +89,28 @@ def _cell(values: list[float]) -> str:
 
 
 def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, list[str]]:
+    """The markdown LRA table of ``results`` (dicts of results.json) and warnings (runs left out), followed by the
+    table of the synthetic head-count tasks (:func:`mgk.tasks.synthetic_table.synthetic_table`) when there are runs
+    of them; only that table (and the unfinished runs) when there is no LRA run.
+
+    ``unfinished``: one line per run directory without results.json, listed below the footnotes.
+    """
+    from .synthetic_table import SYNTHETIC_TASKS, synthetic_table  # it reads run_failure and setting from here
+
+    synthetic = [r for r in results if r.get("task") in SYNTHETIC_TASKS]
+    lra = [r for r in results if r.get("task") not in SYNTHETIC_TASKS]
+    extra, extra_warnings = synthetic_table(synthetic)
+    if not extra:
+        table, warnings = _lra_markdown(lra, unfinished)
+        return table, warnings + extra_warnings
+    if not lra:
+        tail = [f"Not in the table, unfinished (no results.json): {len(unfinished)} run(s)"] if unfinished else []
+        return "\n".join([extra, *tail, *(f"- {line}" for line in unfinished)]), extra_warnings
+    table, warnings = _lra_markdown(lra, unfinished)
+    return table + "\n\n" + extra, warnings + extra_warnings
+
+
+def _lra_markdown(results: list[dict], unfinished: list[str] = ()) -> tuple[str, list[str]]:
     """The markdown LRA table of ``results`` (dicts of results.json) and warnings (runs left out).
 
     ``unfinished``: one line per run directory without results.json, listed below the footnotes. Failed runs
