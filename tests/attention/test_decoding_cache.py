@@ -257,9 +257,10 @@ def test_a_cached_call_with_gradients_reaches_the_new_queries_only():
     assert all(not t.requires_grad for t in cache._buffers.values())
 
 
-@pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
 def test_gated_heads_and_components_decode_as_the_gated_forward(kind, options):
-    """The pruning gates (head_gate; component_gate of mixtures) act on cached decoding as on the full forward."""
+    """The pruning gates (head_gate; component_gate of mixtures, per-position weights included) act on cached decoding
+    as on the full forward."""
     m = _module(kind, options)
     m.head_gate = torch.tensor([1.0, 0.0])
     mixture = getattr(m, "mixture", None)
@@ -270,4 +271,7 @@ def test_gated_heads_and_components_decode_as_the_gated_forward(kind, options):
     outs, _ = _decode(m, x, 5)
     scale = float(_uncached(m, x).abs().max())
     _close(outs[0], _uncached(m, x[:, :5]), scale, "prefill")
-    _close(torch.cat(outs[1:], dim=1), _uncached(m, x)[:, 5:], scale, "steps")
+    t = 5
+    for k, out in zip(STEPS, outs[1:]):
+        t += k
+        _close(out, _uncached(m, x[:, :t])[:, -k:], scale, f"step to {t}")

@@ -171,9 +171,11 @@ class MixtureKeys(nn.Module):
             return self.log_weights(1)
         if self.pi_mode == "soft_e":
             pi = self.pi[:, :, positions].permute(2, 0, 1, 3)  # (H, M, B, S) -> (B, H, M, S)
-            return pi.clamp_min(torch.finfo(pi.dtype).tiny).log()
-        logits = self.pi_logits[:, :, positions].permute(2, 0, 1, 3)
-        return torch.log_softmax(logits, dim=2) if self.pi_norm == "softmax" else logits
+            log_pi = pi.clamp_min(torch.finfo(pi.dtype).tiny).log()
+        else:
+            logits = self.pi_logits[:, :, positions].permute(2, 0, 1, 3)
+            log_pi = torch.log_softmax(logits, dim=2) if self.pi_norm == "softmax" else logits
+        return log_pi if self.component_gate is None else self._gated(log_pi)  # decoding gated as the forward
 
 
 def upgrade_state_dict(state_dict: dict, prefix: str, name: str = "mixture") -> None:
