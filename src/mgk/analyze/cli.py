@@ -62,27 +62,16 @@ def analyse_dirs(run_dirs, out: Path, settings, *, data=None, which="best", devi
     given) receives one line per run left out or unfinished."""
     from .analysis import analyse
     from .report import write_figures, write_json, write_markdown
-    from .run import FailedRun, load_for_analysis, run_label
+    from .run import FailedRun, loaded_runs
 
     results, maps, left_out = {}, {}, []
     notes = [] if notes is None else notes
-    for d in run_dirs:
-        try:
-            run = load_for_analysis(d, data=data, which=which, device=device)
-        except FailedRun as e:
-            if len(run_dirs) == 1:
-                raise
-            left_out.append(str(e))
-            notes.append(f"left out: {e}")
-            continue
-        label = run_label(run.cfg)
-        if label in results:
-            label = f"{label} ({Path(d).name})"
+    for label, run in loaded_runs(run_dirs, data=data, which=which, device=device, notes=notes, left_out=left_out):
         result = analyse(run, settings, progress=progress)
         result.update(steps=run.steps, run_status=run.status())
         if not run.finished:
-            notes.append(f"{d} is {run.status()} (no results.json yet): the figures describe a model still in "
-                         "training")
+            notes.append(f"{run.run_dir} is {run.status()} (no results.json yet): the figures describe a model "
+                         "still in training")
         maps[label] = result.pop("_maps")
         results[label] = result
     if not results:

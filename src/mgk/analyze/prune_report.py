@@ -133,22 +133,11 @@ def prune_dirs(run_dirs, out: Path, settings: prune.PruneSettings, *, data=None,
                notes: list | None = None) -> dict:
     """:func:`prune_run` of each run of ``run_dirs`` into ``out`` (prune.json, prune.md, figures); labels as
     :func:`mgk.analyze.cli.analyse_dirs`. A failed run is refused alone and left out of a comparison."""
-    from .run import FailedRun, load_for_analysis, run_label
+    from .run import FailedRun, loaded_runs
 
     results, left_out = {}, []
     notes = [] if notes is None else notes
-    for d in run_dirs:
-        try:
-            run = load_for_analysis(d, data=data, which=which, device=device)
-        except FailedRun as e:
-            if len(run_dirs) == 1:
-                raise
-            left_out.append(str(e))
-            notes.append(f"left out: {e}")
-            continue
-        label = run_label(run.cfg)
-        if label in results:
-            label = f"{label} ({Path(d).name})"
+    for label, run in loaded_runs(run_dirs, data=data, which=which, device=device, notes=notes, left_out=left_out):
         results[label] = prune_run(run, settings)
     if not results:
         raise FailedRun("every run failed (final evaluation not finite): " + "; ".join(left_out))
