@@ -22,6 +22,7 @@ def number(kind: type = int, low: float | None = None, high: float | None = None
     shown += f" {note}" if note else ""
 
     def parse(text: str):
+        """``text`` as ``kind`` when finite and in range; argparse.ArgumentTypeError saying the range otherwise."""
         try:
             value = kind(text)
         except ValueError:

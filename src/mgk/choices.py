@@ -44,6 +44,7 @@ def argparse_type(what: str, choices: Callable[[], Iterable] | Iterable) -> Call
     the argument is parsed) and answers any other with :func:`unknown`'s message (argparse prefixes the flag)."""
 
     def parse(text: str) -> str:
+        """``text`` when it names a choice; argparse.ArgumentTypeError with close matches otherwise."""
         names = list(choices() if callable(choices) else choices)
         if text not in names:
             raise argparse.ArgumentTypeError(unknown(what, text, names))

@@ -227,6 +227,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a bad command line answered in one line naming the command (not the usage block)."""
 
     def error(self, message: str):
+        """Exit 2 with ``prog: message (see prog --help)`` on stderr, one line."""
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 

@@ -15,12 +15,12 @@ import subprocess
 import threading
 import time
 
-from ..train.interrupt import SIGNALS, signal_name
+from ..train.interrupt import SignalHandlers, signal_name
 
 __all__ = ["GridStop"]
 
 
-class GridStop:
+class GridStop(SignalHandlers):
     """Context manager holding the live children of a grid and the signal that stops it (``signum``, 0 while none).
 
     Children are started with :meth:`popen`, which starts nothing once a signal has come (returns None), and
@@ -36,17 +36,6 @@ class GridStop:
         self._children: dict[int, subprocess.Popen] = {}
         self._lock = threading.RLock()  # re-entrant: a second signal may arrive while the first one's handler runs
         self._previous: dict = {}
-
-    def __enter__(self) -> "GridStop":
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
 
     @property
     def name(self) -> str:

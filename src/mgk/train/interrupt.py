@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 
-__all__ = ["Interrupted", "SignalStop", "StopSignals", "signal_name"]
+__all__ = ["Interrupted", "SignalHandlers", "SignalStop", "StopSignals", "signal_name"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -44,23 +44,15 @@ class SignalStop(BaseException):
         self.signum = signum
 
 
-class StopSignals:
-    """Context manager that routes SIGINT and SIGTERM to :attr:`signum` while :attr:`graceful` is True, and raises
-    :class:`SignalStop` otherwise. Installs nothing outside the main thread (Python allows handlers only there);
-    restores the previous handlers on exit."""
+class SignalHandlers:
+    """Context manager that installs ``self._handle(signum, frame)`` for SIGINT and SIGTERM on entry and restores
+    the previous handlers on exit. Installs nothing outside the main thread (Python allows handlers only there).
+    Subclasses define ``_handle``."""
 
-    def __init__(self):
-        self.signum = 0
-        self.graceful = False
-        self._previous: dict = {}
+    _previous: dict
 
-    def _handle(self, signum, frame) -> None:
-        if self.graceful:
-            self.signum = self.signum or signum
-            return
-        raise SignalStop(signum)
-
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self):
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -70,3 +62,22 @@ class StopSignals:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        raise NotImplementedError
+
+
+class StopSignals(SignalHandlers):
+    """Routes SIGINT and SIGTERM to :attr:`signum` while :attr:`graceful` is True, and raises :class:`SignalStop`
+    otherwise (a :class:`SignalHandlers` context manager)."""
+
+    def __init__(self):
+        self.signum = 0
+        self.graceful = False
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.graceful:
+            self.signum = self.signum or signum
+            return
+        raise SignalStop(signum)
