@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tasks.lra_table import run_failure
+from ..tasks.run_records import run_failure
 from ..train.rundir import read_results
 from .executor import run_state
 from .grid import Run

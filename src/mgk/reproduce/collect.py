@@ -3,9 +3,9 @@
 Everything comes from the run directories that ``mgk train`` / ``mgk eval`` write: results.json, config.yaml,
 env.json, metrics.jsonl, eval.json, the checkpoint (attention parameter count) and <run>.reproduce.json (peak memory,
 exit codes). The figure of a run is its task's metric (:func:`mgk.tasks.synthetic_table.metric_of`: accuracy in %,
-or NMSE for D-retrieval) by :func:`mgk.tasks.lra_table.run_metric` (test, else validation), the same rule as
+or NMSE for D-retrieval) by :func:`mgk.tasks.run_records.run_metric` (test, else validation), the same rule as
 ``mgk table``; its chance level is the majority-class accuracy (%) or the NMSE of the constant prediction. A failed
-run (:func:`mgk.tasks.lra_table.run_failure`: its final evaluation was not finite), or one
+run (:func:`mgk.tasks.run_records.run_failure`: its final evaluation was not finite), or one
 whose results.json / eval.json / config.yaml is damaged, has no value (``failed`` says why) and is not averaged in;
 a damaged file the value does not need (env.json, the checkpoint) is named in ``problems``.
 """
@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from .. import config as config_mod
-from ..tasks.lra_table import run_failure, run_metric
+from ..tasks.run_records import run_failure, run_metric
 from ..tasks.synthetic_table import metric_of
 from ..train import checkpoint, rundir
 from .executor import record_path

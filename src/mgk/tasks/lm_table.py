@@ -1,20 +1,21 @@
 """Language-modelling results table of ``mgk table``: validation and test perplexity, each with its window.
 
 The two columns of the paper's Table 3 (WikiText-103 valid and test perplexity, Nguyen et al., ICML 2022). One row
-per (attention setting, heads), as the LRA table (:func:`mgk.tasks.lra_table.setting`). A run's figure on a split is
+per (attention setting, heads), as the LRA table (:func:`mgk.tasks.run_records.setting`). A run's figure on a split is
 its ``mgk eval`` result in the run directory when there is one (``eval.json`` for valid, ``eval_test.json`` for
 test, as a reproduce grid writes them; e.g. the paper's stride-1 window of 256 tokens), else the final evaluation
 that ``mgk train`` wrote into results.json (non-overlapping segments of ``segment_len``). The window column names
 the windows of the figures averaged, so figures of different windows are never mixed without saying so. Cells:
 mean ± sample standard deviation (n - 1) over the runs, with n; "—" without a figure. A failed run
-(:func:`mgk.tasks.lra_table.run_failure`) is left out and named in the warnings.
+(:func:`mgk.tasks.run_records.run_failure`) is left out and named in the warnings.
 """
 from __future__ import annotations
 
 import math
 import statistics
 
-from .lra_table import DASH, _row_order, run_failure, setting
+from .run_records import DASH, run_failure, setting
+from .run_records import row_order as _row_order
 
 __all__ = ["lm_table", "run_perplexities"]
 

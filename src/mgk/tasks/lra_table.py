@@ -14,72 +14,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..attention import attention_kinds, get_kind
-from ..attention.registry import run_label
 from ..config import RunConfig
+from .run_records import DASH, run_accuracy, run_failure, run_metric, setting
+from .run_records import row_order as _row_order
 
 __all__ = ["COLUMNS", "run_accuracy", "run_metric", "run_failure", "setting", "lra_table", "data_check"]
 
 COLUMNS = (("listops", "ListOps"), ("text", "Text"), ("retrieval", "Retrieval"), ("image", "Image"),
            ("pathfinder", "Pathfinder"))
-DASH = "—"
-
-
-def run_failure(record: dict) -> str | None:
-    """Why a run's record (a results.json, or an eval.json of ``mgk eval``) must not count as a result: the
-    ``failed`` reason that ``mgk train`` / ``mgk eval`` write when the final evaluation is not finite, or, for
-    records without that field (older versions), a non-finite loss, nll, ppl or accuracy at its top level or in
-    its val / test split. None for a record that counts. A NaN-weight classifier still reports an accuracy (the
-    argmax of NaN logits is a fixed class), so a finite accuracy alone proves nothing."""
-    if record.get("failed"):
-        return str(record["failed"])
-    for where, figures in (("", record), ("val ", record.get("val")), ("test ", record.get("test"))):
-        if not isinstance(figures, dict):
-            continue
-        for key in ("loss", "nll", "ppl", "acc"):
-            value = figures.get(key)
-            if isinstance(value, float) and not math.isfinite(value):
-                return f"non-finite {where}{key} ({value})"
-    return None
-
-
-def run_metric(res: dict, name: str = "acc") -> tuple[float | None, str | None]:
-    """``(metric name of the run, "test" or "val")``: test when the run has it, else validation; (None, None) when
-    neither has it."""
-    for split in ("test", "val"):
-        m = res.get(split)
-        if isinstance(m, dict) and isinstance(m.get(name), (int, float)):
-            return float(m[name]), split
-    return None, None
-
-
-def run_accuracy(res: dict) -> tuple[float | None, str | None]:
-    """``(accuracy in [0, 1], "test" or "val")``: :func:`run_metric` of ``acc``."""
-    return run_metric(res, "acc")
-
-
-def setting(res: dict) -> tuple[str, int]:
-    """Row key ``(attention setting, num_heads)``: the kind with the options that name a variant, from the run's
-    ``attention_options`` (``pi`` alone in runs that predate them), e.g. ``smgk+hard_e``."""
-    kind = str(res["attention"])
-    given = res.get("attention_options")
-    given = {"pi": res["pi"]} if given is None and res.get("pi") is not None else (given or {})
-    try:
-        spec = get_kind(kind)
-        options = spec.make_options(**{k: v for k, v in given.items() if k in spec.options.names()})
-    except ValueError:  # a kind this version does not register, or options it no longer reads
-        return kind, int(res["num_heads"])
-    return run_label(kind, None, options, sep="+"), int(res["num_heads"])
-
-
-def _row_order(key):
-    kind, heads = key
-    base = kind.split("+")[0]
-    order = attention_kinds()
-    rank = order.index(base) if base in order else len(order)
-    return rank, base, kind, -heads
-
-
 def _cell(values: list[float]) -> str:
     m = 100 * sum(values) / len(values)
     if len(values) == 1:
@@ -95,7 +37,7 @@ def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, lis
 
     ``unfinished``: one line per run directory without results.json, listed below the footnotes.
     """
-    from .synthetic_table import SYNTHETIC_TASKS, synthetic_table  # it reads run_failure and setting from here
+    from .synthetic_table import SYNTHETIC_TASKS, synthetic_table
 
     synthetic = [r for r in results if r.get("task") in SYNTHETIC_TASKS]
     lra = [r for r in results if r.get("task") not in SYNTHETIC_TASKS]

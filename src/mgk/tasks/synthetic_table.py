@@ -3,11 +3,11 @@ the LRA table.
 
 One row per (attention setting, heads, keys per head M), one column per task setting (``dretrieval D=4, T=16``,
 ``mqar n=8, L=64``, ...), read from each run's results.json. The attention setting is the registry's label of the
-kind with the options that name a variant (:func:`mgk.tasks.lra_table.setting`, e.g. ``smgk+hard_e``), and rows
+kind with the options that name a variant (:func:`mgk.tasks.run_records.setting`, e.g. ``smgk+hard_e``), and rows
 follow the registry's order of kinds. A cell is the test metric of the runs of that row and column (the validation
 metric, marked †, for a run without a test split): NMSE for dretrieval (lower is better), accuracy in % for mqar and
 cmqar (higher is better); with several runs (seeds), ``mean ± std`` with the sample standard deviation (n - 1) and
-the number of runs. A failed run (:func:`mgk.tasks.lra_table.run_failure`: its final evaluation was not finite) is
+the number of runs. A failed run (:func:`mgk.tasks.run_records.run_failure`: its final evaluation was not finite) is
 left out of the cells and listed below the table.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..attention import attention_kinds
-from .lra_table import run_failure, run_metric, setting
+from .run_records import run_failure, run_metric, setting
 
 __all__ = ["SYNTHETIC_TASKS", "METRICS", "column", "row_key", "synthetic_table", "metric_of"]
 
@@ -41,7 +41,7 @@ def column(res: dict, split: dict) -> str:
 
 
 def row_key(res: dict) -> tuple[str, int, int | None]:
-    """``(setting, heads, M)``: the setting as :func:`mgk.tasks.lra_table.setting` names it (``smgk+hard_e``); M is
+    """``(setting, heads, M)``: the setting as :func:`mgk.tasks.run_records.setting` names it (``smgk+hard_e``); M is
     ``num_keys`` of the kinds that take it (None for softmax and linear)."""
     label, heads = setting(res)
     keys = (res.get("attention_options") or {}).get("num_keys")

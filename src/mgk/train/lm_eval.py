@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ..data import wikitext as wt
 from ..models import IGNORE_INDEX
-from ..tasks.lra_table import run_failure
+from ..tasks.run_records import run_failure
 from . import distributed, rundir
 from .loop import NonFiniteResult
 

@@ -22,7 +22,7 @@ from ..config import RunConfig
 from ..data import wikitext as wt
 from ..tasks import get_task
 from ..tasks.base import Task
-from ..tasks.lra_table import run_failure
+from ..tasks.run_records import run_failure
 from . import rundir
 from .checkpoint import load as load_checkpoint
 from .checkpoint import step_of

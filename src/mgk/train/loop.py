@@ -25,7 +25,7 @@ from ..attention import soft_e_step
 from ..config import RunConfig
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
-from ..tasks.lra_table import run_failure
+from ..tasks.run_records import run_failure
 from . import checkpoint, distributed, records, rundir
 from .evaluate import eval_slice, evaluate
 from .interrupt import Interrupted, SignalStop, StopSignals, signal_name

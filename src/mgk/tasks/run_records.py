@@ -1,0 +1,69 @@
+"""What every results table reads from a run's record (results.json, eval.json): whether it failed, its metric on
+the test split (else validation), and the row it belongs to (attention setting, heads). Shared by the LRA, LM and
+synthetic tables and by ``mgk reproduce``."""
+from __future__ import annotations
+
+import math
+
+from ..attention import attention_kinds, get_kind
+from ..attention.registry import run_label
+
+__all__ = ["DASH", "run_failure", "run_metric", "run_accuracy", "setting", "row_order"]
+
+DASH = "—"
+
+
+def run_failure(record: dict) -> str | None:
+    """Why a run's record (a results.json, or an eval.json of ``mgk eval``) must not count as a result: the
+    ``failed`` reason that ``mgk train`` / ``mgk eval`` write when the final evaluation is not finite, or, for
+    records without that field (older versions), a non-finite loss, nll, ppl or accuracy at its top level or in
+    its val / test split. None for a record that counts. A NaN-weight classifier still reports an accuracy (the
+    argmax of NaN logits is a fixed class), so a finite accuracy alone proves nothing."""
+    if record.get("failed"):
+        return str(record["failed"])
+    for where, figures in (("", record), ("val ", record.get("val")), ("test ", record.get("test"))):
+        if not isinstance(figures, dict):
+            continue
+        for key in ("loss", "nll", "ppl", "acc"):
+            value = figures.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"non-finite {where}{key} ({value})"
+    return None
+
+
+def run_metric(res: dict, name: str = "acc") -> tuple[float | None, str | None]:
+    """``(metric name of the run, "test" or "val")``: test when the run has it, else validation; (None, None) when
+    neither has it."""
+    for split in ("test", "val"):
+        m = res.get(split)
+        if isinstance(m, dict) and isinstance(m.get(name), (int, float)):
+            return float(m[name]), split
+    return None, None
+
+
+def run_accuracy(res: dict) -> tuple[float | None, str | None]:
+    """``(accuracy in [0, 1], "test" or "val")``: :func:`run_metric` of ``acc``."""
+    return run_metric(res, "acc")
+
+
+def setting(res: dict) -> tuple[str, int]:
+    """Row key ``(attention setting, num_heads)``: the kind with the options that name a variant, from the run's
+    ``attention_options`` (``pi`` alone in runs that predate them), e.g. ``smgk+hard_e``."""
+    kind = str(res["attention"])
+    given = res.get("attention_options")
+    given = {"pi": res["pi"]} if given is None and res.get("pi") is not None else (given or {})
+    try:
+        spec = get_kind(kind)
+        options = spec.make_options(**{k: v for k, v in given.items() if k in spec.options.names()})
+    except ValueError:  # a kind this version does not register, or options it no longer reads
+        return kind, int(res["num_heads"])
+    return run_label(kind, None, options, sep="+"), int(res["num_heads"])
+
+
+def row_order(key):
+    """Sort key of a row ``(setting, heads)``: the registry's order of kinds, then the variant, more heads first."""
+    kind, heads = key
+    base = kind.split("+")[0]
+    order = attention_kinds()
+    rank = order.index(base) if base in order else len(order)
+    return rank, base, kind, -heads
