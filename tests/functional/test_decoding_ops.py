@@ -12,6 +12,8 @@ import torch
 import mgk
 from mgk.functional import (
     LinearAttentionState,
+    _mixture_decode,
+    _mixture_flash,
     linear_attention,
     linear_attention_step,
     mgk_attention_cached,
@@ -26,6 +28,23 @@ from .reference import causal_allowed, make_inputs, mgk_reference, normalised_lo
 F64 = torch.float64
 
 
+@pytest.fixture(params=["kernel", "gemm"])
+def step_path(request, monkeypatch):
+    """Runs a test through each implementation of an MGK step: the C++ decoding kernel (the test fails if no call
+    took it) and the GEMM form (the kernel refused)."""
+    if request.param == "gemm":
+        monkeypatch.setattr(_mixture_decode, "usable", lambda *a, **k: False)
+        yield "gemm"
+        return
+    if _mixture_flash._load() is None:
+        pytest.skip(f"the CPU kernel could not be built here: {_mixture_flash.build_error()}")
+    calls = []
+    original = _mixture_decode.mixture_decode
+    monkeypatch.setattr(_mixture_decode, "mixture_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    yield "kernel"
+    assert calls, "no step took the decoding kernel"
+
+
 def _shifted(B, H, S, M, D, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(B, H, S, D, generator=g, dtype=F64)
@@ -38,7 +57,7 @@ def _shifted(B, H, S, M, D, seed):
 @pytest.mark.parametrize("mixture", ["sum", "max"])
 @pytest.mark.parametrize("M", [1, 2, 3])
 @pytest.mark.parametrize("L,S", [(1, 9), (3, 9), (4, 4)])
-def test_mgk_step_over_cache_entries_is_the_formula(shifted, mixture, M, L, S):
+def test_mgk_step_over_cache_entries_is_the_formula(shifted, mixture, M, L, S, step_path):
     """Queries L at the end of S keys (bottom-right causal), a key-padding mask, per-head unequal variances (the
     |q|^2 term kept) and per-position log priors, any centre: equal to eq. 9-10 computed literally."""
     B, H, D = 2, 2, 4
@@ -62,7 +81,7 @@ def test_mgk_step_over_cache_entries_is_the_formula(shifted, mixture, M, L, S):
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
-def test_mgk_step_equals_the_uncached_call_with_the_same_centre_in_float32():
+def test_mgk_step_equals_the_uncached_call_with_the_same_centre_in_float32(step_path):
     q, k, v = make_inputs(B=2, H=2, L=6, S=40, M=2, D=8, Dv=8, seed=3)
     k = k + 20.0  # a large common offset: only the centre keeps the expanded distances exact
     q = q + 20.0

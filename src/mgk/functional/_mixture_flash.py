@@ -5,10 +5,11 @@ a single value GEMM on ``sum_r exp(s_r - LSE)``, where attention over the M*S co
 call per component) needs M value GEMMs, and its head size is D instead of D+1 because the per-key bias is added
 inside the kernel instead of riding in an extra column. See the header of the C++ file for the exact math. With one
 component and no bias it is plain softmax attention (:func:`softmax_flash`), and both take attention dropout from a
-counter-based random stream, so that training with dropout keeps O(L + S) memory per head.
+counter-based random stream, so that training with dropout keeps O(L + S) memory per head. The same extension
+holds MGK's decoding step over a cache (``csrc/mixture_decode.cpp``, :mod:`._mixture_decode`).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about 30 s,
-cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), one build per (kernel source, torch version,
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), one build per (kernel sources, torch version,
 Python version, compiler and flags), kept side by side. Concurrent builds wait on an OS file lock that dies with its
 process; a wait is announced and gives up after ``MGK_KERNEL_BUILD_TIMEOUT`` seconds (default 600). When
 compilation fails, or with ``MGK_CPU_KERNEL=0`` in the environment (warned once), :func:`available` is False and MGK
@@ -33,7 +34,8 @@ try:
 except ImportError:  # not POSIX: builds are not serialised by us (torch's own lock file still applies)
     fcntl = None
 
-_SOURCE = Path(__file__).with_name("csrc") / "mixture_flash.cpp"
+# mixture_flash.cpp holds the module definition; mixture_decode.cpp the decoding step (one extension, one build)
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("mixture_flash.cpp", "mixture_decode.cpp"))
 _module = None
 _failed: str | None = None
 _LOCK_FILE = "mgk-build.flock"
@@ -101,8 +103,8 @@ def build_folder() -> tuple[str, Path]:
 
     cflags, ldflags = _flags()
     python = f"{sys.implementation.name} {sys.version} {getattr(sys, 'abiflags', '')}"
-    name = _build_name(_SOURCE.read_bytes(), torch.__version__, python, os.environ.get("CXX", "c++"), cflags,
-                       ldflags, str(_SOURCE.resolve()))
+    name = _build_name(b"\0".join(src.read_bytes() for src in _SOURCES), torch.__version__, python,
+                       os.environ.get("CXX", "c++"), cflags, ldflags, " ".join(str(src.resolve()) for src in _SOURCES))
     return name, Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
@@ -115,8 +117,8 @@ def _build_and_load():
         _remove_orphaned_lock(folder)
         if not any(folder.glob(f"{name}*.so")):
             print(f"mgk: building the MGK CPU kernel, about 30 s, once (in {folder})", file=sys.stderr, flush=True)
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
-                                  build_directory=str(folder), verbose=False)
+        return cpp_extension.load(name=name, sources=[str(src) for src in _SOURCES], extra_cflags=cflags,
+                                  extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
 
 
 def build_timeout() -> float:

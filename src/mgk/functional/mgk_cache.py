@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _mixture_decode
 from . import masks as _masks
 from ._centre import check_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
@@ -88,28 +89,40 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
         half = 0.5 / _per_component(s2, 1)  # (1, H', M, 1)
         if shifted:
             mu = shifts.detach().to(dt).transpose(0, 1)  # (H, M, D)
-            cross = torch.einsum("bhsd,hmd->bhms", k, mu)
+            cross = mu @ k.transpose(-1, -2)  # (B, H, M, S), k_j . mu_r
             bias = prior - ((k * k).sum(-1).unsqueeze(2) - 2.0 * cross) * half
             return k, bias
         bias = prior - (k * k).sum(-1) * half
         return k * (2.0 * half).unsqueeze(-1), bias
 
 
-def _scores(q, keys, key_bias, s2, shifts):
-    """s_ijr as (B, H, M, L, S) for centred queries q (B, H, L, D) against cached entries. (query @ keys^T reads the
-    cache as the transposed operand of one GEMM per head, several times faster on CPU than keys @ query.)"""
-    if shifts is None:
+def _query_terms(q, s2, shifts):
+    """(scale, rowbias) of the scores ``s_ijr = scale_r * (q~_i . keys_jr) + key_bias_jr + rowbias_ir`` for centred
+    queries q (B, H, L, D): scale (1, H', M, 1) for sMGK's unscaled keys (1 / sigma_r^2) or None; rowbias
+    (B, H, M, L), the shifts' per-query term and / or the -|q~|^2 / (2 sigma_r^2) term when it does not cancel, or
+    None."""
+    scale = rowbias = None
+    if shifts is not None:
+        scale = 1.0 / _per_component(s2, 1)  # (1, H', M, 1)
+        mu = shifts.to(q.dtype).transpose(0, 1)  # (H, M, D)
+        rowbias = -((mu @ q.transpose(-1, -2)) * scale
+                    + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * scale)  # (B, H, M, L)
+    if needs_qnorm(s2):
+        qnorm = -((q * q).sum(-1).unsqueeze(2) * (0.5 / _per_component(s2, 1)))
+        rowbias = qnorm if rowbias is None else rowbias + qnorm
+    return scale, rowbias
+
+
+def _scores(q, keys, key_bias, scale, rowbias):
+    """s_ijr as (B, H, M, L, S) for centred queries q (B, H, L, D) against cached entries (:func:`_query_terms`).
+    (query @ keys^T reads the cache as the transposed operand of one GEMM per head, several times faster on CPU than
+    keys @ query.)"""
+    if scale is None:
         s = q.unsqueeze(2) @ keys.transpose(-1, -2)  # (B, H, 1, L, D) @ (B, H, M, D, S)
     else:
-        inv = 1.0 / _per_component(s2, 1)  # (1, H', M, 1)
-        mu = shifts.to(q.dtype).transpose(0, 1)  # (H, M, D)
-        per_query = -(torch.einsum("bhld,hmd->bhml", q, mu) * inv
-                      + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * inv)  # (B, H, M, L)
-        s = (q @ keys.transpose(-1, -2)).unsqueeze(2) * inv.unsqueeze(-1) + per_query.unsqueeze(-1)
+        s = (q @ keys.transpose(-1, -2)).unsqueeze(2) * scale.unsqueeze(-1)
     s = s + key_bias.unsqueeze(3)
-    if needs_qnorm(s2):
-        s = s - ((q * q).sum(-1).unsqueeze(2) * (0.5 / _per_component(s2, 1))).unsqueeze(-1)
-    return s
+    return s if rowbias is None else s + rowbias.unsqueeze(-1)
 
 
 def _attend(s, v, mask, mixture, dropout_p: float):
@@ -206,10 +219,17 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
         s2 = _variances(sigma2, H, M, D, dt, query.device)
         q = query.to(dt) - c.unsqueeze(2)
         kc, kb, v = keys.to(dt), key_bias.to(dt), value.to(dt)
+        scale, rowbias = _query_terms(q, s2, shifts)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, keys, key_bias, value))
+        if _mixture_decode.usable(q, v, mask, dropout_p, needs_grad):
+            out = _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
+                                                 is_causal=is_causal, hard=mixture == "max")
+            return out.to(out_dtype)
         mask, empty = _inert(mask, kb, mixture, is_causal, L, S)
         outs = []
         for a, b in _chunks(L, chunk_size):
             rows = _rows(mask, a, b)
-            out = _attend(_scores(q[:, :, a:b], kc, kb, s2, shifts), v, rows, mixture, dropout_p)
+            terms = None if rowbias is None else rowbias[..., a:b]
+            out = _attend(_scores(q[:, :, a:b], kc, kb, scale, terms), v, rows, mixture, dropout_p)
             outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
     return torch.cat(outs, dim=2).to(out_dtype)

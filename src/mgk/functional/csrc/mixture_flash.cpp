@@ -742,9 +742,14 @@ torch::Tensor mixture_dropout_mask(int64_t BH, int64_t L, int64_t S, double drop
   return keep > 0;
 }
 
+// mixture_decode.cpp
+torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor scale, torch::Tensor bias,
+                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dropout_mask", &mixture_dropout_mask, "keep mask of the kernel's attention dropout (CPU)");
   m.def("forward", &mixture_flash_forward, "MGK mixture flash forward (CPU)");
   m.def("backward", &mixture_flash_backward, "MGK mixture flash backward (CPU)");
   m.def("responsibilities", &mixture_responsibilities, "Soft-E E-step statistics (CPU)");
+  m.def("decode", &mixture_decode, "MGK decoding step over a cache read in place (CPU)");
 }

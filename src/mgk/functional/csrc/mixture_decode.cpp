@@ -1,0 +1,286 @@
+// Fused CPU decoding step for MGK and sMGK: a few new queries against a decoding cache, read in place.
+//
+// For slice (b, h), new query l, cached key position j and mixture component r the score is
+//
+//     s_lrj = scale_hr * (q_l . k_j[r]) + bias_jr + rowbias_rl
+//
+// where the cache holds either M keys per position (MGK: k_j[r] = k~_jr / sigma_r^2, scale 1) or one (sMGK:
+// k_j[r] = k~_j for every r, scale 1 / sigma_r^2 and the shifts folded into rowbias), and bias_jr the per-key
+// scalars of mgk/functional/mgk_cache.py. The output is out_l = sum_j A_lj v_j / sum_j A_lj with
+// A_lj = sum_r exp(s_lrj - m_l) (mixture "sum", paper eq. 9) or exp(max_r s_lrj - m_l) (Hard-E), m_l the largest
+// score of row l. Masked keys (valid_bj false, or j > l + S - L under causal masking, aligned bottom-right) score
+// -inf; a row with no visible key is 0.
+//
+// Why a kernel of its own: a decoding step is memory-bound (each cached number is read once per step), and the
+// GEMM form (one score GEMM over M * S keys, bias add, softmax, value GEMM) makes several passes over the
+// (M, S) scores besides. Here the keys and values are streamed once, straight from the cache's buffers (strided
+// views: slots beyond the ones in use are never read, nothing is copied), and the scores of one slice
+// (L * M * S numbers) stay in a per-thread buffer in cache. Slices run in parallel; no BLAS.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+using Vec = at::vec::Vectorized<T>;
+
+template <typename T>
+inline Vec<T> vexp(const Vec<T>& x) { return x.exp(); }
+template <>
+inline Vec<float> vexp<float>(const Vec<float>& x) { return x.exp_u20(); }
+
+template <typename T>
+inline T hsum(const Vec<T>& x) {
+  return at::vec::vec_reduce_all<T>([](const Vec<T>& a, const Vec<T>& b) { return a + b; }, x);
+}
+
+// Four dot products of q (n numbers) with rows k0..k3: four accumulators side by side hide the FMA latency.
+template <typename T>
+inline void dot4(const T* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t n, T* out) {
+  const int64_t W = Vec<T>::size();
+  Vec<T> a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
+  int64_t d = 0;
+  for (; d + W <= n; d += W) {
+    const Vec<T> x = Vec<T>::loadu(q + d);
+    a0 = at::vec::fmadd(x, Vec<T>::loadu(k0 + d), a0);
+    a1 = at::vec::fmadd(x, Vec<T>::loadu(k1 + d), a1);
+    a2 = at::vec::fmadd(x, Vec<T>::loadu(k2 + d), a2);
+    a3 = at::vec::fmadd(x, Vec<T>::loadu(k3 + d), a3);
+  }
+  T s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+  for (; d < n; ++d) {
+    s0 += q[d] * k0[d];
+    s1 += q[d] * k1[d];
+    s2 += q[d] * k2[d];
+    s3 += q[d] * k3[d];
+  }
+  out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+
+template <typename T>
+inline T dot1(const T* q, const T* k, int64_t n) {
+  const int64_t W = Vec<T>::size();
+  Vec<T> a(T(0));
+  int64_t d = 0;
+  for (; d + W <= n; d += W) a = at::vec::fmadd(Vec<T>::loadu(q + d), Vec<T>::loadu(k + d), a);
+  T s = hsum(a);
+  for (; d < n; ++d) s += q[d] * k[d];
+  return s;
+}
+
+// dots[j] = q . k_j for j < S, rows of k at stride ks.
+template <typename T>
+inline void dots(const T* q, const T* k, int64_t ks, int64_t S, int64_t D, T* out) {
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) dot4(q, k + j * ks, k + (j + 1) * ks, k + (j + 2) * ks, k + (j + 3) * ks, D, out + j);
+  for (; j < S; ++j) out[j] = dot1(q, k + j * ks, D);
+}
+
+// out (NV vectors) = sum_j w[j] v_j over S rows of v at stride vs: the accumulators live in registers.
+template <typename T, int NV>
+inline void weighted_rows(const T* v, int64_t vs, const T* w, int64_t S, T* out) {
+  const int64_t W = Vec<T>::size();
+  Vec<T> acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = Vec<T>(T(0));
+  for (int64_t j = 0; j < S; ++j) {
+    const Vec<T> wj(w[j]);
+    const T* row = v + j * vs;
+    for (int c = 0; c < NV; ++c) acc[c] = at::vec::fmadd(wj, Vec<T>::loadu(row + c * W), acc[c]);
+  }
+  for (int c = 0; c < NV; ++c) acc[c].store(out + c * W);
+}
+
+// out[0:Dv] = sum_j w[j] v_j, in column chunks of at most 8 vectors (any Dv).
+template <typename T>
+void weighted_sum(const T* v, int64_t vs, const T* w, int64_t S, int64_t Dv, T* out) {
+  const int64_t W = Vec<T>::size();
+  int64_t c0 = 0;
+  for (; c0 + 8 * W <= Dv; c0 += 8 * W) weighted_rows<T, 8>(v + c0, vs, w, S, out + c0);
+  switch ((Dv - c0) / W) {
+    case 7: weighted_rows<T, 7>(v + c0, vs, w, S, out + c0); break;
+    case 6: weighted_rows<T, 6>(v + c0, vs, w, S, out + c0); break;
+    case 5: weighted_rows<T, 5>(v + c0, vs, w, S, out + c0); break;
+    case 4: weighted_rows<T, 4>(v + c0, vs, w, S, out + c0); break;
+    case 3: weighted_rows<T, 3>(v + c0, vs, w, S, out + c0); break;
+    case 2: weighted_rows<T, 2>(v + c0, vs, w, S, out + c0); break;
+    case 1: weighted_rows<T, 1>(v + c0, vs, w, S, out + c0); break;
+    default: break;
+  }
+  c0 += ((Dv - c0) / W) * W;
+  for (int64_t c = c0; c < Dv; ++c) {
+    T acc = 0;
+    for (int64_t j = 0; j < S; ++j) acc += w[j] * v[j * vs + c];
+    out[c] = acc;
+  }
+}
+
+template <typename T>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// max that keeps a NaN (std::max would drop it and hide a NaN score).
+template <typename T>
+inline T nanmax(T a, T b) { return (a > b || std::isnan(a)) ? a : b; }
+
+template <typename T>
+struct Step {
+  int64_t B, H, L, S, D, Dv, M, Mk;
+  const T* q;  // (B, H, L, D) contiguous
+  const T* k; int64_t k_b, k_h, k_r, k_j;  // (B, H, Mk, S, D), last dim contiguous
+  const T* scale;  // (H, M) or nullptr (1)
+  const T* bias; int64_t b_b, b_h, b_r;  // (B, H, M, S), last dim contiguous
+  const T* rowbias;  // (B, H, M, L) contiguous, or nullptr
+  const T* v; int64_t v_b, v_h, v_j;  // (B, H, S, Dv), last dim contiguous
+  const uint8_t* valid; int64_t valid_b;  // (B, S), last dim contiguous, or nullptr
+  bool causal, hard;
+  T* out;  // (B, H, L, Dv) contiguous
+};
+
+// One slice (b, h): scores of its L queries (L x M x S) into sc, then the weights and the value sum.
+template <typename T>
+void slice(const Step<T>& p, int64_t b, int64_t h, T* sc) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t L = p.L, S = p.S, M = p.M, W = Vec<T>::size();
+  const T* q = p.q + (b * p.H + h) * L * p.D;
+  const T* keys = p.k + b * p.k_b + h * p.k_h;
+  const T* bias = p.bias + b * p.b_b + h * p.b_h;
+  const T* rb = p.rowbias ? p.rowbias + (b * p.H + h) * M * L : nullptr;
+  const T* v = p.v + b * p.v_b + h * p.v_h;
+  const uint8_t* valid = p.valid ? p.valid + b * p.valid_b : nullptr;
+  T* out = p.out + (b * p.H + h) * L * p.Dv;
+  // raw dot products: (L, Mk, S) at the front of sc, then finished in place into (L, M, S) (Mk = M or 1)
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t r = 0; r < p.Mk; ++r) dots(q + l * p.D, keys + r * p.k_r, p.k_j, S, p.D, sc + (l * M + r) * S);
+  for (int64_t l = 0; l < L; ++l) {
+    T* row = sc + l * M * S;
+    const int64_t visible = p.causal ? std::min<int64_t>(S, std::max<int64_t>(0, l + S - L + 1)) : S;
+    for (int64_t r = M - 1; r >= 0; --r) {  // from the last component: sMGK's raw dots sit in component 0
+      const T* raw = row + (p.Mk == 1 ? 0 : r * S);
+      T* s = row + r * S;
+      const Vec<T> vscale(p.scale ? p.scale[h * M + r] : T(1)), vrb(rb ? rb[r * L + l] : T(0));
+      const T* br = bias + r * p.b_r;
+      int64_t j = 0;
+      for (; j + W <= visible; j += W)
+        at::vec::fmadd(Vec<T>::loadu(raw + j), vscale, Vec<T>::loadu(br + j) + vrb).store(s + j);
+      const T sc1 = p.scale ? p.scale[h * M + r] : T(1), rb1 = rb ? rb[r * L + l] : T(0);
+      for (; j < visible; ++j) s[j] = raw[j] * sc1 + br[j] + rb1;
+      for (j = visible; j < S; ++j) s[j] = ninf;
+      if (valid)
+        for (j = 0; j < visible; ++j)
+          if (!valid[j]) s[j] = ninf;
+    }
+    // the weights A_lj (unnormalised) into the row's first S numbers
+    T mx = ninf;
+    for (int64_t i = 0; i < M * S; ++i) mx = nanmax(mx, row[i]);
+    if (mx == ninf) {  // no visible key: a zero row
+      for (int64_t c = 0; c < p.Dv; ++c) out[l * p.Dv + c] = T(0);
+      continue;
+    }
+    const Vec<T> vmx(mx);
+    T total = 0;
+    Vec<T> vtotal(T(0));
+    int64_t j = 0;
+    for (; j + W <= S; j += W) {
+      Vec<T> w;
+      if (p.hard) {
+        Vec<T> best = Vec<T>::loadu(row + j);
+        for (int64_t r = 1; r < M; ++r) best = at::vec::maximum(best, Vec<T>::loadu(row + r * S + j));
+        w = vexp<T>(best - vmx);
+      } else {
+        w = vexp<T>(Vec<T>::loadu(row + j) - vmx);
+        for (int64_t r = 1; r < M; ++r) w = w + vexp<T>(Vec<T>::loadu(row + r * S + j) - vmx);
+      }
+      w.store(row + j);
+      vtotal = vtotal + w;
+    }
+    total = hsum(vtotal);
+    for (; j < S; ++j) {
+      T w;
+      if (p.hard) {
+        T best = row[j];
+        for (int64_t r = 1; r < M; ++r) best = nanmax(best, row[r * S + j]);
+        w = std::exp(best - mx);
+      } else {
+        w = std::exp(row[j] - mx);
+        for (int64_t r = 1; r < M; ++r) w += std::exp(row[r * S + j] - mx);
+      }
+      row[j] = w;
+      total += w;
+    }
+    T* o = out + l * p.Dv;
+    weighted_sum(v, p.v_j, row, S, p.Dv, o);
+    const T inv = T(1) / total;
+    for (int64_t c = 0; c < p.Dv; ++c) o[c] *= inv;
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+}  // namespace
+
+// q (B, H, L, D) contiguous; keys (B, H, Mk, S, D) with Mk = M or 1; scale (H, M) contiguous or empty; bias
+// (B, H, M, S); rowbias (B, H, M, L) contiguous or empty; v (B, H, S, Dv); valid (B, S) bool or empty. keys, bias,
+// v and valid may be strided views (last dimension contiguous). -> (B, H, L, Dv).
+torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor scale, torch::Tensor bias,
+                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be a contiguous (B, H, L, D) tensor");
+  check_rows(keys, "keys", 5);
+  check_rows(bias, "bias", 4);
+  check_rows(v, "v", 4);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t M = bias.size(2), Mk = keys.size(2), S = keys.size(3), Dv = v.size(3);
+  TORCH_CHECK(Mk == M || Mk == 1, "keys must hold M or 1 keys per position");
+  TORCH_CHECK(keys.size(0) == B && keys.size(1) == H && keys.size(4) == D, "keys do not match q");
+  TORCH_CHECK(bias.size(0) == B && bias.size(1) == H && bias.size(3) == S, "bias does not match keys");
+  TORCH_CHECK(v.size(0) == B && v.size(1) == H && v.size(2) == S, "v does not match keys");
+  for (const auto* t : {&keys, &bias, &v})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "keys, bias and v must have q's dtype");
+  const bool has_scale = scale.numel() > 0, has_rb = rowbias.numel() > 0, has_valid = valid.numel() > 0;
+  if (has_scale)
+    TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == H && scale.size(1) == M &&
+                scale.scalar_type() == q.scalar_type(), "scale must be a contiguous (H, M) tensor of q's dtype");
+  if (has_rb)
+    TORCH_CHECK(rowbias.is_contiguous() && rowbias.dim() == 4 && rowbias.size(0) == B && rowbias.size(1) == H &&
+                rowbias.size(2) == M && rowbias.size(3) == L && rowbias.scalar_type() == q.scalar_type(),
+                "rowbias must be a contiguous (B, H, M, L) tensor of q's dtype");
+  if (has_valid) {
+    check_rows(valid, "valid", 2);
+    TORCH_CHECK(valid.scalar_type() == at::kBool && valid.size(0) == B && valid.size(1) == S,
+                "valid must be a bool (B, S) tensor");
+  }
+  auto out = torch::empty({B, H, L, Dv}, q.options());
+  if (out.numel() == 0) return out;
+  if (S == 0) return out.zero_();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_decode", [&] {
+    Step<scalar_t> p{B, H, L, S, D, Dv, M, Mk,
+                     q.data_ptr<scalar_t>(),
+                     keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+                     has_scale ? scale.data_ptr<scalar_t>() : nullptr,
+                     bias.data_ptr<scalar_t>(), bias.stride(0), bias.stride(1), bias.stride(2),
+                     has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
+                     v.data_ptr<scalar_t>(), v.stride(0), v.stride(1), v.stride(2),
+                     has_valid ? reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>()) : nullptr,
+                     has_valid ? valid.stride(0) : 0,
+                     causal, hard, out.data_ptr<scalar_t>()};
+    // small steps on the calling thread: waking the pool costs more than they do
+    const int64_t grain = B * H * L * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+      scalar_t* sc = scratch<scalar_t>(static_cast<size_t>(L * M * S));
+      for (int64_t i = begin; i < end; ++i) slice(p, i / H, i % H, sc);
+    });
+  });
+  return out;
+}
