@@ -159,7 +159,7 @@ def _decode_parser(kinds) -> None:
     d.add_argument("--kinds", type=_decode_kinds, default=None, help=f"default {DECODE_KINDS}")
     d.add_argument("--contexts", type=_lengths, default=_lengths("256,1024,4096"), help="default 256,1024,4096")
     d.add_argument("--batches", type=_lengths, default=_lengths("1,8"), help="default 1,8")
-    d.add_argument("--steps", type=_positive(int), default=8, help="timed steps per row (median reported)")
+    d.add_argument("--steps", type=_positive(int), default=16, help="timed steps per row (median reported)")
     d.add_argument("--embed-dim", type=_positive(int), default=256, help="the layer target's width")
     d.add_argument("--head-dim", type=_positive(int), default=32, help="the layer target's head size")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -2,10 +2,11 @@
 cache holds, at several context lengths and batch sizes, for one attention layer and for whole LM shapes.
 
 A row prefills ``context`` tokens through the layer's or model's decoding cache (:mod:`mgk.attention.cache`), then
-times single-token steps (the median of ``steps`` after two untimed ones): for a model a step is the new token's
-next-token log-probabilities (adaptive softmax included) and its argmax, as one step of greedy generation. The
-cache's bytes are counted from the tensors it holds for the tokens seen (``cache_bytes``; ``cache_bytes_allocated``
-also counts the slots reserved ahead) and set beside the registry's formula
+times single-token steps (the median of ``steps`` after :data:`WARMUP_STEPS` untimed ones: the first steps after a
+prefill run slower): for a model a step is the new token's next-token log-probabilities (adaptive softmax
+included) and its argmax, as one step of greedy generation. The cache's bytes are counted from the tensors it holds
+for the tokens seen (``cache_bytes``; ``cache_bytes_allocated`` also counts the slots reserved ahead) and set beside
+the registry's formula
 (:meth:`mgk.attention.cache_spec.CacheSpec.cache_bytes`, ``cache_bytes_formula``), which they must equal.
 
 Targets: ``layer`` (one attention module of width ``--embed-dim`` with heads of ``--head-dim``, as ``mgk bench
@@ -26,7 +27,7 @@ from .model import bench_task, kind_overrides, run_row
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,linear:8,mlk:4"
 DEFAULT_TARGETS = ("layer", "lm-small", "wt103-paper")
-WARMUP_STEPS = 2
+WARMUP_STEPS = 8  # the first steps after a prefill run slower (measured: 3.4 ms settling to 2.2 over about 5)
 
 
 def _sync(device: torch.device) -> None:

@@ -299,12 +299,16 @@ def _run(query, key, value, log_pi, keep, is_causal, form: LinearForm, chunk_siz
         check_same("feature_map(query)", phi_q.shape[-1], "feature_map(key)", phi_k.shape[-1], "feature size D'")
         if keep is not None:
             v = torch.where(keep.unsqueeze(-1), v, zero)
+        new_state = final_state(prior, phi_k, v, keep) if final else None
         if backend == "explicit":
             out, weights = _explicit(phi_q, phi_k, v, is_causal, form, empty)
         else:
-            num, den = _sums(phi_q, phi_k, v, is_causal, chunk_size, prior)
+            if new_state is not None and L == 1:
+                # a decoding step: its one query sees every key (causal or not), so its sums are the new state's
+                num, den = phi_q @ new_state.kv, (phi_q @ new_state.k_sum.unsqueeze(-1)).squeeze(-1)
+            else:
+                num, den = _sums(phi_q, phi_k, v, is_causal, chunk_size, prior)
             out = _finish(num, den.unsqueeze(-1), form, empty)
-        new_state = final_state(prior, phi_k, v, keep) if final else None
     out = out.to(out_dtype)
     if return_weights:
         return out, weights.to(out_dtype)
