@@ -275,3 +275,44 @@ def test_gated_heads_and_components_decode_as_the_gated_forward(kind, options):
     for k, out in zip(STEPS, outs[1:]):
         t += k
         _close(out, _uncached(m, x[:, :t])[:, -k:], scale, f"step to {t}")
+
+
+MIXTURE_CASES = [(k, v) for k, v in CASES if get_kind(k).family == "mixture"]
+
+
+@pytest.mark.parametrize("kind,options", MIXTURE_CASES, ids=[variant_name(k, v) for k, v in MIXTURE_CASES])
+def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32_rounding(kind, options):
+    """A beginning-of-sequence token far from the rest (its input of norm 1000: query and key far) prefilled alone,
+    as ``generate`` from BOS does, then single tokens; and in a left-padded batch beside a longer prompt. The one
+    token's centre is provisional: the second token's query replaces it and the first token's entries are remade,
+    so every step is within 1e-5 of the float64 module's uncached forward (with the first query kept as the centre
+    the steps were off by about 3 eps 1000^2 / (2 sigma^2))."""
+    m = _module(kind, options)
+    torch.manual_seed(3)
+    T = 12
+    x = torch.randn(2, T, E)
+    far = torch.randn(E)
+    x[:, 0] = far / far.norm() * 1000
+    x[1, 1:4] = float("nan")  # row 1: left padding ...
+    x[1, 4] = x[0, 0]  # ... then its own far first token
+    pad = torch.zeros(2, T, dtype=torch.bool)
+    pad[1, 1:5] = True  # row 1's prompt is the far token at 4 alone (slots 0-4 as padding but for it)
+    pad[1, 4] = False
+    pad[1, 0] = True
+    want = m.double()
+    alone = [x[0:1].double(), x[1:2, 4:].double()]
+    reference = [want(r, need_weights=False, is_causal=True)[0].float() for r in alone]
+    m.float()
+    for rows, mask, prefill in (([0], None, 1), ([0, 1], pad[:, :5], 5)):
+        cache, outs = m.new_cache(), []
+        with torch.no_grad():
+            outs.append(m(x[rows, :prefill], past_key_values=cache, is_causal=True, need_weights=False,
+                          key_padding_mask=mask)[0])
+            for t in range(prefill, T):
+                outs.append(m(x[rows, t:t + 1], past_key_values=cache, is_causal=True, need_weights=False)[0])
+        got = torch.cat(outs, dim=1)
+        for i, b in enumerate(rows):
+            start = 0 if b == 0 else 4
+            torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=1e-5, rtol=1e-6,
+                                       msg=lambda s, b=b: f"row {b}: {s}")
+        assert not cache.provisional and cache._raw == []

@@ -76,6 +76,28 @@ def test_far_first_key_under_causality_keeps_every_row_within_1e5(backend, asser
     assert_close(backend, ref, mgk_attention(q, k, v, is_causal=True, backend=backend), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("same_direction", [True, False], ids=["together", "apart"])
+@pytest.mark.parametrize("mask_kind", ["none", "left_padding", "block_diagonal"])
+def test_a_far_first_token_as_query_and_key_keeps_every_row_within_1e5(backend, mask_kind, same_direction,
+                                                                       assert_close):
+    """A beginning-of-sequence token ("attention sink") whose hidden state is far from the others' makes both its
+    query and its key far (distance 1000; together, or in different directions). Centred on that first query, every
+    row was off by about 3 eps 1000^2 / (2 sigma^2) (1.8e-2 measured); the centre is the first row that sees two
+    keys. With left padding the far token is each sequence's first real one."""
+    mask = MASKS[mask_kind]()
+    skip_if_refused(backend, mask=mask)
+    q, k, v = _inputs(31, 100.0, None)
+    g = torch.Generator().manual_seed(32)
+    for b, first in ((0, 0), (1, 3 if mask_kind == "left_padding" else 0)):
+        dq, dk = torch.randn(D, generator=g), torch.randn(D, generator=g)
+        dk = dq if same_direction else dk
+        q[b, :, first] = q[b, :, first] + dq / dq.norm() * 1000
+        k[b, :, :, first] = k[b, :, :, first] + dk / dk.norm() * 1000
+    ref = _reference(q, k, v, mask=mask, is_causal=True)
+    got = mgk_attention(q, k, v, attn_mask=mask, is_causal=True, backend=backend)
+    assert_close(f"{backend} far first token ({mask_kind})", ref, got, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("mask_kind", list(MASKS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_offsets_and_far_keys_stay_within_float32_rounding(backend, mask_kind, causal, assert_close):
@@ -170,16 +192,26 @@ def test_a_sequence_does_not_depend_on_its_batch_neighbours(backend, assert_clos
         assert_close(f"{backend} causal={causal}", alone, out[1:], atol=1e-6, rtol=0)
 
 
-def test_the_causal_centre_is_the_first_attending_query():
+def test_the_causal_centre_is_the_query_of_the_first_row_that_sees_two_keys():
+    """Row 0 sees one key, whose value it returns whatever the centre; row 1 is the first whose output the centre
+    can change. With left padding that is the second real token; a sequence with one real token falls back to it,
+    one with none to 0, and so does a non-finite chosen query."""
     q, k, _ = _inputs(2, 10.0, 0)
-    assert torch.equal(mgk_centre(q, k, is_causal=True), q[:, :, 0])
+    assert torch.equal(mgk_centre(q, k, is_causal=True), q[:, :, 1])
     mask = padding_mask([L, L - 3], L, left=True)
     c = mgk_centre(q, k, attn_mask=mask, is_causal=True)
-    assert torch.equal(c[0], q[0, :, 0]) and torch.equal(c[1], q[1, :, 3])
-    q[1, :, 3] = float("nan")  # a non-finite first query: no centring for that sequence (still causal)
+    assert torch.equal(c[0], q[0, :, 1]) and torch.equal(c[1], q[1, :, 4])
+    one = padding_mask([L, 1], L, left=True)  # sequence 1: a single real token, at L - 1
+    c = mgk_centre(q, k, attn_mask=one, is_causal=True)
+    assert torch.equal(c[1], q[1, :, L - 1])
+    assert torch.equal(mgk_centre(q[:, :, :1], k[:, :, :, :1], is_causal=True), q[:, :, 0])  # a one-token prefill
+    q[1, :, 4] = float("nan")  # a non-finite chosen query: no centring for that sequence (still causal)
     assert (mgk_centre(q, k, attn_mask=mask, is_causal=True)[1] == 0).all()
     empty = torch.zeros(1, 1, 1, L, dtype=torch.bool)
     assert (mgk_centre(q, k, attn_mask=empty, is_causal=True) == 0).all()
+    packed = torch.ones(1, 1, L, L, dtype=torch.bool)
+    packed[..., 1, 0] = False  # a query-dependent mask: row 1 sees only itself, row 2 is the first to see two keys
+    assert torch.equal(mgk_centre(q[:1], k[:1], attn_mask=packed, is_causal=True), q[:1, :, 2])
 
 
 def test_the_centre_skips_padded_query_rows_and_far_queries_without_causality():
@@ -224,3 +256,44 @@ def test_centre_is_checked():
         mgk_responsibilities(q, k, centre=torch.zeros(D + 1))
     shared = torch.zeros(D)  # broadcast to every (batch, head): no centring
     torch.testing.assert_close(mgk_attention(q, k, v, centre=shared), mgk_attention(q, k, v), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("prompt", [0, 1, 2, 5])
+@pytest.mark.parametrize("chunks", [(1, 1, 1, 1, 1, 1, 1), (3, 1, 2, 1)], ids=["tokens", "chunks"])
+def test_a_cache_centre_tracked_through_steps_is_the_centre_of_the_whole_sequence(prompt, chunks):
+    """mgk_cache_centre from the prefill on, then after each step: equal (bitwise) to mgk_centre of everything seen
+    so far, causal, for rows whose prompts hold 0, 1, 2 or 5 real tokens after left padding and padded steps; and
+    it reports as changed exactly the rows whose centre moved."""
+    from mgk.functional import mgk_cache_centre
+
+    P = 5
+    T = P + sum(chunks)
+    g = torch.Generator().manual_seed(prompt)
+    q, k = torch.randn(3, H, T, D, generator=g), torch.randn(3, H, M, T, D, generator=g)
+    valid = torch.ones(3, T, dtype=torch.bool)
+    valid[0, :P - prompt] = False  # row 0: left-padded prompt of ``prompt`` real tokens
+    valid[1, P + 1] = False  # row 1: a padded step (a finished row, say)
+    valid[2, :P] = False  # row 2: no prompt at all
+    centre, changed = mgk_cache_centre(q[:, :, :P], None, key_valid=valid[:, :0], valid=valid[:, :P])
+    assert changed.all()
+    t = P
+    for n in (0, *chunks):
+        if n:
+            previous = centre
+            centre, changed = mgk_cache_centre(q[:, :, t:t + n], centre, key_valid=valid[:, :t],
+                                               valid=valid[:, t:t + n])
+            assert torch.equal(changed, (previous != centre).flatten(1).any(dim=1)), t
+            t += n
+        whole = mgk_centre(q[:, :, :t], k[:, :, :, :t], attn_mask=valid[:, None, None, :t], is_causal=True)
+        assert torch.equal(centre, whole), t
+
+
+def test_a_cache_centre_names_its_wrong_arguments():
+    from mgk.functional import mgk_cache_centre
+
+    q = torch.randn(2, H, 1, D)
+    with pytest.raises(ValueError, match="key_valid must be a bool tensor"):
+        mgk_cache_centre(q, None, key_valid=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="valid must be a bool tensor"):
+        mgk_cache_centre(q, None, key_valid=torch.ones(2, 3, dtype=torch.bool),
+                         valid=torch.ones(2, 2, dtype=torch.bool))

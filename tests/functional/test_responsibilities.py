@@ -124,3 +124,22 @@ def test_all_queries_padded_gives_zero():
     q, k = _setup(M=2, seed=11)
     resp, count = mgk_responsibilities(q, k, query_mask=torch.zeros(2, 4, dtype=torch.bool))
     assert (resp == 0).all() and (count == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["kernel", "explicit"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [(0,), (1,), (0, 1), (2, 3)], ids=lambda p: "rows" + "".join(map(str, p)))
+def test_padded_queries_never_set_the_centre(padded, causal, backend):
+    """Whichever rows the query mask pads (the first ones included, which a causal centre would otherwise read), their
+    content (1e30, NaN) changes no statistic: the centre is chosen among real queries only. float32, so that a
+    centre on a 1e30 query could not go unnoticed."""
+    q, k = _setup(M=2, seed=9, dtype=torch.float32)
+    qmask = torch.ones(2, 4, dtype=torch.bool)
+    qmask[1, list(padded)] = False
+    resp, count = mgk_responsibilities(q, k, query_mask=qmask, is_causal=causal, backend=backend)
+    for content in (1e30, math.nan, 1e3):
+        q2 = q.clone()
+        q2[1, :, list(padded)] = content
+        resp2, count2 = mgk_responsibilities(q2, k, query_mask=qmask, is_causal=causal, backend=backend)
+        assert torch.equal(count, count2)
+        torch.testing.assert_close(resp2, resp, atol=0, rtol=0, msg=lambda s, c=content: f"content {c}: {s}")

@@ -192,13 +192,54 @@ class KVCache(SlotCache):
 
 class MixtureKeyCache(SlotCache):
     """MGK's component keys, centred and scaled (B, H, M, T, D), their scalars (B, H, M, T), the values
-    (B, H, T, Dv) and the prefill's centre (B, H, D) (:func:`mgk.functional.mgk_cache_entries`)."""
+    (B, H, T, Dv) and the centre (B, H, D) (:func:`mgk.functional.mgk_cache_entries`).
+
+    The centre is fixed once a row has seen two real tokens (:func:`mgk.functional.mgk_cache_centre`). Until every
+    row has, the cache also keeps the uncentred keys and log priors it was given (:meth:`keep_raw`), from which a
+    row's entries are made anew when its centre changes (:meth:`rewrite`): usually one token, after a prefill of
+    one."""
 
     SLOTS = {"keys": 3, "key_bias": 3, "values": 2}
 
     def __init__(self, capacity: int | None = None):
         super().__init__(capacity)
         self.centre: Tensor | None = None
+        self.provisional = True  # some row may still change its centre (known on the host, no sync per step)
+        self._raw: list[tuple[Tensor, Tensor | None]] = []
+
+    def key_valid(self) -> Tensor:
+        """(B, T) bool, True = a real token, over the slots in use (call after :meth:`bind`)."""
+        if self._valid is None:
+            return torch.zeros(self.batch_size, 0, dtype=torch.bool, device=self.seen.device)
+        return self._valid[:, :self.length]
+
+    def keep_raw(self, key: Tensor, log_pi: Tensor | None) -> None:
+        """Keep L new tokens' uncentred keys (as the layer projects them, slot dimension that of ``keys``) and log
+        priors (broadcastable to (B, H, M, L), or None), while some row's centre is provisional; forget them all
+        once none is."""
+        if not self.provisional:
+            self._raw = []
+            return
+        L = key.shape[self.SLOTS["keys"]]
+        shape = (key.shape[0], key.shape[1], self._buffers["key_bias"].shape[2], L)
+        self._raw.append((key.detach(), None if log_pi is None else log_pi.detach().expand(shape)))
+
+    def raw(self) -> tuple[Tensor, Tensor | None]:
+        """The kept keys and log priors of every slot in use, concatenated along their slot dimensions."""
+        keys = torch.cat([k for k, _ in self._raw], dim=self.SLOTS["keys"])
+        priors = [p for _, p in self._raw]
+        return keys, (None if priors[0] is None else torch.cat(priors, dim=3))
+
+    def rewrite(self, rows: Tensor, **entries: Tensor) -> None:
+        """Replace the entries of the slots in use for the rows ``rows`` (B,) bool (padding slots stay zero)."""
+        for name, x in entries.items():
+            dim = self.SLOTS[name]
+            view = self._buffers[name].narrow(dim, 0, self.length)
+            shape = [1] * x.dim()
+            shape[0], shape[dim] = x.shape[0], self.length
+            keep = (rows.view(-1, *([1] * (x.dim() - 1))) & self._valid[:, :self.length].reshape(
+                x.shape[0], *shape[1:]))
+            view.copy_(torch.where(keep, x.detach().to(view.dtype), view))
 
 
 class ShiftedKeyCache(MixtureKeyCache):

@@ -9,8 +9,8 @@ from torch import Tensor, nn
 
 from ..functional import _mixture_flash
 from ..functional._soft_e import mgk_attention_soft_e
-from ..functional.mgk import _transformed, mgk_attention, mgk_centre, mgk_responsibilities
-from ..functional.mgk_cache import mgk_attention_cached, mgk_cache_entries
+from ..functional.mgk import _transformed, mgk_attention, mgk_responsibilities
+from ..functional.mgk_cache import mgk_attention_cached, mgk_cache_centre, mgk_cache_entries
 from .base import AttentionBase, _positive_int
 from .cache import MixtureKeyCache, ShiftedKeyCache
 from .mixture_keys import KEY_MODES, PI_MODES, PI_NORMS, PI_SHAPES, MixtureKeys, MixtureKeysMixin
@@ -151,30 +151,38 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     def _cached_core(self, q, x, v, valid, cache: MixtureKeyCache):
         """Prefill: the uncached attention with its causal centre, which the cache keeps; then steps over the
         cache's entries (:mod:`mgk.functional.mgk_cache`). Per-position weights are read at each row's positions.
-        No Soft-E statistics are gathered."""
+        A row's centre stays provisional until it has seen two real tokens, and its entries are remade from the
+        kept raw keys when it changes (:func:`mgk.functional.mgk_cache_centre`). No Soft-E statistics."""
         L = x.shape[1]
         self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
         log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
-        mixture = "max" if self.pi_mode == "hard_e" else "sum"
+        entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
+                             shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
-        shifts = self.mixture.shifts() if self.keys == "shifted" else None
         first = cache.centre is None
+        if cache.provisional:
+            cache.centre, changed = mgk_cache_centre(q, cache.centre, key_valid=cache.key_valid(), valid=valid)
+            if not first and bool(changed.any()):
+                old_base, old_log_pi = cache.raw()
+                keys, key_bias = mgk_cache_entries(old_base, centre=cache.centre, log_pi=old_log_pi, **entry_options)
+                cache.rewrite(changed, keys=keys, key_bias=key_bias)
         if first:
+            shifts = entry_options["shifts"]
             k = base if shifts is None else self.mixture.shift(base)
             mask = None if valid is None else valid[:, None, None, :]
-            cache.centre = mgk_centre(q, k, attn_mask=mask, is_causal=True)
-            out = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
-                                is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
+            out = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=entry_options["mixture"],
+                                attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
                                 centre=cache.centre)
-        keys, key_bias = mgk_cache_entries(base, centre=cache.centre, log_pi=log_pi, sigma2=self.sigma2,
-                                           mixture=mixture, shifts=shifts)
+        keys, key_bias = mgk_cache_entries(base, centre=cache.centre, log_pi=log_pi, **entry_options)
         entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
+        if cache.provisional:
+            cache.provisional = bool((cache.seen < 2).any())
+            cache.keep_raw(base, log_pi)
         if first:
             return out
         return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"], centre=cache.centre,
-                                    sigma2=self.sigma2, shifts=shifts, mixture=mixture,
-                                    attn_mask=cache.attn_mask(), is_causal=True,
-                                    dropout_p=self.attn_dropout).to(v.dtype)
+                                    attn_mask=cache.attn_mask(), is_causal=True, dropout_p=self.attn_dropout,
+                                    **entry_options).to(v.dtype)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
         log_pi = self.mixture_log_weights(k.shape[3])

@@ -14,8 +14,13 @@ pull any key statistic away from the queries.
 
 The choice, per (batch, head), from queries only (never from a key, never from a masked row):
 
-* ``is_causal``: the query of the first row that may attend to some key. Every row before it sees no key (its output
-  is zero whatever the centre), so the outputs at t depend only on positions <= t, bitwise. When that query is not
+* ``is_causal``: the query of the first row that may attend to two keys or more, else (no such row) of the first
+  that may attend to one. A row that sees a single key returns that key's value whatever the centre (its weight is
+  exp(s - s) = 1 up to the rounding of a sum of M terms), so rows before the chosen one do not depend on it, and
+  the outputs at t depend only on positions <= max(t, r) for the chosen row r (bitwise for t >= r). The first row
+  is not chosen because it is the one most likely to be far: a beginning-of-sequence token whose hidden state has
+  a large norm ("attention sink") makes both its query and its key far, and centring on that query cost every row
+  of the sequence about ``3 eps R^2 / (2 sigma^2)`` (1.8e-2 measured at R = 1000). When the chosen query is not
   finite (its squared norm overflows or is NaN) the centre is 0, which depends on nothing.
 * otherwise: among the rows that may attend to some key and whose query has a finite squared norm, the query
   nearest to their mean. A minority of far queries pulls the mean by their share of the distance, but the centre is
@@ -23,16 +28,18 @@ The choice, per (batch, head), from queries only (never from a key, never from a
   position is a key some row may attend to are used when there are any, so padded query rows, which a caller may
   fill with anything (1e30, NaN), never set it.
 
-Limits: under ``is_causal`` a far query at that first row (distance R from the others) costs every row of the
-sequence about ``3 eps R^2 / (2 sigma^2)``: a causal centre can only depend on that row. Without causality the
-choice fails only when far queries are about as many as the others. A row whose every visible key is far from the
-centre (row 0 when key 0 is the far one) has scores of large magnitude; every path normalises a row by its own
-computed sum, so a row that sees one key still gives exactly that key's value, and a query far from every key gets
-nearly one-hot weights, which the rounding of such scores does not move.
+Limits: under ``is_causal`` a far query at the chosen row (distance R from the others: two far tokens first)
+costs every row of the sequence about ``3 eps R^2 / (2 sigma^2)``: a causal centre can only depend on that row.
+Without causality the choice fails only when far queries are about as many as the others. A row whose every
+visible key is far from the centre has scores of large magnitude; every path normalises a row by its own computed
+sum, so a row that sees one key still gives that key's value, and a query far from every key gets nearly one-hot
+weights, which the rounding of such scores does not move.
 
-Decoding: the centre of a prefill (causal) is that of its first attending row, so it stays valid for every later
-step: a caller computes it once with :func:`mgk.functional.mgk_centre` and passes it as ``centre=`` to each step
-instead of re-centring the cached keys (which would cost more than the attention of one token).
+Decoding: the centre of a prefill (causal) stays valid for every later step once each row has seen two real
+tokens: a caller computes it once with :func:`mgk.functional.mgk_centre` and passes it as ``centre=`` to each step
+instead of re-centring the cached keys (which would cost more than the attention of one token). A row that has seen
+fewer (a prefill of one token) gets its centre from its next real token
+(:func:`mgk.functional.mgk_cache_centre`), and only its few cached entries are made anew.
 
 Cost: under ``is_causal`` O(B H S) for key masks (O(B H L S) bool work for masks that depend on the query, whose
 ``any`` the masking needs anyway) and O(B H D) for the chosen row; otherwise about three passes over the queries,
@@ -44,21 +51,30 @@ import torch
 from torch import Tensor
 
 
-def _first_row(mask: Tensor | None, L: int, S: int, device) -> Tensor:
-    """(B?, H?) int64: the first query row that may attend to some key under bottom-right causality and ``mask``
-    (bool, 4 dims broadcastable to (B, H, L, S), True = may attend); L when none may."""
+def _visible_counts(mask: Tensor | None, L: int, S: int, device) -> Tensor:
+    """(B?, H?, L) int: how many keys each query row may attend to under bottom-right causality (row i sees key j
+    iff j <= i + S - L) and ``mask`` (bool, 4 dims broadcastable to (B, H, L, S), True = may attend)."""
+    last = torch.arange(L, device=device) + (S - L)  # the last key each row may see
     if mask is None:
-        return torch.full((1, 1), max(0, L - S) if S > 0 else L, dtype=torch.int64, device=device)
-    if mask.shape[-2] == 1:  # key padding: row i sees key j iff j <= i + S - L
+        return (last + 1).clamp(0, S).view(1, 1, L)
+    if mask.shape[-2] == 1:  # key padding: the live keys up to each row's last
         alive = mask[..., 0, :].expand(*mask.shape[:-2], S)
-        first_key = alive.to(torch.int8).argmax(dim=-1)
-        row = (first_key - (S - L)).clamp_min(0)
-    else:
-        causal = torch.arange(S, device=device) <= (torch.arange(L, device=device) + (S - L)).unsqueeze(-1)
-        sees = (mask & causal).any(dim=-1)
-        alive, row = sees, sees.to(torch.int8).argmax(dim=-1)
-    none = ~alive.any(dim=-1) | (row >= L)
-    return torch.where(none, torch.full((), L, dtype=row.dtype, device=device), row)
+        if S == 0:
+            return torch.zeros(*alive.shape[:-1], L, dtype=torch.int64, device=device)
+        seen = alive.to(torch.int64).cumsum(dim=-1)[..., last.clamp(0, S - 1)]
+        return torch.where(last >= 0, seen, torch.zeros((), dtype=seen.dtype, device=device))
+    causal = torch.arange(S, device=device) <= last.unsqueeze(-1)
+    return (mask & causal).sum(dim=-1)
+
+
+def _first_row(mask: Tensor | None, L: int, S: int, device, n: int = 1, query_ok: Tensor | None = None) -> Tensor:
+    """(B?, H?) int64: the first query row (among ``query_ok`` (B?, H?, L) bool, None = all) that may attend to at
+    least ``n`` keys (:func:`_visible_counts`); L when none may."""
+    sees = _visible_counts(mask, L, S, device) >= n
+    if query_ok is not None:
+        sees = sees & query_ok
+    row = sees.to(torch.int8).argmax(dim=-1)
+    return torch.where(sees.any(dim=-1), row, torch.full((), L, dtype=row.dtype, device=device))
 
 
 def _row(q: Tensor, index: Tensor) -> Tensor:
@@ -68,18 +84,21 @@ def _row(q: Tensor, index: Tensor) -> Tensor:
     return q.gather(2, index[..., None, None].expand(B, H, 1, D))[:, :, 0]
 
 
-def _causal_centre(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+def _causal_centre(q: Tensor, mask: Tensor | None, S: int, query_ok: Tensor | None) -> Tensor:
     B, H, L, _ = q.shape
-    first = _first_row(mask, L, S, q.device).expand(B, H)
+    second = _first_row(mask, L, S, q.device, 2, query_ok).expand(B, H)
+    first = torch.where(second < L, second, _first_row(mask, L, S, q.device, 1, query_ok).expand(B, H))
     row = _row(q, first.clamp_max(L - 1))
     ok = (first < L) & torch.isfinite((row * row).sum(-1))
     return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
-def _central_query(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
+def _central_query(q: Tensor, mask: Tensor | None, S: int, query_ok: Tensor | None) -> Tensor:
     L = q.shape[2]
     qq = (q * q).sum(-1)
     rows = torch.isfinite(qq)  # (B, H, L): NaN, inf and overflowing rows are never chosen
+    if query_ok is not None:
+        rows = rows & query_ok
     if mask is not None:
         sees = mask.any(dim=-1)  # (B?, H?, L?)
         if L == S:  # self-attention: prefer rows whose own position is a real key
@@ -99,14 +118,19 @@ def _central_query(q: Tensor, mask: Tensor | None, S: int) -> Tensor:
     return torch.where(n > 0, row, zero)
 
 
-def choose_centre(q: Tensor, mask: Tensor | None, is_causal: bool, S: int) -> Tensor:
+def choose_centre(q: Tensor, mask: Tensor | None, is_causal: bool, S: int, query_ok: Tensor | None = None) -> Tensor:
     """The (B, H, D) centre of queries q (B, H, L, D) attending to S keys under ``mask`` (checked, bool, 4 dims or
-    None) and bottom-right ``is_causal``; detached, in q's dtype. See the module docstring for the rule."""
+    None) and bottom-right ``is_causal``; detached, in q's dtype. ``query_ok``: bool broadcastable to (B, H, L), True
+    = a real query (padded query rows that the mask does not mark are then never chosen), or None. See the module
+    docstring for the rule."""
     q = q.detach()
     if q.shape[2] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[3])
     with torch.no_grad():
-        return _causal_centre(q, mask, S) if is_causal else _central_query(q, mask, S)
+        if query_ok is not None:
+            query_ok = query_ok.reshape((1,) * (3 - query_ok.dim()) + tuple(query_ok.shape))
+        return (_causal_centre(q, mask, S, query_ok) if is_causal
+                else _central_query(q, mask, S, query_ok))
 
 
 def check_centre(centre, B: int, H: int, D: int, dtype, device) -> Tensor:

@@ -46,7 +46,8 @@ def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: T
         q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, H, M, D)
         if _choose(None, q, k, v, s2, log_prior, mask, None, "sum", dropout_p, False) != "kernel":
             return None
-        q, k = apply_centre(q, k, choose_centre(q, mask, is_causal, S))
+        q, k = apply_centre(q, k, choose_centre(q, mask, is_causal, S,
+                                                None if query_mask is None else query_mask.view(B, 1, L)))
         call = _mgk_backends.Call(bool(is_causal), "sum", float(dropout_p), False, 512)
         q, k, v, mask, empty = _mgk_backends._inert(q, k, v, mask, call, fused_causal=call.is_causal)
         bias = _mgk_backends._key_bias(k, s2, log_prior, mask, None, False, float("-inf"))

@@ -195,10 +195,10 @@ def _bias(bias, mask, B, H, L, S):
     return _masks.fold_bias(mask, _masks.check_bias(bias, "bias", B, H, L, S))
 
 
-def _centre_of(centre, q, mask, is_causal, S):
+def _centre_of(centre, q, mask, is_causal, S, query_ok=None):
     B, H, _, D = q.shape
     if centre is None:
-        return choose_centre(q, mask, is_causal, S)
+        return choose_centre(q, mask, is_causal, S, query_ok)
     return check_centre(centre, B, H, D, q.dtype, q.device)
 
 
@@ -288,8 +288,10 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
 def mgk_centre(query: Tensor, key: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
     """The (B, H, D) vector :func:`mgk_attention` subtracts from query (B, H, L, D) and key (B, H, M, S, D) when
     ``centre`` is None (detached; float32 for 16-bit inputs): under ``is_causal`` the query of the first row that
-    may attend to some key, otherwise the query of such a row nearest to their mean (see
-    :mod:`mgk.functional._centre` for why). A decoder computes it at prefill and passes it to every later step.
+    may attend to two keys (else to one: a far first token, an "attention sink", is not the centre), otherwise the
+    query of a row that may attend to some key nearest to their mean (see :mod:`mgk.functional._centre` for why). A
+    decoder computes it at prefill and passes it to every later step (:func:`mgk_cache_centre` while a row has seen
+    fewer than two tokens).
 
     Raises ValueError / MaskError as :func:`mgk_attention` for the shapes, dtypes and mask."""
     check_arguments(is_causal=is_causal)
@@ -308,8 +310,9 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
     ``gamma_ijr = softmax_r(log pi_jr - |q_i - k_jr|^2 / (2 sigma_r^2))`` is the responsibility of component r for
     the pair (i, j). Returns sums over the batch and over every query allowed to attend to j, and their counts:
 
-    Args: as :func:`mgk_attention` (the same centre, so the same numbers as its scores); ``query_mask`` bool
-        (B, L), True = real query (padded queries contribute no responsibility). A key whose every component has
+    Args: as :func:`mgk_attention` (the same centre, so the same numbers as its scores, unless a padded query that
+        ``attn_mask`` does not mark would have been chosen); ``query_mask`` bool (B, L), True = real query (padded
+        queries contribute no responsibility and never set the centre). A key whose every component has
         log_pi = -inf is a masked key (no responsibility, no count).
     Returns:
         ``(resp_sum, count)``: float32 (or float64) tensors of shapes (H, M, S) and (H, S). The Soft-E update is
@@ -331,7 +334,8 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
         q, k, _, s2, log_prior = _inputs(query.detach(), key.detach(), None, log_pi, sigma2, H, M, D)
         log_prior = log_prior.detach()
         name = _choose_statistics(backend, q, k, s2, log_prior, mask)
-        q, k = apply_centre(q, k, _centre_of(centre, q, mask, is_causal, S))  # they, too, depend only on q - k
+        query_ok = None if query_mask is None else query_mask.view(B, 1, L)  # padded queries never set the centre
+        q, k = apply_centre(q, k, _centre_of(centre, q, mask, is_causal, S, query_ok))  # they depend only on q - k
         if log_pi is not None:  # a key with every component switched off is a masked key
             live = (log_prior > float("-inf")).any(dim=2, keepdim=True)
             mask = live if mask is None else mask & live

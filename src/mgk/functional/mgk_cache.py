@@ -28,12 +28,12 @@ from torch import Tensor
 
 from . import _mixture_decode
 from . import masks as _masks
-from ._centre import check_centre
+from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
 from ._mgk_backends import _chunks, _per_component, needs_qnorm
 from .mgk import MIXTURES, _log_prior, _variances
 
-__all__ = ["mgk_attention_cached", "mgk_cache_entries"]
+__all__ = ["mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries"]
 
 
 def _check_shifts(shifts, M: int | None, H: int, D: int) -> Tensor | None:
@@ -94,6 +94,48 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
             return k, bias
         bias = prior - (k * k).sum(-1) * half
         return k * (2.0 * half).unsqueeze(-1), bias
+
+
+def mgk_cache_centre(query: Tensor, centre: Tensor | None, *, key_valid: Tensor,
+                     valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The centre of a decoding cache after L new tokens, and the rows whose centre it changed.
+
+    Under causality :func:`mgk.functional.mgk_centre` takes the query of the first row that sees two keys (a row
+    that sees one key returns that key's value whatever the centre), falling back to the first row that sees one.
+    A cache row that has seen fewer than two real tokens therefore holds a provisional centre, which its next real
+    tokens replace: this function gives every row the centre that ``mgk_centre`` would give its whole sequence, so
+    that a prefill of one token (a beginning-of-sequence token, often far from the rest) followed by steps equals the
+    uncached call. A row's cached entries must then be made anew with the new centre (only rows that had seen fewer
+    than two real tokens change).
+
+    Args:
+        query: (B, H, L, D) the new tokens' queries.
+        centre: (B, H, D) the cache's centre, or None before its first call.
+        key_valid: (B, T) bool, True = a real token, over the T slots the cache holds (T = 0 before the first call).
+        valid: (B, L) bool, True = a real new token, or None (all real).
+    Returns:
+        ``(centre, changed)``: the (B, H, D) centre (detached, query's compute dtype) and (B,) bool, True where it
+        differs from the given one (every row on the first call).
+    Raises:
+        ValueError naming the argument for wrong shapes or dtypes.
+    """
+    check_tensor(query, "query", 4, "(B, H, L, D)")
+    B, H, L, D = query.shape
+    for name, t, width in (("key_valid", key_valid, None), ("valid", valid, L)):
+        if t is not None and (not isinstance(t, Tensor) or t.dtype != torch.bool or t.dim() != 2
+                              or t.shape[0] != B or (width is not None and t.shape[1] != width)):
+            what = (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a bool tensor (B, {'L' if width else 'T'}) = ({B}, "
+                             f"{width if width else 'T'}), got {what}")
+    new = torch.ones(B, L, dtype=torch.bool, device=query.device) if valid is None else valid
+    alive = torch.cat([key_valid, new], dim=1)
+    chosen = choose_centre(query.to(compute_dtype(query)), alive[:, None, None, :], True, alive.shape[1])
+    if centre is None:
+        return chosen, torch.ones(B, dtype=torch.bool, device=query.device)
+    before = key_valid.sum(dim=1)
+    changed = (before < 2) & (new.sum(dim=1) > 0)  # the rule's row lies among the new tokens exactly then
+    old = check_centre(centre, B, H, D, chosen.dtype, query.device)
+    return torch.where(changed[:, None, None], chosen, old), changed
 
 
 def _query_terms(q, s2, shifts):
