@@ -149,3 +149,37 @@ def test_calls_the_kernel_cannot_serve_take_the_gemm_form(why, kernel_calls):
         assert q.grad is not None and torch.isfinite(q.grad).all()
     if why != "dropout":
         torch.testing.assert_close(got.detach(), want, atol=1e-12, rtol=1e-12)
+
+
+_GRAD_ARGS = [(shifted, name) for shifted in (False, True)
+              for name in ("query", "keys", "key_bias", "value", "sigma2", "shifts")[:6 if shifted else 5]]
+
+
+@pytest.mark.parametrize("shifted,name", _GRAD_ARGS,
+                         ids=[f"{'shifted' if s else 'separate'}-{n}" for s, n in _GRAD_ARGS])
+def test_a_step_with_any_argument_in_an_autograd_graph_takes_the_gemm_form_and_gives_its_gradient(
+        shifted, name, kernel_calls, monkeypatch):
+    """Whichever argument requires grad (the step's tensors, or the variances or shifts, which reach the scores
+    through the query terms; the centre is detached by design), the kernel (no backward) is left out: the output has
+    the GEMM form's gradient, which is the step's finite-difference gradient (the cache's entries held fixed)."""
+    q, keys, key_bias, v, step, _ = _case(1, 2, 2, 9, 2, 3, 3, shifted, "sum", seed=13)
+    args = dict(query=q, keys=keys, key_bias=key_bias, value=v)
+
+    def out(x, use_kernel=True):
+        if not use_kernel:
+            monkeypatch.setattr(_mixture_decode, "usable", lambda *a, **k: False)
+        try:
+            given = {**args, **step, name: x}
+            return mgk_attention_cached(given.pop("query"), given.pop("keys"), given.pop("key_bias"),
+                                        given.pop("value"), **given)
+        finally:
+            monkeypatch.undo()
+
+    x = {**args, **step}[name].clone().requires_grad_(True)
+    got = out(x)
+    assert not kernel_calls and got.requires_grad
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grad, = torch.autograd.grad((got * weights).sum(), x)
+    want, = torch.autograd.grad((out(x, use_kernel=False) * weights).sum(), x)
+    torch.testing.assert_close(grad, want, atol=1e-12, rtol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: out(t), (x,))

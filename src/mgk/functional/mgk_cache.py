@@ -262,7 +262,9 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
         q = query.to(dt) - c.unsqueeze(2)
         kc, kb, v = keys.to(dt), key_bias.to(dt), value.to(dt)
         scale, rowbias = _query_terms(q, s2, shifts)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, keys, key_bias, value))
+        # the kernel has no backward: any operand in a graph (sigma2 and shifts reach it through scale and rowbias)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, kc, kb, v, scale, rowbias))
         if _mixture_decode.usable(q, v, mask, dropout_p, needs_grad):
             out = _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
                                                  is_causal=is_causal, hard=mixture == "max")
