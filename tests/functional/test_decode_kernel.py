@@ -166,14 +166,12 @@ def test_a_step_with_any_argument_in_an_autograd_graph_takes_the_gemm_form_and_g
     args = dict(query=q, keys=keys, key_bias=key_bias, value=v)
 
     def out(x, use_kernel=True):
-        if not use_kernel:
-            monkeypatch.setattr(_mixture_decode, "usable", lambda *a, **k: False)
-        try:
+        with monkeypatch.context() as patch:
+            if not use_kernel:
+                patch.setattr(_mixture_decode, "usable", lambda *a, **k: False)
             given = {**args, **step, name: x}
             return mgk_attention_cached(given.pop("query"), given.pop("keys"), given.pop("key_bias"),
                                         given.pop("value"), **given)
-        finally:
-            monkeypatch.undo()
 
     x = {**args, **step}[name].clone().requires_grad_(True)
     got = out(x)
@@ -183,3 +181,4 @@ def test_a_step_with_any_argument_in_an_autograd_graph_takes_the_gemm_form_and_g
     want, = torch.autograd.grad((out(x, use_kernel=False) * weights).sum(), x)
     torch.testing.assert_close(grad, want, atol=1e-12, rtol=1e-12)
     assert torch.autograd.gradcheck(lambda t: out(t), (x,))
+    assert not kernel_calls
