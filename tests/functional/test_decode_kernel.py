@@ -182,3 +182,45 @@ def test_a_step_with_any_argument_in_an_autograd_graph_takes_the_gemm_form_and_g
     torch.testing.assert_close(grad, want, atol=1e-12, rtol=1e-12)
     assert torch.autograd.gradcheck(lambda t: out(t), (x,))
     assert not kernel_calls
+
+
+def _bad_steps():
+    """(what is wrong, the call's arguments' changes, the name the error must carry): user errors of a step."""
+    B, H, M, S, D = 2, 2, 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    return B, H, M, S, D, [
+        ("no components", dict(keys=torch.zeros(B, H, 0, S, D), key_bias=torch.zeros(B, H, 0, S)), "key_bias"),
+        ("components differ", dict(key_bias=torch.zeros(B, H, M - 1, S)), "key_bias"),
+        ("head_dim differs", dict(keys=torch.randn(B, H, M, S, D + 1, generator=g)), "keys"),
+        ("S differs", dict(value=torch.randn(B, H, S + 1, 3, generator=g)), "value"),
+        ("integer keys", dict(keys=torch.zeros(B, H, M, S, D, dtype=torch.int64)), "keys"),
+        ("float mask", dict(attn_mask=torch.ones(B, 1, 1, S)), "attn_mask"),
+        ("mask shape", dict(attn_mask=torch.ones(B, 1, 1, S + 1, dtype=torch.bool)), "attn_mask"),
+        ("sigma2 shape", dict(sigma2=torch.ones(H + 1, M)), "sigma2"),
+        ("centre shape", dict(centre=torch.zeros(B, H, D + 1)), "centre"),
+        ("shifts shape", dict(shifts=torch.zeros(M, H, D + 1), keys=torch.randn(B, H, S, D, generator=g)), "shifts"),
+    ]
+
+
+@pytest.mark.parametrize("what", [case[0] for case in _bad_steps()[-1]])
+def test_user_errors_in_a_step_are_named_errors_raised_before_the_kernel(what, kernel_calls):
+    """A wrong shape, dtype or mask is a ValueError (MaskError) naming the argument, raised in Python: never the
+    kernel's own checks nor a RuntimeError from deep inside (no mixture components used to be one)."""
+    B, H, M, S, D, cases = _bad_steps()
+    change, name = next((c, n) for w, c, n in cases if w == what)
+    g = torch.Generator().manual_seed(1)
+    args = dict(query=torch.randn(B, H, 1, D, generator=g), keys=torch.randn(B, H, M, S, D, generator=g),
+                key_bias=torch.randn(B, H, M, S, generator=g), value=torch.randn(B, H, S, 3, generator=g),
+                centre=torch.zeros(B, H, D))
+    args.update(change)
+    with pytest.raises(ValueError, match=name):
+        mgk_attention_cached(args.pop("query"), args.pop("keys"), args.pop("key_bias"), args.pop("value"), **args)
+    assert not kernel_calls
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
+def test_cache_entries_of_no_components_are_refused_naming_the_argument(shifted):
+    B, H, S, D = 2, 2, 5, 4
+    key = torch.randn(B, H, S, D) if shifted else torch.randn(B, H, 0, S, D)
+    with pytest.raises(ValueError, match=f"{'shifts' if shifted else 'key'} must hold at least one"):
+        mgk_cache_entries(key, centre=torch.zeros(B, H, D), shifts=torch.zeros(0, H, D) if shifted else None)

@@ -47,6 +47,11 @@ def _check_shifts(shifts, M: int | None, H: int, D: int) -> Tensor | None:
     return shifts
 
 
+def _check_components(M: int, name: str) -> None:
+    if M < 1:
+        raise ValueError(f"{name} must hold at least one mixture component (M >= 1), got M = 0")
+
+
 def _check_mixture_args(mixture, log_pi) -> None:
     if mixture not in MIXTURES:
         raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
@@ -80,6 +85,7 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     S, D = key.shape[-2], key.shape[-1]
     shifts = _check_shifts(shifts, None, H, D)
     M = shifts.shape[0] if shifted else key.shape[2]
+    _check_components(M, "shifts" if shifted else "key")
     dt = compute_dtype(key)
     with torch.no_grad(), full_precision(key.device):
         c = check_centre(centre, B, H, D, dt, key.device)
@@ -219,6 +225,7 @@ def _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask):
     check_same("keys", S, "value", value.shape[2], "key length S")
     check_same("keys", S, "key_bias", key_bias.shape[-1], "key length S")
     M = key_bias.shape[2]
+    _check_components(M, "key_bias")
     if not shifted:
         check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
     _check_mixture_args(mixture, None)
