@@ -316,3 +316,20 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
             torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=1e-5, rtol=1e-6,
                                        msg=lambda s, b=b: f"row {b}: {s}")
         assert not cache.provisional and cache._raw == []
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_cached_decoding_under_vmap_over_stacked_batches_is_each_batch_decoded_alone(kind, options):
+    """torch.func.vmap over a prefill and two steps (a function of the tokens that builds its own cache): no
+    data-dependent branch on the cache's entries, and each stacked batch gets the outputs it gets alone."""
+    m = _module(kind, options)
+    torch.manual_seed(3)
+    x = torch.randn(2, 2, 7, E)
+
+    def decode(tokens):
+        outs, _ = _decode(m, tokens, 5, steps=(1, 1))
+        return torch.cat(outs, dim=1)
+
+    got = torch.func.vmap(decode)(x)
+    want = torch.stack([decode(batch) for batch in x])
+    _close(got, want, float(want.abs().max()), "vmap")

@@ -224,3 +224,32 @@ def test_cache_entries_of_no_components_are_refused_naming_the_argument(shifted)
     key = torch.randn(B, H, S, D) if shifted else torch.randn(B, H, 0, S, D)
     with pytest.raises(ValueError, match=f"{'shifts' if shifted else 'key'} must hold at least one"):
         mgk_cache_entries(key, centre=torch.zeros(B, H, D), shifts=torch.zeros(0, H, D) if shifted else None)
+
+
+@pytest.mark.parametrize("how", ["vmap", "compile"])
+def test_a_step_under_vmap_or_a_full_graph_compile_masks_dead_keys_without_reading_values(how, kernel_calls):
+    """torch.func.vmap (over stacked decoding batches) and torch.compile(fullgraph=True) see tensors with no values
+    to read: the GEMM form then folds keys whose every component is off (log pi = -inf, NaN keys there) into the
+    mask without a data-dependent branch, and gives the formula; the kernel is not used under them."""
+    N, B, H, L, S, M, D = 2, 2, 1, 1, 6, 2, 4
+    q, k, v = make_inputs(B=N * B, H=H, L=L, S=S, M=M, D=D, Dv=3, dtype=F64, seed=17)
+    log_pi = torch.full((N * B, H, M, S), -math.log(M), dtype=F64)
+    log_pi[1, ..., 2] = float("-inf")  # key 2 of row 1 is off
+    c = torch.zeros(N * B, H, D, dtype=F64)
+    keys, bias = mgk_cache_entries(k, centre=c, log_pi=log_pi)
+    keys[1, :, :, 2] = float("nan")
+    allowed = torch.ones(N * B, 1, 1, S, dtype=torch.bool)
+    allowed[1, ..., 2] = False
+    want, _ = mgk_reference(q, k, v, log_pi=log_pi, mask=allowed, log_space=True)
+
+    def step(q, keys, bias, v, c):
+        return mgk_attention_cached(q, keys, bias, v, centre=c, is_causal=True)
+
+    args = (q, keys, bias, v, c)
+    if how == "vmap":
+        got = torch.func.vmap(step)(*(t.reshape(N, B, *t.shape[1:]) for t in args)).reshape(want.shape)
+    else:
+        torch.compiler.reset()
+        got = torch.compile(step, backend="eager", fullgraph=True)(*args)
+    assert not kernel_calls
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

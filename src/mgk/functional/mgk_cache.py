@@ -31,7 +31,7 @@ from . import masks as _masks
 from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
 from ._mgk_backends import _chunks, _per_component, needs_qnorm
-from .mgk import MIXTURES, _log_prior, _variances
+from .mgk import MIXTURES, _log_prior, _transformed, _variances
 
 __all__ = ["mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries"]
 
@@ -197,10 +197,12 @@ def _rows(t: Tensor | None, a: int, b: int) -> Tensor | None:
 
 def _inert(mask, kb, mixture, is_causal: bool, L: int, S: int):
     """(mask, empty rows): causality folded into the mask, a key whose every component has log pi = -inf masked
-    (looked for first: a cache made from finite priors has none, and a step then builds no mask at all), and the
-    rows that see no key marked (their mask opened so that the softmax stays finite; the caller zeroes them).
-    Masked slots are removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
-    if mixture == "sum" and kb.numel() and bool(kb.amin() == float("-inf")):
+    (looked for first: a cache made from finite priors has none, and a step then builds no mask at all; under
+    torch.compile or a torch.func transform, whose tensors have no values to read, always), and the rows that see
+    no key marked (their mask opened so that the softmax stays finite; the caller zeroes them). Masked slots are
+    removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
+    unread = torch.compiler.is_compiling() or _transformed(kb)
+    if mixture == "sum" and kb.numel() and (unread or bool(kb.amin() == float("-inf"))):
         live = (kb > float("-inf")).any(dim=2).unsqueeze(2)  # (B, H, 1, S)
         mask = live if mask is None else mask & live
     mask = _masks.combine(mask, is_causal and L > 1, L, S, kb.device)  # one query at the end sees every key
