@@ -333,3 +333,27 @@ def test_cached_decoding_under_vmap_over_stacked_batches_is_each_batch_decoded_a
     got = torch.func.vmap(decode)(x)
     want = torch.stack([decode(batch) for batch in x])
     _close(got, want, float(want.abs().max()), "vmap")
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_a_row_whose_prompt_is_all_padding_decodes_as_its_new_tokens_alone(kind, options):
+    """A left-padded batch may hold an empty prompt: that row's prefill is padding only (NaN: inert), its outputs
+    there are finite, and its steps equal the uncached forward over its own tokens, which start at the first step;
+    the other row is unaffected."""
+    m = _module(kind, options)
+    torch.manual_seed(4)
+    P = 6
+    x = torch.randn(2, P + sum(STEPS), E)
+    pad = torch.zeros(2, P, dtype=torch.bool)
+    pad[1] = True
+    x[1, :P] = float("nan")
+    outs, cache = _decode(m, x, P, key_padding_mask=pad)
+    assert torch.isfinite(outs[0]).all()
+    assert cache.seen.tolist() == [P + sum(STEPS), sum(STEPS)]
+    for b, start in ((0, 0), (1, P)):
+        row = x[b:b + 1, start:]
+        scale = float(_uncached(m, row).abs().max())
+        t = P - start
+        for k, out in zip(STEPS, outs[1:]):
+            t += k
+            _close(out[b:b + 1], _uncached(m, row[:, :t])[:, -k:], scale, f"row {b} step to {t}")
