@@ -316,3 +316,44 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
             torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=1e-5, rtol=1e-6,
                                        msg=lambda s, b=b: f"row {b}: {s}")
         assert not cache.provisional and cache._raw == []
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_cached_decoding_under_vmap_over_stacked_batches_is_each_batch_decoded_alone(kind, options):
+    """torch.func.vmap over a prefill and two steps (a function of the tokens that builds its own cache): no
+    data-dependent branch on the cache's entries, and each stacked batch gets the outputs it gets alone."""
+    m = _module(kind, options)
+    torch.manual_seed(3)
+    x = torch.randn(2, 2, 7, E)
+
+    def decode(tokens):
+        outs, _ = _decode(m, tokens, 5, steps=(1, 1))
+        return torch.cat(outs, dim=1)
+
+    got = torch.func.vmap(decode)(x)
+    want = torch.stack([decode(batch) for batch in x])
+    _close(got, want, float(want.abs().max()), "vmap")
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=IDS)
+def test_a_row_whose_prompt_is_all_padding_decodes_as_its_new_tokens_alone(kind, options):
+    """A left-padded batch may hold an empty prompt: that row's prefill is padding only (NaN: inert), its outputs
+    there are finite, and its steps equal the uncached forward over its own tokens, which start at the first step;
+    the other row is unaffected."""
+    m = _module(kind, options)
+    torch.manual_seed(4)
+    P = 6
+    x = torch.randn(2, P + sum(STEPS), E)
+    pad = torch.zeros(2, P, dtype=torch.bool)
+    pad[1] = True
+    x[1, :P] = float("nan")
+    outs, cache = _decode(m, x, P, key_padding_mask=pad)
+    assert torch.isfinite(outs[0]).all()
+    assert cache.seen.tolist() == [P + sum(STEPS), sum(STEPS)]
+    for b, start in ((0, 0), (1, P)):
+        row = x[b:b + 1, start:]
+        scale = float(_uncached(m, row).abs().max())
+        t = P - start
+        for k, out in zip(STEPS, outs[1:]):
+            t += k
+            _close(out[b:b + 1], _uncached(m, row[:, :t])[:, -k:], scale, f"row {b} step to {t}")

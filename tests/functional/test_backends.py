@@ -207,3 +207,25 @@ def test_mixed_dtypes_are_refused_naming_both(fn):
         "step": lambda: linear_attention_step(q[:, :, 0], k4[:, :, 0], v[:, :, 0])}[fn]
     with pytest.raises(ValueError, match=r"has dtype torch\.float64 but key(_t)? has dtype torch\.float32"):
         call()
+
+
+@pytest.mark.parametrize("mixture", ["sum", "max"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_batch_row_of_padding_only_with_nan_content_is_zero_on_each_backend(backend, causal, mixture, assert_close):
+    """A left-padded batch may hold a row whose every key is padding (its prompt is empty); NaN in that row's
+    queries, keys and values is inert: its outputs are exactly zero and the other rows' outputs and gradients are the
+    float64 formula's, causal or not (the kernels' fused causal masking used to open such a row and let its NaN
+    queries through)."""
+    if backend in ("sdpa", "triton") and mixture == "max":
+        pytest.skip(f"{backend} takes no Hard-E")
+    q, k, v = make_inputs(B=3, H=2, L=6, S=6, M=2, D=4, Dv=3, dtype=F64, seed=21)
+    mask = padding_mask([6, 0, 4], 6, left=True)
+    for t in (q, k, v):
+        t[1] = float("nan")
+    ref, _ = mgk_reference(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask=mask[[0, 2]], is_causal=causal, mixture=mixture)
+    q, k, v = (t.float().requires_grad_(True) for t in (q, k, v))
+    got = mgk_attention(q, k, v, attn_mask=mask, is_causal=causal, mixture=mixture, backend=backend)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_close(backend, ref, got[[0, 2]], atol=1e-5, rtol=1e-5)
+    got[[0, 2]].sum().backward()
+    assert all(torch.isfinite(t.grad[[0, 2]]).all() for t in (q, k, v))

@@ -149,3 +149,107 @@ def test_calls_the_kernel_cannot_serve_take_the_gemm_form(why, kernel_calls):
         assert q.grad is not None and torch.isfinite(q.grad).all()
     if why != "dropout":
         torch.testing.assert_close(got.detach(), want, atol=1e-12, rtol=1e-12)
+
+
+_GRAD_ARGS = [(shifted, name) for shifted in (False, True)
+              for name in ("query", "keys", "key_bias", "value", "sigma2", "shifts")[:6 if shifted else 5]]
+
+
+@pytest.mark.parametrize("shifted,name", _GRAD_ARGS,
+                         ids=[f"{'shifted' if s else 'separate'}-{n}" for s, n in _GRAD_ARGS])
+def test_a_step_with_any_argument_in_an_autograd_graph_takes_the_gemm_form_and_gives_its_gradient(
+        shifted, name, kernel_calls, monkeypatch):
+    """Whichever argument requires grad (the step's tensors, or the variances or shifts, which reach the scores
+    through the query terms; the centre is detached by design), the kernel (no backward) is left out: the output has
+    the GEMM form's gradient, which is the step's finite-difference gradient (the cache's entries held fixed)."""
+    q, keys, key_bias, v, step, _ = _case(1, 2, 2, 9, 2, 3, 3, shifted, "sum", seed=13)
+    args = dict(query=q, keys=keys, key_bias=key_bias, value=v)
+
+    def out(x, use_kernel=True):
+        with monkeypatch.context() as patch:
+            if not use_kernel:
+                patch.setattr(_mixture_decode, "usable", lambda *a, **k: False)
+            given = {**args, **step, name: x}
+            return mgk_attention_cached(given.pop("query"), given.pop("keys"), given.pop("key_bias"),
+                                        given.pop("value"), **given)
+
+    x = {**args, **step}[name].clone().requires_grad_(True)
+    got = out(x)
+    assert not kernel_calls and got.requires_grad
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grad, = torch.autograd.grad((got * weights).sum(), x)
+    want, = torch.autograd.grad((out(x, use_kernel=False) * weights).sum(), x)
+    torch.testing.assert_close(grad, want, atol=1e-12, rtol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: out(t), (x,))
+    assert not kernel_calls
+
+
+def _bad_steps():
+    """(what is wrong, the call's arguments' changes, the name the error must carry): user errors of a step."""
+    B, H, M, S, D = 2, 2, 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    return B, H, M, S, D, [
+        ("no components", dict(keys=torch.zeros(B, H, 0, S, D), key_bias=torch.zeros(B, H, 0, S)), "key_bias"),
+        ("components differ", dict(key_bias=torch.zeros(B, H, M - 1, S)), "key_bias"),
+        ("head_dim differs", dict(keys=torch.randn(B, H, M, S, D + 1, generator=g)), "keys"),
+        ("S differs", dict(value=torch.randn(B, H, S + 1, 3, generator=g)), "value"),
+        ("integer keys", dict(keys=torch.zeros(B, H, M, S, D, dtype=torch.int64)), "keys"),
+        ("float mask", dict(attn_mask=torch.ones(B, 1, 1, S)), "attn_mask"),
+        ("mask shape", dict(attn_mask=torch.ones(B, 1, 1, S + 1, dtype=torch.bool)), "attn_mask"),
+        ("sigma2 shape", dict(sigma2=torch.ones(H + 1, M)), "sigma2"),
+        ("centre shape", dict(centre=torch.zeros(B, H, D + 1)), "centre"),
+        ("shifts shape", dict(shifts=torch.zeros(M, H, D + 1), keys=torch.randn(B, H, S, D, generator=g)), "shifts"),
+    ]
+
+
+@pytest.mark.parametrize("what", [case[0] for case in _bad_steps()[-1]])
+def test_user_errors_in_a_step_are_named_errors_raised_before_the_kernel(what, kernel_calls):
+    """A wrong shape, dtype or mask is a ValueError (MaskError) naming the argument, raised in Python: never the
+    kernel's own checks nor a RuntimeError from deep inside (no mixture components used to be one)."""
+    B, H, M, S, D, cases = _bad_steps()
+    change, name = next((c, n) for w, c, n in cases if w == what)
+    g = torch.Generator().manual_seed(1)
+    args = dict(query=torch.randn(B, H, 1, D, generator=g), keys=torch.randn(B, H, M, S, D, generator=g),
+                key_bias=torch.randn(B, H, M, S, generator=g), value=torch.randn(B, H, S, 3, generator=g),
+                centre=torch.zeros(B, H, D))
+    args.update(change)
+    with pytest.raises(ValueError, match=name):
+        mgk_attention_cached(args.pop("query"), args.pop("keys"), args.pop("key_bias"), args.pop("value"), **args)
+    assert not kernel_calls
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
+def test_cache_entries_of_no_components_are_refused_naming_the_argument(shifted):
+    B, H, S, D = 2, 2, 5, 4
+    key = torch.randn(B, H, S, D) if shifted else torch.randn(B, H, 0, S, D)
+    with pytest.raises(ValueError, match=f"{'shifts' if shifted else 'key'} must hold at least one"):
+        mgk_cache_entries(key, centre=torch.zeros(B, H, D), shifts=torch.zeros(0, H, D) if shifted else None)
+
+
+@pytest.mark.parametrize("how", ["vmap", "compile"])
+def test_a_step_under_vmap_or_a_full_graph_compile_masks_dead_keys_without_reading_values(how, kernel_calls):
+    """torch.func.vmap (over stacked decoding batches) and torch.compile(fullgraph=True) see tensors with no values
+    to read: the GEMM form then folds keys whose every component is off (log pi = -inf, NaN keys there) into the
+    mask without a data-dependent branch, and gives the formula; the kernel is not used under them."""
+    N, B, H, L, S, M, D = 2, 2, 1, 1, 6, 2, 4
+    q, k, v = make_inputs(B=N * B, H=H, L=L, S=S, M=M, D=D, Dv=3, dtype=F64, seed=17)
+    log_pi = torch.full((N * B, H, M, S), -math.log(M), dtype=F64)
+    log_pi[1, ..., 2] = float("-inf")  # key 2 of row 1 is off
+    c = torch.zeros(N * B, H, D, dtype=F64)
+    keys, bias = mgk_cache_entries(k, centre=c, log_pi=log_pi)
+    keys[1, :, :, 2] = float("nan")
+    allowed = torch.ones(N * B, 1, 1, S, dtype=torch.bool)
+    allowed[1, ..., 2] = False
+    want, _ = mgk_reference(q, k, v, log_pi=log_pi, mask=allowed, log_space=True)
+
+    def step(q, keys, bias, v, c):
+        return mgk_attention_cached(q, keys, bias, v, centre=c, is_causal=True)
+
+    args = (q, keys, bias, v, c)
+    if how == "vmap":
+        got = torch.func.vmap(step)(*(t.reshape(N, B, *t.shape[1:]) for t in args)).reshape(want.shape)
+    else:
+        torch.compiler.reset()
+        got = torch.compile(step, backend="eager", fullgraph=True)(*args)
+    assert not kernel_calls
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

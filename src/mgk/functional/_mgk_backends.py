@@ -184,8 +184,9 @@ def _inert(q, k, v, mask, call: Call, fused_causal: bool):
     empty rows)."""
     L, S = q.shape[2], k.shape[3]
     if fused_causal:
-        keys_ok, k, v, _ = _masks.prepare(mask, k, v)
-        empty = _causal_empty_rows(keys_ok, L, S, q.device)
+        _, k, v, _ = _masks.prepare(mask, k, v)
+        # from the mask itself: prepare's mask has a batch row of padding only opened (NaN queries would get in)
+        empty = _causal_empty_rows(mask, L, S, q.device)
         if empty is not None:
             q = torch.where(empty, torch.zeros((), dtype=q.dtype, device=q.device), q)
         return q, k, v, mask, empty

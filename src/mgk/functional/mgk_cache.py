@@ -31,7 +31,7 @@ from . import masks as _masks
 from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
 from ._mgk_backends import _chunks, _per_component, needs_qnorm
-from .mgk import MIXTURES, _log_prior, _variances
+from .mgk import MIXTURES, _log_prior, _transformed, _variances
 
 __all__ = ["mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries"]
 
@@ -45,6 +45,11 @@ def _check_shifts(shifts, M: int | None, H: int, D: int) -> Tensor | None:
         raise ValueError(f"shifts must be a floating tensor (M, H, D) = ({M or 'M'}, {H}, {D}) of the components' "
                          f"offsets mu_r (sMGK's k_r = k - mu_r), got {what}")
     return shifts
+
+
+def _check_components(M: int, name: str) -> None:
+    if M < 1:
+        raise ValueError(f"{name} must hold at least one mixture component (M >= 1), got M = 0")
 
 
 def _check_mixture_args(mixture, log_pi) -> None:
@@ -80,6 +85,7 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     S, D = key.shape[-2], key.shape[-1]
     shifts = _check_shifts(shifts, None, H, D)
     M = shifts.shape[0] if shifted else key.shape[2]
+    _check_components(M, "shifts" if shifted else "key")
     dt = compute_dtype(key)
     with torch.no_grad(), full_precision(key.device):
         c = check_centre(centre, B, H, D, dt, key.device)
@@ -191,10 +197,12 @@ def _rows(t: Tensor | None, a: int, b: int) -> Tensor | None:
 
 def _inert(mask, kb, mixture, is_causal: bool, L: int, S: int):
     """(mask, empty rows): causality folded into the mask, a key whose every component has log pi = -inf masked
-    (looked for first: a cache made from finite priors has none, and a step then builds no mask at all), and the
-    rows that see no key marked (their mask opened so that the softmax stays finite; the caller zeroes them).
-    Masked slots are removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
-    if mixture == "sum" and kb.numel() and bool(kb.amin() == float("-inf")):
+    (looked for first: a cache made from finite priors has none, and a step then builds no mask at all; under
+    torch.compile or a torch.func transform, whose tensors have no values to read, always), and the rows that see
+    no key marked (their mask opened so that the softmax stays finite; the caller zeroes them). Masked slots are
+    removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
+    unread = torch.compiler.is_compiling() or _transformed(kb)
+    if mixture == "sum" and kb.numel() and (unread or bool(kb.amin() == float("-inf"))):
         live = (kb > float("-inf")).any(dim=2).unsqueeze(2)  # (B, H, 1, S)
         mask = live if mask is None else mask & live
     mask = _masks.combine(mask, is_causal and L > 1, L, S, kb.device)  # one query at the end sees every key
@@ -219,6 +227,7 @@ def _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask):
     check_same("keys", S, "value", value.shape[2], "key length S")
     check_same("keys", S, "key_bias", key_bias.shape[-1], "key length S")
     M = key_bias.shape[2]
+    _check_components(M, "key_bias")
     if not shifted:
         check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
     _check_mixture_args(mixture, None)
@@ -262,7 +271,9 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
         q = query.to(dt) - c.unsqueeze(2)
         kc, kb, v = keys.to(dt), key_bias.to(dt), value.to(dt)
         scale, rowbias = _query_terms(q, s2, shifts)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, keys, key_bias, value))
+        # the kernel has no backward: any operand in a graph (sigma2 and shifts reach it through scale and rowbias)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, kc, kb, v, scale, rowbias))
         if _mixture_decode.usable(q, v, mask, dropout_p, needs_grad):
             out = _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
                                                  is_causal=is_causal, hard=mixture == "max")
