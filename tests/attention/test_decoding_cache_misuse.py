@@ -50,3 +50,20 @@ def test_a_cache_left_uneven_by_an_interrupted_call_is_refused(kind, monkeypatch
         assert [layer.length for layer in cache] == [6, 5]
         with pytest.raises(ValueError, match=r"^past_key_values has layers of different lengths \[6, 5\]"):
             model.next_log_probs(idx[:, :1], past_key_values=cache)
+
+
+@pytest.mark.parametrize("kind", mgk.attention_kinds())
+@pytest.mark.parametrize("capacity", [0, -1, 2.5, True])
+def test_every_kind_refuses_the_same_bad_capacity_when_made_and_when_reserving(kind, capacity):
+    """A state-holding cache (linear, MLK) took any capacity, -1 included, where the slot caches refused it; and
+    ``reserve`` took 0 or -1 on every kind."""
+    m = mgk.build_attention(kind, E, H).eval()
+    with pytest.raises(ValueError, match=r"^capacity must be None or a positive int"):
+        m.new_cache(capacity)
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randn(1, 2, E), past_key_values=cache, is_causal=True, need_weights=False)
+    with pytest.raises(ValueError, match=r"^capacity must be a positive int"):
+        cache.reserve(capacity)
+    with pytest.raises(ValueError, match=r"^capacity must be a positive int"):
+        mgk.DecodingCache([cache]).reserve(capacity)

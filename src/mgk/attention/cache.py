@@ -49,6 +49,15 @@ def token_positions(seen: Tensor, valid: Tensor | None, L: int) -> Tensor:
     return seen.unsqueeze(1) + step.cumsum(dim=1) - step
 
 
+def check_capacity(capacity, *, optional: bool = True) -> None:
+    """ValueError naming ``capacity`` unless it is a positive int (or None when ``optional``): every kind's cache
+    takes the same values, whether or not it allocates ahead."""
+    if capacity is None and optional:
+        return
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be {'None or ' if optional else ''}a positive int, got {capacity!r}")
+
+
 class LayerCache:
     """One layer's decoding state for a batch of B rows. Subclasses say what is stored.
 
@@ -113,8 +122,7 @@ class SlotCache(LayerCache):
 
     def __init__(self, capacity: int | None = None):
         super().__init__()
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+        check_capacity(capacity)
         self.capacity = capacity
         self._buffers: dict[str, Tensor] = {}
         self._valid: Tensor | None = None  # (B, capacity) bool: a real token in the slot
@@ -122,6 +130,7 @@ class SlotCache(LayerCache):
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` tokens in all (before the first call: allocate that much)."""
+        check_capacity(capacity, optional=False)
         if self._buffers:
             self._grow(capacity)
         elif self.capacity is None or capacity > self.capacity:
@@ -255,10 +264,12 @@ class RecurrentCache(LayerCache):
 
     def __init__(self, capacity: int | None = None):
         super().__init__()  # ``capacity`` is accepted for one constructor across kinds; a state needs none
+        check_capacity(capacity)
         self.state: LinearAttentionState | None = None
 
     def reserve(self, capacity: int) -> None:
-        """Nothing to reserve: the state has a fixed size."""
+        """Nothing to reserve: the state has a fixed size (``capacity`` is checked as the other kinds check it)."""
+        check_capacity(capacity, optional=False)
 
     def update(self, valid: Tensor | None, L: int, state: LinearAttentionState) -> None:
         """Take the state after L new tokens."""
