@@ -133,6 +133,16 @@ def test_bad_arguments_name_themselves(kwargs, message):
         model.generate(torch.zeros(1, 2, dtype=torch.int64), **call)
 
 
+@pytest.mark.parametrize("prompt,pad", [([[0, V]], None), ([[-1, 0]], None), ([[V + 5, 1]], [[True, False]])])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_idx(prompt, pad):
+    """An id outside [0, V) (a padding position's too: the embedding reads it) failed inside the embedding with
+    "index out of range in self", naming nothing."""
+    model = _lm("softmax", layers=1)
+    mask = None if pad is None else torch.tensor(pad)
+    with pytest.raises(ValueError, match=rf"^idx must hold token ids in \[0, {V}\)"):
+        model.generate(torch.tensor(prompt), 2, key_padding_mask=mask)
+
+
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     log_probs = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]), dim=-1).expand(4000, 5)
     g = torch.Generator().manual_seed(0)

@@ -92,6 +92,10 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
     check_sampling(temperature, top_k, top_p, generator)
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < model.vocab_size):
         raise ValueError(f"eos must be None or a token id in [0, {model.vocab_size}), got {eos!r}")
+    if idx.numel() and not 0 <= int(idx.min()) <= int(idx.max()) < model.vocab_size:
+        # the embedding would fail deep inside torch ("index out of range in self"), naming nothing
+        raise ValueError(f"idx must hold token ids in [0, {model.vocab_size}) (padding positions included), got "
+                         f"ids from {int(idx.min())} to {int(idx.max())}")
     T = idx.shape[1] if pad is None else int((~pad).sum(dim=1).max())
     _check_decodable(model, T, max_new_tokens, use_cache)
     was_training = model.training
