@@ -10,6 +10,10 @@ import sys
 import pytest
 
 from mgk.bench.decode import measure, table
+from mgk.cli import main
+from mgk.config import to_dict
+from mgk.tasks import all_presets
+from mgk.train.rundir import write_config
 
 FIELDS = ("target", "kind", "label", "heads", "head_dim", "layers", "context", "batch", "prefill_ms", "step_ms",
           "ms_per_token", "tokens_per_s", "cache_bytes", "cache_bytes_formula", "cache_bytes_per_token_layer",
@@ -72,6 +76,17 @@ def test_bad_arguments_give_one_line_before_running(args, message):
     p = subprocess.run([sys.executable, "-m", "mgk", "bench", "decode", *args], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode != 0 and message in p.stderr
+
+
+def test_a_classification_run_is_refused_in_one_line_before_running(tmp_path):
+    """Each row of a classifier run failed inside the model with a cut-off AttributeError in the table."""
+    run_dir = tmp_path / "listops"
+    run_dir.mkdir()
+    write_config(run_dir, to_dict(all_presets()["listops-small"]))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "decode", "--run", str(run_dir), "--contexts", "8", "--batches", "1", "--steps", "1"])
+    text = str(e.value.code)
+    assert "\n" not in text and "'listops' run (a classifier): only language-model runs" in text, text
 
 
 def test_a_trained_run_is_measured_through_the_loader(run_v0_1_0, one_thread):

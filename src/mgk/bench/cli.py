@@ -188,9 +188,12 @@ def _run_decode(args) -> dict:
                              f"{' and '.join(ignored)}")
 
         try:
-            load_config(args.run)
+            cfg = load_config(args.run)
         except RunFileError as exc:
             raise SystemExit(f"--run: {exc}") from None
+        if cfg.task != "lm":  # otherwise every row failed deep in the model, with a truncated AttributeError
+            raise SystemExit(f"--run: {args.run} is a {cfg.task!r} run (a classifier): only language-model runs "
+                             "(--task lm) decode")
     if args.overrides:
         from ..config import apply_overrides
         from ..tasks import all_presets
