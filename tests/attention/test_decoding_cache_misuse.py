@@ -67,3 +67,16 @@ def test_every_kind_refuses_the_same_bad_capacity_when_made_and_when_reserving(k
         cache.reserve(capacity)
     with pytest.raises(ValueError, match=r"^capacity must be a positive int"):
         mgk.DecodingCache([cache]).reserve(capacity)
+
+
+@pytest.mark.parametrize("kind", mgk.attention_kinds())
+def test_a_float_padding_bias_while_decoding_is_refused_for_its_real_reason(kind):
+    """A finite non-zero float key_padding_mask with a cache was refused because "linear attention forms no logits",
+    for softmax and MGK too, which do take such a bias without a cache."""
+    m = mgk.build_attention(kind, E, H).eval()
+    bias = torch.zeros(1, 3)
+    bias[0, 1] = -1.0
+    cache = m.new_cache()
+    with pytest.raises(mgk.functional.masks.MaskError, match=r"with past_key_values it only marks padding") as e:
+        m(torch.randn(1, 3, E), key_padding_mask=bias, past_key_values=cache, is_causal=True, need_weights=False)
+    assert "linear attention" not in str(e.value) and cache.length == 0

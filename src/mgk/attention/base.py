@@ -23,6 +23,8 @@ from ..functional import masks as _masks
 from . import module_masks
 from .cache import LayerCache
 
+# a decoding cache stores a padding token as zeros, and has no per-key slot for a bias added to the logits
+_CACHE_NO_BIAS = "with past_key_values it only marks padding among the new tokens"
 _LAYOUTS = ("batch_first=True for (B, T, E) inputs, or batch_first=False for (T, B, E) inputs "
             "(torch.nn.MultiheadAttention's default)")
 
@@ -197,7 +199,7 @@ class AttentionBase(nn.Module, abc.ABC):
         x, _, _, key_padding_mask = self._batch_first(query, query, query, key_padding_mask, batched)
         B, L = x.shape[0], x.shape[1]
         key_padding_mask, _, _ = module_masks.split_masks(key_padding_mask, None, B, self.num_heads, L, L,
-                                                          bias_ok=False, owner=type(self).__name__)
+                                                          bias_ok=False, owner=type(self).__name__, why=_CACHE_NO_BIAS)
         valid = None
         if key_padding_mask is not None:
             _masks.from_module_masks(key_padding_mask, None, B, L, L, self.num_heads)  # dtype and shape checks

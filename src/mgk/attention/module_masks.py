@@ -14,15 +14,15 @@ from torch import Tensor
 from ..functional.masks import MaskError, causal_mask
 
 
-def _split_one(mask, name: str, bias_ok: bool, owner: str):
+def _split_one(mask, name: str, bias_ok: bool, owner: str, why: str):
     """(bool mask True = not allowed, or the input unchanged when not float; finite float bias or None)."""
     if not isinstance(mask, Tensor) or not mask.is_floating_point():
         return mask, None  # bool passes; other dtypes are refused with the argument's name downstream
     blocked = torch.isneginf(mask)
     bias = torch.where(blocked, torch.zeros((), dtype=mask.dtype, device=mask.device), mask)
     invalid = f"float {name} must hold finite values or -inf (not allowed), got NaN or +inf"
-    no_bias = (f"{owner} takes a float {name} only as 0 (allowed) or -inf (not allowed): linear attention forms no "
-               "logits to add a bias to; pass a bool mask (True = not allowed)")
+    no_bias = f"{owner} takes a float {name} only as 0 (allowed) or -inf (not allowed): {why}; pass a bool mask " \
+              "(True = not allowed)"
     if torch.compiler.is_compiling() or mask.device.type != "cpu":
         # Reading the values on the host would break a torch.compile graph (torch's Transformer layers pass every
         # padding mask as float) or synchronise an accelerator: check on the device, keep the bias as a tensor.
@@ -53,21 +53,26 @@ def _bias_4d(bias: Tensor, B: int, H: int, L: int, S: int, name: str) -> Tensor:
                     f"(B, num_heads, L, S) with B={B}, L={L}, S={S}, num_heads={H}")
 
 
-def split_masks(key_padding_mask, attn_mask, B: int, H: int, L: int, S: int, *, bias_ok: bool, owner: str):
+LINEAR_NO_BIAS = "linear attention forms no logits to add a bias to"
+
+
+def split_masks(key_padding_mask, attn_mask, B: int, H: int, L: int, S: int, *, bias_ok: bool, owner: str,
+                why: str = LINEAR_NO_BIAS):
     """Split ``nn.MultiheadAttention``-style masks into bool masks (True = not allowed) and one float bias.
 
     Args:
         key_padding_mask: bool (B, S), True = padding; or float (B, S) added to the logits (-inf = padding).
         attn_mask: bool or float (L, S), (B * H, L, S) or (B, H, L, S), same semantics.
         bias_ok: whether the caller can add a bias (softmax, MGK); otherwise finite non-zero values raise.
+        why: the reason the error gives when ``bias_ok`` is False (default: the linear kinds' reason).
     Returns:
         ``(key_padding_mask, attn_mask, bias)``: the masks bool (or unchanged when neither bool nor float, so that
         the caller's checks name them), and the bias broadcastable to (B, H, L, S) in float, or None.
     Raises:
         MaskError naming the argument for NaN / +inf entries, or bias values the caller cannot take.
     """
-    key_padding_mask, kb = _split_one(key_padding_mask, "key_padding_mask", bias_ok, owner)
-    attn_mask, ab = _split_one(attn_mask, "attn_mask", bias_ok, owner)
+    key_padding_mask, kb = _split_one(key_padding_mask, "key_padding_mask", bias_ok, owner, why)
+    attn_mask, ab = _split_one(attn_mask, "attn_mask", bias_ok, owner, why)
     parts = [_bias_4d(b, B, H, L, S, n) for b, n in ((kb, "key_padding_mask"), (ab, "attn_mask")) if b is not None]
     bias = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
     return key_padding_mask, attn_mask, bias
