@@ -28,10 +28,18 @@ __all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step",
             "LoadedRun", "load_run"]
 
 
+_LAZY = ("load_run", "LoadedRun")
+
+
+def __dir__() -> list[str]:
+    # PEP 562: without this, dir(mgk) and tab completion miss the lazily imported names
+    return sorted({*globals(), *_LAZY})
+
+
 def __getattr__(name: str):
     # load_run needs the tasks, data readers and training layer: imported on first use, so that `import mgk` for the
     # attention modules stays light.
-    if name in ("load_run", "LoadedRun"):
+    if name in _LAZY:
         from .train import load
 
         return getattr(load, name)

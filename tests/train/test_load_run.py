@@ -114,3 +114,11 @@ def test_import_mgk_stays_light_and_load_run_is_exported(th):
     assert "load_run" in mgk.__all__ and mgk.LoadedRun.__name__ == "LoadedRun"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mgk.nope  # noqa: B018
+
+
+def test_every_exported_name_is_listed_by_dir_without_importing_the_lazy_ones(th):
+    """dir(mgk) (and so tab completion) missed load_run and LoadedRun, which come from a module-level __getattr__."""
+    code = "import sys, mgk; names = dir(mgk); assert 'mgk.train.load' not in sys.modules; " \
+           "missing = set(mgk.__all__) - set(names); assert not missing, missing; print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], env=th.env(), capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip() == "ok", p.stderr
