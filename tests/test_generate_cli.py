@@ -98,6 +98,16 @@ def test_a_classification_run_is_refused_in_one_line(tmp_path):
     assert "'listops' run (a classifier)" in _one_line_error(run_dir, "--prompt", "x")
 
 
+def test_a_run_that_no_cache_serves_names_the_cli_flag_that_works(tmp_path, capsys):
+    """normalize='length' refused the cache with the Python argument (use_cache=False) that the CLI does not take."""
+    run_dir = tmp_path / "length"
+    main(["train", "--preset", "lm-small", "--attention", "linear", "--heads", "2", "--steps", "1", "--out",
+          str(run_dir), *(x for kv in [*SHORT, "normalize=length"] for x in ("--set", kv))])
+    capsys.readouterr()
+    assert "--no-cache" in _one_line_error(run_dir, "--prompt", "", "--max-new-tokens", 2)
+    assert _generate(capsys, run_dir, "--prompt", "", "--max-new-tokens", 2, "--no-cache").out.strip()
+
+
 def test_user_mistakes_are_one_line(run_v0_1_0, tmp_path, capsys):
     run_dir, _ = run_v0_1_0
     assert "is not a run directory" in _one_line_error(tmp_path / "nowhere", "--prompt", "x")

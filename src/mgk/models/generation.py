@@ -49,7 +49,7 @@ def _check_decodable(model, T: int, max_new_tokens: int, use_cache: bool) -> Non
     if use_cache and any(getattr(block.attn, "normalize", None) == "length" for block in model.blocks):
         raise ValueError("normalize='length' scales every position by the whole sequence's length, so the earlier "
                          "outputs of a layer change as the sequence grows and no cache serves a stack of layers: "
-                         "pass use_cache=False")
+                         "pass use_cache=False (mgk generate: --no-cache)")
 
 
 def _continue(model, out: Tensor, pad: Tensor | None, cache, use_cache: bool) -> Tensor:
