@@ -80,3 +80,18 @@ def test_a_float_padding_bias_while_decoding_is_refused_for_its_real_reason(kind
     with pytest.raises(mgk.functional.masks.MaskError, match=r"with past_key_values it only marks padding") as e:
         m(torch.randn(1, 3, E), key_padding_mask=bias, past_key_values=cache, is_causal=True, need_weights=False)
     assert "linear attention" not in str(e.value) and cache.length == 0
+
+
+@pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
+def test_a_cache_shared_by_two_layers_of_the_same_sizes_is_refused(kind, options):
+    """Two layers of one class and sizes (the layers of a stack) took one cache in turn without a word, each then
+    attending to the other's keys; the layer that filled a cache is the only one it serves."""
+    options = {**options, **({"max_len": 8} if options.get("pi") == "soft_e" else {})}
+    first, second = (mgk.build_attention(kind, E, H, **options).eval() for _ in range(2))
+    cache = first.new_cache()
+    with torch.no_grad():
+        first(torch.randn(1, 3, E), past_key_values=cache, is_causal=True, need_weights=False)
+        with pytest.raises(ValueError, match=r"^past_key_values was filled by another \w+ layer"):
+            second(torch.randn(1, 1, E), past_key_values=cache, is_causal=True, need_weights=False)
+        first(torch.randn(1, 1, E), past_key_values=cache, is_causal=True, need_weights=False)  # its own layer
+    assert cache.length == 4

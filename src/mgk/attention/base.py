@@ -204,7 +204,8 @@ class AttentionBase(nn.Module, abc.ABC):
         if key_padding_mask is not None:
             _masks.from_module_masks(key_padding_mask, None, B, L, L, self.num_heads)  # dtype and shape checks
             valid = ~key_padding_mask
-        cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device)
+        cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device,
+                   self)
         q, v = self._split(self.q_proj(x)), self._split(self.v_proj(x))
         out = self._cached_core(q, x, v, valid, cache)
         if self.head_gate is not None:  # decoding sees the same gated heads as the full forward

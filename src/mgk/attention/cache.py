@@ -30,6 +30,8 @@ Caches hold detached tensors: a backward through a cached call reaches the new t
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -70,6 +72,7 @@ class LayerCache:
         self.length = 0
         self.seen: Tensor | None = None
         self._owner: tuple | None = None
+        self._module = None  # weakref.ref of the layer that filled the cache
         self._max_seen = 0  # an upper bound of seen.max(), kept on the host (no device sync per step)
 
     @property
@@ -77,11 +80,14 @@ class LayerCache:
         """B, once the first call has been made."""
         return None if self.seen is None else self.seen.shape[0]
 
-    def bind(self, owner: tuple, B: int, device) -> None:
+    def bind(self, owner: tuple, B: int, device, module=None) -> None:
         """Check that this cache serves the layer described by ``owner`` (its class and sizes) with B rows on
-        ``device``; the first call sets them. ValueError naming ``past_key_values`` otherwise."""
+        ``device``, and is the cache of ``module`` itself (held by a weak reference: two layers of the same class
+        and sizes sharing one cache would silently mix their keys); the first call sets them. ValueError naming
+        ``past_key_values`` otherwise."""
         if self._owner is None:
             self._owner = owner
+            self._module = None if module is None else weakref.ref(module)
             self.seen = torch.zeros(B, dtype=torch.int64, device=device)
             return
         if owner != self._owner:
@@ -94,6 +100,10 @@ class LayerCache:
             raise ValueError(f"past_key_values lives on {self.seen.device} but this call's inputs are on "
                              f"{torch.device(device)}: a cache stays on the device it was filled on (start a new one "
                              "after moving the model)")
+        if module is not None and self._module is not None and self._module() is not module:
+            raise ValueError(f"past_key_values was filled by another {owner[0]} layer (of the same sizes): a cache "
+                             "serves the one layer that filled it; give each layer its own (DecodingCache holds one "
+                             "per layer)")
 
     def positions(self, valid: Tensor | None, L: int) -> Tensor:
         """:func:`token_positions` of L new tokens after those this cache has seen."""
