@@ -120,3 +120,15 @@ def test_user_mistakes_are_one_line(run_v0_1_0, tmp_path, capsys):
             main(["generate", str(run_dir), "--prompt", "x", *bad])
         err = capsys.readouterr().err
         assert err.startswith("mgk generate: argument ") and err.count("\n") == 1, err
+
+
+def test_generating_past_the_trained_segment_length_is_announced(lm_run, capsys):
+    """The run trained on segments of 16 tokens: reading 19 positions says so on stderr (the output is still
+    printed); 15 positions say nothing."""
+    vocab = load_run(lm_run).tokenizer.vocab
+    past = _generate(capsys, lm_run, "--prompt", " ".join(vocab.words[10:15]), "--max-new-tokens", 15)
+    assert past.err.strip() == ("mgk generate: warning: the model will read 19 positions, past the 16 it was trained "
+                                "on (segment_len): its predictions there were never trained")
+    assert past.out.strip()
+    within = _generate(capsys, lm_run, "--prompt", " ".join(vocab.words[3:7]), "--max-new-tokens", 12)
+    assert within.err == ""

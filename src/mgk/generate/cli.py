@@ -70,6 +70,10 @@ def _generate(args) -> list[str]:
                   file=sys.stderr)
         ids = tokenizer.encode(text) or [tokenizer.vocab.eos_id]  # an empty prompt starts at a line boundary
         idx = torch.tensor([ids] * args.num_samples, dtype=torch.int64, device=device)
+        longest, trained = len(ids) + args.max_new_tokens - 1, run.cfg.data.segment_len
+        if longest > trained:  # sinusoidal positions extrapolate, but nothing was trained on them
+            print(f"mgk generate: warning: the model will read {longest} positions, past the {trained} it was trained "
+                  "on (segment_len): its predictions there were never trained", file=sys.stderr)
         out = run.model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
                                  use_cache=not args.no_cache)
