@@ -87,8 +87,11 @@ def test_errors_name_what_is_wrong(listops_run, run_v0_1_0, tmp_path):
         mgk.load_run(tmp_path / "none")
     with pytest.raises(ValueError, match="checkpoint must be 'best' or 'last'"):
         mgk.load_run(listops_run, checkpoint="final")
-    with pytest.raises(ValueError, match="--device 'gpu7' is not a torch device"):
+    with pytest.raises(ValueError, match="^device 'gpu7' is not a torch device"):  # a Python argument, not a flag
         mgk.load_run(listops_run, device="gpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^device cuda: CUDA is not available .*; use device='cpu'$"):
+            mgk.load_run(listops_run, device="cuda")
     moved = mgk.load_run(listops_run, data=tmp_path / "moved")
     with pytest.raises(FileNotFoundError, match=r"moved\?\): pass its new place with --data"):
         moved.with_splits()

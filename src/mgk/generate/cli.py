@@ -51,6 +51,7 @@ def _prompt_text(args) -> str:
 
 def _generate(args) -> list[str]:
     """The samples' texts (prompt and continuation); notes about the prompt go to stderr."""
+    from ..train.distributed import check_device
     from ..train.load import load_run
     from ..train.rundir import RunDirError, load_config
 
@@ -60,7 +61,7 @@ def _generate(args) -> list[str]:
         if cfg.task != "lm":
             raise ValueError(f"{args.run_dir} is a {cfg.task!r} run (a classifier): only language-model runs "
                              "(--task lm) generate text")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = str(check_device(args.device)) if args.device else ("cuda" if torch.cuda.is_available() else "cpu")
         run = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
         tokenizer = run.tokenizer
         unknown = tokenizer.unknown_words(text)

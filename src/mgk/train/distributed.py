@@ -26,23 +26,25 @@ class Dist:
         return self.rank == 0
 
 
-def check_device(device: str) -> torch.device:
+def check_device(device: str, name: str = "--device") -> torch.device:
     """``torch.device(device)`` when that device exists here; ValueError naming it otherwise (a bad string, CUDA
-    or MPS requested where there is none, a CUDA index beyond the devices present)."""
+    or MPS requested where there is none, a CUDA index beyond the devices present). ``name``: how the caller's user
+    gave it, "--device" on the command line (the default) or "device" for a Python argument."""
+    cpu = "--device cpu" if name.startswith("--") else f"{name}='cpu'"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+        raise ValueError(f"{name} {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: CUDA is not available on this machine (torch "
-                             f"{torch.__version__}); use --device cpu")
+            raise ValueError(f"{name} {device}: CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); use {cpu}")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"{name} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type != "cpu":
         backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
         if backend is None or not getattr(backend, "is_available", lambda: False)():
-            raise ValueError(f"--device {device}: no {dev.type} device on this machine; use --device cpu")
+            raise ValueError(f"{name} {device}: no {dev.type} device on this machine; use {cpu}")
     return dev
 
 

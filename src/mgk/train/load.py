@@ -101,7 +101,7 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str = "best", device: str |
     files = rundir.RunFiles(run_dir)
     saved = rundir.load_config(run_dir)  # FileNotFoundError for a folder that is not a run
     path = files.existing_checkpoint(checkpoint)
-    device = check_device(str(device))
+    device = check_device(str(device), "device")
     ckpt = load_checkpoint(path, map_location="cpu")
     cfg = _config_of(ckpt, path, saved)
     # config.yaml's data folder, not the checkpoint's copy: the file a user edits when the data moved
