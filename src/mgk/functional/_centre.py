@@ -41,9 +41,9 @@ instead of re-centring the cached keys (which would cost more than the attention
 fewer (a prefill of one token) gets its centre from its next real token
 (:func:`mgk.functional.mgk_cache_centre`), and only its few cached entries are made anew.
 
-Cost: under ``is_causal`` O(B H S) for key masks (O(B H L S) bool work for masks that depend on the query, whose
-``any`` the masking needs anyway) and O(B H D) for the chosen row; otherwise about three passes over the queries,
-O(B H L D), as cheap as the centring itself.
+Cost: under ``is_causal`` O(B H (S + L)) for key masks (O(B H L S) bool work, once, for masks that depend on the
+query, whose pass the masking makes anyway) and O(B H D) for the chosen row; otherwise about three passes over the
+queries, O(B H L D), as cheap as the centring itself.
 """
 from __future__ import annotations
 
@@ -67,14 +67,14 @@ def _visible_counts(mask: Tensor | None, L: int, S: int, device) -> Tensor:
     return (mask & causal).sum(dim=-1)
 
 
-def _first_row(mask: Tensor | None, L: int, S: int, device, n: int = 1, query_ok: Tensor | None = None) -> Tensor:
-    """(B?, H?) int64: the first query row (among ``query_ok`` (B?, H?, L) bool, None = all) that may attend to at
-    least ``n`` keys (:func:`_visible_counts`); L when none may."""
-    sees = _visible_counts(mask, L, S, device) >= n
+def _first_row(counts: Tensor, n: int, query_ok: Tensor | None) -> Tensor:
+    """(B?, H?) int64: the first query row (among ``query_ok`` (B?, H?, L) bool, None = all) whose count of visible
+    keys (``counts`` (B?, H?, L), :func:`_visible_counts`) is at least ``n``; L when there is none."""
+    sees = counts >= n
     if query_ok is not None:
         sees = sees & query_ok
     row = sees.to(torch.int8).argmax(dim=-1)
-    return torch.where(sees.any(dim=-1), row, torch.full((), L, dtype=row.dtype, device=device))
+    return torch.where(sees.any(dim=-1), row, torch.full((), counts.shape[-1], dtype=row.dtype, device=row.device))
 
 
 def _row(q: Tensor, index: Tensor) -> Tensor:
@@ -86,8 +86,9 @@ def _row(q: Tensor, index: Tensor) -> Tensor:
 
 def _causal_centre(q: Tensor, mask: Tensor | None, S: int, query_ok: Tensor | None) -> Tensor:
     B, H, L, _ = q.shape
-    second = _first_row(mask, L, S, q.device, 2, query_ok).expand(B, H)
-    first = torch.where(second < L, second, _first_row(mask, L, S, q.device, 1, query_ok).expand(B, H))
+    counts = _visible_counts(mask, L, S, q.device)  # once: the mask's pass is O(B H L S) when it has query rows
+    second = _first_row(counts, 2, query_ok).expand(B, H)
+    first = torch.where(second < L, second, _first_row(counts, 1, query_ok).expand(B, H))
     row = _row(q, first.clamp_max(L - 1))
     ok = (first < L) & torch.isfinite((row * row).sum(-1))
     return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))

@@ -18,7 +18,7 @@ from . import _mixture_flash
 MAX_QUERIES = 16
 
 
-def _rows(t: Tensor) -> Tensor:
+def _last_dim_contiguous(t: Tensor) -> Tensor:
     """t itself when its last dimension is contiguous (the cache's views are: read in place), else a copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
@@ -55,5 +55,6 @@ def mixture_decode(q: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, 
     scale = empty if scale is None else scale.reshape(-1, M).expand(H, M).contiguous()
     rowbias = empty if rowbias is None else rowbias.expand(B, H, M, L).contiguous()
     valid = q.new_empty(0, dtype=torch.bool) if mask is None else mask.expand(B, 1, 1, S)[:, 0, 0, :]
-    return _mixture_flash._module.decode(q.contiguous(), _rows(keys), scale, _rows(key_bias.expand(B, H, M, S)),
-                                         rowbias, _rows(value), _rows(valid), bool(is_causal and L > 1), bool(hard))
+    rows = _last_dim_contiguous
+    return _mixture_flash._module.decode(q.contiguous(), rows(keys), scale, rows(key_bias.expand(B, H, M, S)), rowbias,
+                                         rows(value), rows(valid), bool(is_causal and L > 1), bool(hard))
