@@ -203,6 +203,31 @@ def test_data_check_accepts_generated_data_and_names_a_broken_file(tmp_path, cap
     assert "dretrieval_val.npz: 5 input sequences also in train" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("task", ["dretrieval", "mqar"])
+def test_data_check_names_shared_inputs_and_missing_splits_alike_for_both_tasks(task, tmp_path, capsys):
+    """Both synthetic tasks read their splits through one helper: a test split repeating val's inputs is an error
+    naming both files, a missing val split a note, a missing train split an error."""
+    module = dr if task == "dretrieval" else mq
+    (_dretrieval_task if task == "dretrieval" else _mqar_task)(tmp_path)
+    data = tmp_path / "data"
+    val = module.load_split(data, "val")
+    test = module.split_path(data, "test")
+    with np.load(test) as z, np.load(module.split_path(data, "val")) as zv:
+        arrays = {k: z[k].copy() for k in z.files}
+        for k in z.files:  # the first 3 rows of every per-row array become val's (a valid file repeating val)
+            if arrays[k].ndim and arrays[k].shape[0] == len(module.load_split(data, "test")):
+                arrays[k][:3] = zv[k][:3]
+    np.savez(test, **arrays)
+    assert main(["data", "check", "--task", task, "--data", str(data)]) == 1
+    assert f"{test.name}: 3 input sequences also in val ({val.source})" in capsys.readouterr().err
+    module.split_path(data, "val").unlink()
+    main(["data", "check", "--task", task, "--data", str(data)])
+    assert f"val: {task}_val.npz absent in {data}" in capsys.readouterr().out
+    module.split_path(data, "train").unlink()
+    assert main(["data", "check", "--task", task, "--data", str(data)]) == 1
+    assert f"train: {task}_train.npz absent in {data}" in capsys.readouterr().err
+
+
 def test_table_has_a_row_per_kind_heads_and_keys(tmp_path, capsys):
     def run(name, task, kind, heads, nmse=None, acc=None, keys=None, seed=0):
         d = tmp_path / name

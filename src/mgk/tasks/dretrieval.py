@@ -23,6 +23,7 @@ from ..config import RunConfig, encoder_config, run_config
 from ..data import dretrieval as dr
 from ..models import EncoderConfig, LRAClassifier
 from .base import Task
+from .synthetic_splits import SPLIT_PAIRS, present_splits, shared_inputs
 
 __all__ = ["PRESETS", "RegressionSplit", "DRetrievalTask", "prepare", "build", "restore", "check", "spec_of"]
 
@@ -182,26 +183,13 @@ def restore(cfg: RunConfig, vocab=None) -> DRetrievalTask:
     return DRetrievalTask(cfg.task, {}, vocab_size=cfg.model.vocab_size)
 
 
-def _shared_rows(a: dr.DRetrievalSplit, b: dr.DRetrievalSplit) -> int:
-    seen = {row.tobytes() for row in a.inputs}
-    return sum(row.tobytes() in seen for row in b.inputs)
-
-
 def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
     """``mgk data check --task dretrieval``: each split's rows, task and target statistics; errors (naming the
     file) for malformed files, a missing train split, splits of another task, and inputs shared between splits."""
     if not data.is_dir():
         return [], [f"{data}: not a folder (expected dretrieval_{{train,val,test}}.npz)"]
     lines, errors, splits = [], [], {}
-    for name in dr.SPLITS:
-        try:
-            split = dr.load_split(data, name)
-        except dr.DRetrievalFormatError as exc:
-            errors.append(str(exc))
-            continue
-        if split is None:
-            (errors if name == "train" else lines).append(f"{name}: {dr.split_path(data, name).name} absent in {data}")
-            continue
+    for name, split in present_splits(data, dr, dr.DRetrievalFormatError, lines, errors):
         splits[name] = split
         s, y = split.spec, split.targets
         lines.append(f"{name}: {len(split)} rows ({split.source}); T={s.seq_len}, D={s.num_features}, V={s.vocab}; "
@@ -210,10 +198,9 @@ def check(cfg: RunConfig, data: Path) -> tuple[list[str], list[str]]:
         for split in splits.values():
             if split.spec != splits["train"].spec or not np.array_equal(split.tables, splits["train"].tables):
                 errors.append(f"{split.source}: another task than the train split")
-    pairs = [("train", "val"), ("train", "test"), ("val", "test")]
-    for a, b in pairs:
-        if a in splits and b in splits and (k := _shared_rows(splits[a], splits[b])):
-            errors.append(f"{splits[b].source}: {k} input sequences also in {a} ({splits[a].source})")
+    for a, b in SPLIT_PAIRS:
+        if a in splits and b in splits and (shared := shared_inputs(splits, a, b)):
+            errors.append(shared)
     if "train" in splits and cfg.data.max_len < splits["train"].spec.seq_len + 1:
         lines.append(f"note: training needs max_len >= {splits['train'].spec.seq_len + 1} (got {cfg.data.max_len})")
     return lines, errors

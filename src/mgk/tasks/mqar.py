@@ -25,6 +25,7 @@ from ..config import RunConfig, encoder_config, run_config
 from ..data import mqar as mq
 from ..models import EncoderConfig, TokenTagger
 from .base import Task
+from .synthetic_splits import SPLIT_PAIRS, present_splits, shared_inputs
 
 __all__ = ["PRESETS", "TokenSplit", "MQARTask", "prepare", "build", "restore", "check", "spec_of", "small_preset"]
 
@@ -186,15 +187,7 @@ def check(cfg: RunConfig, data: Path, *, compositional: bool = False) -> tuple[l
     if not data.is_dir():
         return [], [f"{data}: not a folder (expected mqar_{{train,val,test}}.npz)"]
     lines, errors, splits = [], [], {}
-    for name in mq.SPLITS:
-        try:
-            split = mq.load_split(data, name)
-        except mq.MQARFormatError as exc:
-            errors.append(str(exc))
-            continue
-        if split is None:
-            (errors if name == "train" else lines).append(f"{name}: {mq.split_path(data, name).name} absent in {data}")
-            continue
+    for name, split in present_splits(data, mq, mq.MQARFormatError, lines, errors):
         splits[name] = split
         s = split.spec
         lines.append(f"{name}: {len(split)} rows ({split.source}); V={s.vocab}, L={s.seq_len}, "
@@ -202,11 +195,10 @@ def check(cfg: RunConfig, data: Path, *, compositional: bool = False) -> tuple[l
         if s.compositional != compositional:
             errors.append(f"{split.source}: {'compositional' if s.compositional else 'plain'} data for the "
                           f"{'compositional' if compositional else 'plain'} task")
-    for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
+    for a, b in SPLIT_PAIRS:
         if a in splits and b in splits:
             if splits[a].spec != splits[b].spec:
                 errors.append(f"{splits[b].source}: settings differ from {splits[a].source}")
-            seen = {row.tobytes() for row in splits[a].inputs}
-            if k := sum(row.tobytes() in seen for row in splits[b].inputs):
-                errors.append(f"{splits[b].source}: {k} input sequences also in {a} ({splits[a].source})")
+            if shared := shared_inputs(splits, a, b):
+                errors.append(shared)
     return lines, errors
