@@ -195,6 +195,7 @@ class SlotCache(LayerCache):
         return self._valid[:, None, None, :self.length] if self._padded else None
 
     def nbytes(self) -> int:
+        """Bytes of every entry over the slots in use (the tokens seen, padding included), not the slots ahead."""
         return sum(buf.narrow(self.SLOTS[name], 0, self.length).numel() * buf.element_size()
                    for name, buf in self._buffers.items())
 
@@ -287,6 +288,7 @@ class RecurrentCache(LayerCache):
         self._count(valid, L)
 
     def nbytes(self) -> int:
+        """Bytes of the state (S, z): the same whatever the number of tokens; 0 before the first call."""
         return 0 if self.state is None else self.state.nbytes()
 
     def allocated_bytes(self) -> int:
