@@ -80,3 +80,17 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, encoding: str = "ut
     with atomic_write(path, "w", encoding=encoding, newline="") as fh:
         fh.write(text)
     return Path(path)
+
+
+def save_figure_atomic(fig, path: str | os.PathLike, *, dpi: int, **savefig) -> Path:
+    """Write the matplotlib figure ``fig`` to ``path`` as a PNG atomically (a reader never sees half an image), then
+    close it; returns the path. ``savefig``: further options of ``Figure.savefig`` (e.g. ``bbox_inches``)."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        with atomic_write(path) as fh:
+            fig.savefig(fh, format="png", dpi=dpi, **savefig)
+    finally:
+        plt.close(fig)
+    return path

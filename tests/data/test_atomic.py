@@ -51,3 +51,30 @@ def test_writers_use_the_helper(tmp_path, monkeypatch, writer):
             c.save_arrays(p, "k2", {"a": np.arange(4)})
         assert c.load_arrays(p, "k1")["a"].tolist() == [0, 1, 2]
     assert sorted(x.name for x in tmp_path.iterdir()) == [p.name]
+
+
+def test_a_figure_is_written_whole_or_not_at_all_and_closed(tmp_path):
+    """save_figure_atomic (the plots of mgk reproduce and mgk analyze): a PNG in a new folder; a savefig that fails
+    part-way leaves the previous file as it was; the figure is closed either way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mgk.atomic import save_figure_atomic
+
+    path = tmp_path / "new" / "fig.png"
+    fig = plt.figure()
+    assert save_figure_atomic(fig, path, dpi=40) == path
+    assert path.read_bytes().startswith(b"\x89PNG") and not plt.fignum_exists(fig.number)
+    before = path.read_bytes()
+    broken = plt.figure()
+
+    def fail(fh, **kw):
+        fh.write(b"half an image")
+        raise RuntimeError("disk full")
+
+    broken.savefig = fail
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_figure_atomic(broken, path, dpi=40)
+    assert path.read_bytes() == before and not plt.fignum_exists(broken.number)

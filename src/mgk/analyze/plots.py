@@ -8,19 +8,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot is imported)
 
-from ..atomic import atomic_write  # noqa: E402
+from ..atomic import save_figure_atomic  # noqa: E402
 
 __all__ = ["attention_grid", "rank_histograms", "per_layer_lines", "mixture_bars", "pruning_curves"]
 
 
 def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    try:
-        with atomic_write(path) as fh:  # a reader never sees half a PNG
-            fig.savefig(fh, format="png", dpi=80, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure_atomic(fig, path, dpi=80, bbox_inches="tight")
 
 
 def attention_grid(maps: list, path: Path, title: str) -> Path:

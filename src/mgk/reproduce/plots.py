@@ -6,6 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
+from ..atomic import save_figure_atomic
 from .grid import Run
 
 __all__ = ["plot_learning_curves", "plot_accuracy_vs_params", "plot_metric_vs_heads"]
@@ -63,11 +64,7 @@ def plot_learning_curves(folder: Path, runs: list[Run], metric: str) -> list[Pat
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"learning_curves_{task}.png"
-        fig.savefig(path, dpi=72)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure_atomic(fig, folder / f"learning_curves_{task}.png", dpi=72))
     return written
 
 
@@ -94,11 +91,7 @@ def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "metric_vs_attention_params.png"
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
+    return save_figure_atomic(fig, folder / "metric_vs_attention_params.png", dpi=72)
 
 
 _AXES = (("heads", "heads h", False), ("keys_total", "keys h x M", False),
@@ -137,9 +130,5 @@ def plot_metric_vs_heads(folder: Path, rep: dict) -> list[Path]:
         axes[0].legend(fontsize=7)
         fig.suptitle(labels.get(task, task), fontsize=9)
         fig.tight_layout()
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"metric_vs_heads_{task}.png"
-        fig.savefig(path, dpi=72)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure_atomic(fig, folder / f"metric_vs_heads_{task}.png", dpi=72))
     return written
