@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .run_records import DASH, run_failure, setting
+from .run_records import DASH, left_out_if_failed, run_failure, setting
 from .run_records import row_order as _row_order
 
 __all__ = ["lm_table", "run_perplexities"]
@@ -65,10 +65,9 @@ def lm_table(results: list[tuple[dict, dict]]) -> tuple[str, list[str]]:
     cells: dict[tuple, dict[str, list]] = {}
     warnings = []
     for res, evals in results:
-        what = f"lm {res.get('attention')} x {res.get('num_heads')} seed {res.get('seed')}"
-        if (reason := run_failure(res)) is not None:
-            warnings.append(f"run of {what} left out: failed ({reason})")
+        if left_out_if_failed(res, warnings, task="lm"):
             continue
+        what = f"lm {res.get('attention')} x {res.get('num_heads')} seed {res.get('seed')}"
         figures = {k: v for k, v in run_perplexities(res, evals).items() if math.isfinite(v[0])}
         if not figures:
             warnings.append(f"run of {what} left out: no validation or test perplexity")

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from ..config import RunConfig
-from .run_records import DASH, run_accuracy, run_failure, run_metric, setting
+from .run_records import DASH, left_out_if_failed, run_accuracy, run_failure, run_metric, setting
 from .run_records import row_order as _row_order
 
 __all__ = ["COLUMNS", "run_accuracy", "run_metric", "run_failure", "setting", "lra_table", "data_check"]
@@ -70,10 +70,7 @@ def _lra_markdown(results: list[dict], unfinished: list[str] = ()) -> tuple[str,
         if task not in tasks:
             warnings.append(f"run of task {task!r} left out (not an LRA task)")
             continue
-        if (reason := run_failure(res)) is not None:
-            what = f"{task} {res.get('attention')} x {res.get('num_heads')} seed {res.get('seed')}"
-            failed.append(f"{what}: {reason}")
-            warnings.append(f"run of {what} left out: failed ({reason})")
+        if left_out_if_failed(res, warnings, failed):
             continue
         acc, split = run_accuracy(res)
         if acc is None:

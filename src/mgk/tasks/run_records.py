@@ -8,7 +8,7 @@ import math
 from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
 
-__all__ = ["DASH", "run_failure", "run_metric", "run_accuracy", "setting", "row_order"]
+__all__ = ["DASH", "run_failure", "left_out_if_failed", "run_metric", "run_accuracy", "setting", "row_order"]
 
 DASH = "—"
 
@@ -29,6 +29,20 @@ def run_failure(record: dict) -> str | None:
             if isinstance(value, float) and not math.isfinite(value):
                 return f"non-finite {where}{key} ({value})"
     return None
+
+
+def left_out_if_failed(res: dict, warnings: list[str], failed: list[str] | None = None,
+                       task: str | None = None) -> bool:
+    """Whether a table must leave the run of record ``res`` out (:func:`run_failure`); if so the run, named by task
+    (``task``, default the record's), kind, heads and seed, is added to ``warnings`` and, with its reason, to
+    ``failed``."""
+    if (reason := run_failure(res)) is None:
+        return False
+    what = f"{task or res.get('task')} {res.get('attention')} x {res.get('num_heads')} seed {res.get('seed')}"
+    if failed is not None:
+        failed.append(f"{what}: {reason}")
+    warnings.append(f"run of {what} left out: failed ({reason})")
+    return True
 
 
 def run_metric(res: dict, name: str = "acc") -> tuple[float | None, str | None]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..attention import attention_kinds
-from .run_records import run_failure, run_metric, setting
+from .run_records import left_out_if_failed, run_metric, setting
 
 __all__ = ["SYNTHETIC_TASKS", "METRICS", "column", "row_key", "synthetic_table", "metric_of"]
 
@@ -80,10 +80,7 @@ def synthetic_table(results: list[dict]) -> tuple[str, list[str]]:
     for res in results:
         if res.get("task") not in SYNTHETIC_TASKS:
             continue
-        if (reason := run_failure(res)) is not None:
-            what = f"{res['task']} {res.get('attention')} x {res.get('num_heads')} seed {res.get('seed')}"
-            failed.append(f"{what}: {reason}")
-            warnings.append(f"run of {what} left out: failed ({reason})")
+        if left_out_if_failed(res, warnings, failed):
             continue
         value, split, facts = _value(res)
         if value is None:
