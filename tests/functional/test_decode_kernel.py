@@ -168,7 +168,7 @@ def test_a_step_with_any_argument_in_an_autograd_graph_takes_the_gemm_form_and_g
     def out(x, use_kernel=True):
         with monkeypatch.context() as patch:
             if not use_kernel:
-                patch.setattr(_mixture_decode, "usable", lambda *a, **k: False)
+                patch.setattr(_mixture_decode, "unserved", lambda *a, **k: "switched off by the test")
             given = {**args, **step, name: x}
             return mgk_attention_cached(given.pop("query"), given.pop("keys"), given.pop("key_bias"),
                                         given.pop("value"), **given)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mgk.functional import BackendError, mgk_attention, mgk_responsibilities, select_backend
-from mgk.functional._mgk_backends import needs_qnorm
+from mgk.functional._mixture_terms import needs_qnorm
 
 from .reference import make_inputs, mgk_reference, padding_mask, responsibilities_reference, skip_if_refused, tol64
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..functional._linear_forms import linear_form
-from ..functional.linear import linear_attention, mlk_attention
+from ..functional.linear import linear_attention, linear_form, mlk_attention
 from . import module_masks
 from .base import AttentionBase
 from .cache import RecurrentCache

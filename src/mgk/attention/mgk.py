@@ -7,10 +7,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..functional import _mixture_flash
-from ..functional._soft_e import mgk_attention_soft_e
-from ..functional.mgk import _transformed, mgk_attention, mgk_responsibilities
-from ..functional.mgk_cache import mgk_attention_cached, mgk_cache_centre, mgk_cache_entries
+from ..functional import (
+    cpu_kernel_available,
+    is_transformed,
+    mgk_attention,
+    mgk_attention_cached,
+    mgk_attention_soft_e,
+    mgk_cache_centre,
+    mgk_cache_entries,
+    mgk_responsibilities,
+)
 from .base import AttentionBase, _positive_int
 from .cache import MixtureKeyCache, ShiftedKeyCache
 from .mixture_keys import KEY_MODES, PI_MODES, PI_NORMS, PI_SHAPES, MixtureKeys, MixtureKeysMixin
@@ -102,7 +108,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         if not torch.cuda.is_available():
             # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
             # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
-            _mixture_flash.available(torch.empty(0), 0.0)
+            cpu_kernel_available(torch.empty(0), 0.0)
 
     def _set_variances(self, sigma2, M: int) -> None:
         """The variances behind :attr:`sigma2`: a (M,) float64 buffer ``sigma2`` of fixed values, or for
@@ -210,7 +216,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         """Whether this forward gathers E-step statistics: Soft-E in training mode with gradients enabled (a
         backward may follow), outside torch.func transforms (whose functions cannot change module state)."""
         return (self.pi_mode == "soft_e" and self.training and torch.is_grad_enabled()
-                and not _transformed(q))
+                and not is_transformed(q))
 
     def _accumulator(self) -> Tensor:
         """The (H, M + 1, max_len) float64 sums of responsibilities (``[:, :M]``) and counts (``[:, M]``) committed

@@ -15,8 +15,9 @@ PI_MODES = ("learned", "soft_e", "hard_e")
 PI_SHAPES = ("head", "position", "layer")
 PI_NORMS = ("softmax", "none")
 
-# Checkpoints written before the keys moved into this submodule kept them directly on the attention module.
-_OLD_NAMES = ("k_proj.weight", "k_proj.bias", "key_shift", "pi_logits", "pi")
+# Checkpoints of mgk 0.1.0 kept these directly on the attention module, before the keys moved into this submodule
+# (read when they are upgraded here and by mgk.train.checkpoint.align_optimizer_state).
+LEGACY_NAMES = ("k_proj.weight", "k_proj.bias", "key_shift", "pi_logits", "pi")
 
 
 class MixtureKeys(nn.Module):
@@ -181,7 +182,7 @@ class MixtureKeys(nn.Module):
 def upgrade_state_dict(state_dict: dict, prefix: str, name: str = "mixture") -> None:
     """Move the mixture keys of an older checkpoint (``k_proj.*``, ``key_shift``, ``pi_logits``, ``pi`` directly
     on the attention module) under the submodule ``name``, in place, so that old checkpoints still load."""
-    for old in _OLD_NAMES:
+    for old in LEGACY_NAMES:
         if prefix + old in state_dict and prefix + name + "." + old not in state_dict:
             state_dict[prefix + name + "." + old] = state_dict.pop(prefix + old)
 

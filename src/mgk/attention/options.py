@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .. import fields
 from ..fields import Label, spec
-from ..functional._linear_forms import EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE
+from ..functional.linear import EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE
 from .mixture_keys import PI_MODES, PI_NORMS, PI_SHAPES
 
 __all__ = ["Options", "SoftmaxOptions", "MixtureOptions", "MGKOptions", "LinearOptions", "MLKMixtureOptions",

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _component_flash, _mixture_flash, _mixture_triton
 from . import masks as _masks
+from ._mixture_terms import gaussian_log_kernel, key_bias, needs_qnorm, per_component, row_bias, scaled_keys
 
 
 @dataclass(frozen=True)
@@ -44,53 +45,6 @@ class Call:
     return_weights: bool
     chunk_size: int
     pi_given: bool = False
-
-
-def _per_component(s2: Tensor, *trailing: int) -> Tensor:
-    """s2 (M,) or (H', M) viewed as (1, H', M, *trailing) against (B, H, M, ...) tensors."""
-    s2 = s2.reshape(-1, s2.shape[-1])
-    return s2.view(1, s2.shape[0], s2.shape[1], *trailing)
-
-
-def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:
-    """``-|q_i - k_jr|^2 / (2 sigma_r^2)`` for q (B, H, L, D), k (B, H, M, S, D) and sigma2 (M,) or (H, M) (per head
-    and component); returns (B, H, L, M, S).
-
-    The squared distance is expanded (one matmul) and clamped at 0, so rounding never makes it negative and every
-    kernel value is <= 1. The expansion cancels catastrophically when q and k share a large offset; mgk_attention
-    centres both first (:mod:`mgk.functional._centre`)."""
-    qn = (q * q).sum(-1)[..., :, None, None]  # (B, H, L, 1, 1)
-    kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
-    qk = torch.einsum("bhld,bhmsd->bhlms", q, k)
-    d2 = (qn + kn - 2.0 * qk).clamp_min(0.0)
-    return d2 * (-0.5 / _per_component(sigma2, 1)).unsqueeze(2)
-
-
-def needs_qnorm(s2: Tensor) -> bool:
-    """Whether the per-row ``-|q|^2 / (2 sigma_r^2)`` term must be kept for s2 (H', M).
-
-    With one component per head, or equal fixed variances within each head, it is constant along a row and cancels
-    in the softmax (in the value, and in the gradient of a variance shared by the row's every score). With unequal
-    or learned per-component variances it does not (a learned sigma_r^2 moves alone). Reading the values would
-    synchronise an accelerator, so off the CPU (and inside a torch.compile trace) the term is kept for M > 1 (exact
-    either way)."""
-    M = s2.shape[-1]
-    if M == 1:
-        return False
-    if s2.requires_grad or torch.compiler.is_compiling() or s2.device.type != "cpu":
-        return True
-    rows = s2.reshape(-1, M).tolist()  # one read of the H' * M values, on every call
-    return any(x != row[0] for row in rows for x in row)
-
-
-def row_bias(q: Tensor, s2: Tensor) -> Tensor:
-    """``-|q_i|^2 / (2 sigma_r^2)``, (B, H, M, L), for q (B, H, L, D) and s2 (H', M)."""
-    return (q * q).sum(-1).unsqueeze(2) * (-0.5 / _per_component(s2, 1))
-
-
-def scaled_keys(k: Tensor, s2: Tensor) -> Tensor:
-    """``k_jr / sigma_r^2`` for k (B, H, M, S, D) and s2 (H', M)."""
-    return k * (1.0 / _per_component(s2, 1, 1))
 
 
 def _chunks(L: int, chunk_size: int):
@@ -196,11 +150,10 @@ def _inert(q, k, v, mask, call: Call, fused_causal: bool):
 
 
 def _key_bias(k, s2, log_prior, mask, bias, hard: bool, fill: float):
-    """``log pi_jr - |k_jr|^2 / (2 sigma_r^2) + bias_j`` (B, H, M, S), ``fill`` at keys a query-independent mask
-    removes; ``bias`` is None or a per-key bias (B?, H?, 1, S?). A finite ``fill`` also replaces -inf log priors."""
-    bias_jr = (k * k).sum(-1) * (-0.5 / _per_component(s2, 1))
-    if not hard:
-        bias_jr = bias_jr + (log_prior if fill == float("-inf") else log_prior.clamp_min(fill))
+    """:func:`key_bias` plus ``bias_j`` (B, H, M, S), ``fill`` at keys a query-independent mask removes; ``bias`` is
+    None or a per-key bias (B?, H?, 1, S?). A finite ``fill`` also replaces -inf log priors."""
+    prior = None if hard else (log_prior if fill == float("-inf") else log_prior.clamp_min(fill))
+    bias_jr = key_bias(k, s2, prior)
     if bias is not None:
         bias_jr = bias_jr + bias
     if mask is not None:
@@ -266,7 +219,7 @@ def _folded(q, k, v, log_prior, s2, mask, bias, dropout_p, causal):
         kb = _key_bias(k, s2, log_prior, None, key_bias, False, below)
     cols_k, cols_q = [scaled_keys(k, s2), kb.unsqueeze(-1)], [q, q.new_ones(q.shape[:-1] + (1,))]
     if needs_qnorm(s2):
-        cols_k.append((-0.5 / _per_component(s2, 1, 1)).expand(B, H, M, S, 1))
+        cols_k.append((-0.5 / per_component(s2, 1, 1)).expand(B, H, M, S, 1))
         cols_q.append((q * q).sum(-1, keepdim=True))
     kp, qp = torch.cat(cols_k, dim=-1), torch.cat(cols_q, dim=-1)
     # The fused CPU kernel needs one head size for q, k and v: zero columns change no score and are dropped after.

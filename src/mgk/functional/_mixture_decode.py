@@ -23,15 +23,26 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def usable(query: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, needs_grad: bool) -> bool:
-    """Whether the kernel serves a step: CPU float32/float64, at most :data:`MAX_QUERIES` new queries, no dropout,
-    no gradient wanted, a mask that is a key-padding mask (broadcastable to (B, 1, 1, S)) or none, outside
-    torch.compile / torch.func / dispatch modes (they must see PyTorch operators), and the kernel built."""
-    if needs_grad or dropout_p > 0.0 or query.shape[2] > MAX_QUERIES or query.shape[-1] == 0 or value.shape[-1] == 0:
-        return False
+def unserved(query: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, needs_grad: bool) -> str | None:
+    """Why the kernel cannot serve a step (None when it can): it takes CPU float32/float64, at most
+    :data:`MAX_QUERIES` new queries, no dropout, no gradient wanted, a mask that is a key-padding mask (broadcastable
+    to (B, 1, 1, S)) or none, runs outside torch.compile / torch.func / dispatch modes (they must see PyTorch
+    operators), and must be built."""
+    if needs_grad:
+        return "the decoding kernel has no backward, and an operand of the step is in an autograd graph"
+    if dropout_p > 0.0:
+        return f"dropout_p={dropout_p}: the decoding kernel takes no dropout"
+    if query.shape[2] > MAX_QUERIES:
+        return f"{query.shape[2]} new queries: the decoding kernel takes at most {MAX_QUERIES}"
+    if query.shape[-1] == 0 or value.shape[-1] == 0:
+        return "head_dim or the value size is 0"
     if mask is not None and (mask.shape[1] != 1 or mask.shape[2] != 1):
-        return False
-    return _mixture_flash.available(query) and _mixture_flash._eager_ok()
+        return "attn_mask depends on the head or the query: the decoding kernel takes at most key padding"
+    if not _mixture_flash.available(query):
+        return f"the C++ kernel is unavailable ({_mixture_flash.build_error() or 'not loaded, or not float32/64'})"
+    if not _mixture_flash._eager_ok():
+        return "torch.compile, torch.func and dispatch modes need PyTorch operators (backend='explicit')"
+    return None
 
 
 def mixture_decode(q: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, scale: Tensor | None,
@@ -43,7 +54,7 @@ def mixture_decode(q: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, 
         key_bias (B, H, M, S); value (B, H, S, Dv): strided views of the cache's buffers are read in place; scale
         broadcastable to (1, H, M, 1) (sMGK's 1 / sigma_r^2) or None; rowbias broadcastable to (B, H, M, L) or None;
         mask bool broadcastable to (B, 1, 1, S), True = may attend, or None; is_causal bottom-right among the L new
-        queries; hard: Hard-E. One dtype, float32 or float64 (check :func:`usable` first).
+        queries; hard: Hard-E. One dtype, float32 or float64 (check :func:`unserved` first).
     Returns:
         (B, H, L, Dv); rows that see no key are 0.
     """

@@ -15,7 +15,8 @@ from . import _mgk_backends, _mixture_flash
 from . import masks as _masks
 from ._centre import apply_centre, choose_centre
 from ._checks import check_arguments, full_precision
-from .mgk import _check, _choose, _inputs, needs_qnorm, responsibility_counts
+from ._mixture_terms import check_mixture, needs_qnorm, row_bias
+from .mgk import _choose, _inputs, responsibility_counts
 
 
 def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
@@ -35,7 +36,7 @@ def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: T
     check_arguments(is_causal=is_causal, dropout_p=dropout_p)
     if backend not in (None, "kernel"):
         return None
-    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, "sum", attn_mask)
+    B, H, L, S, M, D, mask = check_mixture(query, key, value, log_pi, "sum", attn_mask)
     if query_mask is not None and (query_mask.dtype != torch.bool or tuple(query_mask.shape) != (B, L)):
         raise _masks.MaskError(f"query_mask must be bool of shape (B, L) = {(B, L)}, True = real query; "
                                f"got {query_mask.dtype} {tuple(query_mask.shape)}")
@@ -51,7 +52,7 @@ def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: T
         call = _mgk_backends.Call(bool(is_causal), "sum", float(dropout_p), False, 512)
         q, k, v, mask, empty = _mgk_backends._inert(q, k, v, mask, call, fused_causal=call.is_causal)
         bias = _mgk_backends._key_bias(k, s2, log_prior, mask, None, False, float("-inf"))
-        rowbias = _mgk_backends.row_bias(q, s2) if needs_qnorm(s2) else None
+        rowbias = row_bias(q, s2) if needs_qnorm(s2) else None
         query_ok = None if query_mask is None else query_mask.view(B, 1, L)
         out, resp = _mixture_flash.mixture_flash_with_responsibilities(
             q, _mgk_backends.scaled_keys(k, s2), bias, v, rowbias, query_ok, call.is_causal, call.dropout_p)

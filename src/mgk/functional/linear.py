@@ -48,6 +48,7 @@ from ._checks import (
     compute_dtype,
     full_precision,
 )
+from ._dispatch import pick
 from ._linear_forms import (
     EPS_MODES,
     FEATURE_MAPS,
@@ -61,13 +62,13 @@ from ._linear_forms import (
     linear_form,
 )
 from ._linear_state import LinearAttentionState, Prior, check_state, final_state
-from .mgk import BackendError, _log_prior
-from .mgk import _check as _check_mixture
+from ._mixture_terms import check_mixture, log_prior
 
 LINEAR_BACKENDS = ("chunked", "explicit")
 
 __all__ = ["EPS_MODES", "FEATURE_MAPS", "LINEAR_BACKENDS", "MIX", "NORMALIZE", "LinearAttentionState",
-           "elu_feature_map", "elu_sum_feature_map", "linear_attention", "linear_attention_step", "mlk_attention",
+           "elu_feature_map", "elu_sum_feature_map", "linear_attention", "linear_attention_step", "linear_form",
+           "mlk_attention",
            "select_linear_backend"]
 
 
@@ -106,7 +107,7 @@ def _key_features(form: LinearForm, key: Tensor, log_pi: Tensor | None, keep: Te
     if M == 1 and log_pi is None:
         phi = _features(form.feature_map, key[:, :, 0], "key")
     else:
-        pi = _log_prior(log_pi, M, key.dtype, key.device).exp().unsqueeze(-1)  # (B?, H?, M, S?, 1)
+        pi = log_prior(log_pi, M, key.dtype, key.device).exp().unsqueeze(-1)  # (B?, H?, M, S?, 1)
         if form.mix == "keys":
             phi = _features(form.feature_map, (pi * key).sum(dim=2), "key")
         else:
@@ -216,20 +217,22 @@ def select_linear_backend(return_weights: bool = False) -> str:
 
 def _backend(backend: str | None, return_weights: bool, is_causal: bool, initial_state=None,
              output_final_state: bool = False) -> str:
+    """The implementation of one call, by :func:`mgk.functional._dispatch.pick` over :data:`LINEAR_BACKENDS`."""
     check_arguments(backend=backend, backends=LINEAR_BACKENDS, return_weights=return_weights, is_causal=is_causal,
                     output_final_state=output_final_state)
     if return_weights and initial_state is not None:
         raise ValueError("return_weights=True cannot be combined with initial_state: the state keeps sums, not the "
                          "keys whose weights would be returned")
-    if backend is None:
-        return select_linear_backend(return_weights)
-    if return_weights and backend != "explicit":
-        raise BackendError(f"backend={backend!r} cannot serve these inputs: return_weights=True needs the "
-                           "(B, H, L, S) weights, which only backend='explicit' builds")
-    if backend == "explicit" and (initial_state is not None or output_final_state):
-        raise BackendError("backend='explicit' cannot serve these inputs: it builds the (B, H, L, S) weights and "
-                           "keeps no state (initial_state / output_final_state need backend='chunked')")
-    return backend
+
+    def why_not(name: str, automatic: bool) -> str | None:
+        if name == "chunked" and return_weights:
+            return "return_weights=True needs the (B, H, L, S) weights, which only backend='explicit' builds"
+        if name == "explicit" and not return_weights and (initial_state is not None or output_final_state):
+            return ("it builds the (B, H, L, S) weights and keeps no state (initial_state / output_final_state need "
+                    "backend='chunked')")
+        return None
+
+    return pick(backend, LINEAR_BACKENDS, why_not)
 
 
 def _length_scales(form: LinearForm, L: int, S: int, counts: Tensor | None):
@@ -407,7 +410,7 @@ def mlk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     Raises:
         ValueError naming the argument for wrong ranks, sizes, dtypes, options or state; MaskError for masks.
     """
-    B, H, L, S, M, D, _ = _check_mixture(query, key, value, log_pi, "sum", None)
+    B, H, L, S, M, D, _ = check_mixture(query, key, value, log_pi, "sum", None)
     form = linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
                        eps_mode=eps_mode, mix=mix, chunk_size=chunk_size)
     keep = _key_padding(attn_mask, B, H, L, S)

@@ -20,91 +20,23 @@ which serves a call (attention or the Soft-E statistics); ``backend=NAME`` asks 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import _mgk_backends, _mixture_flash, _mixture_triton
+from . import _mixture_terms as mixture_terms
 from . import masks as _masks
 from ._centre import apply_centre, check_centre, choose_centre
-from ._checks import check_arguments, check_qkv, compute_dtype, full_precision
-from ._mgk_backends import gaussian_log_kernel, needs_qnorm
+from ._checks import check_arguments, compute_dtype, full_precision
+from ._dispatch import BackendError, is_transformed, pick
+from ._mixture_terms import check_mixture, gaussian_log_kernel, key_bias, needs_qnorm, row_bias, scaled_keys
 
 __all__ = ["BACKENDS", "BackendError", "STATISTICS_BACKENDS", "gaussian_log_kernel", "mgk_attention", "mgk_centre",
            "mgk_responsibilities", "select_backend"]
 
-MIXTURES = ("sum", "max")
 BACKENDS = ("triton", "kernel", "sdpa", "explicit")  # select_backend's order of preference
 STATISTICS_BACKENDS = ("kernel", "explicit")  # those that compute the Soft-E statistics
-
-
-class BackendError(ValueError):
-    """A backend was asked for by name that cannot serve the inputs (the message says why)."""
-
-
-def _check(query, key, value, log_pi, mixture, attn_mask):
-    B, H, L, S, M, D = check_qkv(query, key, value, mixture=True)
-    if mixture not in MIXTURES:
-        raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
-    if log_pi is not None:
-        if mixture == "max":
-            raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
-        if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point():
-            raise ValueError(f"log_pi must be a floating tensor broadcastable to (B, H, M, S) = {(B, H, M, S)}")
-        if log_pi.dim() > 4 or any(
-                a not in (1, b) for a, b in zip((1,) * (4 - log_pi.dim()) + tuple(log_pi.shape), (B, H, M, S))):
-            raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, S) = "
-                             f"{(B, H, M, S)}")
-    mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
-    return B, H, L, S, M, D, mask
-
-
-def _variances(sigma2, H: int, M: int, D: int, dtype, device) -> Tensor:
-    """Variances as an (H', M) tensor, H' = 1 (shared by the heads) or H; default sqrt(D), the 1/sqrt(D) scale of
-    dot-product attention. ``sigma2``: None, a float, or a tensor of one value, (M,) or (H, M) (gradients kept).
-
-    Values are checked (positive, finite) for Python numbers and CPU tensors. Tensors on an accelerator are not:
-    reading them back would synchronise the device on every call, and the modules check theirs at construction."""
-    if sigma2 is None:
-        return torch.full((1, M), math.sqrt(D), dtype=dtype, device=device)
-    if isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool):
-        if not sigma2 > 0 or not math.isfinite(sigma2):
-            raise ValueError(f"sigma2 must be a positive finite variance, got {sigma2}")
-        return torch.full((1, M), float(sigma2), dtype=dtype, device=device)
-    shape = tuple(sigma2.shape) if isinstance(sigma2, Tensor) else None
-    if shape is None or not (sigma2.is_floating_point() and (sigma2.numel() == 1 or shape in ((M,), (1, M), (H, M)))):
-        raise ValueError(f"sigma2 must be None, a positive float or a floating tensor of one value, shape (M,) = "
-                         f"({M},) or (H, M) = ({H}, {M}); got {shape or type(sigma2).__name__}")
-    s = sigma2.to(device=device, dtype=dtype)
-    s = s.reshape(1, 1).expand(1, M) if s.numel() == 1 else s.reshape(-1, M)
-    if s.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(s):
-        return s  # a traced or torch.func-wrapped tensor has no values to read (a module checked its own)
-    # One read of the values instead of four reductions: this runs on every call.
-    if not all(x > 0 and math.isfinite(x) for x in s.reshape(-1).tolist()):
-        raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")
-    return s
-
-
-def _log_prior(log_pi, M: int, dtype, device) -> Tensor:
-    """log pi as a 4-dim tensor broadcastable to (B, H, M, S), -inf kept (a switched-off component); default
-    uniform 1/M."""
-    if log_pi is None:
-        return torch.full((1, 1, M, 1), -math.log(M), dtype=dtype, device=device)
-    lp = log_pi.to(dtype)
-    return lp.reshape((1,) * (4 - lp.dim()) + tuple(lp.shape))
-
-
-def _transformed(*tensors: Tensor) -> bool:
-    """Whether forward-mode AD (dual tensors) or a torch.func transform sees these tensors."""
-    if torch.compiler.is_compiling():
-        return False
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
-        return True
-    from torch.autograd import forward_ad
-
-    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _fused_unserved(backend, q, v, s2, mask, bias, mixture, dropout_p, automatic) -> str | None:
@@ -146,27 +78,16 @@ def _unserved(backend, q, v, s2, mask, bias, mixture, dropout_p, return_weights,
     return _fused_unserved(backend, q, v, s2, mask, bias, mixture, dropout_p, automatic)
 
 
-def _pick(backend, names: tuple[str, ...], why_not) -> str:
-    """``backend`` if ``why_not(backend, automatic=False)`` is None (else BackendError), or the first of ``names``
-    that serves when ``backend`` is None."""
-    if backend is None:
-        return next(b for b in names if why_not(b, True) is None)
-    why = why_not(backend, False)
-    if why is not None:
-        raise BackendError(f"backend={backend!r} cannot serve these inputs: {why}")
-    return backend
-
-
 def _choose(backend, q, k, v, s2, log_prior, mask, bias, mixture, dropout_p, return_weights) -> str:
-    transformed = _transformed(q, k, v, s2, log_prior, *(() if bias is None else (bias,)))
-    return _pick(backend, BACKENDS, lambda b, automatic: _unserved(
+    transformed = is_transformed(q, k, v, s2, log_prior, *(() if bias is None else (bias,)))
+    return pick(backend, BACKENDS, lambda b, automatic: _unserved(
         b, q, v, s2, mask, bias, mixture, dropout_p, return_weights, transformed, automatic))
 
 
 def _choose_statistics(backend, q, k, s2, log_prior, mask) -> str:
     """The backend of :func:`mgk_responsibilities`: "kernel" under the attention kernel's conditions (at most key
     padding, CPU, built), for M > 1 and outside a torch.compile trace; "explicit" always."""
-    transformed = _transformed(q, k, s2, log_prior)
+    transformed = is_transformed(q, k, s2, log_prior)
 
     def why_not(name, automatic):
         if name != "kernel":
@@ -179,15 +100,15 @@ def _choose_statistics(backend, q, k, s2, log_prior, mask) -> str:
             return "torch.func transforms need backend='explicit'"
         return _fused_unserved("kernel", q, k[:, :, 0], s2, mask, None, "sum", 0.0, automatic)
 
-    return _pick(backend, STATISTICS_BACKENDS, why_not)
+    return pick(backend, STATISTICS_BACKENDS, why_not)
 
 
 def _inputs(query, key, value, log_pi, sigma2, H, M, D):
     """q, k, v in the compute dtype (float32 for 16-bit inputs), the (H', M) variances and the 4-dim log prior."""
     dt = compute_dtype(*(t for t in (query, key, value) if t is not None))
-    s2 = _variances(sigma2, H, M, D, dt, query.device)
+    s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
     v = None if value is None else value.to(dt)
-    return query.to(dt), key.to(dt), v, s2, _log_prior(log_pi, M, dt, query.device)
+    return query.to(dt), key.to(dt), v, s2, mixture_terms.log_prior(log_pi, M, dt, query.device)
 
 
 def _bias(bias, mask, B, H, L, S):
@@ -220,7 +141,7 @@ def select_backend(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor 
     backend takes), a bias that is at most per key (B, H, 1, S), ``dropout_p < 1`` and head sizes >= 1. Arguments
     as :func:`mgk_attention`; raises as it does."""
     check_arguments(dropout_p=dropout_p, return_weights=return_weights)
-    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, mixture, attn_mask)
+    B, H, L, S, M, D, mask = check_mixture(query, key, value, log_pi, mixture, attn_mask)
     mask, bias = _bias(bias, mask, B, H, L, S)
     with full_precision(query.device):
         q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, H, M, D)
@@ -266,7 +187,7 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     """
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights, chunk_size=chunk_size,
                     backend=backend, backends=BACKENDS)
-    B, H, L, S, M, D, mask = _check(query, key, value, log_pi, mixture, attn_mask)
+    B, H, L, S, M, D, mask = check_mixture(query, key, value, log_pi, mixture, attn_mask)
     mask, bias = _bias(bias, mask, B, H, L, S)
     out_dtype = query.dtype
     with full_precision(query.device):
@@ -295,7 +216,7 @@ def mgk_centre(query: Tensor, key: Tensor, *, attn_mask: Tensor | None = None, i
 
     Raises ValueError / MaskError as :func:`mgk_attention` for the shapes, dtypes and mask."""
     check_arguments(is_causal=is_causal)
-    B, H, L, S, M, D, mask = _check(query, key, None, None, "sum", attn_mask)
+    B, H, L, S, M, D, mask = check_mixture(query, key, None, None, "sum", attn_mask)
     with full_precision(query.device):
         return choose_centre(query.to(compute_dtype(query, key)), mask, is_causal, S)
 
@@ -323,7 +244,7 @@ def mgk_responsibilities(query: Tensor, key: Tensor, *, log_pi: Tensor | None = 
     :func:`select_backend`'s rules pick "kernel" where it serves.
     """
     check_arguments(is_causal=is_causal, chunk_size=chunk_size, backend=backend, backends=STATISTICS_BACKENDS)
-    B, H, L, S, M, D, mask = _check(query, key, None, log_pi, "sum", attn_mask)
+    B, H, L, S, M, D, mask = check_mixture(query, key, None, log_pi, "sum", attn_mask)
     if query_mask is not None:
         if not isinstance(query_mask, Tensor) or query_mask.dtype != torch.bool or tuple(query_mask.shape) != (B, L):
             what = (f"{query_mask.dtype} {tuple(query_mask.shape)}" if isinstance(query_mask, Tensor)
@@ -377,12 +298,12 @@ def _responsibilities_kernel(q, k, log_prior, s2, mask, is_causal, query_mask):
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
     if key_ok is not None:  # padded keys may hold NaN: zero them (where, not multiply)
         k = torch.where(key_ok[:, :, None, :, None], k, zero)
-    bias = log_prior - (k * k).sum(-1) * (0.5 / _mgk_backends._per_component(s2, 1))
+    bias = key_bias(k, s2, log_prior)
     if key_ok is not None:  # the kernel needs finite scores at the keys it skips
         bias = torch.where(key_ok[:, :, None, :], bias, zero)
-    rowbias = _mgk_backends.row_bias(q, s2) if needs_qnorm(s2) else None
+    rowbias = row_bias(q, s2) if needs_qnorm(s2) else None
     query_ok = None if query_mask is None else query_mask.view(B, 1, L).expand(B, H, L)
-    resp = _mixture_flash.responsibilities(q, _mgk_backends.scaled_keys(k, s2), bias, rowbias, query_ok, key_ok,
+    resp = _mixture_flash.responsibilities(q, scaled_keys(k, s2), bias, rowbias, query_ok, key_ok,
                                            is_causal)
     return resp.sum(0), responsibility_counts(B, H, L, S, query_mask, key_ok, is_causal, q.dtype, q.device)
 

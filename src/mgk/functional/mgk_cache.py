@@ -27,36 +27,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _mixture_decode
+from . import _mixture_terms as mixture_terms
 from . import masks as _masks
 from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
-from ._mgk_backends import _chunks, _per_component, needs_qnorm
-from .mgk import MIXTURES, _log_prior, _transformed, _variances
+from ._dispatch import is_transformed, pick
+from ._mgk_backends import _chunks
+from ._mixture_terms import check_components, check_mixture_args, check_shifts, key_bias, needs_qnorm, row_bias
 
-__all__ = ["mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries"]
+__all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries"]
 
-
-def _check_shifts(shifts, M: int | None, H: int, D: int) -> Tensor | None:
-    if shifts is None:
-        return None
-    if not isinstance(shifts, Tensor) or not shifts.is_floating_point() or shifts.dim() != 3 or tuple(
-            shifts.shape[1:]) != (H, D) or (M is not None and shifts.shape[0] != M):
-        what = tuple(shifts.shape) if isinstance(shifts, Tensor) else type(shifts).__name__
-        raise ValueError(f"shifts must be a floating tensor (M, H, D) = ({M or 'M'}, {H}, {D}) of the components' "
-                         f"offsets mu_r (sMGK's k_r = k - mu_r), got {what}")
-    return shifts
-
-
-def _check_components(M: int, name: str) -> None:
-    if M < 1:
-        raise ValueError(f"{name} must hold at least one mixture component (M >= 1), got M = 0")
-
-
-def _check_mixture_args(mixture, log_pi) -> None:
-    if mixture not in MIXTURES:
-        raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
-    if mixture == "max" and log_pi is not None:
-        raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
+DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
 
 
 def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = None,
@@ -80,26 +61,21 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     """
     shifted = shifts is not None
     check_tensor(key, "key", 4 if shifted else 5, "(B, H, S, D) with shifts" if shifted else "(B, H, M, S, D)")
-    _check_mixture_args(mixture, log_pi)
+    check_mixture_args(mixture, log_pi)
     B, H = key.shape[:2]
     S, D = key.shape[-2], key.shape[-1]
-    shifts = _check_shifts(shifts, None, H, D)
+    shifts = check_shifts(shifts, None, H, D)
     M = shifts.shape[0] if shifted else key.shape[2]
-    _check_components(M, "shifts" if shifted else "key")
+    check_components(M, "shifts" if shifted else "key")
     dt = compute_dtype(key)
     with torch.no_grad(), full_precision(key.device):
         c = check_centre(centre, B, H, D, dt, key.device)
-        s2 = _variances(sigma2, H, M, D, dt, key.device)
+        s2 = mixture_terms.variances(sigma2, H, M, D, dt, key.device)
         k = key.detach().to(dt) - (c.unsqueeze(2) if shifted else c[:, :, None, None])
-        prior = 0.0 if mixture == "max" else _log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
-        half = 0.5 / _per_component(s2, 1)  # (1, H', M, 1)
+        prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
         if shifted:
-            mu = shifts.detach().to(dt).transpose(0, 1)  # (H, M, D)
-            cross = mu @ k.transpose(-1, -2)  # (B, H, M, S), k_j . mu_r
-            bias = prior - ((k * k).sum(-1).unsqueeze(2) - 2.0 * cross) * half
-            return k, bias
-        bias = prior - (k * k).sum(-1) * half
-        return k * (2.0 * half).unsqueeze(-1), bias
+            return k, key_bias(k, s2, prior, shifts=shifts.detach().to(dt))
+        return mixture_terms.scaled_keys(k, s2), key_bias(k, s2, prior)
 
 
 def mgk_cache_centre(query: Tensor, centre: Tensor | None, *, key_valid: Tensor,
@@ -151,12 +127,12 @@ def _query_terms(q, s2, shifts):
     None."""
     scale = rowbias = None
     if shifts is not None:
-        scale = 1.0 / _per_component(s2, 1)  # (1, H', M, 1)
+        scale = 1.0 / mixture_terms.per_component(s2, 1)  # (1, H', M, 1)
         mu = shifts.to(q.dtype).transpose(0, 1)  # (H, M, D)
         rowbias = -((mu @ q.transpose(-1, -2)) * scale
                     + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * scale)  # (B, H, M, L)
     if needs_qnorm(s2):
-        qnorm = -((q * q).sum(-1).unsqueeze(2) * (0.5 / _per_component(s2, 1)))
+        qnorm = row_bias(q, s2)
         rowbias = qnorm if rowbias is None else rowbias + qnorm
     return scale, rowbias
 
@@ -201,7 +177,7 @@ def _inert(mask, kb, mixture, is_causal: bool, L: int, S: int):
     torch.compile or a torch.func transform, whose tensors have no values to read, always), and the rows that see
     no key marked (their mask opened so that the softmax stays finite; the caller zeroes them). Masked slots are
     removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
-    unread = torch.compiler.is_compiling() or _transformed(kb)
+    unread = torch.compiler.is_compiling() or is_transformed(kb)
     if mixture == "sum" and kb.numel() and (unread or bool(kb.amin() == float("-inf"))):
         live = (kb > float("-inf")).any(dim=2).unsqueeze(2)  # (B, H, 1, S)
         mask = live if mask is None else mask & live
@@ -227,17 +203,17 @@ def _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask):
     check_same("keys", S, "value", value.shape[2], "key length S")
     check_same("keys", S, "key_bias", key_bias.shape[-1], "key length S")
     M = key_bias.shape[2]
-    _check_components(M, "key_bias")
+    check_components(M, "key_bias")
     if not shifted:
         check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
-    _check_mixture_args(mixture, None)
-    return B, H, L, S, M, D, _check_shifts(shifts, M, H, D), _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
+    check_mixture_args(mixture, None)
+    return B, H, L, S, M, D, check_shifts(shifts, M, H, D), _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
 
 
 def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, centre: Tensor,
                          sigma2: float | Tensor | None = None, shifts: Tensor | None = None, mixture: str = "sum",
                          attn_mask: Tensor | None = None, is_causal: bool = True, dropout_p: float = 0.0,
-                         chunk_size: int = 512) -> Tensor:
+                         chunk_size: int = 512, backend: str | None = None) -> Tensor:
     """MGK attention of new queries over a cache of :func:`mgk_cache_entries` (a decoding step).
 
     Args:
@@ -253,28 +229,35 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
             cache in place, and a weight of exactly 0 times NaN would still be NaN.
         is_causal: bottom-right causal masking among the positions (query i sees j <= i + S - L).
         dropout_p: dropout on the mixed attention weights, in [0, 1].
-        chunk_size: queries per chunk (memory O(chunk * M * S) per head).
+        chunk_size: queries per chunk of "explicit" (memory O(chunk * M * S) per head).
+        backend: None (the first of :data:`DECODE_BACKENDS` that serves), "kernel" (our C++ CPU decoding kernel,
+            which reads the cache in place once; no gradient, no dropout, at most a few queries, key padding only)
+            or "explicit" (GEMMs over the cache, every input).
     Returns:
         (B, H, L, Dv) in query's dtype (float32 compute for 16-bit inputs). Rows that may attend to no key are
         zero. Equals ``mgk_attention(query, k, v, log_pi=..., sigma2=..., mixture=..., attn_mask=...,
         is_causal=..., centre=centre)`` of the keys k the entries were made from.
     Raises:
-        ValueError naming the argument for wrong shapes, dtypes or options; MaskError for the mask.
+        ValueError naming the argument for wrong shapes, dtypes or options; BackendError (a ValueError) naming why
+        a backend asked for cannot serve the inputs; MaskError for the mask.
     """
-    check_arguments(is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size)
+    check_arguments(is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size, backend=backend,
+                    backends=DECODE_BACKENDS)
     B, H, L, S, M, D, shifts, mask = _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask)
     out_dtype = query.dtype
     dt = compute_dtype(query, keys, value)
     with full_precision(query.device):
         c = check_centre(centre, B, H, D, dt, query.device)
-        s2 = _variances(sigma2, H, M, D, dt, query.device)
+        s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
         q = query.to(dt) - c.unsqueeze(2)
         kc, kb, v = keys.to(dt), key_bias.to(dt), value.to(dt)
         scale, rowbias = _query_terms(q, s2, shifts)
         # the kernel has no backward: any operand in a graph (sigma2 and shifts reach it through scale and rowbias)
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, kc, kb, v, scale, rowbias))
-        if _mixture_decode.usable(q, v, mask, dropout_p, needs_grad):
+        kernel_unserved = _mixture_decode.unserved(q, v, mask, dropout_p, needs_grad)
+        name = pick(backend, DECODE_BACKENDS, lambda b, _: kernel_unserved if b == "kernel" else None)
+        if name == "kernel":
             out = _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
                                                  is_causal=is_causal, hard=mixture == "max")
             return out.to(out_dtype)

@@ -10,7 +10,7 @@ from torch import Tensor
 from . import _mixture_flash
 from . import masks as _masks
 from ._checks import check_arguments, check_qkv, compute_dtype, full_precision
-from .mgk import BackendError, _transformed
+from ._dispatch import BackendError, is_transformed
 
 SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
 
@@ -58,7 +58,7 @@ def select_softmax_backend(query: Tensor, key: Tensor, value: Tensor, *, attn_ma
 
 def _select(q: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float) -> str:
     """select_softmax_backend on checked inputs in the compute dtype."""
-    if _transformed(q, v):
+    if is_transformed(q, v):
         return "explicit"
     if dropout_p > 0.0 and _kernel_unserved(q, v, mask, bias, dropout_p) is None:
         return "kernel"

@@ -119,7 +119,7 @@ def align_optimizer_state(optimizer_state: dict, saved_model: dict, model: torch
     same parameters come in another order. The saved model's state-dict order gives the old positions, its names
     (moved under ``mixture.`` where needed) the new ones. State of one parameter group only; anything else is
     returned unchanged (``load_state_dict`` then checks the sizes as usual)."""
-    from ..attention.mixture_keys import _OLD_NAMES
+    from ..attention.mixture_keys import LEGACY_NAMES
 
     new_order = [name for name, _ in model.named_parameters()]
     known = set(new_order)
@@ -128,7 +128,7 @@ def align_optimizer_state(optimizer_state: dict, saved_model: dict, model: torch
         """The current name of a saved parameter name, or None for buffers and unknown names."""
         if key in known:
             return key
-        for old in _OLD_NAMES:
+        for old in LEGACY_NAMES:
             if key == old or key.endswith("." + old):
                 moved = key[: len(key) - len(old)] + "mixture." + old
                 return moved if moved in known else None

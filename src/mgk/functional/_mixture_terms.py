@@ -1,0 +1,172 @@
+"""The mixture algebra every MGK path shares (Nguyen et al., ICML 2022, eq. 9-10), written once: the variances, the
+log prior, the per-key bias, the per-row bias, the scaled keys, the log-kernel and the argument checks.
+
+With ``s_ijr = log pi_jr - |q_i - k_jr|^2 / (2 sigma_r^2)`` expanded as
+``q_i . k_jr / sigma_r^2 + b_jr + c_ir``, the per-key bias is ``b_jr = log pi_jr - |k_jr|^2 / (2 sigma_r^2)``
+(:func:`key_bias`) and the per-row bias ``c_ir = -|q_i|^2 / (2 sigma_r^2)`` (:func:`row_bias`), which cancels in the
+softmax over j unless the variances differ within a head (:func:`needs_qnorm`). The uncached backends
+(:mod:`._mgk_backends`), the Soft-E statistics (:mod:`._soft_e`) and the decoding cache (:mod:`.mgk_cache`) all
+build their scores from these functions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import masks as _masks
+from ._checks import check_qkv
+from ._dispatch import is_transformed
+
+__all__ = ["MIXTURES", "check_components", "check_mixture", "check_mixture_args", "check_shifts",
+           "gaussian_log_kernel", "key_bias", "log_prior", "needs_qnorm", "per_component", "row_bias",
+           "scaled_keys", "variances"]
+
+MIXTURES = ("sum", "max")
+
+
+# ---- argument checks ---------------------------------------------------------------------------------------------
+
+def check_mixture_args(mixture, log_pi) -> None:
+    """ValueError naming ``mixture`` unless it is "sum" or "max", and ``log_pi`` unless it is None under "max"."""
+    if mixture not in MIXTURES:
+        raise ValueError(f"mixture must be one of {MIXTURES}, got {mixture!r}")
+    if mixture == "max" and log_pi is not None:
+        raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
+
+
+def check_components(M: int, name: str) -> None:
+    """ValueError naming ``name`` when it holds no mixture component."""
+    if M < 1:
+        raise ValueError(f"{name} must hold at least one mixture component (M >= 1), got M = 0")
+
+
+def check_shifts(shifts, M: int | None, H: int, D: int) -> Tensor | None:
+    """``shifts`` (M, H, D) floating (sMGK's offsets mu_r), or None; ValueError naming it otherwise."""
+    if shifts is None:
+        return None
+    if not isinstance(shifts, Tensor) or not shifts.is_floating_point() or shifts.dim() != 3 or tuple(
+            shifts.shape[1:]) != (H, D) or (M is not None and shifts.shape[0] != M):
+        what = tuple(shifts.shape) if isinstance(shifts, Tensor) else type(shifts).__name__
+        raise ValueError(f"shifts must be a floating tensor (M, H, D) = ({M or 'M'}, {H}, {D}) of the components' "
+                         f"offsets mu_r (sMGK's k_r = k - mu_r), got {what}")
+    return shifts
+
+
+def check_mixture(query, key, value, log_pi, mixture, attn_mask):
+    """The checks of an uncached mixture call (MGK, MLK): query (B, H, L, D), key (B, H, M, S, D), value
+    (B, H, S, Dv) or None, ``log_pi`` broadcastable to (B, H, M, S), ``mixture``, a bool ``attn_mask``.
+    Returns ``(B, H, L, S, M, D, mask)``; ValueError (MaskError for the mask) naming the argument."""
+    B, H, L, S, M, D = check_qkv(query, key, value, mixture=True)
+    check_mixture_args(mixture, log_pi)
+    if log_pi is not None:
+        if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point():
+            raise ValueError(f"log_pi must be a floating tensor broadcastable to (B, H, M, S) = {(B, H, M, S)}")
+        if log_pi.dim() > 4 or any(
+                a not in (1, b) for a, b in zip((1,) * (4 - log_pi.dim()) + tuple(log_pi.shape), (B, H, M, S))):
+            raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, S) = "
+                             f"{(B, H, M, S)}")
+    mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
+    return B, H, L, S, M, D, mask
+
+
+# ---- the terms ---------------------------------------------------------------------------------------------------
+
+def variances(sigma2, H: int, M: int, D: int, dtype, device) -> Tensor:
+    """Variances as an (H', M) tensor, H' = 1 (shared by the heads) or H; default sqrt(D), the 1/sqrt(D) scale of
+    dot-product attention. ``sigma2``: None, a float, or a tensor of one value, (M,) or (H, M) (gradients kept).
+
+    Values are checked (positive, finite) for Python numbers and CPU tensors. Tensors on an accelerator are not:
+    reading them back would synchronise the device on every call, and the modules check theirs at construction.
+    ValueError naming ``sigma2`` otherwise."""
+    if sigma2 is None:
+        return torch.full((1, M), math.sqrt(D), dtype=dtype, device=device)
+    if isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool):
+        if not sigma2 > 0 or not math.isfinite(sigma2):
+            raise ValueError(f"sigma2 must be a positive finite variance, got {sigma2}")
+        return torch.full((1, M), float(sigma2), dtype=dtype, device=device)
+    shape = tuple(sigma2.shape) if isinstance(sigma2, Tensor) else None
+    if shape is None or not (sigma2.is_floating_point() and (sigma2.numel() == 1 or shape in ((M,), (1, M), (H, M)))):
+        raise ValueError(f"sigma2 must be None, a positive float or a floating tensor of one value, shape (M,) = "
+                         f"({M},) or (H, M) = ({H}, {M}); got {shape or type(sigma2).__name__}")
+    s = sigma2.to(device=device, dtype=dtype)
+    s = s.reshape(1, 1).expand(1, M) if s.numel() == 1 else s.reshape(-1, M)
+    if s.device.type != "cpu" or torch.compiler.is_compiling() or is_transformed(s):
+        return s  # a traced or torch.func-wrapped tensor has no values to read (a module checked its own)
+    # One read of the values instead of four reductions: this runs on every call.
+    if not all(x > 0 and math.isfinite(x) for x in s.reshape(-1).tolist()):
+        raise ValueError(f"sigma2 must be positive and finite, got {sigma2.tolist()}")
+    return s
+
+
+def log_prior(log_pi, M: int, dtype, device) -> Tensor:
+    """log pi as a 4-dim tensor broadcastable to (B, H, M, S), -inf kept (a switched-off component); default
+    uniform 1/M."""
+    if log_pi is None:
+        return torch.full((1, 1, M, 1), -math.log(M), dtype=dtype, device=device)
+    lp = log_pi.to(dtype)
+    return lp.reshape((1,) * (4 - lp.dim()) + tuple(lp.shape))
+
+
+def per_component(s2: Tensor, *trailing: int) -> Tensor:
+    """s2 (M,) or (H', M) viewed as (1, H', M, *trailing) against (B, H, M, ...) tensors."""
+    s2 = s2.reshape(-1, s2.shape[-1])
+    return s2.view(1, s2.shape[0], s2.shape[1], *trailing)
+
+
+def needs_qnorm(s2: Tensor) -> bool:
+    """Whether the per-row ``-|q|^2 / (2 sigma_r^2)`` term must be kept for s2 (H', M).
+
+    With one component per head, or equal fixed variances within each head, it is constant along a row and cancels
+    in the softmax (in the value, and in the gradient of a variance shared by the row's every score). With unequal
+    or learned per-component variances it does not (a learned sigma_r^2 moves alone). Reading the values would
+    synchronise an accelerator, so off the CPU (and inside a torch.compile trace) the term is kept for M > 1 (exact
+    either way)."""
+    M = s2.shape[-1]
+    if M == 1:
+        return False
+    if s2.requires_grad or torch.compiler.is_compiling() or s2.device.type != "cpu":
+        return True
+    rows = s2.reshape(-1, M).tolist()  # one read of the H' * M values, on every call
+    return any(x != row[0] for row in rows for x in row)
+
+
+def key_bias(k: Tensor, s2: Tensor, log_pi: Tensor | None = None, *, shifts: Tensor | None = None) -> Tensor:
+    """The per-key bias ``b_jr = log pi_jr - |k_jr|^2 / (2 sigma_r^2)``, (B, H, M, S).
+
+    k: (B, H, M, S, D) the component keys; or, with ``shifts`` (M, H, D) (sMGK's ``k_jr = k_j - mu_r``), the one
+    unshifted key (B, H, S, D), for which the bias holds the part of ``|k_j - mu_r|^2`` that depends on the key,
+    ``|k_j|^2 - 2 k_j . mu_r`` (the ``|mu_r|^2`` term is per component and goes with the query's terms).
+    s2: (H', M) variances. log_pi: broadcastable to (B, H, M, S), or None for no prior (Hard-E)."""
+    if shifts is None:
+        squared = (k * k).sum(-1)
+    else:
+        mu = shifts.to(k.dtype).transpose(0, 1)  # (H, M, D)
+        squared = (k * k).sum(-1).unsqueeze(2) - 2.0 * (mu @ k.transpose(-1, -2))
+    bias = -squared * (0.5 / per_component(s2, 1))
+    return bias if log_pi is None else bias + log_pi
+
+
+def row_bias(q: Tensor, s2: Tensor) -> Tensor:
+    """The per-row bias ``-|q_i|^2 / (2 sigma_r^2)``, (B, H, M, L), for q (B, H, L, D) and s2 (H', M)."""
+    return (q * q).sum(-1).unsqueeze(2) * (-0.5 / per_component(s2, 1))
+
+
+def scaled_keys(k: Tensor, s2: Tensor) -> Tensor:
+    """``k_jr / sigma_r^2`` for k (B, H, M, S, D) and s2 (H', M)."""
+    return k * (1.0 / per_component(s2, 1, 1))
+
+
+def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:
+    """``-|q_i - k_jr|^2 / (2 sigma_r^2)`` for q (B, H, L, D), k (B, H, M, S, D) and sigma2 (M,) or (H, M) (per head
+    and component); returns (B, H, L, M, S).
+
+    The squared distance is expanded (one matmul) and clamped at 0, so rounding never makes it negative and every
+    kernel value is <= 1. The expansion cancels catastrophically when q and k share a large offset; mgk_attention
+    centres both first (:mod:`mgk.functional._centre`)."""
+    qn = (q * q).sum(-1)[..., :, None, None]  # (B, H, L, 1, 1)
+    kn = (k * k).sum(-1).unsqueeze(2)  # (B, H, 1, M, S)
+    qk = torch.einsum("bhld,bhmsd->bhlms", q, k)
+    d2 = (qn + kn - 2.0 * qk).clamp_min(0.0)
+    return d2 * (-0.5 / per_component(sigma2, 1)).unsqueeze(2)
