@@ -38,10 +38,11 @@ def check_same_dtype(**tensors: Tensor) -> None:
                              "floating dtype")
 
 
-def check_qkv(query, key, value, *, mixture: bool) -> tuple[int, int, int, int, int, int]:
+def check_qkv(query, key, value, *, mixture: bool, grouped: bool = False) -> tuple[int, int, int, int, int, int]:
     """The shape and dtype checks every attention function shares, at the functional boundary.
 
-    query (B, H, L, D); key (B, H, S, D), or (B, H, M, S, D) with ``mixture``; value (B, H, S, Dv) or None.
+    query (B, H, L, D); key (B, H, S, D), or (B, H, M, S, D) with ``mixture``; value (B, H, S, Dv) or None. With
+    ``grouped`` (grouped-query attention, Ainslie et al. 2023) key and value may have G heads, G dividing H.
     Returns ``(B, H, L, S, M, D)`` (M = 1 without ``mixture``). Raises ValueError naming the argument."""
     check_tensor(query, "query", 4, "(B, H, L, D)")
     check_tensor(key, "key", 5 if mixture else 4, "(B, H, M, S, D)" if mixture else "(B, H, S, D)")
@@ -51,12 +52,16 @@ def check_qkv(query, key, value, *, mixture: bool) -> tuple[int, int, int, int, 
     B, H, L, D = query.shape
     M, S = (key.shape[2], key.shape[3]) if mixture else (1, key.shape[2])
     check_same("query", B, "key", key.shape[0], "batch size")
-    check_same("query", H, "key", key.shape[1], "number of heads")
+    if not grouped:
+        check_same("query", H, "key", key.shape[1], "number of heads")
+    elif key.shape[1] < 1 or H % key.shape[1]:
+        raise ValueError(f"number of heads: query has {H} but key has {key.shape[1]}; grouped-query attention needs "
+                         "key / value heads G that divide the query heads H")
     check_same("query", D, "key", key.shape[-1], "head_dim")
     if value is not None:
         check_same("key", S, "value", value.shape[2], "key length S")
         check_same("key", B, "value", value.shape[0], "batch size")
-        check_same("key", H, "value", value.shape[1], "number of heads")
+        check_same("key", key.shape[1], "value", value.shape[1], "number of heads")
     if M < 1:
         raise ValueError("key must have at least one mixture component (M >= 1)")
     return B, H, L, S, M, D

@@ -1,4 +1,5 @@
-"""Scaled dot-product (softmax) attention: the baseline of the paper (Vaswani et al. 2017)."""
+"""Scaled dot-product (softmax) attention: the baseline of the paper (Vaswani et al. 2017), with H query heads over H
+key/value heads or over G of them (grouped-query attention, Ainslie et al., EMNLP 2023; multi-query for G = 1)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,15 @@ from ._checks import check_arguments, check_qkv, compute_dtype, full_precision
 from ._dispatch import BackendError, is_transformed
 
 SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
+
+
+def _expand_groups(k: Tensor, v: Tensor, H: int) -> tuple[Tensor, Tensor]:
+    """Key and value of G heads (G dividing H) as H heads: query head h reads key/value head h // (H / G) (Ainslie
+    et al. 2023, Section 3; Shazeer 2019 for G = 1)."""
+    G = k.shape[1]
+    if G == H:
+        return k, v
+    return k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
 
 
 def _kernel_unserved(q: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, dropout_p: float) -> str | None:
@@ -31,7 +41,7 @@ def _kernel_unserved(q: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | N
 
 def _checked(query, key, value, attn_mask, bias):
     """(B, H, L, S, D, mask, bias): shapes checked, the bias finite with its -inf entries moved into the mask."""
-    B, H, L, S, _, D = check_qkv(query, key, value, mixture=False)
+    B, H, L, S, _, D = check_qkv(query, key, value, mixture=False, grouped=True)
     mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
     mask, bias = _masks.fold_bias(mask, _masks.check_bias(bias, "bias", B, H, L, S))
     return B, H, L, S, D, mask, (None if bias is None else bias.to(compute_dtype(query, key, value)))
@@ -72,8 +82,10 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
 
     Args:
         query: (B, H, L, D) floating.
-        key: (B, H, S, D), same dtype as query.
-        value: (B, H, S, Dv).
+        key: (B, H, S, D), same dtype as query; or (B, G, S, D) with G dividing H, grouped-query attention (Ainslie
+            et al. 2023; G = 1 is multi-query attention, Shazeer 2019): query head h reads key head h // (H / G),
+            served by SDPA's own grouped path (``enable_gqa``) without copying keys per query head.
+        value: (B, H, S, Dv), or (B, G, S, Dv) as key.
         attn_mask: bool, broadcastable to (B, H, L, S); True = may attend (SDPA convention; float masks are refused,
             see ``bias``).
         bias: float broadcastable to (B, H, L, S), added to the logits (ALiBi, relative positions, a module's float
@@ -114,7 +126,9 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: T
             raise BackendError(f"backend='kernel' cannot serve these inputs: {why}")
     with full_precision(query.device):
         if backend == "kernel":
-            return _kernel(q, k, v, mask, bias, is_causal, dropout_p, scale).to(out_dtype)
+            return _kernel(q, *_expand_groups(k, v, H), mask, bias, is_causal, dropout_p, scale).to(out_dtype)
+        if mask is not None and mask.shape[1] != 1:  # a per-head mask zeroes keys per query head
+            k, v = _expand_groups(k, v, H)
         return _sdpa(q, k, v, mask, bias, is_causal, dropout_p, scale).to(out_dtype)
 
 
@@ -130,16 +144,19 @@ def _kernel(q, k, v, mask, bias, is_causal, dropout_p, scale):
 
 def _sdpa(q, k, v, mask, bias, is_causal, dropout_p, scale):
     L, S = q.shape[2], k.shape[2]
+    grouped = k.shape[1] != q.shape[1]  # SDPA's own grouped-query path reads each key/value head once
     if mask is None and bias is None and is_causal and L == S:
         # SDPA's own causal flag skips masked blocks; it is top-left aligned, which equals ours when L == S.
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=grouped)
     mask = _masks.combine(mask, is_causal, L, S, q.device)
     mask, k, v, empty, q = _masks.prepare(mask, k, v, q)
     attn = mask
     if bias is not None:  # as SDPA's float mask; empty rows are all-True here, so no row is all -inf
         attn = bias if mask is None else torch.where(mask, bias, torch.full((), float("-inf"), dtype=bias.dtype,
                                                                             device=bias.device))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, dropout_p=dropout_p, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=grouped)
     return _masks.zero_rows(out, empty)
 
 
@@ -151,7 +168,7 @@ def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, at
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, scale=scale, return_weights=return_weights)
     B, H, L, S, D, mask, bias = _checked(query, key, value, attn_mask, bias)
     dt = compute_dtype(query, key, value)
-    q, k, v = query.to(dt), key.to(dt), value.to(dt)
+    q, (k, v) = query.to(dt), _expand_groups(key.to(dt), value.to(dt), H)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     with full_precision(query.device):
         mask = _masks.combine(mask, is_causal, L, S, query.device)
@@ -173,7 +190,8 @@ def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_
     :class:`mgk.attention.cache.KVCache`): :func:`softmax_attention` through SDPA, except that keys and values at
     slots no query may attend to must be finite (a cache stores zeros there), so they are not copied to be zeroed.
 
-    Args: query (B, H, L, D), the L new queries; key (B, H, S, D) and value (B, H, S, Dv), the cache's slots in use
+    Args: query (B, H, L, D), the L new queries; key (B, H, S, D) and value (B, H, S, Dv) (or G heads dividing H,
+        as :func:`softmax_attention`), the cache's slots in use
         (the new ones included); attn_mask bool broadcastable to (B, H, L, S), True = may attend; is_causal
         bottom-right (a no-op for L = 1: the last query sees every key); dropout_p, scale as
         :func:`softmax_attention`.
@@ -185,11 +203,13 @@ def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     with full_precision(query.device):
         q, k, v = query.to(dt), key.to(dt), value.to(dt)
+        grouped = k.shape[1] != H
         causal = is_causal and L > 1
         if mask is None and (not causal or L == S):  # SDPA's causal flag is top-left: ours when L == S
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
-                                                  scale=scale).to(query.dtype)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                                  enable_gqa=grouped).to(query.dtype)
         mask = _masks.combine(mask, causal, L, S, query.device)
         empty = ~mask.any(dim=-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=grouped)
         return _masks.zero_rows(out, empty).to(query.dtype)
