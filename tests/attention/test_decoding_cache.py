@@ -10,7 +10,7 @@ import torch
 
 import mgk
 from attention.conftest import D, E, H, build_kind
-from mgk.attention.cache import DecodingCache
+from mgk.attention.cache import DecodingCache, LayerCache
 from mgk.attention.registry import get_kind, kind_variants, variant_name
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32
@@ -97,9 +97,11 @@ def test_a_left_padded_batch_decodes_each_row_as_that_row_alone(kind, options):
 
 
 @pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
-def test_the_registry_declares_the_cache_each_layer_fills(kind, options):
+def test_every_kind_fills_the_one_layer_cache_with_the_slots_it_declares(kind, options):
     m = _module(kind, options)
-    assert type(m.new_cache()) is get_kind(kind).cache.layer_cache
+    cache = m.new_cache()
+    assert type(cache) is LayerCache and cache.slots == m.cache_slots and cache.layout == m.cache_layout
+    assert get_kind(kind).cache.recurrent == (not m.cache_slots)  # a recurrent state, or per-token entries
 
 
 @pytest.mark.parametrize("kind,options", CASES, ids=IDS)
@@ -154,7 +156,7 @@ def test_reserved_slots_are_never_attended(kind):
     with torch.no_grad():
         m(x[:, :4], past_key_values=cache, is_causal=True, need_weights=False)
         for name, buf in cache._buffers.items():
-            buf.narrow(type(cache).SLOTS[name], 4, 60).fill_(float("nan"))
+            buf.narrow(cache.slots[name], 4, 60).fill_(float("nan"))
     with torch.no_grad():
         got = [m(x[:, t:t + 1], past_key_values=cache, is_causal=True, need_weights=False)[0] for t in range(4, 12)]
     assert cache.capacity == 64
@@ -222,7 +224,7 @@ def test_a_cached_call_that_cannot_be_decoding_is_refused(kwargs, message):
     with pytest.raises(ValueError, match="self-attention"):
         m(torch.randn(1, 3, E), torch.randn(1, 3, E), past_key_values=m.new_cache(), is_causal=True,
           need_weights=False)
-    with pytest.raises(ValueError, match="KVCache"):
+    with pytest.raises(ValueError, match=r"a MultiheadAttention cache, from new_cache\(\)\), got a MLKAttention"):
         m(torch.randn(1, 3, E), past_key_values=_module("mlk", {}).new_cache(), is_causal=True, need_weights=False)
 
 
@@ -315,7 +317,31 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
             start = 0 if b == 0 else 4
             torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=1e-5, rtol=1e-6,
                                        msg=lambda s, b=b: f"row {b}: {s}")
-        assert not cache.provisional and cache._raw == []
+        assert cache.extra["provisional"] is False and "raw_key" not in cache.extra  # nothing kept once final
+
+
+@pytest.mark.parametrize("kind", ["mgk", "smgk"])
+def test_a_row_that_stays_provisional_keeps_one_slot_of_keys_whatever_the_steps(kind):
+    """Issue 30 (#8): while any row was provisional (fewer than two real tokens), every call's raw keys were kept
+    for all rows: an empty row held 4.2 MiB beside a 6.1 MiB cache after 2,000 steps. Only each provisional row's
+    one real token is needed to remake its entry, so what is kept does not grow with the steps; the decoded rows
+    still equal the uncached forward."""
+    m = _module(kind, {})
+    torch.manual_seed(5)
+    x = torch.randn(2, 30, E)
+    empty = torch.zeros(2, 1, dtype=torch.bool)
+    empty[1] = True  # row 1 is padding at every call: it never leaves its provisional centre
+    cache, kept, outs = m.new_cache(), [], []
+    with torch.no_grad():
+        outs.append(m(x[:, :3], past_key_values=cache, is_causal=True, need_weights=False,
+                      key_padding_mask=empty.expand(2, 3))[0])
+        for t in range(3, 30):
+            outs.append(m(x[:, t:t + 1], past_key_values=cache, is_causal=True, need_weights=False,
+                          key_padding_mask=empty)[0])
+            kept.append(cache.extra_bytes())
+    assert cache.extra["provisional"] is True
+    assert kept[-1] == kept[0] <= 2 * cache.nbytes() / 30  # one slot per row, not one per step
+    _close(torch.cat(outs, dim=1)[:1], _uncached(m, x[:1]), 1.0, "row 0")
 
 
 @pytest.mark.parametrize("kind,options", CASES, ids=IDS)

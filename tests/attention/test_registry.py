@@ -9,7 +9,7 @@ from mgk import config
 from mgk.analyze.run import run_label as analyze_label
 from mgk.attention import MGKAttention, registry
 from mgk.attention.cache_spec import CacheSpec
-from mgk.attention.options import MGKOptions
+from mgk.attention.mgk import MGKOptions
 from mgk.attention.registry import (
     AttentionKind,
     attention_kinds,

@@ -1,7 +1,7 @@
-"""Attention modules (thin nn.Modules over :mod:`mgk.functional`) and the registry of attention kinds."""
-from . import kinds  # noqa: F401  (registers the paper's six kinds)
+"""Attention modules (thin nn.Modules over :mod:`mgk.functional`), one file per kind, and the registry of kinds."""
+from . import kinds  # noqa: F401  (the index: each kind's file registers it)
 from .base import AttentionBase
-from .cache import DecodingCache
+from .cache import DecodingCache, LayerCache
 from .config import AttentionConfig
 from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention, soft_e_step
@@ -12,4 +12,4 @@ from .swap import swap_attention
 
 __all__ = ["AttentionBase", "MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "register"]
 __all__ += ["LinearAttention", "MLKAttention", "MixtureKeys", "AttentionConfig", "AttentionKind", "get_kind",
-            "soft_e_step", "swap_attention", "DecodingCache"]
+            "soft_e_step", "swap_attention", "DecodingCache", "LayerCache"]

@@ -94,8 +94,14 @@ class AttentionBase(nn.Module, abc.ABC):
         self.vdim = _positive_int(vdim if vdim is not None else embed_dim, "vdim")
         width = self.num_heads * self.head_dim
         self.q_proj = nn.Linear(self.embed_dim, width, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, width, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, self.kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(width, self.embed_dim, bias=bias)
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of the values (and of the keys, for kinds with one key per head): H here; fewer for grouped-query
+        attention, whose module sets them before this base's constructor runs."""
+        return self.num_heads
 
     # -- hooks for subclasses -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -108,25 +114,62 @@ class AttentionBase(nn.Module, abc.ABC):
         """Attention on projected heads; returns ((B, H, L, D), weights (B, H, L, S) or None)."""
 
     def _cached_core(self, q: Tensor, x: Tensor, v: Tensor, valid: Tensor | None, cache: LayerCache) -> Tensor:
-        """Attention of the new tokens (queries q (B, H, L, D), inputs x (B, L, E), values v (B, H, L, Dv); ``valid``
-        (B, L) bool True = real token, or None) over ``cache`` and themselves; adds them to ``cache``."""
-        raise NotImplementedError(f"{type(self).__name__} has no decoding cache")
+        """Attention of the new tokens (queries q (B, H, L, D), inputs x (B, L, E), values v (B, H', L, Dv); ``valid``
+        (B, L) bool True = real token, or None) over ``cache`` and themselves; adds them to ``cache``. A kind
+        without a decoding cache (a subclass outside mgk) raises ValueError."""
+        raise ValueError(f"{type(self).__name__} has no decoding cache: call it without past_key_values")
+
+    def _values(self, value: Tensor) -> Tensor:
+        """Project value inputs (B, S, vdim) to (B, H', S, Dv), H' = :attr:`kv_heads`."""
+        return self._split(self.v_proj(value), self.kv_heads)
 
     def _attn_mask_hook(self, attn_mask, is_causal: bool, L: int, S: int):
         """Subclasses that cannot take a query-dependent mask may recognise a causal one here."""
         return attn_mask, is_causal
 
     # -- shared ------------------------------------------------------------------------------------------------
-    def _split(self, x: Tensor) -> Tensor:
+    def _split(self, x: Tensor, heads: int | None = None) -> Tensor:
+        """(B, T, heads * D) -> (B, heads, T, D); ``heads`` defaults to num_heads."""
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        return x.view(B, T, heads or self.num_heads, self.head_dim).transpose(1, 2)
 
-    _cache_type: type = LayerCache  # the registry's CacheSpec.layer_cache of the kind (tests check they agree)
+    # The per-token entries a decoding cache of this kind stores: name -> slot dimension (empty: a recurrent state).
+    cache_slots: dict[str, int] = {}
+
+    @property
+    def cache_layout(self) -> str:
+        """The name of what this layer's cache holds (a cache filled by a layer of another layout is refused)."""
+        return type(self).__name__
 
     def new_cache(self, capacity: int | None = None) -> LayerCache:
-        """An empty decoding cache for this layer, room for ``capacity`` tokens allocated at its first call (default
-        that call's length; it grows by doubling). Pass it as ``past_key_values``."""
-        return self._cache_type(capacity)
+        """An empty decoding cache for this layer (:class:`mgk.attention.cache.LayerCache` with this kind's
+        :attr:`cache_slots`), room for ``capacity`` tokens allocated at its first call (default that call's length;
+        it grows by doubling). Pass it as ``past_key_values``."""
+        return LayerCache(self.cache_slots, capacity, layout=self.cache_layout)
+
+    # -- conversion (mgk.swap_attention) -----------------------------------------------------------------------------
+    def per_head_projections(self) -> dict[str, Tensor]:
+        """This layer's projections as those of a multi-head layer with H heads (detached): ``q_proj``, ``k_proj``,
+        ``v_proj`` and ``out_proj`` weights (and biases, when present) by those names, what
+        :func:`mgk.swap_attention` carries to the new kind (:meth:`load_projections`)."""
+        out = {f"{p}.{n}": t.detach() for p in ("q_proj", "v_proj", "out_proj")
+               for n, t in getattr(self, p).named_parameters()}
+        out.update({f"k_proj.{n}": t.detach() for n, t in self._key_projection().items()})
+        return out
+
+    def _key_projection(self) -> dict[str, Tensor]:
+        """``{"weight": (H*D, kdim), "bias": (H*D,)}``: the key projection as H heads (a mixture's first component)."""
+        proj = getattr(self, "k_proj", None)
+        if not isinstance(proj, nn.Linear):
+            raise ValueError(f"{type(self).__name__} has no key projection k_proj to carry over")
+        return dict(proj.named_parameters())
+
+    def load_projections(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The kind's conversion rule: this layer's parameters, by name, made from another layer's
+        :meth:`per_head_projections` (same widths). This base copies every projection of the same name and shape
+        (exact for kinds with one key per head); kinds with other keys override it. Returns the parameters set."""
+        params = dict(self.named_parameters())
+        return {n: t for n, t in weights.items() if n in params and params[n].shape == t.shape}
 
     @property
     def attn_dropout(self) -> float:
@@ -175,7 +218,7 @@ class AttentionBase(nn.Module, abc.ABC):
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask, is_causal, bias, query_mask = self._masks(key_padding_mask, attn_mask, is_causal, B, L, S,
                                                         self_attention)
-        q, k, v = self._split(self.q_proj(query)), self._keys(key), self._split(self.v_proj(value))
+        q, k, v = self._split(self.q_proj(query)), self._keys(key), self._values(value)
         extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
         out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
         if self.head_gate is not None:
@@ -185,9 +228,10 @@ class AttentionBase(nn.Module, abc.ABC):
 
     def _forward_cached(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache):
         """:meth:`forward` with ``past_key_values``: checks, projections, :meth:`_cached_core`, output."""
-        if not isinstance(cache, self._cache_type):
-            raise ValueError(f"past_key_values must be this layer's cache ({self._cache_type.__name__}, from "
-                             f"new_cache()), got {type(cache).__name__}")
+        if not isinstance(cache, LayerCache) or cache.layout != self.cache_layout:
+            got = f"a {cache.layout} cache" if isinstance(cache, LayerCache) else type(cache).__name__
+            raise ValueError(f"past_key_values must be this layer's cache (a {self.cache_layout} cache, from "
+                             f"new_cache()), got {got}")
         wrong = [why for bad, why in (
             ((key is not None and key is not query) or (value is not None and value is not query),
              "key / value None (self-attention of the new tokens)"),
@@ -206,7 +250,7 @@ class AttentionBase(nn.Module, abc.ABC):
             valid = ~key_padding_mask
         cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device,
                    self)
-        q, v = self._split(self.q_proj(x)), self._split(self.v_proj(x))
+        q, v = self._split(self.q_proj(x)), self._values(x)
         out = self._cached_core(q, x, v, valid, cache)
         if self.head_gate is not None:  # decoding sees the same gated heads as the full forward
             out = out * self._gate_shape(self.head_gate, B)

@@ -6,23 +6,26 @@ returning ``(output, weights)``: a layer called with a cache attends from its ne
 seen and to themselves (causally, bottom-right aligned), then adds them to the cache. The first call is the prefill
 (any length), every later call one token or a few.
 
-What a layer's cache holds is its kind's declaration in the registry (:class:`mgk.attention.cache_spec.CacheSpec`,
-whose ``layer_cache`` is one of the classes here):
+Every kind's layer fills the same object, :class:`LayerCache` (one decoding state, as flash-linear-attention's
+``Cache``): named slot buffers that grow with the sequence, the valid-slot mask, per-row counts, an optional fixed
+recurrent state and a dict of the kind's own bookkeeping. What is stored, and how a call updates it, is the kind's
+(its module's ``cache_slots`` and ``_cached_core``, in the kind's file):
 
-* :class:`KVCache` (softmax): keys (B, H, T, D) and values (B, H, T, Dv);
-* :class:`MixtureKeyCache` (MGK): the M component keys centred on the prefill's centre and divided by sigma_r^2
-  (B, H, M, T, D), the per-key scalars ``log pi_jr - |k~_jr|^2 / (2 sigma_r^2)`` (B, H, M, T) and the values
-  (:mod:`mgk.functional.mgk_cache`);
-* :class:`ShiftedKeyCache` (sMGK): the one unshifted centred key (B, H, T, D), M scalars per key and the values; the
-  shifts are applied when the cache is read;
-* :class:`RecurrentCache` (linear, MLK): the state (S, z) of :class:`mgk.functional.LinearAttentionState`, of a
-  fixed size whatever the length.
+* softmax and GQA: keys and values (B, H or G, T, D);
+* MGK: the M component keys centred and divided by sigma_r^2 (B, H, M, T, D), the per-key scalars
+  ``log pi_jr - |k~_jr|^2 / (2 sigma_r^2)`` (B, H, M, T) and the values (:mod:`mgk.functional.mgk_cache`); sMGK the
+  one unshifted centred key (B, H, T, D) instead of M, the shifts applied when the cache is read;
+* linear and MLK: no slots, the state (S, z) of :class:`mgk.functional.LinearAttentionState`, of a fixed size
+  whatever the length.
+
+The registry's :class:`mgk.attention.cache_spec.CacheSpec` of each kind is the formula of those bytes; the tests hold
+it against :meth:`LayerCache.nbytes`, measured from the buffers.
 
 Slots are shared by the rows of a batch: call t writes the same columns for every row. Per row, a cache counts the
 real tokens it has seen (:attr:`LayerCache.seen`): padding (``key_padding_mask`` of the new tokens, e.g. the left
 padding of prompts of different lengths) is stored as zeros, never attended, and not counted, so positions (of
 per-position mixture weights, and of the LM's sinusoids) continue from each row's own prompt and a left-padded row
-decodes as that row alone. Key/value buffers are allocated for a capacity (:meth:`SlotCache.reserve`, or the first
+decodes as that row alone. Key/value buffers are allocated for a capacity (:meth:`LayerCache.reserve`, or the first
 call's length) and grown geometrically; a step reads only the slots in use (gpt-fast#233 read empty slots). Each
 layer has its own cache and counts (flash-linear-attention#747 counted the length once for all layers).
 
@@ -37,8 +40,7 @@ from torch import Tensor
 
 from ..functional import LinearAttentionState
 
-__all__ = ["DecodingCache", "KVCache", "LayerCache", "MixtureKeyCache", "RecurrentCache", "ShiftedKeyCache",
-           "SlotCache", "token_positions"]
+__all__ = ["DecodingCache", "LayerCache", "check_capacity", "token_positions"]
 
 
 def token_positions(seen: Tensor, valid: Tensor | None, L: int) -> Tensor:
@@ -61,16 +63,37 @@ def check_capacity(capacity, *, optional: bool = True) -> None:
 
 
 class LayerCache:
-    """One layer's decoding state for a batch of B rows. Subclasses say what is stored.
+    """One layer's decoding state for a batch of B rows: every kind's layer fills this one class.
+
+    Args:
+        slots: the per-token entries the kind stores, name -> slot dimension (e.g. ``{"keys": 2, "values": 2}`` for
+            (B, H, T, D) buffers); empty for a kind with a fixed recurrent state only.
+        capacity: tokens to allocate room for at the first call (default that call's length); buffers grow by
+            doubling when full.
+        layout: the name of the kind's layout, checked when a layer is handed a cache (a cache of another layout is
+            refused in one line).
 
     Attributes:
         length: tokens (padding included) this layer has been called with since it was created.
         seen: (B,) int64, real tokens per row (None before the first call).
+        state: the fixed recurrent state (:class:`mgk.functional.LinearAttentionState`) of linear / MLK, or None.
+        extra: the kind's own bookkeeping (MGK's centre, :mod:`mgk.attention.mgk`); not counted in :meth:`nbytes`.
+    Raises:
+        ValueError naming ``capacity`` unless it is None or a positive int.
     """
 
-    def __init__(self):
+    def __init__(self, slots: dict[str, int] | None = None, capacity: int | None = None, *, layout: str = ""):
+        check_capacity(capacity)
+        self.slots = dict(slots or {})
+        self.layout = layout
+        self.capacity = capacity
         self.length = 0
         self.seen: Tensor | None = None
+        self.state = None
+        self.extra: dict = {}
+        self._buffers: dict[str, Tensor] = {}
+        self._valid: Tensor | None = None  # (B, capacity) bool: a real token in the slot
+        self._padded = False
         self._owner: tuple | None = None
         self._module = None  # weakref.ref of the layer that filled the cache
         self._max_seen = 0  # an upper bound of seen.max(), kept on the host (no device sync per step)
@@ -119,28 +142,13 @@ class LayerCache:
         self._max_seen += L if valid is None else (int(valid.sum(dim=1).max()) if valid.numel() else 0)
         self.length += L
 
-    def nbytes(self) -> int:
-        """Bytes of what attention reads: the entries of the tokens seen (or the state); bookkeeping excluded."""
-        raise NotImplementedError
-
-
-class SlotCache(LayerCache):
-    """A cache of per-token entries along a slot dimension, in buffers pre-allocated for ``capacity`` tokens (grown
-    by doubling when full). ``SLOTS`` maps each entry's name to its slot dimension."""
-
-    SLOTS: dict[str, int] = {}
-
-    def __init__(self, capacity: int | None = None):
-        super().__init__()
-        check_capacity(capacity)
-        self.capacity = capacity
-        self._buffers: dict[str, Tensor] = {}
-        self._valid: Tensor | None = None  # (B, capacity) bool: a real token in the slot
-        self._padded = False
-
+    # -- slot buffers ---------------------------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
-        """Make room for ``capacity`` tokens in all (before the first call: allocate that much)."""
+        """Make room for ``capacity`` tokens in all (before the first call: allocate that much). A cache with no
+        slots (a recurrent state) has nothing to reserve; ``capacity`` is checked alike."""
         check_capacity(capacity, optional=False)
+        if not self.slots:
+            return
         if self._buffers:
             self._grow(capacity)
         elif self.capacity is None or capacity > self.capacity:
@@ -151,7 +159,7 @@ class SlotCache(LayerCache):
             return
         new = max(needed, 2 * self._valid.shape[1])
         for name, buf in self._buffers.items():
-            dim = self.SLOTS[name]
+            dim = self.slots[name]
             shape = list(buf.shape)
             shape[dim] = new
             grown = buf.new_zeros(shape)
@@ -165,20 +173,25 @@ class SlotCache(LayerCache):
         capacity = max(self.capacity or 0, L)
         for name, x in entries.items():
             shape = list(x.shape)
-            shape[self.SLOTS[name]] = capacity
+            shape[self.slots[name]] = capacity
             self._buffers[name] = x.new_zeros(shape)
         self._valid = torch.zeros(self.batch_size, capacity, dtype=torch.bool, device=self.seen.device)
         self.capacity = capacity
 
     def append(self, valid: Tensor | None, **entries: Tensor) -> dict[str, Tensor]:
         """Write L new tokens' entries (each with batch dim 0 and L along its slot dimension); padded tokens are
-        stored as zeros. Returns every entry's view over the slots in use (the new ones included)."""
-        L = next(iter(entries.values())).shape[self.SLOTS[next(iter(entries))]]
+        stored as zeros. Returns every entry's view over the slots in use (the new ones included). ValueError naming
+        an entry the cache has no slot for."""
+        unknown = set(entries) - set(self.slots)
+        if unknown:
+            raise ValueError(f"this {self.layout or 'layer'} cache has no slots for {sorted(unknown)}; it stores "
+                             f"{sorted(self.slots) or 'a recurrent state only'}")
+        L = next(iter(entries.values())).shape[self.slots[next(iter(entries))]]
         if not self._buffers:
             self._allocate(entries, L)
         self._grow(self.length + L)
         for name, x in entries.items():
-            dim = self.SLOTS[name]
+            dim = self.slots[name]
             x = x.detach()
             if valid is not None:
                 keep = valid.view(valid.shape[0], *([1] * (dim - 1)), L, *([1] * (x.dim() - dim - 1)))
@@ -187,45 +200,23 @@ class SlotCache(LayerCache):
         self._valid[:, self.length:self.length + L] = True if valid is None else valid
         self._padded = self._padded or valid is not None
         self._count(valid, L)
-        return {name: buf.narrow(self.SLOTS[name], 0, self.length) for name, buf in self._buffers.items()}
+        return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
 
-    def attn_mask(self) -> Tensor | None:
-        """(B, 1, 1, T) bool, True = a real token (the functional core's key-padding mask over the slots in use), or
-        None when no call has had padding."""
-        return self._valid[:, None, None, :self.length] if self._padded else None
+    def entries(self) -> dict[str, Tensor]:
+        """Every entry's view over the slots in use."""
+        return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
 
-    def nbytes(self) -> int:
-        """Bytes of every entry over the slots in use (the tokens seen, padding included), not the slots ahead."""
-        return sum(buf.narrow(self.SLOTS[name], 0, self.length).numel() * buf.element_size()
-                   for name, buf in self._buffers.items())
-
-    def allocated_bytes(self) -> int:
-        """Bytes of the buffers as allocated (capacity slots)."""
-        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
-
-
-class KVCache(SlotCache):
-    """Softmax attention's keys (B, H, T, D) and values (B, H, T, Dv)."""
-
-    SLOTS = {"keys": 2, "values": 2}
-
-
-class MixtureKeyCache(SlotCache):
-    """MGK's component keys, centred and scaled (B, H, M, T, D), their scalars (B, H, M, T), the values
-    (B, H, T, Dv) and the centre (B, H, D) (:func:`mgk.functional.mgk_cache_entries`).
-
-    The centre is fixed once a row has seen two real tokens (:func:`mgk.functional.mgk_cache_centre`). Until every
-    row has, the cache also keeps the uncentred keys and log priors it was given (:meth:`keep_raw`), from which a
-    row's entries are made anew when its centre changes (:meth:`rewrite`): usually one token, after a prefill of
-    one."""
-
-    SLOTS = {"keys": 3, "key_bias": 3, "values": 2}
-
-    def __init__(self, capacity: int | None = None):
-        super().__init__(capacity)
-        self.centre: Tensor | None = None
-        self.provisional = True  # some row may still change its centre (known on the host, no sync per step)
-        self._raw: list[tuple[Tensor, Tensor | None]] = []
+    def write_slot(self, rows: Tensor, slot: Tensor, **entries: Tensor) -> None:
+        """Replace, for the rows ``rows`` (B,) bool, the entries of one slot per row (``slot`` (B,) int64): each
+        entry shaped as its buffer with the slot dimension of size 1."""
+        index = torch.arange(rows.shape[0], device=rows.device)
+        for name, x in entries.items():
+            buf, dim = self._buffers[name], self.slots[name]
+            moved = buf.movedim(dim, 1)  # (B, T, ...) view: one slot per row by (index, slot)
+            old = moved[index, slot]
+            new = x.detach().to(buf.dtype).movedim(dim, 1)[:, 0]
+            keep = rows.view(-1, *([1] * (old.dim() - 1)))
+            moved[index, slot] = torch.where(keep, new, old)
 
     def key_valid(self) -> Tensor:
         """(B, T) bool, True = a real token, over the slots in use (call after :meth:`bind`)."""
@@ -233,67 +224,33 @@ class MixtureKeyCache(SlotCache):
             return torch.zeros(self.batch_size, 0, dtype=torch.bool, device=self.seen.device)
         return self._valid[:, :self.length]
 
-    def keep_raw(self, key: Tensor, log_pi: Tensor | None) -> None:
-        """Keep L new tokens' uncentred keys (as the layer projects them, slot dimension that of ``keys``) and log
-        priors (broadcastable to (B, H, M, L), or None), while some row's centre is provisional; forget them all
-        once none is."""
-        if not self.provisional:
-            self._raw = []
-            return
-        L = key.shape[self.SLOTS["keys"]]
-        shape = (key.shape[0], key.shape[1], self._buffers["key_bias"].shape[2], L)
-        self._raw.append((key.detach(), None if log_pi is None else log_pi.detach().expand(shape)))
+    def attn_mask(self) -> Tensor | None:
+        """(B, 1, 1, T) bool, True = a real token (the functional core's key-padding mask over the slots in use), or
+        None when no call has had padding."""
+        return self._valid[:, None, None, :self.length] if self._padded else None
 
-    def raw(self) -> tuple[Tensor, Tensor | None]:
-        """The kept keys and log priors of every slot in use, concatenated along their slot dimensions."""
-        keys = torch.cat([k for k, _ in self._raw], dim=self.SLOTS["keys"])
-        priors = [p for _, p in self._raw]
-        return keys, (None if priors[0] is None else torch.cat(priors, dim=3))
-
-    def rewrite(self, rows: Tensor, **entries: Tensor) -> None:
-        """Replace the entries of the slots in use for the rows ``rows`` (B,) bool (padding slots stay zero)."""
-        for name, x in entries.items():
-            dim = self.SLOTS[name]
-            view = self._buffers[name].narrow(dim, 0, self.length)
-            shape = [1] * x.dim()
-            shape[0], shape[dim] = x.shape[0], self.length
-            keep = (rows.view(-1, *([1] * (x.dim() - 1))) & self._valid[:, :self.length].reshape(
-                x.shape[0], *shape[1:]))
-            view.copy_(torch.where(keep, x.detach().to(view.dtype), view))
-
-
-class ShiftedKeyCache(MixtureKeyCache):
-    """sMGK's one unshifted centred key (B, H, T, D), M scalars per key (B, H, M, T), the values and the centre; the
-    shifts are applied on read."""
-
-    SLOTS = {"keys": 2, "key_bias": 3, "values": 2}
-
-
-class RecurrentCache(LayerCache):
-    """Linear attention's and MLK's state (:class:`mgk.functional.LinearAttentionState`): (B, H, D', Dv) and
-    (B, H, D') whatever the length."""
-
-    def __init__(self, capacity: int | None = None):
-        super().__init__()  # ``capacity`` is accepted for one constructor across kinds; a state needs none
-        check_capacity(capacity)
-        self.state: LinearAttentionState | None = None
-
-    def reserve(self, capacity: int) -> None:
-        """Nothing to reserve: the state has a fixed size (``capacity`` is checked as the other kinds check it)."""
-        check_capacity(capacity, optional=False)
-
-    def update(self, valid: Tensor | None, L: int, state: LinearAttentionState) -> None:
-        """Take the state after L new tokens."""
+    # -- recurrent state ------------------------------------------------------------------------------------------
+    def set_state(self, valid: Tensor | None, L: int, state) -> None:
+        """Take the recurrent state after L new tokens (:class:`mgk.functional.LinearAttentionState`, detached)."""
         self.state = LinearAttentionState(state.kv.detach(), state.k_sum.detach(), state.length)
         self._count(valid, L)
 
+    # -- sizes -----------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes of the state (S, z): the same whatever the number of tokens; 0 before the first call."""
-        return 0 if self.state is None else self.state.nbytes()
+        """Bytes of what attention reads: every entry over the slots in use (the tokens seen, padding included) and
+        the recurrent state; bookkeeping and the slots ahead excluded."""
+        slots = sum(buf.narrow(self.slots[name], 0, self.length).numel() * buf.element_size()
+                    for name, buf in self._buffers.items())
+        return slots + (0 if self.state is None else self.state.nbytes())
 
     def allocated_bytes(self) -> int:
-        """The same as :meth:`nbytes` (nothing is allocated ahead)."""
-        return self.nbytes()
+        """Bytes as allocated: the buffers at their capacity (slots ahead included) and the recurrent state."""
+        return (sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
+                + (0 if self.state is None else self.state.nbytes()))
+
+    def extra_bytes(self) -> int:
+        """Bytes of the kind's bookkeeping tensors (:attr:`extra`: MGK's centre and kept keys)."""
+        return sum(t.numel() * t.element_size() for t in self.extra.values() if isinstance(t, Tensor))
 
 
 class DecodingCache:
@@ -318,7 +275,7 @@ class DecodingCache:
         return self.layers[0].seen if self.layers else None
 
     def reserve(self, capacity: int) -> None:
-        """:meth:`SlotCache.reserve` on every layer."""
+        """:meth:`LayerCache.reserve` on every layer."""
         for layer in self.layers:
             layer.reserve(capacity)
 

@@ -6,7 +6,11 @@ offsets are applied when the cache is read), ``values_per_token`` value vectors 
 numbers (MGK and sMGK: one per component, ``log pi_jr - |k_jr|^2 / (2 sigma_r^2)`` with the shifts folded in for
 sMGK, which saves a second pass over the keys at every step). A *recurrent* state (linear attention and MLK) has a
 fixed size per head whatever the length: the key-value sum ``sum_j phi(k_j) v_j^T`` (D x Dv) and the normaliser
-``sum_j phi(k_j)`` (D). ``layer_cache`` is the class of :mod:`mgk.attention.cache` a layer of the kind fills.
+``sum_j phi(k_j)`` (D). A kind whose keys and values have fewer heads than its queries (grouped-query attention)
+names the option that gives that number (``heads``): its cache stores those heads only.
+
+This is the formula; :meth:`mgk.attention.cache.LayerCache.nbytes` measures the buffers a layer actually filled,
+and the tests hold the two equal for every kind.
 
 Per token, layer and head dim D = Dv at b bytes an element: softmax with 2H heads stores ``4 H D b``; MGK with H
 heads and M = 2 ``H (3 D + 2) b``, i.e. ``0.75 + M / (4 D)`` of it; sMGK ``H (2 D + 2) b``, ``0.5 + M / (4 D)``.
@@ -25,13 +29,19 @@ class CacheSpec:
     ``keys_per_token``: key vectors stored per token: an int, or the name of the kind's option that gives the count
     (``"num_keys"``). ``values_per_token``: value vectors per token. ``scalars_per_token``: single numbers per token
     (an int or an option's name). ``recurrent``: a fixed state of D * Dv + D numbers instead (then nothing is stored
-    per token). ``layer_cache``: the :class:`mgk.attention.cache.LayerCache` subclass of the kind's layers."""
+    per token). ``heads``: the name of the option that gives the number of cached heads (None: every head; so too
+    when that option is None)."""
 
     keys_per_token: int | str = 1
     values_per_token: int = 1
     scalars_per_token: int | str = 0
     recurrent: bool = False
-    layer_cache: type | None = None
+    heads: str | None = None
+
+    def cached_heads(self, options, num_heads: int) -> int:
+        """Heads whose entries are cached under ``options``, for a layer of ``num_heads`` query heads."""
+        named = getattr(options, self.heads) if self.heads is not None else None
+        return num_heads if named is None else named
 
     def stored_per_token(self, options) -> tuple[int, int, int]:
         """(key vectors, value vectors, scalars) kept per token and head under ``options`` ((0, 0, 0) for a
@@ -49,7 +59,8 @@ class CacheSpec:
         """Bytes of one layer's cache for one sequence after ``length`` tokens (``value_dim`` defaults to
         ``head_dim``; ``element_size`` 4 for float32, 2 for bfloat16)."""
         dv = head_dim if value_dim is None else value_dim
+        heads = self.cached_heads(options, num_heads)
         if self.recurrent:
-            return num_heads * (head_dim * dv + head_dim) * element_size
+            return heads * (head_dim * dv + head_dim) * element_size
         keys, values, scalars = self.stored_per_token(options)
-        return num_heads * length * (keys * head_dim + values * dv + scalars) * element_size
+        return heads * length * (keys * head_dim + values * dv + scalars) * element_size

@@ -1,13 +1,57 @@
-"""Multi-head linear attention and attention with a mixture of linear keys: linear, MLK and sMLK (paper eq. 14)."""
+"""The kinds "linear", "mlk" and "smlk": multi-head linear attention (Katharopoulos et al. 2020) and attention with a
+mixture of linear keys (Nguyen et al. 2022, eq. 14), their options, FLOPs, recurrent cache and registration."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
 
 from torch import Tensor, nn
 
-from ..functional.linear import linear_attention, linear_form, mlk_attention
+from ..fields import Label, spec
+from ..functional.linear import EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE, linear_attention, linear_form, mlk_attention
 from . import module_masks
 from .base import AttentionBase
-from .cache import RecurrentCache
-from .mixture_keys import PI_MODES, MixtureKeys, MixtureKeysMixin
+from .cache import LayerCache
+from .cache_spec import CacheSpec
+from .flops import total
+from .mixture_keys import PI_LABEL, PI_MODES, MixtureKeys, MixtureKeysMixin, MixtureOptions, split_options
+from .options import Options
+from .registry import AttentionKind, register
+
+__all__ = ["LinearAttention", "LinearOptions", "MLKAttention", "MLKMixtureOptions", "MLKOptions", "linear_flops",
+           "mlk_flops"]
+
+
+@dataclass(frozen=True)
+class LinearOptions(Options):
+    """The form of linear attention (:func:`mgk.functional.linear_attention`; defaults = Katharopoulos et al. 2020,
+    eq. 6)."""
+
+    normalize: str = spec("row", choices=NORMALIZE,
+                          doc="'row' (eq. 6 denominator), 'length' (the authors' LRA scale by L^(-1/4)) or 'none'")
+    feature_map: str = spec("elu", choices=FEATURE_MAPS, label=Label(),
+                            doc="'elu' (elu + 1) or 'elu_sum' (elu + 1 divided by its sum, the authors' LM)")
+    output_scale: float = spec(1.0, gt=0, doc="factor on the output (the authors' LM: 1 / sqrt(head_dim))")
+    eps: float = spec(1e-6, ge=0, doc="the denominator's eps (the authors' LM: 1e-5 with eps_mode 'add')")
+    eps_mode: str = spec("guard", choices=EPS_MODES,
+                         doc="'guard' (eps replaces a zero denominator) or 'add' (denominator + eps)")
+
+
+@dataclass(frozen=True)
+class MLKMixtureOptions(MixtureOptions):
+    """The mixture keys of MLK: learned weights only, and where the mixture is taken."""
+
+    pi: str = spec("learned", choices=("learned",), label=PI_LABEL,
+                   why="MLK's weights are learned, pi='learned'; Soft-E and Hard-E are MGK ablations built on the "
+                       "Gaussian kernel", doc="mixture weights: 'learned' only")
+    mix: str = spec("features", choices=MIX, label=Label(),
+                    doc="'features' (eq. 14: sum_r pi_r phi(k_r)) or 'keys' (phi(sum_r pi_r k_r), the authors' LRA)")
+
+
+@dataclass(frozen=True)
+class MLKOptions(LinearOptions, MLKMixtureOptions):
+    """MLK / sMLK (Nguyen et al. 2022, eq. 14): the mixture keys (:class:`MLKMixtureOptions`) and the linear form
+    (:class:`LinearOptions`)."""
 
 
 class _KeyMasksOnly:
@@ -27,11 +71,13 @@ class _KeyMasksOnly:
 class _FormOptions:
     """The form options of linear and MLK attention (:func:`mgk.functional.linear_attention`), checked once."""
 
-    def _set_form(self, eps, normalize, feature_map, output_scale, eps_mode, mix="features") -> None:
-        linear_form(eps=eps, feature_map=feature_map, normalize=normalize, output_scale=output_scale,
-                    eps_mode=eps_mode, mix=mix)  # ValueError naming a bad option, at construction
+    def _set_form(self, options, mix="features") -> None:
+        eps, output_scale, feature_map = options.eps, options.output_scale, options.feature_map
+        linear_form(eps=eps, feature_map=feature_map, normalize=options.normalize, output_scale=output_scale,
+                    eps_mode=options.eps_mode, mix=mix)  # ValueError naming a bad option, at construction
         self.eps, self.output_scale = float(eps), float(output_scale)
-        self.normalize, self.feature_map, self.eps_mode, self.mix = normalize, feature_map, eps_mode, mix
+        self.normalize, self.feature_map, self.eps_mode = options.normalize, feature_map, options.eps_mode
+        self.mix = mix
 
     def _form_kwargs(self) -> dict:
         return {"eps": self.eps, "normalize": self.normalize, "feature_map": self.feature_map,
@@ -43,14 +89,14 @@ class _FormOptions:
         it as ``feature_map=`` to :mod:`mgk.functional` (or pass :attr:`feature_map` itself)."""
         return linear_form(**self._form_kwargs()).feature_map
 
-    _cache_type = RecurrentCache
+    cache_slots: dict[str, int] = {}  # no per-token entries: a recurrent state of fixed size (LayerCache.state)
 
-    def _recurrent(self, attend, q, k, v, valid, cache: RecurrentCache, **extra):
+    def _recurrent(self, attend, q, k, v, valid, cache: LayerCache, **extra):
         """One cached call of linear / MLK attention ``attend``: the cache's state in, the next state kept."""
         mask = None if valid is None else valid[:, None, None, :]
         out, state = attend(q, k, v, attn_mask=mask, is_causal=True, initial_state=cache.state,
                             output_final_state=True, **extra, **self._form_kwargs())
-        cache.update(valid, q.shape[2], state)
+        cache.set_state(valid, q.shape[2], state)
         return out
 
     def _form_repr(self) -> str:
@@ -67,6 +113,8 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
         dropout: accepted so that one constructor call builds every attention kind, but unused: linear attention
             never forms attention weights, so there is nothing to drop (the output is deterministic in training).
+        options: a :class:`LinearOptions` (the keyword options below, with their defaults, are its fields; give
+            either the object or the keywords).
         normalize, feature_map, output_scale, eps, eps_mode: the form, as :func:`mgk.functional.linear_attention`:
             defaults "row", "elu", 1.0, 1e-6, "guard" (eq. 6 with an exact denominator). The authors' LRA form is
             normalize="length" (its scale uses the padded tensor length, so outputs depend on the padding); their
@@ -79,10 +127,11 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
     (B, H, L, S) weights W with ``output = W @ v`` per head (O(L S) memory).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, eps: float = 1e-6, normalize: str = "row",
-                 feature_map="elu", output_scale: float = 1.0, eps_mode: str = "guard", **kwargs):
-        super().__init__(embed_dim, num_heads, **kwargs)
-        self._set_form(eps, normalize, feature_map, output_scale, eps_mode)
+    def __init__(self, embed_dim: int, num_heads: int, *, options: LinearOptions | None = None, **kwargs):
+        base, values = split_options(LinearOptions, kwargs)
+        options = LinearOptions(**values) if options is None else options  # the defaults, written once there
+        super().__init__(embed_dim, num_heads, **base)
+        self._set_form(options)
         self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None)
 
     def _keys(self, key: Tensor) -> Tensor:
@@ -108,6 +157,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
     Args:
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
         dropout: accepted but unused, as in :class:`LinearAttention`.
+        options: an :class:`MLKOptions` (the keyword options below, with their defaults, are its fields; give
+            either the object or the keywords).
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MLK: M key projections) or "shifted" (sMLK: one key projection and learned offsets
             ``k_r = x W_k - mu_r``, ``mu_1 = 0``), exactly as :class:`MGKAttention`: both hold the keys and weights
@@ -134,19 +185,19 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         ValueError for bad options, and in ``forward`` when S exceeds ``max_len`` (naming both).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, num_keys: int = 2, keys: str = "separate",
-                 pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", max_len: int | None = None,
-                 mix: str = "features", eps: float = 1e-6, normalize: str = "row", feature_map="elu",
-                 output_scale: float = 1.0, eps_mode: str = "guard", **kwargs):
-        super().__init__(embed_dim, num_heads, **kwargs)
+    def __init__(self, embed_dim: int, num_heads: int, *, keys: str = "separate", options: MLKOptions | None = None,
+                 **kwargs):
+        base, values = split_options(MLKOptions, kwargs)
+        options = MLKOptions(**values) if options is None else options  # the defaults, written once there
+        super().__init__(embed_dim, num_heads, **base)
+        pi = options.pi
         if pi != "learned":
             why = ("Soft-E and Hard-E are MGK ablations built on the Gaussian kernel" if pi in PI_MODES
                    else "unknown mode")
             raise ValueError(f"MLKAttention supports only pi='learned', got pi={pi!r} ({why})")
-        self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, num_keys=num_keys, keys=keys, pi=pi,
-                                   pi_shape=pi_shape, pi_norm=pi_norm, max_len=max_len,
+        self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,
                                    bias=self.q_proj.bias is not None)
-        self._set_form(eps, normalize, feature_map, output_scale, eps_mode, mix)
+        self._set_form(options, options.mix)
 
     def mixture_log_weights(self, S: int) -> Tensor:
         """log pi broadcastable to (B, H, M, S). Raises ValueError when S > max_len for per-position weights."""
@@ -169,3 +220,31 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         return (super().extra_repr() + f", num_keys={self.num_keys}, keys={self.keys!r}, pi={self.pi_mode!r}, "
                 f"pi_shape={self.pi_shape!r}, pi_norm={self.pi_norm!r}, max_len={self.max_len}, mix={self.mix!r}"
                 + self._form_repr() + " (dropout unused)")
+
+
+def linear_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
+                 backward: bool, mixture_kernel: bool = False) -> int:
+    """FLOPs of one linear-attention call (:mod:`mgk.attention.flops`): four projections and ``4 S D D + 4 N D D``
+    per head (key-value sums and their use, with denominators), whatever ``causal``."""
+    core = 4 * length * head_dim * head_dim * 2
+    return total(core, 4, heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim,
+                 backward=backward)
+
+
+def mlk_flops(options, *, separate: bool, heads: int, length: int, batch: int, embed_dim: int, head_dim: int,
+              causal: bool, backward: bool, mixture_kernel: bool = False) -> int:
+    """MLK (``separate`` keys: M key projections) or sMLK (one): linear attention plus the mixture of the M key
+    features, ``2 M S D`` per head."""
+    M, D = options.num_keys, head_dim
+    core = 4 * length * D * D * 2 + 2 * M * length * D
+    return total(core, 3 + (M if separate else 1), heads=heads, length=length, batch=batch, embed_dim=embed_dim,
+                 head_dim=head_dim, backward=backward)
+
+
+_RECURRENT = CacheSpec(recurrent=True)
+
+register(AttentionKind("linear", "linear", "linear", LinearOptions, LinearAttention, linear_flops, _RECURRENT))
+register(AttentionKind("mlk", "linear", "MLK", MLKOptions, partial(MLKAttention, keys="separate"),
+                       partial(mlk_flops, separate=True), _RECURRENT, ({}, {"mix": "keys"})))
+register(AttentionKind("smlk", "linear", "sMLK", MLKOptions, partial(MLKAttention, keys="shifted"),
+                       partial(mlk_flops, separate=False), _RECURRENT))

@@ -1,12 +1,17 @@
-"""Multi-head attention with a mixture of Gaussian keys: MGK and sMGK (paper sections 3-4), and the Soft-E step."""
+"""The kinds "mgk" and "smgk": multi-head attention with a mixture of Gaussian keys (Nguyen et al., ICML 2022,
+Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (with its causal-centre protocol, in one place)
+and registration."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..fields import Label, spec
 from ..functional import (
     cpu_kernel_available,
     is_transformed,
@@ -17,11 +22,35 @@ from ..functional import (
     mgk_cache_entries,
     mgk_responsibilities,
 )
-from .base import AttentionBase, _positive_int
-from .cache import MixtureKeyCache, ShiftedKeyCache
-from .mixture_keys import KEY_MODES, PI_MODES, PI_NORMS, PI_SHAPES, MixtureKeys, MixtureKeysMixin
+from .base import AttentionBase
+from .cache import LayerCache
+from .cache_spec import CacheSpec
+from .flops import total
+from .mixture_keys import (
+    KEY_MODES,
+    PI_MODES,
+    PI_NORMS,
+    PI_SHAPES,
+    MixtureKeys,
+    MixtureKeysMixin,
+    MixtureOptions,
+    split_options,
+)
+from .registry import AttentionKind, register
 
-__all__ = ["MGKAttention", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES", "soft_e_step"]
+__all__ = ["MGKAttention", "MGKOptions", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES", "mixture_flops",
+           "soft_e_step"]
+
+
+@dataclass(frozen=True)
+class MGKOptions(MixtureOptions):
+    """MGK / sMGK (Nguyen et al. 2022, Sections 2-3): the mixture keys and the Gaussians' variances."""
+
+    # str last: --set text parses as the first alternative that fits, and any text is a str
+    sigma2: float | tuple[float, ...] | str | None = spec(
+        None, gt=0, choices=("learned",), label=Label({"learned": "learned variances"}),
+        doc="per-component variances: None (sqrt(head_dim) each), one float for all, M floats (the authors' LM: "
+            "(sqrt(D), sqrt(D) / 3)), or 'learned' (per head and component, trained, positive by construction)")
 
 
 class _CommitStatistics(torch.autograd.Function):
@@ -55,6 +84,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
 
     Args:
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
+        options: an :class:`MGKOptions` (the keyword options below, with their defaults, are its fields; give
+            either the object or the keywords).
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MGK: M key projections) or "shifted" (sMGK: one key projection and learned offsets,
             ``k_r = x W_k - mu_r`` with ``mu_1 = 0``, others initialised from N(0, 0.5^2)).
@@ -96,15 +127,14 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
 
     backend: str | None = None  # mgk_attention's backend; None lets mgk.functional.select_backend pick
 
-    def __init__(self, embed_dim: int, num_heads: int, *, num_keys: int = 2, keys: str = "separate",
-                 pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", sigma2=None,
-                 max_len: int | None = None, **kwargs):
-        super().__init__(embed_dim, num_heads, **kwargs)
-        M = _positive_int(num_keys, "num_keys")
-        self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, num_keys=M, keys=keys, pi=pi,
-                                   pi_shape=pi_shape, pi_norm=pi_norm, max_len=max_len,
+    def __init__(self, embed_dim: int, num_heads: int, *, keys: str = "separate", options: MGKOptions | None = None,
+                 **kwargs):
+        base, values = split_options(MGKOptions, kwargs)
+        options = MGKOptions(**values) if options is None else options  # the defaults, written once there
+        super().__init__(embed_dim, num_heads, **base)
+        self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,
                                    bias=self.q_proj.bias is not None)
-        self._set_variances(sigma2, M)
+        self._set_variances(options.sigma2, self.mixture.num_keys)
         if not torch.cuda.is_available():
             # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
             # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
@@ -151,44 +181,45 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         return self.mixture.log_weights(S)
 
     @property
-    def _cache_type(self) -> type:
-        return MixtureKeyCache if self.keys == "separate" else ShiftedKeyCache
+    def cache_slots(self) -> dict[str, int]:
+        """MGK: the M component keys (B, H, M, T, D); sMGK: the one unshifted key (B, H, T, D); both the M scalars
+        per key (B, H, M, T) and the values (B, H, T, Dv) (:func:`mgk.functional.mgk_cache_entries`)."""
+        return {"keys": 3 if self.keys == "separate" else 2, "key_bias": 3, "values": 2}
 
-    def _cached_core(self, q, x, v, valid, cache: MixtureKeyCache):
+    @property
+    def cache_layout(self) -> str:
+        return f"{type(self).__name__} ({self.keys} keys)"
+
+    def _cached_core(self, q, x, v, valid, cache: LayerCache):
         """Prefill: the uncached attention with its causal centre, which the cache keeps; then steps over the
         cache's entries (:mod:`mgk.functional.mgk_cache`). Per-position weights are read at each row's positions.
-        A row's centre stays provisional until it has seen two real tokens, and its entries are remade from the
-        kept raw keys when it changes (:func:`mgk.functional.mgk_cache_centre`). No Soft-E statistics."""
+        A row's centre stays provisional until it has seen two real tokens (:class:`_CachedCentre`). No Soft-E
+        statistics."""
         L = x.shape[1]
         self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
         log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
         entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
                              shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
-        first = cache.centre is None
-        if cache.provisional:
-            cache.centre, changed = mgk_cache_centre(q, cache.centre, key_valid=cache.key_valid(), valid=valid)
-            if not first and bool(changed.any()):
-                old_base, old_log_pi = cache.raw()
-                keys, key_bias = mgk_cache_entries(old_base, centre=cache.centre, log_pi=old_log_pi, **entry_options)
-                cache.rewrite(changed, keys=keys, key_bias=key_bias)
+        centre = _CachedCentre(cache)
+        first = centre.centre is None
+        before = cache.seen
+        centre.update(q, valid, entry_options)
         if first:
-            shifts = entry_options["shifts"]
-            k = base if shifts is None else self.mixture.shift(base)
+            k = base if entry_options["shifts"] is None else self.mixture.shift(base)
             mask = None if valid is None else valid[:, None, None, :]
             out = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=entry_options["mixture"],
                                 attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
-                                centre=cache.centre)
-        keys, key_bias = mgk_cache_entries(base, centre=cache.centre, log_pi=log_pi, **entry_options)
+                                centre=centre.centre)
+        keys, key_bias = mgk_cache_entries(base, centre=centre.centre, log_pi=log_pi, **entry_options)
+        slot = cache.length
         entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
-        if cache.provisional:
-            cache.provisional = bool((cache.seen < 2).any())
-            cache.keep_raw(base, log_pi)
+        centre.keep(before, slot, base, log_pi, valid)
         if first:
             return out
-        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"], centre=cache.centre,
-                                    attn_mask=cache.attn_mask(), is_causal=True, dropout_p=self.attn_dropout,
-                                    **entry_options).to(v.dtype)
+        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"],
+                                    centre=centre.centre, attn_mask=cache.attn_mask(), is_causal=True,
+                                    dropout_p=self.attn_dropout, **entry_options).to(v.dtype)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
         log_pi = self.mixture_log_weights(k.shape[3])
@@ -282,3 +313,103 @@ def soft_e_step(model: nn.Module) -> int:
         module._apply_statistics(acc)
         acc.zero_()
     return len(modules)
+
+
+class _CachedCentre:
+    """MGK's causal centre in a decoding cache: the one place its protocol lives (state in ``cache.extra``).
+
+    The scores depend on q - k only, and every fast path subtracts one centre per (row, head) first
+    (:mod:`mgk.functional._centre`). Under causality the centre is the query of the first token that sees two keys
+    (:func:`mgk.functional.mgk_cache_centre`), so a row's centre is provisional until it has seen two real tokens,
+    and a new centre must remake the entries already cached for that row: at most one real token, whose uncentred
+    key and log prior are kept (one slot per row, ``(B, H, M, 1, D)``, whatever the number of steps; never the
+    keys of a row that stays empty). Once every row has seen two real tokens nothing is kept."""
+
+    def __init__(self, cache: LayerCache):
+        self.cache, self.state = cache, cache.extra
+
+    @property
+    def centre(self) -> Tensor | None:
+        """(B, H, D) the centre of every row, None before the first call."""
+        return self.state.get("centre")
+
+    def update(self, q: Tensor, valid: Tensor | None, entry_options: dict) -> None:
+        """Take the centre after this call's queries q (B, H, L, D) and, for rows whose centre changed, remake the
+        entry of the one real token they had cached."""
+        if not self.state.setdefault("provisional", True):
+            return
+        first = self.centre is None
+        centre, changed = mgk_cache_centre(q, self.centre, key_valid=self.cache.key_valid(), valid=valid)
+        self.state["centre"] = centre
+        if first or "raw_key" not in self.state:
+            return
+        rows = changed & self.state["raw_has"]
+        if bool(rows.any()):
+            keys, key_bias = mgk_cache_entries(self.state["raw_key"], centre=centre,
+                                               log_pi=self.state.get("raw_log_pi"), **entry_options)
+            self.cache.write_slot(rows, self.state["raw_slot"], keys=keys, key_bias=key_bias)
+
+    def keep(self, before: Tensor, slot: int, base: Tensor, log_pi: Tensor | None, valid: Tensor | None) -> None:
+        """After this call's entries were appended at slots ``slot`` on: keep the raw key (and log prior) of every
+        row whose first real token came in this call and that has seen one real token only; forget everything once
+        no row is provisional."""
+        if not self.state.get("provisional", True):
+            return
+        seen = self.cache.seen
+        if not bool((seen < 2).any()):
+            for name in ("raw_key", "raw_log_pi", "raw_slot", "raw_has"):
+                self.state.pop(name, None)
+            self.state["provisional"] = False
+            return
+        B, L = base.shape[0], base.shape[-2]
+        dim = base.dim() - 2  # the slot dimension of the raw keys
+        index = torch.arange(B, device=base.device)
+        pos = torch.zeros(B, dtype=torch.int64, device=base.device) if valid is None else \
+            valid.to(torch.int64).argmax(dim=1)  # the first real token of the call
+        new = (before == 0) & (seen == 1)
+        key = base.detach().movedim(dim, 1)[index, pos].unsqueeze(dim)
+        prior = None if log_pi is None else \
+            log_pi.detach().expand(B, base.shape[1], -1, L).movedim(3, 1)[index, pos].unsqueeze(3)
+        if "raw_key" not in self.state:
+            self.state.update(raw_key=torch.zeros_like(key), raw_slot=torch.zeros_like(pos),
+                              raw_has=torch.zeros_like(new))
+            if prior is not None:
+                self.state["raw_log_pi"] = torch.zeros_like(prior)
+        state = self.state
+        state["raw_key"] = torch.where(new.view(-1, *[1] * (key.dim() - 1)), key, state["raw_key"])
+        if prior is not None:
+            state["raw_log_pi"] = torch.where(new.view(-1, 1, 1, 1), prior, state["raw_log_pi"])
+        state["raw_slot"] = torch.where(new, slot + pos, state["raw_slot"])
+        state["raw_has"] = (state["raw_has"] | new) & (seen < 2)
+
+
+def mixture_flops(options, *, separate: bool, heads: int, length: int, batch: int, embed_dim: int, head_dim: int,
+                  causal: bool, backward: bool, mixture_kernel: bool = False) -> int:
+    """FLOPs of one MGK (``separate`` keys: M key projections) or sMGK (one) call (:mod:`mgk.attention.flops`). The
+    core per head: summed before the value product (our CPU kernel, ``mixture_kernel``, and always Hard-E, whose
+    max over components is taken on M distance matrices) ``2 N M S D + 2 N S D``; otherwise SDPA over M * S keys
+    with one column more, ``2 N M S (D + 1) + 2 N M S D``; Soft-E in training adds the E-step's distances,
+    ``2 N M S D`` (forward only)."""
+    N = S = length
+    M, D = options.num_keys, head_dim
+    if mixture_kernel or options.pi == "hard_e":
+        core = 2 * N * M * S * D + 2 * N * S * D
+    else:
+        core = 2 * N * M * S * (D + 1) + 2 * N * M * S * D
+    if options.pi == "soft_e" and backward:
+        core += 2 * N * M * S * D / 3  # the E-step runs in the forward only (x 3 below)
+    core *= 0.5 if causal else 1.0
+    return total(core, 3 + (M if separate else 1), heads=heads, length=length, batch=batch, embed_dim=embed_dim,
+                 head_dim=head_dim, backward=backward)
+
+
+_PI_VARIANTS = ({}, {"pi": "soft_e"}, {"pi": "hard_e"})  # the paper's Table 4 ablation
+
+# MGK keeps its M keys per token, sMGK the one unshifted key; both one scalar per component (mgk.functional.mgk_cache)
+register(AttentionKind("mgk", "mixture", "MGK", MGKOptions, partial(MGKAttention, keys="separate"),
+                       partial(mixture_flops, separate=True),
+                       CacheSpec(keys_per_token="num_keys", scalars_per_token="num_keys"),
+                       _PI_VARIANTS + ({"sigma2": "learned"},)))  # variances trained per head and component
+register(AttentionKind("smgk", "mixture", "sMGK", MGKOptions, partial(MGKAttention, keys="shifted"),
+                       partial(mixture_flops, separate=False),
+                       CacheSpec(keys_per_token=1, scalars_per_token="num_keys"), _PI_VARIANTS))

@@ -4,16 +4,59 @@ paper's sMGK / sMLK variants)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .base import _positive_int
+from ..fields import Label, spec
+from .base import AttentionBase, _positive_int
+from .options import Options
 
 KEY_MODES = ("separate", "shifted")
 PI_MODES = ("learned", "soft_e", "hard_e")
 PI_SHAPES = ("head", "position", "layer")
 PI_NORMS = ("softmax", "none")
+
+# Standard deviation of the spread added to mixture components 2..M of the keys when a module is converted from one
+# with a single key projection (mgk.swap_attention), relative to the standard deviation of that projection's
+# entries: small, so that the first forward stays close to the original, and non-zero, so that the components can
+# separate in training.
+KEY_SPREAD = 0.1
+
+PI_LABEL = Label({"soft_e": "Soft-E", "hard_e": "Hard-E"}, short="{value}")
+
+
+@dataclass(frozen=True)
+class MixtureOptions(Options):
+    """The mixture keys shared by MGK and MLK (Nguyen et al. 2022, eq. 9-10 and 14; :class:`MixtureKeys`): the one
+    place their defaults are written."""
+
+    num_keys: int = spec(2, ge=1, doc="M, mixture components per key (the paper uses 2)")
+    pi: str = spec("learned", choices=PI_MODES, label=PI_LABEL,
+                   doc="mixture weights: 'learned' (softmax of learned logits), 'soft_e' (a buffer set by the E-step, "
+                       "paper '+Soft-E') or 'hard_e' (max over components, paper '+Hard-E')")
+    pi_shape: str = spec("head", choices=PI_SHAPES, only_if=("pi", "learned"),
+                         doc="learned weights per 'head' (H, M), per 'position' (H, M, max_len) or per 'layer' (1, M)")
+    pi_norm: str = spec("softmax", choices=PI_NORMS, only_if=("pi", "learned"),
+                        doc="'softmax' over the components, or 'none': free log-weights (the authors' LM and LRA code)")
+    max_len: int | None = spec(None, ge=1, doc="longest key sequence; needed by pi='soft_e' and pi_shape='position' "
+                                               "(a run config fills it in from its max_len)")
+
+
+# The keyword arguments of AttentionBase: a module's own keywords are everything else.
+BASE_ARGUMENTS = ("head_dim", "dropout", "bias", "kdim", "vdim", "batch_first")
+
+
+def split_options(cls: type, kwargs: dict) -> tuple[dict, dict]:
+    """(base arguments, option values of the dataclass ``cls``) from a module constructor's keywords; TypeError
+    naming a keyword that is neither."""
+    base = {k: v for k, v in kwargs.items() if k in BASE_ARGUMENTS}
+    values = {k: v for k, v in kwargs.items() if k not in BASE_ARGUMENTS}
+    unknown = sorted(set(values) - set(cls.names()))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r} (options: {', '.join(cls.names())})")
+    return base, values
 
 # Checkpoints of mgk 0.1.0 kept these directly on the attention module, before the keys moved into this submodule
 # (read when they are upgraded here and by mgk.train.checkpoint.align_optimizer_state).
@@ -24,7 +67,8 @@ class MixtureKeys(nn.Module):
     """Keys (B, H, M, S, D) of M mixture components per key position, and their log weights.
 
     Args:
-        kdim: width of the key input; num_heads: H; head_dim: D; num_keys: M.
+        kdim: width of the key input; num_heads: H; head_dim: D.
+        options: :class:`MixtureOptions` (num_keys M, pi, pi_shape, pi_norm, max_len), whose fields are:
         keys: "separate" (M projections ``k_r = x W_r``) or "shifted" (one projection and learned offsets
             ``k_r = x W_k - mu_r`` with ``mu_1 = 0``, the others initialised from N(0, 0.5^2)).
         pi: "learned" (log-softmax of learned logits ``pi_logits``, never clamped, so weights at the boundary keep a
@@ -51,10 +95,11 @@ class MixtureKeys(nn.Module):
     # mgk.analyze.prune; 0 switches a component off exactly.
     component_gate: Tensor | None = None
 
-    def __init__(self, kdim: int, num_heads: int, head_dim: int, *, num_keys: int = 2, keys: str = "separate",
-                 pi: str = "learned", pi_shape: str = "head", pi_norm: str = "softmax", max_len: int | None = None,
-                 bias: bool = True):
+    def __init__(self, kdim: int, num_heads: int, head_dim: int, options: MixtureOptions, *,
+                 keys: str = "separate", bias: bool = True):
         super().__init__()
+        num_keys, pi, pi_shape = options.num_keys, options.pi, options.pi_shape
+        pi_norm, max_len = options.pi_norm, options.max_len
         M = self.num_keys = _positive_int(num_keys, "num_keys")
         if keys not in KEY_MODES:
             raise ValueError(f"keys must be one of {KEY_MODES}, got {keys!r}")
@@ -206,6 +251,29 @@ class MixtureKeysMixin:
 
     def _keys(self, key: Tensor) -> Tensor:
         return self.mixture(key)
+
+    def _key_projection(self) -> dict[str, Tensor]:
+        """The first component's key projection (``k_r = x W_r``, r = 1; sMGK's one projection, whose mu_1 = 0)."""
+        width = self.num_heads * self.head_dim
+        return {n: t[:width] for n, t in self.mixture.k_proj.named_parameters()}
+
+    def load_projections(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The conversion rule of mixture keys from a layer with one key projection K (:func:`mgk.swap_attention`):
+        queries, values and output copied; separate keys (MGK, MLK) take K as component 1 and K plus Gaussian noise
+        of standard deviation ``KEY_SPREAD * std(K)`` as components 2..M (biases copied); shifted keys (sMGK, sMLK)
+        take K itself, their shifts drawn as at construction. Mixture weights stay as initialised (uniform)."""
+        out = AttentionBase.load_projections(self, {k: v for k, v in weights.items() if not k.startswith("k_proj.")})
+        key_w, key_b = weights["k_proj.weight"], weights.get("k_proj.bias")
+        if self.keys == "separate":
+            M = self.num_keys
+            spread = KEY_SPREAD * key_w.float().std().item()
+            key_w = torch.cat([key_w] + [key_w + spread * torch.randn(key_w.shape, dtype=key_w.dtype)
+                                         for _ in range(M - 1)])
+            key_b = None if key_b is None else key_b.repeat(M)
+        out["mixture.k_proj.weight"] = key_w
+        if key_b is not None and self.mixture.k_proj.bias is not None:
+            out["mixture.k_proj.bias"] = key_b
+        return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         upgrade_state_dict(state_dict, prefix)

@@ -5,8 +5,9 @@ reads.
 (:mod:`mgk.attention.options`), factory, FLOP formula (:mod:`mgk.attention.flops`), decoding-cache layout
 (:class:`mgk.attention.cache_spec.CacheSpec`) and the option variants worth testing and benchmarking. An option the
 kind does not take is an error naming the option and the kind, never silently dropped (a dropped ``pi="soft_e"``
-would train softmax attention while the run's records claimed Soft-E). The six kinds of the paper are registered
-in :mod:`mgk.attention.kinds`.
+would train softmax attention while the run's records claimed Soft-E). Each kind is declared in its own file, which
+calls :func:`register` at its bottom (module, options, FLOPs, cache layout and conversion rule together, as
+fast-transformers does); :mod:`mgk.attention.kinds` is the index that imports them.
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class AttentionKind:
     cache: what a decoding cache of one layer holds.
     variants: option values (dicts) that give distinct behaviour worth covering in tests, benchmarks and docs; the
         first is ``{}`` (the defaults).
+    display: ``display(num_heads, options) -> str``, the name of a setting in reports when it is not
+        ``"{label} x {num_heads}"`` plus the labelled options (GQA: "MQA x 8" for one key/value head); None for that
+        default.
     """
 
     name: str
@@ -54,6 +58,7 @@ class AttentionKind:
     flops: Callable[..., int]
     cache: CacheSpec
     variants: tuple = ({},)
+    display: Callable[[int, Options], str] | None = None
 
     def make_options(self, **values) -> Options:
         """The kind's options with ``values``, checked. ValueError naming an option the kind does not take, or a
@@ -139,12 +144,13 @@ def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int 
                     dropout: float = 0.0, bias: bool = True, batch_first: bool = True, kdim: int | None = None,
                     vdim: int | None = None, **options) -> nn.Module:
     """Build the attention module ``kind`` (:func:`attention_kinds`: "softmax", "mgk", "smgk", "linear", "mlk",
-    "smlk") with ``num_heads`` heads of ``head_dim`` (default ``embed_dim // num_heads``).
+    "smlk", "gqa") with ``num_heads`` heads of ``head_dim`` (default ``embed_dim // num_heads``).
 
-    ``options`` are the kind's own (:func:`attention_options`, declared in :mod:`mgk.attention.options`): num_keys,
+    ``options`` are the kind's own (:func:`attention_options`, each kind's options dataclass in its file): num_keys,
     pi, pi_shape, pi_norm, sigma2, max_len for MGK / sMGK (Nguyen et al. 2022, Sections 2-3); normalize,
     feature_map, output_scale, eps, eps_mode for linear attention (:func:`mgk.functional.linear_attention`), and
-    those plus num_keys, pi, pi_shape, pi_norm, max_len and mix for MLK / sMLK; none for softmax.
+    those plus num_keys, pi, pi_shape, pi_norm, max_len and mix for MLK / sMLK; num_kv_heads for GQA / MQA; none for
+    softmax.
     ``batch_first`` (default True, mgk's models), ``kdim`` and ``vdim`` as :meth:`AttentionKind.build`.
     Raises ValueError for an unknown kind, an option the kind does not take (naming both), or a bad value.
     """
@@ -184,6 +190,10 @@ def run_label(kind: str, num_heads: int | None, options: Options, *, sep: str = 
 
 
 def display_label(kind: str, num_heads: int, options: Options) -> str:
-    """Name of a setting in reports: ``"MGK x 4"``, ``"sMGK x 4 (Soft-E)"``, ``"MLK x 4 (mix=keys)"``."""
+    """Name of a setting in reports: ``"MGK x 4"``, ``"sMGK x 4 (Soft-E)"``, ``"MLK x 4 (mix=keys)"``, or the kind's
+    own :attr:`AttentionKind.display`."""
+    spec = get_kind(kind)
+    if spec.display is not None:
+        return spec.display(num_heads, options)
     extra = [long for _, long in option_labels(options)]
-    return f"{get_kind(kind).label} x {num_heads}" + (f" ({', '.join(extra)})" if extra else "")
+    return f"{spec.label} x {num_heads}" + (f" ({', '.join(extra)})" if extra else "")

@@ -1,11 +1,24 @@
-"""Multi-head softmax attention, the baseline (``nn.MultiheadAttention`` conventions, and its state dicts)."""
+"""The kind "softmax": multi-head softmax attention, the baseline (Vaswani et al. 2017), with
+``nn.MultiheadAttention``'s conventions and state dicts; its options, FLOPs, cache layout and registration."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from ..functional.softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference
 from .base import AttentionBase
-from .cache import KVCache
+from .cache_spec import CacheSpec
+from .flops import total
+from .options import Options
+from .registry import AttentionKind, register
+
+__all__ = ["MultiheadAttention", "SoftmaxOptions", "from_torch_state_dict", "softmax_flops"]
+
+
+@dataclass(frozen=True)
+class SoftmaxOptions(Options):
+    """Softmax attention (Vaswani et al. 2017) has no options."""
 
 # nn.MultiheadAttention's entries that have no counterpart here, and the constructor option that creates them.
 _UNCARRIED = {"bias_k": "add_bias_kv=True", "bias_v": "add_bias_kv=True"}
@@ -54,19 +67,19 @@ class MultiheadAttention(AttentionBase):
     ``add_zero_attn`` has no counterpart.
     """
 
-    _cache_type = KVCache
+    cache_slots = {"keys": 2, "values": 2}  # (B, H, T, D) each
 
     def __init__(self, embed_dim: int, num_heads: int, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
-        self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None)
+        self.k_proj = nn.Linear(self.kdim, self.kv_heads * self.head_dim, bias=self.q_proj.bias is not None)
 
-    def _cached_core(self, q, x, v, valid, cache: KVCache):
+    def _cached_core(self, q, x, v, valid, cache):
         entries = cache.append(valid, keys=self._keys(x), values=v)
         return softmax_attention_cached(q, entries["keys"], entries["values"], attn_mask=cache.attn_mask(),
                                         is_causal=True, dropout_p=self.attn_dropout)
 
     def _keys(self, key: Tensor) -> Tensor:
-        return self._split(self.k_proj(key))
+        return self._split(self.k_proj(key), self.kv_heads)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
         if need_weights:
@@ -82,3 +95,16 @@ class MultiheadAttention(AttentionBase):
             error_msgs.append(why)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+def softmax_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
+                  backward: bool, mixture_kernel: bool = False) -> int:
+    """FLOPs of one call (:mod:`mgk.attention.flops`): four projections and ``4 N S D`` per head (scores and the
+    value product); ``mixture_kernel`` unused."""
+    core = 4 * length * length * head_dim * (0.5 if causal else 1.0)
+    return total(core, 4, heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim,
+                 backward=backward)
+
+
+register(AttentionKind("softmax", "softmax", "softmax", SoftmaxOptions, MultiheadAttention, softmax_flops,
+                       CacheSpec(keys_per_token=1)))

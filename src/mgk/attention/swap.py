@@ -2,21 +2,19 @@
 attention kind, carrying over the layout, the sizes and the weights."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .base import AttentionBase, _positive_int
+from .mixture_keys import KEY_SPREAD
 from .registry import build_attention, check_options
 from .softmax import from_torch_state_dict
 
 __all__ = ["swap_attention", "KEY_SPREAD"]
 
-# Standard deviation of the spread added to mixture components 2..M of the keys, relative to the standard deviation
-# of the key projection's entries: small, so that the first forward stays close to the original, and non-zero, so
-# that the components can separate in training.
-KEY_SPREAD = 0.1
 
 
 @dataclass
@@ -136,69 +134,81 @@ def _convert(old: nn.Module, path: str, build: dict) -> AttentionBase:
         new = build_attention(build["kind"], src.embed_dim, heads, head_dim=width // heads, dropout=src.dropout,
                               bias=src.bias, batch_first=src.batch_first, kdim=src.kdim, vdim=src.vdim,
                               **build["options"])
-        weights = _initial_weights(new, src)
+        weights = new.load_projections(src.weights)  # the new kind's conversion rule, in its own file
+    shapes = {n: p.shape for n, p in new.named_parameters()}
+    weights.update({n: t for n, t in src.parameters.items() if n in shapes and shapes[n] == t.shape})
     new.to(src.device)
     if new.q_proj.weight.dtype != src.dtype:
         new.to(src.dtype)
     params = dict(new.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():
-            params[name].copy_(value)
+            if value is not None:
+                params[name].copy_(value)
     return new.train(src.training)
+
+
+# The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot
+# know. Parametrized ones (torch.nn.utils.parametrize) are read through their attribute, the effective tensor.
+_TORCH_TENSORS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                  "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
 
 
 def _read(old: nn.Module, path: str) -> _Source:
     """The configuration and projections of ``old``; ValueError naming ``path`` for what cannot be carried."""
     if isinstance(old, nn.MultiheadAttention):
-        for flag, value in (("add_bias_kv", old.bias_k is not None), ("add_zero_attn", old.add_zero_attn)):
-            if value:
-                raise ValueError(f"swap_attention: {path} is nn.MultiheadAttention({flag}=True), which mgk's "
-                                 "attention modules cannot represent (no extra key/value rows)")
-        weights = {k: v.detach() for k, v in old.state_dict().items()}
+        _check_torch_module(old, path)
+        weights = {}
+        for name in _TORCH_TENSORS:  # the effective tensors, also under a parametrization
+            owner, _, attr = name.rpartition(".")
+            value = getattr(old.get_submodule(owner) if owner else old, attr, None)
+            if isinstance(value, Tensor):
+                weights[name] = value.detach().cpu()
         from_torch_state_dict(weights)
         config = dict(embed_dim=old.embed_dim, num_heads=old.num_heads, head_dim=old.head_dim, dropout=old.dropout,
                       bias=old.in_proj_bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
         own = {}
     else:
-        weights = {f"{p}.{n}": t.detach() for p in ("q_proj", "v_proj", "out_proj")
-                   for n, t in getattr(old, p).named_parameters()}
-        weights.update(_key_projection(old, path))
+        try:
+            weights = {k: v.cpu() for k, v in old.per_head_projections().items()}
+        except ValueError as e:
+            raise ValueError(f"swap_attention: {path} ({type(old).__name__}): {e}") from None
         config = dict(embed_dim=old.embed_dim, num_heads=old.num_heads, head_dim=old.head_dim, dropout=old.dropout,
                       bias=old.q_proj.bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
-        own = {k: v.detach() for k, v in old.named_parameters()}
+        own = {k: v.detach().cpu() for k, v in old.named_parameters()}
     first = next(old.parameters())
     return _Source(**config, weights=weights, parameters=own, device=first.device, dtype=first.dtype,
                    training=old.training)
 
 
-def _key_projection(old: AttentionBase, path: str) -> dict[str, Tensor]:
-    """``k_proj.weight`` / ``k_proj.bias`` of an mgk module: its key projection, or a mixture's first component."""
-    mixture = getattr(old, "mixture", None)
-    proj = mixture.k_proj if mixture is not None else getattr(old, "k_proj", None)
-    if not isinstance(proj, nn.Linear):
-        raise ValueError(f"swap_attention: {path} ({type(old).__name__}) has no key projection k_proj to carry over")
-    width = old.num_heads * old.head_dim
-    out = {"k_proj.weight": proj.weight.detach()[:width]}
-    if proj.bias is not None:
-        out["k_proj.bias"] = proj.bias.detach()[:width]
-    return out
+def _check_torch_module(old: nn.MultiheadAttention, path: str) -> None:
+    """ValueError in one line naming ``path`` when ``old`` holds what mgk's modules cannot represent: the extra
+    key/value rows of add_bias_kv / add_zero_attn, a subclass's own ``forward`` (whose computation would be lost
+    silently), or parameters and buffers of its own (or of wrappers put around its projections, e.g. by
+    parametrizations)."""
+    for flag, value in (("add_bias_kv", old.bias_k is not None), ("add_zero_attn", old.add_zero_attn)):
+        if value:
+            raise ValueError(f"swap_attention: {path} is nn.MultiheadAttention({flag}=True), which mgk's "
+                             "attention modules cannot represent (no extra key/value rows)")
+    cls = type(old)
+    if cls.forward is not nn.MultiheadAttention.forward:
+        raise ValueError(f"swap_attention: {path} is {cls.__name__}, a subclass of nn.MultiheadAttention with its own "
+                         "forward, which replacing it would silently drop; swap its attention yourself or remove the "
+                         "override")
+    if not isinstance(old.out_proj, nn.Linear):
+        raise ValueError(f"swap_attention: {path}.out_proj is {type(old.out_proj).__name__}, not nn.Linear: mgk cannot "
+                         "tell which weights it applies")
+    own = [n for n, _ in old.named_parameters()] + [n for n, _ in old.named_buffers()]
+    extra = sorted({n for n in own if _parametrized_name(n) not in _TORCH_TENSORS})
+    if extra:
+        raise ValueError(f"swap_attention: {path} ({cls.__name__}) holds {', '.join(extra)}, which "
+                         "nn.MultiheadAttention does not have and mgk's attention modules cannot carry over")
 
 
-def _initial_weights(new: AttentionBase, src: _Source) -> dict[str, Tensor]:
-    """The new module's parameters that come from the old one, by name (see :func:`swap_attention`)."""
-    weights = {k: v for k, v in src.weights.items() if not k.startswith("k_proj.")}
-    key_w, key_b = src.weights["k_proj.weight"].cpu(), src.weights.get("k_proj.bias")
-    mixture = getattr(new, "mixture", None)
-    if mixture is None:
-        weights["k_proj.weight"], weights["k_proj.bias"] = key_w, key_b
-    elif mixture.keys == "shifted":
-        weights["mixture.k_proj.weight"], weights["mixture.k_proj.bias"] = key_w, key_b
-    else:
-        M = mixture.num_keys
-        spread = KEY_SPREAD * key_w.float().std().item()
-        parts = [key_w] + [key_w + spread * torch.randn(key_w.shape, dtype=key_w.dtype) for _ in range(M - 1)]
-        weights["mixture.k_proj.weight"] = torch.cat(parts)
-        weights["mixture.k_proj.bias"] = None if key_b is None else key_b.repeat(M)
-    shapes = {n: p.shape for n, p in new.named_parameters()}
-    weights.update({n: t for n, t in src.parameters.items() if n in shapes and shapes[n] == t.shape})
-    return {n: t for n, t in weights.items() if t is not None}
+def _parametrized_name(name: str) -> str:
+    """The tensor a parameter of torch.nn.utils.parametrize stands for (``out_proj.parametrizations.weight.original``
+    -> ``out_proj.weight``); other names unchanged."""
+    match = re.fullmatch(r"(?:(.*)\.)?parametrizations\.([^.]+)\.original\d*", name)
+    if match is None:
+        return name
+    return f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)

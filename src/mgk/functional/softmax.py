@@ -186,9 +186,10 @@ def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, at
 
 def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
                              is_causal: bool = True, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
-    """Softmax attention of new queries over a decoding cache, read in place (a decoding step of
-    :class:`mgk.attention.cache.KVCache`): :func:`softmax_attention` through SDPA, except that keys and values at
-    slots no query may attend to must be finite (a cache stores zeros there), so they are not copied to be zeroed.
+    """Softmax attention of new queries over a decoding cache, read in place (a decoding step of a softmax or GQA
+    layer's :class:`mgk.attention.cache.LayerCache`): :func:`softmax_attention` through SDPA, except that keys and
+    values at slots no query may attend to must be finite (a cache stores zeros there), so they are not copied to be
+    zeroed.
 
     Args: query (B, H, L, D), the L new queries; key (B, H, S, D) and value (B, H, S, Dv) (or G heads dividing H,
         as :func:`softmax_attention`), the cache's slots in use
