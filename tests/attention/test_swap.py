@@ -218,6 +218,67 @@ def test_what_cannot_be_carried_is_refused_in_one_line(make, match):
     assert "\n" not in str(err.value)
 
 
+class _Gained(nn.MultiheadAttention):
+    """A subclass with a parameter of its own (what it does with it, mgk cannot know)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.ones(()))
+
+
+class _Scaled(nn.MultiheadAttention):
+    """A subclass whose own forward changes the function."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return 2 * out, weights
+
+
+class _Wrapped(nn.Module):
+    """A wrapper put around a projection (as LoRA-style adapters do)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _wrapped_out_proj():
+    m = nn.MultiheadAttention(E, H)
+    m.out_proj = _Wrapped(m.out_proj)
+    return nn.Sequential(m)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: nn.Sequential(nn.Identity(), _Gained(E, H)), r"^swap_attention: 1 \(_Gained\) holds gain, which"),
+    (lambda: nn.Sequential(_Scaled(E, H)), r"^swap_attention: 0 is _Scaled, a subclass .* with its own forward"),
+    (_wrapped_out_proj, r"^swap_attention: 0.out_proj is _Wrapped, not nn.Linear"),
+])
+def test_torch_attention_variants_mgk_cannot_represent_are_refused_in_one_line_naming_the_module(make, match):
+    """Issue 30 (#6): a subclass with its own parameter raised a bare KeyError('gain'), and a subclass with its own
+    forward would have been replaced silently."""
+    with pytest.raises(ValueError, match=match) as err:
+        mgk.swap_attention(make(), "softmax")
+    assert "\n" not in str(err.value)
+
+
+def test_a_parametrized_projection_is_carried_as_its_effective_weight():
+    """torch.nn.utils.parametrize (weight norm, orthogonal, ...) keeps the original under ``parametrizations``: the
+    weight the layer applies is the attribute, and that is what is carried (the swap to softmax stays exact)."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    old = nn.MultiheadAttention(E, H, batch_first=True)
+    parametrizations.weight_norm(old.out_proj)
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        want = old(x, x, x, need_weights=False)[0]
+        new = mgk.swap_attention(old, "softmax")
+        torch.testing.assert_close(new(x, need_weights=False)[0], want, atol=1e-6, rtol=1e-6)
+
+
 def test_bad_kind_options_and_head_counts_are_refused():
     old = nn.MultiheadAttention(E, H)
     with pytest.raises(ValueError, match="unknown attention kind 'mgkk'"):
