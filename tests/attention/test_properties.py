@@ -111,11 +111,13 @@ def test_dtypes(build, variant):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_length_one_attends_to_its_own_value(build, variant, causal):
-    """With one key, every kind's weight is 1: the output is out_proj(v_proj(x))."""
+    """With one key, every kind's weight is 1: the output is out_proj(v_proj(x)), each value head read by the query
+    heads it serves (all of them for grouped-query attention's one head)."""
     m = build(*variant)
     x = torch.randn(3, 1, E)
     out, _ = m(x, is_causal=causal, need_weights=False)
-    torch.testing.assert_close(out, m.out_proj(m.v_proj(x)), rtol=1e-5, atol=1e-6)
+    v = m.v_proj(x).view(3, 1, m.kv_heads, -1).repeat_interleave(m.num_heads // m.kv_heads, dim=2).flatten(2)
+    torch.testing.assert_close(out, m.out_proj(v), rtol=1e-5, atol=1e-6)
 
 
 def test_fully_masked_rows_are_zero_with_finite_grads(build, variant):

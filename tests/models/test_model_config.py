@@ -4,14 +4,14 @@ import dataclasses
 import pytest
 import torch
 
-from mgk.attention import attention_kinds
+from mgk.attention import attention_kinds, get_kind
 from mgk.config import encoder_config, flat_keys, lm_config, model_differences, replace, run_config, with_forms
 from mgk.models import AttentionConfig, EncoderConfig, LMConfig, LRAClassifier, RetrievalModel, TransformerLM
 
 
 @pytest.mark.parametrize("kind", attention_kinds())
 def test_encoder_config_builds_the_model_of_the_hand_built_config(kind):
-    position = {"pi_shape": "position"} if kind not in ("softmax", "linear") else {}
+    position = {"pi_shape": "position"} if "pi_shape" in get_kind(kind).options.names() else {}
     cfg = run_config(attention=kind, vocab_size=20, num_classes=3, max_len=12, d_model=16, head_dim=8, num_heads=2,
                      ffn_dim=24, classifier_dim=8, **position)
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def test_attention_options_only_for_kinds_that_take_them():
     assert "sigma2" not in encoder_config(run_config(attention="mlk")).attention.options.as_kwargs()
     options = {name for name, path in flat_keys().items() if path.startswith("attention.options.")}
     assert options == {"num_keys", "pi", "pi_shape", "sigma2", "pi_norm", "normalize", "feature_map",
-                       "output_scale", "attn_eps", "eps_mode", "mix"}
+                       "output_scale", "attn_eps", "eps_mode", "mix", "num_kv_heads"}
 
 
 def test_lm_config_covers_a_segment_and_keeps_cutoffs():

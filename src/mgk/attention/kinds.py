@@ -6,3 +6,4 @@ baselines added since. A new kind is a new file, and one line here."""
 from . import softmax  # noqa: F401  softmax
 from . import mgk  # noqa: F401  mgk, smgk
 from . import linear  # noqa: F401  linear, mlk, smlk
+from . import gqa  # noqa: F401  gqa (grouped-query and multi-query attention)
