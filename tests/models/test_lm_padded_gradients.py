@@ -72,3 +72,30 @@ def test_a_bad_padding_mask_is_one_line_naming_it():
     with pytest.raises(ValueError, match=r"^key_padding_mask must be bool of the tokens' shape \(2, 3\) \(True = "
                                          r"padding\), got torch.int64 \(2, 3\)$"):
         model.hidden(torch.zeros(2, 3, dtype=torch.int64), key_padding_mask=torch.zeros(2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("kind", ["mgk", "smgk"])
+def test_a_left_padded_batch_gathers_the_soft_e_statistics_of_its_rows_alone(kind):
+    """Soft-E trains its weights from the E-step statistics a backward commits, per key position: a padded batch
+    commits those of its rows alone, at the positions counted from each row's first real token (the cached path
+    committed none)."""
+    model = _lm(kind, {"pi": "soft_e"})
+    tokens = torch.randint(0, 30, (len(LENGTHS), L), generator=torch.Generator().manual_seed(1))
+    pad = torch.arange(L) < torch.tensor([L - n for n in LENGTHS]).unsqueeze(1)
+
+    def committed():
+        sums = [block.attn._accumulator().clone() for block in model.blocks]
+        for block in model.blocks:
+            block.attn._accumulator().zero_()
+        return sums
+
+    model.hidden(tokens, key_padding_mask=pad).sum().backward()
+    got = committed()
+    for b, n in enumerate(LENGTHS):
+        if n:
+            model.hidden(tokens[b:b + 1, L - n:]).sum().backward()
+    want = committed()
+    pairs = sum(n * (n + 1) // 2 for n in LENGTHS)  # causal (query, key) pairs, counted per head
+    assert all(bool((w[:, -1].sum(dim=1) == pairs).all()) for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10)
