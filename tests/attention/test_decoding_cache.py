@@ -192,10 +192,10 @@ def test_each_layer_of_a_model_counts_its_own_tokens():
         a(torch.randn(2, 5, E), past_key_values=cache[0], is_causal=True, need_weights=False)
         b(torch.randn(2, 3, E), past_key_values=cache[1], is_causal=True, need_weights=False)
     assert [layer.length for layer in cache] == [5, 3]
-    with pytest.raises(ValueError, match="another layer"):  # a separate-key MGK cache given to sMGK
+    with torch.no_grad(), pytest.raises(ValueError, match="another layer"):  # a separate-key MGK cache given to sMGK
         _module("smgk", {})(torch.randn(2, 1, E), past_key_values=_shifted_as_separate(), is_causal=True,
                             need_weights=False)
-    with pytest.raises(ValueError, match="batch of 2 rows"):
+    with torch.no_grad(), pytest.raises(ValueError, match="batch of 2 rows"):
         b(torch.randn(3, 1, E), past_key_values=cache[1], is_causal=True, need_weights=False)
 
 
@@ -246,17 +246,6 @@ def test_layouts_and_unbatched_inputs_decode_alike(batch_first):
             lone.append(m(x[0, t:t + 1], past_key_values=single, is_causal=True, need_weights=False)[0])
     torch.testing.assert_close(out, want, **TOL)
     torch.testing.assert_close(torch.cat(lone), want[0], **TOL)
-
-
-def test_a_cached_call_with_gradients_reaches_the_new_queries_only():
-    m = _module("mgk", {})
-    cache = m.new_cache()
-    x = torch.randn(1, 6, E, requires_grad=True)
-    m(x[:, :5], past_key_values=cache, is_causal=True, need_weights=False)
-    out = m(x[:, 5:], past_key_values=cache, is_causal=True, need_weights=False)[0]
-    out.sum().backward()
-    assert x.grad[:, :5].abs().sum() == 0 and x.grad[:, 5:].abs().sum() > 0
-    assert all(not t.requires_grad for t in cache._buffers.values())
 
 
 @pytest.mark.parametrize("kind,options", CASES, ids=IDS)

@@ -95,3 +95,55 @@ def test_a_cache_shared_by_two_layers_of_the_same_sizes_is_refused(kind, options
             second(torch.randn(1, 1, E), past_key_values=cache, is_causal=True, need_weights=False)
         first(torch.randn(1, 1, E), past_key_values=cache, is_causal=True, need_weights=False)  # its own layer
     assert cache.length == 4
+
+
+_GRAD_REFUSED = (r"^past_key_values is for inference: this call would record gradients \(grad enabled and the input "
+                 r"or a parameter requires grad\); decode under torch\.no_grad\(\) or torch\.inference_mode\(\), or "
+                 r"call without past_key_values \(the uncached forward gives exact gradients\)$")
+
+
+@pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
+def test_a_cached_call_that_would_record_gradients_is_refused_in_one_line(kind, options):
+    """Issue 30: a backward through cached calls reached different parameters per kind (softmax's key projection
+    nothing, MGK's log_sigma2 a third of its gradient) and crashed after a prefill plus steps ("modified by an
+    inplace operation"). Caches are for inference: with grad enabled and the input or a parameter requiring grad,
+    a prefill or a step is one ValueError, before anything is written; without anything to record (no_grad,
+    inference_mode, or frozen parameters and input) it decodes as the uncached forward."""
+    options = {**options, **({"max_len": 8} if options.get("pi") == "soft_e" else {})}
+    torch.manual_seed(0)
+    m = mgk.build_attention(kind, E, H, **options).eval()
+    x = torch.randn(1, 5, E)
+    call = dict(is_causal=True, need_weights=False)
+    cache = m.new_cache()
+    with pytest.raises(ValueError, match=_GRAD_REFUSED):  # a prefill, the parameters requiring grad
+        m(x[:, :3], past_key_values=cache, **call)
+    assert cache.length == 0 and cache.seen is None
+    with torch.no_grad():
+        want = m(x, **call)[0]
+        first = m(x[:, :3], past_key_values=cache, **call)[0]
+    with pytest.raises(ValueError, match=_GRAD_REFUSED):  # a step after a prefill
+        m(x[:, 3:4], past_key_values=cache, **call)
+    m.requires_grad_(False)
+    with pytest.raises(ValueError, match=_GRAD_REFUSED):  # frozen parameters, the input requiring grad
+        m(x[:, 3:4].clone().requires_grad_(), past_key_values=cache, **call)
+    assert cache.length == 3 and cache.seen.tolist() == [3]
+    step = m(x[:, 3:4], past_key_values=cache, **call)[0]  # nothing requires grad: no graph to record
+    with torch.inference_mode():
+        last = m(x[:, 4:], past_key_values=cache, **call)[0]
+    assert not step.requires_grad
+    torch.testing.assert_close(torch.cat([first, step, last], dim=1), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "mlk"])
+def test_a_model_decoding_with_gradients_enabled_is_refused_and_generate_runs_without(kind):
+    """The LM's cached path is refused the same way, in its first layer before any layer's cache is written; generate
+    decodes under no_grad."""
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=30, d_model=E, num_layers=2, ffn_dim=32, dropout=0.0, cutoffs=(10,),
+                                   attention=AttentionConfig(kind=kind, num_heads=H, head_dim=8))).eval()
+    idx = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match=_GRAD_REFUSED):
+        model.next_log_probs(idx, past_key_values=cache)
+    assert [layer.length for layer in cache] == [0, 0]
+    assert model.generate(idx, 3, temperature=0).shape == (2, 8)

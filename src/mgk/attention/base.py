@@ -11,12 +11,14 @@ They are converted once here to the functional core's convention (bool, True = m
 
 Decoding: ``forward(x, past_key_values=cache, is_causal=True, need_weights=False)`` with the layer's cache
 (:meth:`AttentionBase.new_cache`, :mod:`mgk.attention.cache`) attends from the new tokens x to every token the cache
-has seen and to themselves, adds them to the cache in place and returns ``(output, None)``.
+has seen and to themselves, adds them to the cache in place and returns ``(output, None)``. It is for inference only
+(under ``torch.no_grad()`` / ``torch.inference_mode()``): a cached call that would record gradients is a ValueError.
 """
 from __future__ import annotations
 
 import abc
 
+import torch
 from torch import Tensor, nn
 
 from ..functional import masks as _masks
@@ -198,14 +200,18 @@ class AttentionBase(nn.Module, abc.ABC):
                 the call is causal self-attention of the new tokens ``query`` over the cache and themselves
                 (``key`` / ``value`` None, ``is_causal=True``, no ``attn_mask``, ``need_weights=False``);
                 ``key_padding_mask`` (B, L) marks padding among the new tokens (left padding of prompts of different
-                lengths), which is never attended and not counted in the rows' positions.
+                lengths), which is never attended and not counted in the rows' positions. Decoding is inference:
+                with gradients enabled while the input or a parameter requires grad the call is refused (ValueError),
+                since the cache holds detached entries; decode under ``torch.no_grad()`` /
+                ``torch.inference_mode()``, and train through the uncached forward, whose gradients are exact.
         Returns:
             ``(output, weights)``: output shaped like ``query`` with E features; weights None without
             ``need_weights``, else (B, L, S) averaged / (B, H, L, S) per head ((L, S) / (H, L, S) unbatched), float.
             Differences from torch: a query row with no allowed key gives a zero output and zero weights (torch:
             NaN); in training the weights are those before attention dropout.
         Raises:
-            ValueError naming the argument for wrong ranks or sizes; MaskError for masks of other dtypes/shapes.
+            ValueError naming the argument for wrong ranks or sizes, or ``past_key_values`` for a cached call that
+            would record gradients; MaskError for masks of other dtypes/shapes.
         """
         if past_key_values is not None:
             return self._forward_cached(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
@@ -248,6 +254,13 @@ class AttentionBase(nn.Module, abc.ABC):
         if key_padding_mask is not None:
             _masks.from_module_masks(key_padding_mask, None, B, L, L, self.num_heads)  # dtype and shape checks
             valid = ~key_padding_mask
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            # Caches hold detached entries, so a graph through them would give partial gradients (and a backward
+            # through later steps met entries rewritten in place): decoding is inference only (issue 30).
+            raise ValueError("past_key_values is for inference: this call would record gradients (grad enabled and "
+                             "the input or a parameter requires grad); decode under torch.no_grad() or "
+                             "torch.inference_mode(), or call without past_key_values (the uncached forward gives "
+                             "exact gradients)")
         cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device,
                    self)
         q, v = self._split(self.q_proj(x)), self._values(x)

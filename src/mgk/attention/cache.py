@@ -29,7 +29,10 @@ decodes as that row alone. Key/value buffers are allocated for a capacity (:meth
 call's length) and grown geometrically; a step reads only the slots in use (gpt-fast#233 read empty slots). Each
 layer has its own cache and counts (flash-linear-attention#747 counted the length once for all layers).
 
-Caches hold detached tensors: a backward through a cached call reaches the new tokens' queries only.
+Caches hold detached tensors and are for inference only: a cached call while autograd would record a graph
+through the layer (gradients enabled, and the input or a parameter requires grad) is a ValueError naming
+``past_key_values`` (:meth:`mgk.attention.base.AttentionBase.forward`); decode under ``torch.no_grad()`` or
+``torch.inference_mode()``, and train through the uncached forward.
 """
 from __future__ import annotations
 

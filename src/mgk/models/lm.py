@@ -104,26 +104,80 @@ class TransformerLM(nn.Module):
         """Final hidden states (B, L, E) of integer tokens (B, L); position t sees tokens 0..t only.
 
         ``past_key_values`` (:meth:`new_cache`): decode: ``tokens`` are the new tokens after those the cache has
-        seen, attended with them and added to it; positions continue per row. ``key_padding_mask`` (B, L) bool,
-        True = padding (the left padding of prompts of different lengths): padded tokens are never attended and
-        each row's positions count its real tokens only, so a row gives what it gives alone (a cache is made for
-        the call when none is given). Hidden states at padded positions are meaningless."""
+        seen, attended with them and added to it; positions continue per row. Decoding is inference: run it under
+        ``torch.no_grad()`` or ``torch.inference_mode()`` (with gradients enabled the layers raise ValueError; see
+        :meth:`mgk.attention.base.AttentionBase.forward`). ``key_padding_mask`` (B, L) bool, True = padding (the
+        left padding of prompts of different lengths): padded tokens are never attended and each row's positions
+        count its real tokens only (:func:`mgk.attention.cache.token_positions`), so a row gives what it gives alone.
+        Without a cache this is the uncached causal forward, with gradients, so a padded batch trains as its rows
+        alone. Hidden states at padded positions are meaningless. ValueError naming the argument for bad shapes."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an integer tensor of shape (B, L), got {tokens.dtype} "
                              f"{tuple(tokens.shape)}")
-        if key_padding_mask is not None and past_key_values is None:
-            past_key_values = self.new_cache()
-        x = self.adaptive.embed(tokens.long())
         if past_key_values is None:
-            pos = sinusoidal_positions(tokens.shape[1], self.d_model, device=x.device, dtype=x.dtype)
-        else:
-            pos = sinusoidal_embedding(self._positions(tokens, key_padding_mask, past_key_values), self.d_model,
-                                       dtype=x.dtype)
-        x = self.drop(x + pos)
+            if key_padding_mask is not None:
+                return self._hidden_padded(tokens, key_padding_mask)
+            x = self.adaptive.embed(tokens.long())
+            return self._blocks(x + sinusoidal_positions(tokens.shape[1], self.d_model, device=x.device,
+                                                         dtype=x.dtype))
+        x = self.adaptive.embed(tokens.long())
+        pos = sinusoidal_embedding(self._positions(tokens, key_padding_mask, past_key_values), self.d_model,
+                                   dtype=x.dtype)
+        return self._blocks(x + pos, key_padding_mask, past_key_values)
+
+    def _blocks(self, x: Tensor, key_padding_mask: Tensor | None = None,
+                cache: DecodingCache | None = None) -> Tensor:
+        """Embedded inputs with positions (B, L, E) through dropout and the causal blocks (decoding with ``cache``)."""
+        x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            layer = None if past_key_values is None else past_key_values[i]
-            x = block(x, key_padding_mask=key_padding_mask, is_causal=True, past_key_values=layer)
+            x = block(x, key_padding_mask=key_padding_mask, is_causal=True,
+                      past_key_values=None if cache is None else cache[i])
         return x
+
+    def _hidden_padded(self, tokens: Tensor, key_padding_mask: Tensor) -> Tensor:
+        """:meth:`hidden` of a padded batch without a cache: the uncached causal forward of each row's real tokens
+        (:meth:`_compacted`). normalize="length" scales by the tensor length, so there rows of one real length go
+        through together and each row is scaled by its own length, as alone (and as decoding counts it)."""
+        self._check_padding(tokens, key_padding_mask)
+        counts = (~key_padding_mask).sum(dim=1)
+        if tokens.shape[0] == 0 or not any(getattr(block.attn, "normalize", None) == "length"
+                                           for block in self.blocks):
+            return self._compacted(tokens, key_padding_mask, int(counts.max()) if tokens.shape[0] else 0)
+        out = None
+        for n in counts.unique().tolist():
+            rows = (counts == n).nonzero().squeeze(1)
+            h = self._compacted(tokens[rows], key_padding_mask[rows], n)
+            out = h.new_zeros(tokens.shape[0], *h.shape[1:]) if out is None else out
+            out = out.index_copy(0, rows, h)
+        return out
+
+    def _compacted(self, tokens: Tensor, key_padding_mask: Tensor, n: int) -> Tensor:
+        """States (B, L, E) of the uncached forward over each row's real tokens moved to its front in order (a
+        stable sort of the mask), put back in the caller's order. There a row's tokens sit at their positions
+        counted from its first real token, as decoding counts them (:func:`mgk.attention.cache.token_positions`;
+        per-position mixture weights read the key index as the position); the padding among the first ``n``
+        columns (``n`` = the longest row's real tokens) is masked as keys. Later columns, padding in every row, are
+        left out (so a batch padded past the max_len of per-position weights runs when its rows fit): their states
+        are zeros."""
+        B, L = tokens.shape
+        order = key_padding_mask.to(torch.int8).argsort(dim=1, stable=True)  # real tokens first, in order
+        kept = order[:, :n]
+        positions = token_positions(torch.zeros(B, dtype=torch.int64, device=tokens.device), ~key_padding_mask, L)
+        x = self.adaptive.embed(tokens.long().gather(1, kept))
+        x = x + sinusoidal_embedding(positions.gather(1, kept), self.d_model, dtype=x.dtype)
+        h = self._blocks(x, key_padding_mask.gather(1, kept)) if n else x
+        h = torch.cat([h, h.new_zeros(B, L - n, h.shape[-1])], dim=1)
+        return h.gather(1, order.argsort(dim=1).unsqueeze(-1).expand_as(h))
+
+    def _check_padding(self, tokens: Tensor, key_padding_mask: Tensor | None) -> None:
+        """ValueError naming ``key_padding_mask`` unless it is None or bool of the tokens' shape (B, L)."""
+        if key_padding_mask is not None and (not isinstance(key_padding_mask, Tensor)
+                                             or key_padding_mask.dtype != torch.bool
+                                             or key_padding_mask.shape != tokens.shape):
+            what = (f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}" if isinstance(key_padding_mask, Tensor)
+                    else type(key_padding_mask).__name__)
+            raise ValueError(f"key_padding_mask must be bool of the tokens' shape {tuple(tokens.shape)} (True = "
+                             f"padding), got {what}")
 
     def _positions(self, tokens: Tensor, key_padding_mask: Tensor | None, cache: DecodingCache) -> Tensor:
         """(B, L) positions of new tokens after those ``cache`` has seen, per row."""
@@ -136,10 +190,7 @@ class TransformerLM(nn.Module):
         if len({layer.length for layer in cache}) > 1:
             raise ValueError(f"past_key_values has layers of different lengths {[layer.length for layer in cache]}: "
                              "a call through it was interrupted part-way; start a new cache (model.new_cache())")
-        if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
-                                             or tuple(key_padding_mask.shape) != (B, L)):
-            raise ValueError(f"key_padding_mask must be bool of the tokens' shape {(B, L)} (True = padding), got "
-                             f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        self._check_padding(tokens, key_padding_mask)
         seen = cache.seen if cache.seen is not None else torch.zeros(B, dtype=torch.int64, device=tokens.device)
         if seen.shape[0] != B:
             raise ValueError(f"past_key_values was filled for a batch of {seen.shape[0]} rows; tokens have {B}")
