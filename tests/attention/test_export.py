@@ -5,6 +5,7 @@ custom-kernel attention): the programs hold PyTorch operators only, so they load
 imports mgk."""
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -92,6 +93,36 @@ def test_torch_layers_that_pass_a_float_padding_mask_export():
     model, program = _export("mgk", {}, layer_padding=True)
     x, padding = _inputs(3, 9, 1)
     torch.testing.assert_close(program.module()(x, padding), model(x, padding), rtol=1e-5, atol=1e-6)
+
+
+class CausalLayer(nn.Module):
+    """A swapped torch encoder layer called as torch's decoders call it: a causal float ``src_mask`` (0 / -inf) with
+    ``is_causal=True``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.layer = mgk.swap_attention(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True), kind)
+
+    def forward(self, x, mask):
+        return self.layer(x, src_mask=mask, is_causal=True)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "linear"])
+def test_a_causal_float_mask_from_a_torch_layer_exports_except_for_the_linear_kinds(kind):
+    """MGK and softmax apply the mask as given inside the trace; the linear kinds can take it only as is_causal,
+    which needs its values compared (README, "Known gap")."""
+    torch.manual_seed(0)
+    model = CausalLayer(kind).eval()
+    length = Dim("length", min=3, max=32)
+    x, mask = torch.randn(2, 7, E), nn.Transformer.generate_square_subsequent_mask(7)
+    export = partial(torch.export.export, model, (x, mask), dynamic_shapes={"x": {1: length}, "mask": {0: length,
+                                                                                                      1: length}})
+    if get_kind(kind).family == "linear":
+        with pytest.raises(Exception, match="aten.equal"):
+            export()
+        return
+    x, mask = torch.randn(2, 11, E), nn.Transformer.generate_square_subsequent_mask(11)
+    torch.testing.assert_close(export().module()(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_saved_programs_load_and_run_without_mgk(tmp_path):
