@@ -89,8 +89,9 @@ def test_strict_export_takes_the_same_path():
     torch.testing.assert_close(program.module()(x, padding), model(x, padding), rtol=1e-5, atol=1e-6)
 
 
-def test_torch_layers_that_pass_a_float_padding_mask_export():
-    model, program = _export("mgk", {}, layer_padding=True)
+@pytest.mark.parametrize("kind", mgk.attention_kinds())
+def test_torch_layers_that_pass_a_float_padding_mask_export(kind):
+    model, program = _export(*_variant(kind, {}), layer_padding=True)
     x, padding = _inputs(3, 9, 1)
     torch.testing.assert_close(program.module()(x, padding), model(x, padding), rtol=1e-5, atol=1e-6)
 
