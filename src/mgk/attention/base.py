@@ -126,8 +126,13 @@ class AttentionBase(nn.Module, abc.ABC):
         return self._split(self.v_proj(value), self.kv_heads)
 
     def _attn_mask_hook(self, attn_mask, is_causal: bool, L: int, S: int):
-        """Subclasses that cannot take a query-dependent mask may recognise a causal one here."""
-        return attn_mask, is_causal
+        """An ``attn_mask`` (bool, True = not allowed) equal to the causal mask is taken as ``is_causal=True``
+        (:func:`module_masks.causal_hint`), so that MGK and softmax keep their causal kernels. Not inside a
+        torch.compile / export trace, where comparing the mask's values would break the graph and the explicit
+        mask gives the same outputs; subclasses that cannot take a query-dependent mask recognise it there too."""
+        if torch.compiler.is_compiling():
+            return attn_mask, is_causal
+        return module_masks.causal_hint(attn_mask, is_causal, L, S)
 
     # -- shared ------------------------------------------------------------------------------------------------
     def _split(self, x: Tensor, heads: int | None = None) -> Tensor:
@@ -193,6 +198,8 @@ class AttentionBase(nn.Module, abc.ABC):
             need_weights: also return the attention weights (default True, as torch; mgk's own models pass False,
                 since the weights take O(L S) memory and a slower path).
             attn_mask: (L, S), (B*H, L, S) (unbatched: (H, L, S)) or (B, H, L, S); bool True = not allowed, or float.
+                An (L, S) mask that is exactly the bottom-right causal mask (torch's Transformer layers pass it) runs
+                as ``is_causal=True`` (:meth:`_attn_mask_hook`).
             average_attn_weights: return the weights averaged over heads (default), else per head.
             is_causal: the bottom-right causal mask. With an ``attn_mask`` (torch's hint that it is causal) both
                 apply; without one it applies alone (torch then raises; here it is the causal mask itself).

@@ -61,11 +61,9 @@ class _KeyMasksOnly:
     _takes_bias = False
 
     def _attn_mask_hook(self, attn_mask, is_causal: bool, L: int, S: int):
-        # torch's Transformer layers pass the causal mask as attn_mask (as float, converted back to bool here),
-        # with or without the is_causal hint: take it as is_causal, which linear attention computes directly.
-        if module_masks.is_causal_mask(attn_mask, L, S):
-            return None, True
-        return attn_mask, is_causal
+        # The causal mask is the only query-dependent mask linear attention can compute (as is_causal): recognised
+        # inside a compile trace too, at the cost of a graph break there.
+        return module_masks.causal_hint(attn_mask, is_causal, L, S)
 
 
 class _FormOptions:

@@ -63,6 +63,15 @@ def split_options(cls: type, kwargs: dict) -> tuple[dict, dict]:
 LEGACY_NAMES = ("k_proj.weight", "k_proj.bias", "key_shift", "pi_logits", "pi")
 
 
+def _first_positions(table: Tensor, S) -> Tensor:
+    """``table[:, :, :S]`` of per-position weights (H, M, max_len). A symbolic S (torch.export, torch.compile with
+    dynamic shapes) takes them by index: the slice would make the trace guard on S != max_len (whether the slice is
+    the whole table), so a length range reaching max_len would not export."""
+    if isinstance(S, torch.SymInt):
+        return table[:, :, torch.arange(S, device=table.device)]
+    return table[:, :, :S]
+
+
 class MixtureKeys(nn.Module):
     """Keys (B, H, M, S, D) of M mixture components per key position, and their log weights.
 
@@ -185,10 +194,11 @@ class MixtureKeys(nn.Module):
                 raise ValueError("component_gate needs mixture weights; pi='hard_e' has none")
             return None
         if self.pi_mode == "soft_e":
-            pi = self.pi[:, :, :S]
+            pi = _first_positions(self.pi, S)
             log_pi = pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
         else:
-            logits = self.pi_logits[:, :, :S] if self.pi_shape == "position" else self.pi_logits.unsqueeze(-1)
+            logits = (_first_positions(self.pi_logits, S) if self.pi_shape == "position"
+                      else self.pi_logits.unsqueeze(-1))
             log_pi = (torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits).unsqueeze(0)
         return log_pi if self.component_gate is None else self._gated(log_pi)
 

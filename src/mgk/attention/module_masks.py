@@ -84,3 +84,14 @@ def is_causal_mask(attn_mask: Tensor | None, L: int, S: int) -> bool:
     if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (L, S):
         return False
     return bool(torch.equal(attn_mask, ~causal_mask(L, S, attn_mask.device)))
+
+
+def causal_hint(attn_mask, is_causal: bool, L: int, S: int):
+    """``(None, True)`` when ``attn_mask`` (bool, True = not allowed) is exactly the bottom-right causal mask
+    (:func:`is_causal_mask`), else ``(attn_mask, is_causal)`` unchanged. torch's Transformer layers pass the causal
+    mask itself (as float, which :func:`split_masks` makes bool), with or without the ``is_causal`` hint
+    (pytorch ``nn.TransformerEncoderLayer.forward``); as ``is_causal`` every kind runs its causal path, the same
+    outputs without an explicit (L, S) mask."""
+    if is_causal_mask(attn_mask, L, S):
+        return None, True
+    return attn_mask, is_causal

@@ -121,12 +121,13 @@ def needs_qnorm(s2: Tensor) -> bool:
     With one component per head, or equal fixed variances within each head, it is constant along a row and cancels
     in the softmax (in the value, and in the gradient of a variance shared by the row's every score). With unequal
     or learned per-component variances it does not (a learned sigma_r^2 moves alone). Reading the values would
-    synchronise an accelerator, so off the CPU (and inside a torch.compile trace) the term is kept for M > 1 (exact
-    either way)."""
+    synchronise an accelerator, so off the CPU (and inside a torch.compile trace, or under a torch.func transform,
+    whose tensors hold no values to read) the term is kept for M > 1 (exact either way)."""
     M = s2.shape[-1]
     if M == 1:
         return False
-    if s2.requires_grad or torch.compiler.is_compiling() or s2.device.type != "cpu":
+    if (s2.requires_grad or torch.compiler.is_compiling() or s2.device.type != "cpu"
+            or torch._C._functorch.is_functorch_wrapped_tensor(s2)):
         return True
     rows = s2.reshape(-1, M).tolist()  # one read of the H' * M values, on every call
     return any(x != row[0] for row in rows for x in row)

@@ -150,6 +150,27 @@ def _empty_rows(keep: Tensor | None, is_causal: bool, L: int, S: int, device) ->
     return empty if bool(empty.any()) else None
 
 
+def _to_chunks(x: Tensor, n, c: int) -> Tensor:
+    """(B, H, N, D) as n chunks of c positions (B, H, n, c, D), zero past N (which contributes nothing)."""
+    N = x.shape[2]
+    if not isinstance(N, torch.SymInt):
+        return F.pad(x, (0, 0, 0, n * c - N)).reshape(*x.shape[:2], n, c, x.shape[-1])
+    # A symbolic length (torch.export, torch.compile with dynamic shapes): reshaping N into (n, c) would make the
+    # trace guard on sizes (n == 1, (n c) % n) and hold for some lengths only, so the chunks are gathered by index.
+    pos = torch.arange(n, device=x.device).unsqueeze(-1) * c + torch.arange(c, device=x.device)  # (n, c)
+    return torch.where((pos < N).unsqueeze(-1), x[:, :, pos.clamp_max(N - 1)],
+                       torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _from_chunks(x: Tensor, N) -> Tensor:
+    """The first N positions of chunks (B, H, n, c, D), as (B, H, N, D)."""
+    n, c = x.shape[2], x.shape[3]
+    if not isinstance(N, torch.SymInt):
+        return x.reshape(*x.shape[:2], n * c, x.shape[-1])[:, :, :N]
+    t = torch.arange(N, device=x.device)  # by index, not a slice of a reshape (see _to_chunks)
+    return x[:, :, t // c, t % c]
+
+
 def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
     """Causal sums for aligned queries/keys (query i sees keys j <= i), starting from state (kv0, z0).
 
@@ -158,27 +179,23 @@ def _chunked_prefix(phi_q, phi_k, v, kv0, z0, chunk: int):
     Dv = v.shape[-1]
     if N == 0:
         return phi_q.new_zeros(B, H, 0, Dv), phi_q.new_zeros(B, H, 0)
-    # With a symbolic length (torch.export / torch.compile with dynamic shapes) the chunk and the padding must not
-    # depend on it, or the traced graph would hold for some lengths only.
+    # With a symbolic length the chunk size must not depend on it, and the count of chunks is at least 2, so that
+    # no size of the trace can be 1 (a size a trace specialises on).
     symbolic = isinstance(N, torch.SymInt)
     c = chunk if symbolic else min(chunk, N)
-    n = (N + c - 1) // c
-    pad = n * c - N
-    if symbolic or pad:  # zero features contribute nothing; the padded query rows are dropped below
-        phi_q, phi_k, v = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
-    qc = phi_q.reshape(B, H, n, c, Dq)
-    kc = phi_k.reshape(B, H, n, c, Dq)
-    vc = v.reshape(B, H, n, c, Dv)
+    n = N // c + 2 if symbolic else (N + c - 1) // c
+    qc, kc, vc = _to_chunks(phi_q, n, c), _to_chunks(phi_k, n, c), _to_chunks(v, n, c)
     kv_chunk = kc.transpose(-1, -2) @ vc  # (B, H, n, D', Dv)
     z_chunk = kc.sum(dim=-2)  # (B, H, n, D')
-    # State before chunk m: kv0 + sum of chunks < m (exclusive cumulative sum).
-    kv_prev = torch.cat([kv0.unsqueeze(2), kv_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
-    z_prev = torch.cat([z0.unsqueeze(2), z_chunk[:, :, :-1]], dim=2).cumsum(dim=2)
+    # State before chunk m: kv0 + sum of chunks < m (exclusive cumulative sum; the last sum is dropped rather than
+    # the last chunk, whose n - 1 chunks left could be 1, a size a trace specialises on).
+    kv_prev = torch.cat([kv0.unsqueeze(2), kv_chunk], dim=2).cumsum(dim=2)[:, :, :n]
+    z_prev = torch.cat([z0.unsqueeze(2), z_chunk], dim=2).cumsum(dim=2)[:, :, :n]
     tri = _masks.causal_mask(c, c, phi_q.device)  # (bool tril is very slow on CPU)
     scores = torch.where(tri, qc @ kc.transpose(-1, -2), torch.zeros((), dtype=qc.dtype, device=qc.device))
     num = qc @ kv_prev + scores @ vc
     den = (qc @ z_prev.unsqueeze(-1)).squeeze(-1) + scores.sum(dim=-1)
-    return num.reshape(B, H, n * c, Dv)[:, :, :N], den.reshape(B, H, n * c)[:, :, :N]
+    return _from_chunks(num, N), _from_chunks(den.unsqueeze(-1), N).squeeze(-1)
 
 
 def _causal(phi_q, phi_k, v, chunk: int, prior: Prior | None = None):
