@@ -1,5 +1,5 @@
 """Tiny random Hugging Face models built from configs (no downloads) for the mgk.integrations.hf tests: ``hf_model``
-builds one by name ("llama", "gpt2", "bert", "qwen2"), in eval mode, seeded."""
+builds one by name ("llama", "qwen2", "mistral", "gpt2", "bert"), in eval mode, seeded."""
 import pytest
 import torch
 
@@ -19,6 +19,11 @@ def _build(name: str, **overrides):
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                 use_sliding_window=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = tf.Qwen2ForCausalLM
+    elif name == "mistral":  # Llama's layout; its default sliding window is refused, so none
+        config = tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls = tf.MistralForCausalLM
     elif name == "gpt2":  # a scale per layer, folded into the query projection
         config = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
                                resid_pdrop=0.0, embd_pdrop=0.0, scale_attn_by_inverse_layer_idx=True,

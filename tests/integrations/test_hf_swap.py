@@ -14,7 +14,7 @@ import mgk  # noqa: E402
 from mgk.attention.registry import attention_kinds  # noqa: E402
 from mgk.integrations.hf import HFAttention  # noqa: E402
 
-ARCHS = ("llama", "qwen2", "gpt2", "bert")
+ARCHS = ("llama", "qwen2", "mistral", "gpt2", "bert")
 
 
 def _outputs(model, ids, mask):
@@ -24,13 +24,18 @@ def _outputs(model, ids, mask):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_softmax_keeps_the_outputs(hf_model, batch, arch):
-    """With padding, with gradients on (the uncached path) and off (the cached prefill path)."""
+    """With padding, with gradients on (the uncached path) and off (the cached prefill path). The reference is the
+    model's eager attention, transformers' reference formula: in transformers 5.0 GPT-2's SDPA path skipped
+    scale_attn_by_inverse_layer_idx, which only its eager path applied (later versions apply it in both)."""
     model = hf_model(arch)
     ids, mask = batch
+    model.config._attn_implementation = "eager"
     ref = _outputs(model, ids, mask).detach()
+    model.config._attn_implementation = "sdpa"
     swapped = mgk.swap_attention(copy.deepcopy(model), "softmax")
     assert any(isinstance(m, HFAttention) for m in swapped.modules())
-    assert not any(type(m).__name__ in ("LlamaAttention", "Qwen2Attention", "GPT2Attention", "BertSelfAttention")
+    assert not any(type(m).__name__ in ("LlamaAttention", "Qwen2Attention", "MistralAttention", "GPT2Attention",
+                                           "BertSelfAttention")
                    for m in swapped.modules())
     real = mask.bool()
     torch.testing.assert_close(_outputs(swapped, ids, mask)[real], ref[real], atol=1e-5, rtol=0)
@@ -68,9 +73,10 @@ def test_every_kind_runs_backward_and_trains(hf_model, arch, kind):
     model = mgk.swap_attention(hf_model(arch), kind).train()
     ids, mask = _toy_batch(arch)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    no_cache = {} if arch == "bert" else {"use_cache": False}
     losses = []
     for step in range(50):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids, **no_cache).loss
         opt.zero_grad()
         loss.backward()
         if step == 0:
@@ -129,3 +135,11 @@ def test_mgk_itself_never_imports_transformers():
     code = ("import sys, torch, mgk; mgk.swap_attention(torch.nn.MultiheadAttention(8, 2), 'mgk'); "
             "assert 'transformers' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_transformers_outside_the_supported_range_is_refused_in_one_line(hf_model, monkeypatch):
+    """4.55 has no per-layer cache slots (Cache.layers), which mgk's cache layers take."""
+    monkeypatch.setattr(transformers, "__version__", "4.55.4")
+    with pytest.raises(ImportError, match=r"transformers>=4\.56,<6") as err:
+        mgk.swap_attention(hf_model("gpt2"), "mgk")
+    assert "\n" not in str(err.value)

@@ -45,7 +45,9 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
 
     Args:
         model: any module; its attention modules may sit at any depth (``nn.TransformerEncoder``, ``nn.Transformer``,
-            a ViT, ...). A module shared by several parents is replaced by one shared module.
+            a ViT, ...). A module shared by several parents is replaced by one shared module. A Hugging Face
+            transformers model (Llama family, GPT-2, BERT) is handed to :func:`mgk.integrations.hf.swap_attention`
+            (extra ``hf``; docs/hf.md), which reads its attention modules and converts them by the rules below.
         kind: the new attention kind.
         num_heads: H of the new modules; default each old module's own. The attention width H * D stays the old
             one (E for ``nn.MultiheadAttention``), so D becomes width / H.

@@ -15,7 +15,7 @@ from .attention import HFAttention
 __all__ = ["SUPPORTED", "TRANSFORMERS_RANGE", "swap_attention"]
 
 # the range the tests run at both ends (pyproject's extra "hf" and docs/hf.md say the same)
-TRANSFORMERS_RANGE = (">=5.0", "<6")
+TRANSFORMERS_RANGE = (">=4.56", "<6")
 # model_type -> (layout, attention class): Llama, Mistral and Qwen2 share Llama's q/k/v/o projections and rotary
 SUPPORTED = {"llama": ("llama", "LlamaAttention"), "mistral": ("llama", "MistralAttention"),
              "qwen2": ("llama", "Qwen2Attention"), "gpt2": ("gpt2", "GPT2Attention"),
