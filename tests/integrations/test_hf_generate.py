@@ -3,7 +3,9 @@
 cached greedy output equals the uncached one for every kind, left-padded; the cache holds mgk's tensors, of the
 registry's size."""
 import copy
+import dataclasses
 import inspect
+from functools import partial
 
 import pytest
 import torch
@@ -12,7 +14,11 @@ transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf n
                                                           "-e '.[hf]'")
 
 import mgk  # noqa: E402
-from mgk.attention.registry import attention_kinds, get_kind  # noqa: E402
+from mgk.attention import registry  # noqa: E402
+from mgk.attention.mgk import MGKAttention  # noqa: E402
+from mgk.attention.options import MGKOptions  # noqa: E402
+from mgk.attention.registry import AttentionKind, attention_kinds, get_kind, register  # noqa: E402
+from mgk.fields import spec  # noqa: E402
 from mgk.integrations.hf import MGKCacheLayer  # noqa: E402
 
 KINDS = attention_kinds()
@@ -117,3 +123,35 @@ def test_beam_search_says_what_to_use_instead(hf_model, batch):
     ids, mask = batch
     with pytest.raises(NotImplementedError, match="num_beams=1"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, pad_token_id=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupOptions(MGKOptions):
+    """One option more than MGK's, as a kind registered after the paper's six would have (e.g. gqa's
+    num_kv_heads)."""
+
+    groups: int = spec(1, ge=1, doc="test option")
+
+
+@pytest.fixture
+def later_kind():
+    """A kind registered for one test (and removed after it), which no code of the integration names."""
+    def factory(embed_dim, num_heads, groups=1, **kw):
+        return MGKAttention(embed_dim, num_heads, keys="shifted", **kw)
+
+    kind = register(AttentionKind("mgk-later", "mixture", "MGK-L", _GroupOptions, factory,
+                                  partial(get_kind("smgk").flops.func, separate=False),
+                                  dataclasses.replace(get_kind("smgk").cache)))
+    yield kind
+    del registry._REGISTRY[kind.name]
+
+
+def test_a_kind_registered_later_swaps_trains_and_generates_through_the_same_path(hf_model, batch, later_kind):
+    model = mgk.swap_attention(hf_model("llama"), "mgk-later", groups=2, num_keys=3)
+    ids, mask = batch
+    model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = transformers.DynamicCache(config=model.config)
+    cached = model.generate(ids, use_cache=True, **{_cache_kw(model): cache}, **kw)
+    assert torch.equal(cached, model.generate(ids, use_cache=False, **kw))
+    assert type(cache.layers[0].mgk_cache) is later_kind.cache.layer_cache
