@@ -50,13 +50,23 @@ def test_a_copy_of_a_swapped_rotary_model_rotates_with_its_own_modules(hf_model,
     torch.testing.assert_close(_outputs(copy.deepcopy(swapped), ids, mask), _outputs(swapped, ids, mask))
 
 
-def test_a_swapped_model_swaps_again_from_its_mgk_modules(hf_model, batch):
+@pytest.mark.parametrize("arch", ("llama", "gpt2", "bert"))
+def test_a_swapped_model_swaps_again_from_its_mgk_modules(hf_model, batch, arch):
+    """softmax -> mgk -> softmax: the mgk -> mgk rules carry the query, value and output projections and the first
+    key component, so the model's outputs come back."""
     ids, mask = batch
-    model = hf_model("llama")
+    model = hf_model(arch)
     ref = _outputs(model, ids, mask)
     twice = mgk.swap_attention(mgk.swap_attention(copy.deepcopy(model), "mgk"), "softmax")
     torch.testing.assert_close(_outputs(twice, ids, mask)[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=0)
-    assert isinstance(twice.model.layers[0].self_attn.attn, mgk.MultiheadAttention)
+    wrappers = [m for m in twice.modules() if isinstance(m, HFAttention)]
+    assert len(wrappers) == 2 and all(type(m.attn) is mgk.MultiheadAttention for m in wrappers)
+
+
+def test_a_second_swap_that_changes_the_rotary_width_is_refused(hf_model):
+    model = mgk.swap_attention(hf_model("llama"), "mgk")
+    with pytest.raises(ValueError, match="rotary"):
+        mgk.swap_attention(model, "softmax", num_heads=2)
 
 
 def _toy_batch(arch):

@@ -131,5 +131,10 @@ class HFAttention(nn.Module):
             return out
         return self.attn(x, **cached)[0]
 
+    @property
+    def rotary(self) -> bool:
+        """Whether the query and keys are rotated (the model has rotary embeddings)."""
+        return self._rotary is not None
+
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, causal={self.is_causal}, rotary={self._rotary is not None}"
+        return f"layer_idx={self.layer_idx}, causal={self.is_causal}, rotary={self.rotary}"

@@ -55,16 +55,27 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     _check_version()
     layout, attention_class = _family(model)
     build = _build_spec(kind, num_heads, seed, options)
-    places = [(path, m) for path, m in model.named_modules()
-              if type(m).__name__ == attention_class or isinstance(m, HFAttention)]
+    # a BertAttention swapped before keeps its class (its .self is the HFAttention, met on its own)
+    places = [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
+              or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
     if not places:
         raise ValueError(f"swap_attention: {type(model).__name__} holds no {attention_class} module")
     for path, old in places:
         if isinstance(old, HFAttention):
-            old.set_module(_convert(old.attn, f"{path}.attn", build))
+            new = _convert(old.attn, f"{path}.attn", build)
+            if old.rotary:
+                _check_rotary_width(new.head_dim, old.attn.head_dim, path, build)
+            old.set_module(new)
         else:
             _replace(model, path, old, layout, build)
     return model
+
+
+def _check_rotary_width(head_dim: int, rotary_dim: int, path: str, build: dict) -> None:
+    if head_dim != rotary_dim:
+        raise ValueError(f"swap_attention: num_heads={build['num_heads']} gives head_dim {head_dim} in {path}, but "
+                         f"the model's rotary embeddings are {rotary_dim} wide: keep num_heads a divisor that leaves "
+                         f"head_dim {rotary_dim} (the default)")
 
 
 def _check_version() -> None:
@@ -106,10 +117,7 @@ def _replace(model: nn.Module, path: str, old: nn.Module, layout: str, build: di
         src = _llama_source(old, config)
         rotary = sys.modules[type(old).__module__].apply_rotary_pos_emb
         new = _from_source(src, path, build)
-        if new.head_dim != src.head_dim:
-            raise ValueError(f"swap_attention: num_heads={build['num_heads']} gives head_dim {new.head_dim} in "
-                             f"{path}, but the model's rotary embeddings are {src.head_dim} wide: keep num_heads a "
-                             f"divisor that leaves head_dim {src.head_dim} (the default)")
+        _check_rotary_width(new.head_dim, src.head_dim, path, build)
         wrapper = HFAttention(new, layer_idx=old.layer_idx, causal=True, rotary=rotary)
     elif layout == "gpt2":
         src = _gpt2_source(old, config)
