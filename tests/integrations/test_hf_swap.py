@@ -1,8 +1,10 @@
 """mgk.swap_attention on Hugging Face models (issue 32): softmax keeps a tiny Llama's, Qwen2's, GPT-2's and BERT's
 outputs; every registered kind runs forward and backward and trains; unsupported models are refused in one line."""
 import copy
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf n
 
 import mgk  # noqa: E402
 from mgk.attention.registry import attention_kinds  # noqa: E402
-from mgk.integrations.hf import HFAttention  # noqa: E402
+from mgk.integrations.hf import REQUIREMENT, HFAttention  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "mistral", "gpt2", "bert")
 
@@ -153,3 +155,16 @@ def test_a_transformers_outside_the_supported_range_is_refused_in_one_line(hf_mo
     with pytest.raises(ImportError, match=r"transformers>=4\.56,<6") as err:
         mgk.swap_attention(hf_model("gpt2"), "mgk")
     assert "\n" not in str(err.value)
+
+
+def test_the_integration_without_transformers_names_the_extra():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import mgk.integrations.hf\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "mgk.integrations.hf needs Hugging Face transformers: pip install -e '.[hf]' " \
+                          "(transformers>=4.56,<6)"
+
+
+def test_pyproject_declares_the_range_the_integration_checks():
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()  # (tomllib is 3.11+)
+    assert re.search(r"^hf = \[(.*)\]$", text, re.M).group(1) == f'"{REQUIREMENT}"'

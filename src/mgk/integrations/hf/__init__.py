@@ -14,9 +14,17 @@ embeddings, padding mask and causality; during generation each layer's cache is 
 """
 from __future__ import annotations
 
+from .versions import REQUIREMENT, TRANSFORMERS_RANGE
+
+try:
+    import transformers  # noqa: F401
+except ImportError as err:
+    raise ImportError(f"mgk.integrations.hf needs Hugging Face transformers: pip install -e '.[hf]' ({REQUIREMENT})"
+                      ) from err
+
 from .attention import HFAttention, key_valid
 from .cache import MGKCacheLayer, mgk_layer
-from .swap import SUPPORTED, TRANSFORMERS_RANGE, swap_attention
+from .swap import SUPPORTED, swap_attention
 
-__all__ = ["HFAttention", "MGKCacheLayer", "SUPPORTED", "TRANSFORMERS_RANGE", "key_valid", "mgk_layer",
-           "swap_attention"]
+__all__ = ["HFAttention", "MGKCacheLayer", "REQUIREMENT", "SUPPORTED", "TRANSFORMERS_RANGE", "key_valid",
+           "mgk_layer", "swap_attention"]

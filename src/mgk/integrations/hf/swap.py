@@ -11,11 +11,10 @@ from transformers import PreTrainedModel
 
 from ...attention.swap import _build_spec, _convert, _from_source, _Source
 from .attention import HFAttention
+from .versions import REQUIREMENT, TRANSFORMERS_RANGE
 
-__all__ = ["SUPPORTED", "TRANSFORMERS_RANGE", "swap_attention"]
+__all__ = ["SUPPORTED", "swap_attention"]
 
-# the range the tests run at both ends (pyproject's extra "hf" and docs/hf.md say the same)
-TRANSFORMERS_RANGE = (">=4.56", "<6")
 # model_type -> (layout, attention class): Llama, Mistral and Qwen2 share Llama's q/k/v/o projections and rotary
 SUPPORTED = {"llama": ("llama", "LlamaAttention"), "mistral": ("llama", "MistralAttention"),
              "qwen2": ("llama", "Qwen2Attention"), "gpt2": ("gpt2", "GPT2Attention"),
@@ -81,8 +80,8 @@ def _check_rotary_width(head_dim: int, rotary_dim: int, path: str, build: dict) 
 def _check_version() -> None:
     low, high = (Version(bound.lstrip("<>=")) for bound in TRANSFORMERS_RANGE)
     if not low <= Version(transformers.__version__) < high:
-        raise ImportError(f"mgk.integrations.hf supports transformers{','.join(TRANSFORMERS_RANGE)}, found "
-                          f"{transformers.__version__}: pip install 'transformers{','.join(TRANSFORMERS_RANGE)}'")
+        raise ImportError(f"mgk.integrations.hf supports {REQUIREMENT}, found transformers "
+                          f"{transformers.__version__}: pip install '{REQUIREMENT}'")
 
 
 def _family(model) -> tuple[str, str]:
