@@ -33,8 +33,9 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
 
     * Llama family: ``q/k/v_proj``, ``o_proj`` -> ``out_proj``. Grouped keys and values (num_key_value_heads <
       num_attention_heads) are repeated to every query head, as the model's attention repeats them, so softmax
-      is exact (and a kind with fewer key/value heads pools them back). Rotary embeddings are applied to the
-      query and keys (:class:`~mgk.integrations.hf.HFAttention`). Missing biases (Qwen2's o_proj) start at zero.
+      is exact (a kind with fewer key/value heads converts them by its own swap rule). Rotary embeddings are
+      applied to the query and keys (:class:`~mgk.integrations.hf.HFAttention`). Missing biases (Qwen2's o_proj)
+      start at zero.
     * GPT-2: the packed ``c_attn`` (Conv1D, (E, 3E)) split into q/k/v, ``c_proj`` -> ``out_proj``; its residual
       dropout is kept.
     * BERT: ``query/key/value``, and the output ``dense`` of ``BertSelfOutput`` becomes ``out_proj`` (the dense
