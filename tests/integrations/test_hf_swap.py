@@ -24,16 +24,22 @@ def _outputs(model, ids, mask):
     return out.logits
 
 
+def _reference(model, ids, mask):
+    """The model's outputs under its eager attention, transformers' reference formula: in 4.56 and 5.0 GPT-2's SDPA path
+    skipped scale_attn_by_inverse_layer_idx, which only its eager path applied (5.24 applies it in both)."""
+    model.config._attn_implementation = "eager"
+    try:
+        return _outputs(model, ids, mask).detach()
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_softmax_keeps_the_outputs(hf_model, batch, arch):
-    """With padding, with gradients on (the uncached path) and off (the cached prefill path). The reference is the
-    model's eager attention, transformers' reference formula: in transformers 5.0 GPT-2's SDPA path skipped
-    scale_attn_by_inverse_layer_idx, which only its eager path applied (later versions apply it in both)."""
+    """With padding, with gradients on (the uncached path) and off (the cached prefill path)."""
     model = hf_model(arch)
     ids, mask = batch
-    model.config._attn_implementation = "eager"
-    ref = _outputs(model, ids, mask).detach()
-    model.config._attn_implementation = "sdpa"
+    ref = _reference(model, ids, mask)
     swapped = mgk.swap_attention(copy.deepcopy(model), "softmax")
     assert any(isinstance(m, HFAttention) for m in swapped.modules())
     assert not any(type(m).__name__ in ("LlamaAttention", "Qwen2Attention", "MistralAttention", "GPT2Attention",
@@ -58,7 +64,7 @@ def test_a_swapped_model_swaps_again_from_its_mgk_modules(hf_model, batch, arch)
     key component, so the model's outputs come back."""
     ids, mask = batch
     model = hf_model(arch)
-    ref = _outputs(model, ids, mask)
+    ref = _reference(model, ids, mask)
     twice = mgk.swap_attention(mgk.swap_attention(copy.deepcopy(model), "mgk"), "softmax")
     torch.testing.assert_close(_outputs(twice, ids, mask)[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=0)
     wrappers = [m for m in twice.modules() if isinstance(m, HFAttention)]
