@@ -11,6 +11,8 @@ LAYERS = {
     "argtypes": 0, "atomic": 0, "choices": 0, "fields": 0, "functional": 0,  # the attention math, file writer,
     # fields, names and numbers of the command line
     "attention": 1,                          # nn.Modules over the functional core
+    "integrations": 1,                       # those modules inside other libraries' models (a peer of attention:
+    # swap_attention hands a Hugging Face model to integrations.hf, which builds through attention's registry)
     "models": 2,                             # model families built from attention modules
     "config": 3, "data": 3,                  # the run configuration (built from model configs); datasets, caches
     "tasks": 4,                              # a task = its data, its model and its metric

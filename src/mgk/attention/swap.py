@@ -43,7 +43,9 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
 
     Args:
         model: any module; its attention modules may sit at any depth (``nn.TransformerEncoder``, ``nn.Transformer``,
-            a ViT, ...). A module shared by several parents is replaced by one shared module.
+            a ViT, ...). A module shared by several parents is replaced by one shared module. A Hugging Face
+            transformers model (Llama family, GPT-2, BERT) is handed to :func:`mgk.integrations.hf.swap_attention`
+            (extra ``hf``; docs/hf.md), which reads its attention modules and converts them by the rules below.
         kind: the new attention kind.
         num_heads: H of the new modules; default each old module's own. The attention width H * D stays the old
             one (E for ``nn.MultiheadAttention``), so D becomes width / H.
@@ -82,10 +84,11 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         module without a key projection; for an unknown kind or an option it does not take; when ``model`` holds
         no attention module.
     """
-    check_options(kind, options)
-    if num_heads is not None:
-        _positive_int(num_heads, "num_heads")
-    build = {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
+    if _from_transformers(model):
+        # imported here so that mgk never imports transformers unless it is given a transformers model
+        from ..integrations import hf
+        return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **options)
+    build = _build_spec(kind, num_heads, seed, options)
     if _is_attention(model):
         return _replacement(model, type(model).__name__, build)
     if not _swap_children(model, build):
@@ -97,6 +100,21 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
             # weights of nn.MultiheadAttention and feeds nested tensors to the layers: neither exists here.
             module.use_nested_tensor = False
     return model
+
+
+def _from_transformers(model: nn.Module) -> bool:
+    """Whether ``model`` is (a subclass of) a Hugging Face transformers class: told from the class's module name, so
+    that nothing here imports transformers."""
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def _build_spec(kind: str, num_heads: int | None, seed: int, options: dict) -> dict:
+    """What every replacement of one swap_attention call is built from; ValueError naming a bad option or
+    ``num_heads``."""
+    check_options(kind, options)
+    if num_heads is not None:
+        _positive_int(num_heads, "num_heads")
+    return {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -124,7 +142,12 @@ def _replacement(old: nn.Module, path: str, build: dict) -> AttentionBase:
 
 
 def _convert(old: nn.Module, path: str, build: dict) -> AttentionBase:
-    src = _read(old, path)
+    return _from_source(_read(old, path), path, build)
+
+
+def _from_source(src: _Source, path: str, build: dict) -> AttentionBase:
+    """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
+    :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`_Source`)."""
     width = src.num_heads * src.head_dim
     heads = build["num_heads"] or src.num_heads
     if width % heads:

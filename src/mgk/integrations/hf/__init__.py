@@ -1,0 +1,30 @@
+"""mgk's attention kinds in Hugging Face transformers models: Llama-family (Llama, Mistral, Qwen2), GPT-2 and BERT.
+
+Needs the optional extra ``hf`` (``pip install -e ".[hf]"``, transformers :data:`TRANSFORMERS_RANGE`). Call
+:func:`mgk.swap_attention` on a transformers model (it imports this package only then)::
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(...))
+    mgk.swap_attention(model, "mgk", num_keys=4)
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=20)
+
+Each attention module is replaced by :class:`HFAttention`, which holds the mgk module of the kind (built through
+:func:`mgk.build_attention`, weights carried by :func:`mgk.swap_attention`'s rules) and keeps the model's rotary
+embeddings, padding mask and causality; during generation each layer's cache is mgk's own
+(:class:`MGKCacheLayer`). See docs/hf.md.
+"""
+from __future__ import annotations
+
+from .versions import REQUIREMENT, TRANSFORMERS_RANGE
+
+try:
+    import transformers  # noqa: F401
+except ImportError as err:
+    raise ImportError(f"mgk.integrations.hf needs Hugging Face transformers: pip install -e '.[hf]' ({REQUIREMENT})"
+                      ) from err
+
+from .attention import HFAttention, key_valid
+from .cache import MGKCacheLayer, mgk_layer
+from .swap import SUPPORTED, swap_attention
+
+__all__ = ["HFAttention", "MGKCacheLayer", "REQUIREMENT", "SUPPORTED", "TRANSFORMERS_RANGE", "key_valid",
+           "mgk_layer", "swap_attention"]

@@ -1,0 +1,108 @@
+"""mgk's decoding caches as Hugging Face cache layers.
+
+A transformers ``Cache`` (``DynamicCache``, what ``generate`` and the models create) is a list of per-layer objects
+(``cache.layers``). An mgk attention layer keeps what its kind needs (:mod:`mgk.attention.cache`: MGK its M keys per
+token, sMGK one key, linear attention and MLK a fixed-size state) in its own :class:`mgk.attention.cache.LayerCache`,
+so :func:`mgk_layer` puts an :class:`MGKCacheLayer` holding that cache in the layer's slot of the model's cache on the
+layer's first cached call. The HF cache's length and mask sizes are then read from mgk's cache; the tensors stored
+are mgk's and nothing else (no key/value copy in HF's layout).
+"""
+from __future__ import annotations
+
+from torch import nn
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+
+from ...attention.cache import LayerCache
+
+__all__ = ["MGKCacheLayer", "mgk_layer"]
+
+_UNSUPPORTED = ("mgk's decoding caches cannot be reordered, cropped or repeated (beam search, assisted or "
+                "contrastive decoding): use num_beams=1 without an assistant, or use_cache=False")
+
+
+class MGKCacheLayer(CacheLayerMixin):
+    """One layer's slot in a transformers ``Cache``, holding that layer's mgk cache (:attr:`mgk_cache`, filled by the
+    mgk module's ``forward(..., past_key_values=...)``).
+
+    ``keys`` / ``values`` stay None: what is stored is :attr:`mgk_cache`'s (e.g. MGK's (B, H, M, T, D) keys in
+    ``mgk_cache._buffers``); :meth:`nbytes` is its size, ``B * CacheSpec.cache_bytes`` of the kind. Beam search,
+    cropping and batch repeats raise NotImplementedError naming what to use instead."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, layer_cache: LayerCache):
+        super().__init__()
+        self.mgk_cache = layer_cache
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing to allocate ahead: mgk's cache allocates at its first call."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("an mgk attention layer writes its cache through its own forward; this layer's slot holds "
+                           "mgk's cache, not HF keys and values")
+
+    def get_seq_length(self, *args) -> int:
+        """Tokens this layer has been called with (padding included, as HF counts them)."""
+        return self.mgk_cache.length
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        """(key length, offset) of the mask for ``query`` new tokens (an int; older transformers pass the
+        cache positions (L,))."""
+        L = query if isinstance(query, int) else query.shape[0]
+        return self.mgk_cache.length + L, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the name in transformers before 5.x
+        return -1
+
+    def reset(self) -> None:
+        """Empty the cache (a new mgk cache of the same kind)."""
+        self.mgk_cache = type(self.mgk_cache)()
+
+    def offload(self):
+        """Kept on its device (mgk's caches are not offloaded)."""
+
+    def prefetch(self):
+        """Nothing was offloaded."""
+
+    def nbytes(self) -> int:
+        """Bytes attention reads from this layer's cache (:meth:`mgk.attention.cache.LayerCache.nbytes`)."""
+        return self.mgk_cache.nbytes()
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(_UNSUPPORTED)
+
+    def crop(self, max_length) -> None:
+        raise NotImplementedError(_UNSUPPORTED)
+
+    def batch_repeat_interleave(self, repeats) -> None:
+        raise NotImplementedError(_UNSUPPORTED)
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError(_UNSUPPORTED)
+
+
+def mgk_layer(cache, layer_idx: int, module: nn.Module) -> MGKCacheLayer:
+    """The :class:`MGKCacheLayer` of layer ``layer_idx`` in the transformers ``cache``: the one there, or a new one
+    (``module.new_cache()``) in place of an empty ``DynamicLayer`` (what ``DynamicCache`` holds before the first
+    call, or nothing yet for a lazily grown one). ValueError in one line for another cache layer (a ``StaticCache``,
+    a quantised or offloaded cache, or HF keys already stored)."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        raise ValueError(f"past_key_values must be a transformers Cache with per-layer slots (DynamicCache, "
+                         f"generate's default), got {type(cache).__name__}")
+    while len(layers) <= layer_idx:
+        layers.append(DynamicLayer())
+    layer = layers[layer_idx]
+    if isinstance(layer, MGKCacheLayer):
+        return layer
+    if type(layer) is not DynamicLayer or layer.get_seq_length() != 0:
+        raise ValueError(f"past_key_values layer {layer_idx} is a {type(layer).__name__} of {type(cache).__name__}"
+                         f"{' holding HF keys' if type(layer) is DynamicLayer else ''}: mgk attention layers keep "
+                         "their own cache; pass a new DynamicCache (generate's default) or none")
+    layers[layer_idx] = MGKCacheLayer(module.new_cache())
+    return layers[layer_idx]

@@ -1,0 +1,201 @@
+""":func:`mgk.swap_attention` for Hugging Face transformers models: read each architecture's attention module into
+the form :mod:`mgk.attention.swap` converts, and put the new module where the old one was."""
+from __future__ import annotations
+
+import sys
+
+import transformers
+from packaging.version import Version
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from ...attention.swap import _build_spec, _convert, _from_source, _Source
+from .attention import HFAttention
+from .versions import REQUIREMENT, TRANSFORMERS_RANGE
+
+__all__ = ["SUPPORTED", "swap_attention"]
+
+# model_type -> (layout, attention class): Llama, Mistral and Qwen2 share Llama's q/k/v/o projections and rotary
+SUPPORTED = {"llama": ("llama", "LlamaAttention"), "mistral": ("llama", "MistralAttention"),
+             "qwen2": ("llama", "Qwen2Attention"), "gpt2": ("gpt2", "GPT2Attention"),
+             "bert": ("bert", "BertAttention")}
+_SUPPORTED_TEXT = "llama, mistral, qwen2 (Llama family), gpt2, bert"
+
+
+def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int | None = None, seed: int = 0,
+                   **options) -> PreTrainedModel:
+    """Replace, in place, every self-attention module of the transformers ``model`` (model types of
+    :data:`SUPPORTED`) by an :class:`~mgk.integrations.hf.HFAttention` holding attention ``kind`` (any registered
+    kind, with its ``options``), as :func:`mgk.swap_attention` does for torch models (which calls this).
+
+    Carried over: the width, heads (unless ``num_heads``), head_dim, attention dropout, device, dtype, train/eval
+    mode and the weights by :func:`mgk.swap_attention`'s rules (softmax exact), read as:
+
+    * Llama family: ``q/k/v_proj``, ``o_proj`` -> ``out_proj``. Grouped keys and values (num_key_value_heads <
+      num_attention_heads) are repeated to every query head, as the model's attention repeats them, so softmax
+      is exact (a kind with fewer key/value heads converts them by its own swap rule). Rotary embeddings are
+      applied to the query and keys (:class:`~mgk.integrations.hf.HFAttention`). Missing biases (Qwen2's o_proj)
+      start at zero.
+    * GPT-2: the packed ``c_attn`` (Conv1D, (E, 3E)) split into q/k/v, ``c_proj`` -> ``out_proj``; its residual
+      dropout is kept.
+    * BERT: ``query/key/value``, and the output ``dense`` of ``BertSelfOutput`` becomes ``out_proj`` (the dense
+      layer is replaced by an identity; dropout and LayerNorm stay).
+
+    A model scale other than 1 / sqrt(head_dim) (GPT-2's ``scale_attn_by_inverse_layer_idx`` or
+    ``scale_attn_weights=False``) is folded into the query projection. A model swapped before is swapped again
+    from its mgk modules (mgk -> mgk rules). ``model.config`` is not changed: to reload a saved swapped model,
+    build it, swap it with the same arguments, then load its state dict.
+
+    Raises:
+        ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
+        cross-attention, a sliding window, BERT as a decoder, a ``num_heads`` that changes a rotary model's
+        head_dim; an unknown kind or option (as :func:`mgk.swap_attention`). ImportError for transformers outside
+        :data:`TRANSFORMERS_RANGE`.
+    """
+    _check_version()
+    layout, attention_class = _family(model)
+    build = _build_spec(kind, num_heads, seed, options)
+    # a BertAttention swapped before keeps its class (its .self is the HFAttention, met on its own)
+    places = [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
+              or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
+    if not places:
+        raise ValueError(f"swap_attention: {type(model).__name__} holds no {attention_class} module")
+    for path, old in places:
+        if isinstance(old, HFAttention):
+            new = _convert(old.attn, f"{path}.attn", build)
+            if old.rotary:
+                _check_rotary_width(new.head_dim, old.attn.head_dim, path, build)
+            old.set_module(new)
+        else:
+            _replace(model, path, old, layout, build)
+    return model
+
+
+def _check_rotary_width(head_dim: int, rotary_dim: int, path: str, build: dict) -> None:
+    if head_dim != rotary_dim:
+        raise ValueError(f"swap_attention: num_heads={build['num_heads']} gives head_dim {head_dim} in {path}, but "
+                         f"the model's rotary embeddings are {rotary_dim} wide: keep num_heads a divisor that leaves "
+                         f"head_dim {rotary_dim} (the default)")
+
+
+def _check_version() -> None:
+    low, high = (Version(bound.lstrip("<>=")) for bound in TRANSFORMERS_RANGE)
+    if not low <= Version(transformers.__version__) < high:
+        raise ImportError(f"mgk.integrations.hf supports {REQUIREMENT}, found transformers "
+                          f"{transformers.__version__}: pip install '{REQUIREMENT}'")
+
+
+def _family(model) -> tuple[str, str]:
+    """(layout, attention class name) of ``model``; ValueError in one line for what cannot be swapped."""
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"swap_attention: {name} is a transformers class but not a PreTrainedModel: pass the model "
+                         "(e.g. LlamaForCausalLM)")
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise ValueError(f"swap_attention: {name} (model_type {model_type!r}) is not supported; supported model "
+                         f"types: {_SUPPORTED_TEXT}")
+    if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"swap_attention: {name} has cross-attention (config.add_cross_attention), which mgk's "
+                         "integration does not replace; build it with add_cross_attention=False")
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(f"swap_attention: {name} uses a sliding attention window (config.sliding_window="
+                         f"{window}), which mgk's kinds do not apply; set config.sliding_window=None")
+    if model_type == "bert" and config.is_decoder:
+        raise ValueError(f"swap_attention: {name} is BERT as a decoder (config.is_decoder=True); mgk's integration "
+                         "swaps BERT encoders only")
+    return SUPPORTED[model_type]
+
+
+def _replace(model: nn.Module, path: str, old: nn.Module, layout: str, build: dict) -> None:
+    """Put the new module at ``path`` (BERT: in ``old.self``, the output's dense layer moved into it)."""
+    parent, _, name = path.rpartition(".")
+    config = model.config
+    if layout == "llama":
+        src = _llama_source(old, config)
+        rotary = sys.modules[type(old).__module__].apply_rotary_pos_emb
+        new = _from_source(src, path, build)
+        _check_rotary_width(new.head_dim, src.head_dim, path, build)
+        wrapper = HFAttention(new, layer_idx=old.layer_idx, causal=True, rotary=rotary)
+    elif layout == "gpt2":
+        src = _gpt2_source(old, config)
+        wrapper = HFAttention(_from_source(src, path, build), layer_idx=old.layer_idx, causal=True,
+                              resid_dropout=old.resid_dropout)
+    else:
+        src = _bert_source(old, config)
+        new = _from_source(src, path, build)
+        old.self = HFAttention(new, layer_idx=getattr(old.self, "layer_idx", None), causal=False)
+        old.output.dense = nn.Identity()
+        return
+    setattr(model.get_submodule(parent), name, wrapper)
+
+
+def _linear(weight: Tensor, bias: Tensor | None, scale: float = 1.0) -> dict[str, Tensor | None]:
+    return {"weight": weight.detach() * scale, "bias": None if bias is None else bias.detach() * scale}
+
+
+def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num_heads: int, head_dim: int,
+            dropout: float, scaling: float) -> _Source:
+    """A :class:`mgk.attention.swap._Source` of q/k/v/out projections (weight (out, in), bias or None): the model's
+    scale folded into q (mgk's kinds scale by 1 / sqrt(head_dim)); a missing bias is zero when any projection has
+    one (mgk's modules have one bias flag)."""
+    factor = scaling * head_dim ** 0.5
+    if factor != 1.0:
+        projections["q_proj"] = {k: None if v is None else v * factor for k, v in projections["q_proj"].items()}
+    bias = any(p["bias"] is not None for p in projections.values())
+    weights = {}
+    for name, p in projections.items():
+        weights[f"{name}.weight"] = p["weight"]
+        if bias:
+            zero = p["weight"].new_zeros(p["weight"].shape[0])
+            weights[f"{name}.bias"] = p["bias"] if p["bias"] is not None else zero
+    first = next(old.parameters())
+    return _Source(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim, dropout=float(dropout), bias=bias,
+                   batch_first=True, kdim=embed_dim, vdim=embed_dim, weights=weights, parameters={},
+                   device=first.device, dtype=first.dtype, training=old.training)
+
+
+def _llama_source(old: nn.Module, config) -> _Source:
+    H, D = config.num_attention_heads, old.head_dim
+
+    def all_heads(proj: nn.Linear) -> dict:
+        """Grouped key/value heads repeated to the H query heads (head h reads group h // (H / groups), as
+        transformers' repeat_kv)."""
+        groups = proj.weight.shape[0] // D
+        w = proj.weight.detach().view(groups, D, -1).repeat_interleave(H // groups, dim=0).reshape(H * D, -1)
+        b = None if proj.bias is None else proj.bias.detach().view(groups, D).repeat_interleave(H // groups, 0)
+        return {"weight": w, "bias": None if b is None else b.reshape(-1)}
+
+    projections = {"q_proj": _linear(old.q_proj.weight, old.q_proj.bias), "k_proj": all_heads(old.k_proj),
+                   "v_proj": all_heads(old.v_proj), "out_proj": _linear(old.o_proj.weight, old.o_proj.bias)}
+    return _source(old, projections, embed_dim=config.hidden_size, num_heads=H, head_dim=D,
+                   dropout=getattr(config, "attention_dropout", 0.0), scaling=old.scaling)
+
+
+def _gpt2_source(old: nn.Module, config) -> _Source:
+    E, H = old.embed_dim, old.num_heads
+    D = E // H
+    # Conv1D computes x @ W + b with W (in, out): nn.Linear's weight is its transpose
+    w, b = old.c_attn.weight.detach(), old.c_attn.bias.detach()
+    projections = {f"{p}_proj": _linear(w[:, i * E:(i + 1) * E].t(), b[i * E:(i + 1) * E])
+                   for i, p in enumerate("qkv")}
+    projections["out_proj"] = _linear(old.c_proj.weight.t(), old.c_proj.bias)
+    scaling = (D ** -0.5 if old.scale_attn_weights else 1.0)
+    if old.scale_attn_by_inverse_layer_idx:
+        scaling /= float(old.layer_idx + 1)
+    return _source(old, projections, embed_dim=E, num_heads=H, head_dim=D, dropout=config.attn_pdrop,
+                   scaling=scaling)
+
+
+def _bert_source(old: nn.Module, config) -> _Source:
+    attn = old.self
+    H, D = attn.num_attention_heads, attn.attention_head_size
+    projections = {"q_proj": _linear(attn.query.weight, attn.query.bias),
+                   "k_proj": _linear(attn.key.weight, attn.key.bias),
+                   "v_proj": _linear(attn.value.weight, attn.value.bias),
+                   "out_proj": _linear(old.output.dense.weight, old.output.dense.bias)}
+    return _source(old, projections, embed_dim=config.hidden_size, num_heads=H, head_dim=D,
+                   dropout=config.attention_probs_dropout_prob, scaling=getattr(attn, "scaling", D ** -0.5))
+
