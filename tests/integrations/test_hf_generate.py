@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf n
 
 import mgk  # noqa: E402
 from mgk.attention import registry  # noqa: E402
-from mgk.attention.mgk import MGKAttention  # noqa: E402
-from mgk.attention.options import MGKOptions  # noqa: E402
+from mgk.attention.cache import LayerCache  # noqa: E402
+from mgk.attention.mgk import MGKAttention, MGKOptions  # noqa: E402
 from mgk.attention.registry import AttentionKind, attention_kinds, get_kind, register  # noqa: E402
 from mgk.fields import spec  # noqa: E402
 from mgk.integrations.hf import MGKCacheLayer  # noqa: E402
@@ -99,7 +99,7 @@ def test_the_cache_holds_the_kinds_tensors_of_the_registrys_size(hf_model, batch
     expected = B * spec.cache.cache_bytes(spec.make_options(**options), num_heads=H, head_dim=D, length=T)
     assert len(cache.layers) == 2 and cache.get_seq_length() == T
     for layer in cache.layers:
-        assert isinstance(layer, MGKCacheLayer) and type(layer.mgk_cache) is spec.cache.layer_cache
+        assert isinstance(layer, MGKCacheLayer) and type(layer.mgk_cache) is LayerCache
         assert layer.keys is None and layer.values is None  # no HF copy of keys and values
         assert layer.nbytes() == expected
     if kind == "mgk":
@@ -154,4 +154,4 @@ def test_a_kind_registered_later_swaps_trains_and_generates_through_the_same_pat
     cache = transformers.DynamicCache(config=model.config)
     cached = model.generate(ids, use_cache=True, **{_cache_kw(model): cache}, **kw)
     assert torch.equal(cached, model.generate(ids, use_cache=False, **kw))
-    assert type(cache.layers[0].mgk_cache) is later_kind.cache.layer_cache
+    assert type(cache.layers[0].mgk_cache) is LayerCache

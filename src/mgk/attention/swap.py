@@ -18,8 +18,9 @@ __all__ = ["swap_attention", "KEY_SPREAD"]
 
 
 @dataclass
-class _Source:
-    """What swap_attention reads from one attention module: its configuration and its projections."""
+class AttentionSource:
+    """What swap_attention reads from one attention module (torch's, mgk's, or a Hugging Face one read by
+    :mod:`mgk.integrations.hf`): its configuration and its projections as a multi-head layer's."""
 
     embed_dim: int
     num_heads: int
@@ -88,7 +89,7 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         # imported here so that mgk never imports transformers unless it is given a transformers model
         from ..integrations import hf
         return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **options)
-    build = _build_spec(kind, num_heads, seed, options)
+    build = swap_plan(kind, num_heads, seed, options)
     if _is_attention(model):
         return _replacement(model, type(model).__name__, build)
     if not _swap_children(model, build):
@@ -108,9 +109,9 @@ def _from_transformers(model: nn.Module) -> bool:
     return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
-def _build_spec(kind: str, num_heads: int | None, seed: int, options: dict) -> dict:
-    """What every replacement of one swap_attention call is built from; ValueError naming a bad option or
-    ``num_heads``."""
+def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict) -> dict:
+    """What every replacement of one swap_attention call is built from (kind, heads, seed, options, and the memo of
+    modules already replaced); ValueError naming a bad option or ``num_heads``."""
     check_options(kind, options)
     if num_heads is not None:
         _positive_int(num_heads, "num_heads")
@@ -137,17 +138,19 @@ def _replacement(old: nn.Module, path: str, build: dict) -> AttentionBase:
     """The new module for ``old`` (the same one again for a module met before)."""
     memo = build["memo"]
     if id(old) not in memo:
-        memo[id(old)] = (old, _convert(old, path, build))  # keeps old alive, so its id stays unique
+        memo[id(old)] = (old, convert_module(old, path, build))  # keeps old alive, so its id stays unique
     return memo[id(old)][1]
 
 
-def _convert(old: nn.Module, path: str, build: dict) -> AttentionBase:
-    return _from_source(_read(old, path), path, build)
+def convert_module(old: nn.Module, path: str, build: dict) -> AttentionBase:
+    """The new module of the plan ``build`` (:func:`swap_plan`) for the torch or mgk attention module ``old`` found at
+    ``path``; ValueError naming ``path`` for what cannot be carried."""
+    return convert_source(_read(old, path), path, build)
 
 
-def _from_source(src: _Source, path: str, build: dict) -> AttentionBase:
+def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBase:
     """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
-    :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`_Source`)."""
+    :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`)."""
     width = src.num_heads * src.head_dim
     heads = build["num_heads"] or src.num_heads
     if width % heads:
@@ -177,7 +180,7 @@ _TORCH_TENSORS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_wei
                   "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
 
 
-def _read(old: nn.Module, path: str) -> _Source:
+def _read(old: nn.Module, path: str) -> AttentionSource:
     """The configuration and projections of ``old``; ValueError naming ``path`` for what cannot be carried."""
     if isinstance(old, nn.MultiheadAttention):
         _check_torch_module(old, path)
@@ -200,7 +203,7 @@ def _read(old: nn.Module, path: str) -> _Source:
                       bias=old.q_proj.bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
         own = {k: v.detach().cpu() for k, v in old.named_parameters()}
     first = next(old.parameters())
-    return _Source(**config, weights=weights, parameters=own, device=first.device, dtype=first.dtype,
+    return AttentionSource(**config, weights=weights, parameters=own, device=first.device, dtype=first.dtype,
                    training=old.training)
 
 

@@ -9,7 +9,7 @@ from packaging.version import Version
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ...attention.swap import _build_spec, _convert, _from_source, _Source
+from ...attention.swap import AttentionSource, convert_module, convert_source, swap_plan
 from .attention import HFAttention
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
 
@@ -54,7 +54,7 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     """
     _check_version()
     layout, attention_class = _family(model)
-    build = _build_spec(kind, num_heads, seed, options)
+    build = swap_plan(kind, num_heads, seed, options)
     # a BertAttention swapped before keeps its class (its .self is the HFAttention, met on its own)
     places = [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
               or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
@@ -62,7 +62,7 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
         raise ValueError(f"swap_attention: {type(model).__name__} holds no {attention_class} module")
     for path, old in places:
         if isinstance(old, HFAttention):
-            new = _convert(old.attn, f"{path}.attn", build)
+            new = convert_module(old.attn, f"{path}.attn", build)
             if old.rotary:
                 _check_rotary_width(new.head_dim, old.attn.head_dim, path, build)
             old.set_module(new)
@@ -116,16 +116,16 @@ def _replace(model: nn.Module, path: str, old: nn.Module, layout: str, build: di
     if layout == "llama":
         src = _llama_source(old, config)
         rotary = sys.modules[type(old).__module__].apply_rotary_pos_emb
-        new = _from_source(src, path, build)
+        new = convert_source(src, path, build)
         _check_rotary_width(new.head_dim, src.head_dim, path, build)
         wrapper = HFAttention(new, layer_idx=old.layer_idx, causal=True, rotary=rotary)
     elif layout == "gpt2":
         src = _gpt2_source(old, config)
-        wrapper = HFAttention(_from_source(src, path, build), layer_idx=old.layer_idx, causal=True,
+        wrapper = HFAttention(convert_source(src, path, build), layer_idx=old.layer_idx, causal=True,
                               resid_dropout=old.resid_dropout)
     else:
         src = _bert_source(old, config)
-        new = _from_source(src, path, build)
+        new = convert_source(src, path, build)
         old.self = HFAttention(new, layer_idx=getattr(old.self, "layer_idx", None), causal=False)
         old.output.dense = nn.Identity()
         return
@@ -137,10 +137,10 @@ def _linear(weight: Tensor, bias: Tensor | None, scale: float = 1.0) -> dict[str
 
 
 def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num_heads: int, head_dim: int,
-            dropout: float, scaling: float) -> _Source:
-    """A :class:`mgk.attention.swap._Source` of q/k/v/out projections (weight (out, in), bias or None): the model's
-    scale folded into q (mgk's kinds scale by 1 / sqrt(head_dim)); a missing bias is zero when any projection has
-    one (mgk's modules have one bias flag)."""
+            dropout: float, scaling: float) -> AttentionSource:
+    """A :class:`mgk.attention.swap.AttentionSource` of q/k/v/out projections (weight (out, in), bias or None): the
+    model's scale folded into q (mgk's kinds scale by 1 / sqrt(head_dim)); a missing bias is zero when any projection
+    has one (mgk's modules have one bias flag)."""
     factor = scaling * head_dim ** 0.5
     if factor != 1.0:
         projections["q_proj"] = {k: None if v is None else v * factor for k, v in projections["q_proj"].items()}
@@ -152,12 +152,12 @@ def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num
             zero = p["weight"].new_zeros(p["weight"].shape[0])
             weights[f"{name}.bias"] = p["bias"] if p["bias"] is not None else zero
     first = next(old.parameters())
-    return _Source(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim, dropout=float(dropout), bias=bias,
-                   batch_first=True, kdim=embed_dim, vdim=embed_dim, weights=weights, parameters={},
-                   device=first.device, dtype=first.dtype, training=old.training)
+    return AttentionSource(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim, dropout=float(dropout),
+                           bias=bias, batch_first=True, kdim=embed_dim, vdim=embed_dim, weights=weights, parameters={},
+                           device=first.device, dtype=first.dtype, training=old.training)
 
 
-def _llama_source(old: nn.Module, config) -> _Source:
+def _llama_source(old: nn.Module, config) -> AttentionSource:
     H, D = config.num_attention_heads, old.head_dim
 
     def all_heads(proj: nn.Linear) -> dict:
@@ -174,7 +174,7 @@ def _llama_source(old: nn.Module, config) -> _Source:
                    dropout=getattr(config, "attention_dropout", 0.0), scaling=old.scaling)
 
 
-def _gpt2_source(old: nn.Module, config) -> _Source:
+def _gpt2_source(old: nn.Module, config) -> AttentionSource:
     E, H = old.embed_dim, old.num_heads
     D = E // H
     # Conv1D computes x @ W + b with W (in, out): nn.Linear's weight is its transpose
@@ -189,7 +189,7 @@ def _gpt2_source(old: nn.Module, config) -> _Source:
                    scaling=scaling)
 
 
-def _bert_source(old: nn.Module, config) -> _Source:
+def _bert_source(old: nn.Module, config) -> AttentionSource:
     attn = old.self
     H, D = attn.num_attention_heads, attn.attention_head_size
     projections = {"q_proj": _linear(attn.query.weight, attn.query.bias),
