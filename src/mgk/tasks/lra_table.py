@@ -15,7 +15,16 @@ import math
 from pathlib import Path
 
 from ..config import RunConfig
-from .run_records import DASH, left_out_if_failed, run_accuracy, run_failure, run_metric, setting
+from .run_records import (
+    DASH,
+    empty_row,
+    left_out_if_failed,
+    left_out_notes,
+    run_accuracy,
+    run_failure,
+    run_metric,
+    setting,
+)
 from .run_records import row_order as _row_order
 
 __all__ = ["COLUMNS", "run_accuracy", "run_metric", "run_failure", "setting", "lra_table", "data_check"]
@@ -46,8 +55,7 @@ def lra_table(results: list[dict], unfinished: list[str] = ()) -> tuple[str, lis
         table, warnings = _lra_markdown(lra, unfinished)
         return table, warnings + extra_warnings
     if not lra:
-        tail = [f"Not in the table, unfinished (no results.json): {len(unfinished)} run(s)"] if unfinished else []
-        return "\n".join([extra, *tail, *(f"- {line}" for line in unfinished)]), extra_warnings
+        return "\n".join([extra, *left_out_notes([], unfinished)]), extra_warnings
     table, warnings = _lra_markdown(lra, unfinished)
     return table + "\n\n" + extra, warnings + extra_warnings
 
@@ -108,14 +116,9 @@ def _lra_markdown(results: list[dict], unfinished: list[str] = ()) -> tuple[str,
         notes.append("† validation accuracy: at least one run of this cell has no test split.")
     notes.append("Avg: mean over the columns that have values"
                  + (" (k/5 = over k of the 5 columns)." if any_partial else " (all five)."))
-    if failed:
-        notes.append(f"Not in the table, failed (final evaluation not finite): {len(failed)} run(s)")
-        notes.extend(f"- {line}" for line in failed)
-    if unfinished:
-        notes.append(f"Not in the table, unfinished (no results.json): {len(unfinished)} run(s)")
-        notes.extend(f"- {line}" for line in unfinished)
+    notes.extend(left_out_notes(failed, unfinished))
     if not cells:
-        lines.append("| " + " | ".join([DASH] * (len(COLUMNS) + 3)) + " |")
+        lines.append(empty_row(len(COLUMNS) + 3))
     return "\n".join(lines + notes), warnings
 
 

@@ -81,3 +81,19 @@ def row_order(key):
     order = attention_kinds()
     rank = order.index(base) if base in order else len(order)
     return rank, base, kind, -heads
+
+
+def left_out_notes(failed: list[str], unfinished: list[str] = ()) -> list[str]:
+    """The footnotes of a results table that name the runs it leaves out: failed ones (final evaluation not finite,
+    :func:`left_out_if_failed`) and unfinished ones (no results.json), one line each under a count."""
+    notes = []
+    for runs, why in ((failed, "failed (final evaluation not finite)"), (unfinished, "unfinished (no results.json)")):
+        if runs:
+            notes.append(f"Not in the table, {why}: {len(runs)} run(s)")
+            notes.extend(f"- {line}" for line in runs)
+    return notes
+
+
+def empty_row(columns: int) -> str:
+    """A markdown table row of ``columns`` cells without a figure ({DASH})."""
+    return "| " + " | ".join([DASH] * columns) + " |"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..attention import attention_kinds
-from .run_records import left_out_if_failed, run_metric, setting
+from .run_records import empty_row, left_out_if_failed, left_out_notes, run_metric, setting
 
 __all__ = ["SYNTHETIC_TASKS", "METRICS", "column", "row_key", "synthetic_table", "metric_of"]
 
@@ -110,9 +110,7 @@ def synthetic_table(results: list[dict]) -> tuple[str, list[str]]:
                  f"(seeds) that share a setting; M = keys per head; {DASH} = no run."]
     if any_val:
         notes.append("† validation metric: at least one run of this cell has no test split.")
-    if failed:
-        notes.append(f"Not in the table, failed (final evaluation not finite): {len(failed)} run(s)")
-        notes.extend(f"- {line}" for line in failed)
+    notes.extend(left_out_notes(failed))
     if not cells:
-        lines.append("| " + " | ".join([DASH] * (len(cols) + 3)) + " |")
+        lines.append(empty_row(len(cols) + 3))
     return "\n".join(lines + notes), warnings
