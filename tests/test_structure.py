@@ -141,6 +141,48 @@ def test_the_private_import_check_sees_a_private_import():
     assert [line for line, _ in _private_imports(tree)] == [1, 2, 3, 4]
 
 
+def _mgk_private_imports(name: str, path: Path, tree: ast.AST):
+    """(line, import) of every import, in module ``name``, of a private module or name (one leading underscore) of
+    another mgk package (directory): within its own package a module may share helpers, across packages only the
+    public API (DESIGN: a functional core with public ops; one owner per concept)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+
+    def private(parts) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in parts)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "mgk"):
+            if node.level:
+                target = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            else:
+                target = node.module.split(".")
+            for alias in node.names:
+                full = target + [alias.name]
+                # the package the imported thing lives in: the directory of the module named by ``target``
+                home = target[:-1] if SRC.joinpath(*target).with_suffix(".py").exists() else target
+                if private(full[1:]) and home != package:
+                    yield node.lineno, f"from {'.'.join(target)} import {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "mgk" and private(parts[1:]) and parts[:-1] != package:
+                    yield node.lineno, f"import {alias.name}"
+
+
+def test_no_module_imports_another_mgk_packages_private_names():
+    wrong = [f"{path.relative_to(SRC)}:{line} {what}" for name, path, tree in _modules()
+             for line, what in _mgk_private_imports(name, path, tree)]
+    assert not wrong, "imports of another mgk package's private names (make them public there):\n" + "\n".join(wrong)
+
+
+def test_the_mgk_private_import_check_sees_one_across_packages_only():
+    tree = ast.parse("from ..functional._mixture_terms import key_bias\nfrom ..functional.mgk import _x\n"
+                     "from ..functional import _mixture_flash\nfrom .cache import _y\nfrom . import _z\n"
+                     "from ..functional import mgk_attention\nimport mgk.functional._dispatch\n")
+    found = [line for line, _ in _mgk_private_imports("mgk.attention.mgk", SRC / "mgk" / "attention" / "mgk.py", tree)]
+    assert found == [1, 2, 3, 7]
+
+
 # --------------------------------------------------------------------------- who writes files, who (de)serialises
 
 # torch.save / torch.load of anything: only the checkpoint owner.
