@@ -22,7 +22,7 @@ from .attention import (
     swap_attention,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
 __all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention", "DecodingCache",
             "LoadedRun", "load_run"]
