@@ -9,7 +9,7 @@ from packaging.version import Version
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ...attention.swap import AttentionSource, convert_module, convert_source, swap_plan
+from ...attention.convert import AttentionSource, convert_module, convert_source, swap_plan
 from .attention import HFAttention
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
 
@@ -138,7 +138,7 @@ def _linear(weight: Tensor, bias: Tensor | None, scale: float = 1.0) -> dict[str
 
 def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num_heads: int, head_dim: int,
             dropout: float, scaling: float) -> AttentionSource:
-    """A :class:`mgk.attention.swap.AttentionSource` of q/k/v/out projections (weight (out, in), bias or None): the
+    """A :class:`mgk.attention.convert.AttentionSource` of q/k/v/out projections (weight (out, in), bias or None): the
     model's scale folded into q (mgk's kinds scale by 1 / sqrt(head_dim)); a missing bias is zero when any projection
     has one (mgk's modules have one bias flag)."""
     factor = scaling * head_dim ** 0.5

@@ -1,0 +1,145 @@
+"""Converting one attention module into another kind, weights carried over: what :func:`mgk.swap_attention` does
+at each place it replaces, and what :mod:`mgk.integrations.hf` calls for the attention modules of Hugging Face
+models. The source is read into an :class:`AttentionSource` (its configuration and its projections as a multi-head
+layer's); the new kind's own conversion rule (its module's ``load_projections``, in the kind's file) makes the new
+parameters."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .base import AttentionBase, _positive_int
+from .registry import build_attention, check_options
+from .softmax import from_torch_state_dict
+
+__all__ = ["AttentionSource", "convert_module", "convert_source", "swap_plan"]
+
+
+@dataclass
+class AttentionSource:
+    """What swap_attention reads from one attention module (torch's, mgk's, or a Hugging Face one read by
+    :mod:`mgk.integrations.hf`): its configuration and its projections as a multi-head layer's."""
+
+    embed_dim: int
+    num_heads: int
+    head_dim: int
+    dropout: float
+    bias: bool
+    batch_first: bool
+    kdim: int
+    vdim: int
+    weights: dict[str, Tensor]  # q_proj.*, v_proj.*, out_proj.* and the key projection as k_proj.*
+    parameters: dict[str, Tensor]  # the module's own parameters by name (mgk modules only; else empty)
+    device: torch.device
+    dtype: torch.dtype
+    training: bool
+
+
+def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict) -> dict:
+    """What every replacement of one swap_attention call is built from (kind, heads, seed, options, and the memo of
+    modules already replaced); ValueError naming a bad option or ``num_heads``."""
+    check_options(kind, options)
+    if num_heads is not None:
+        _positive_int(num_heads, "num_heads")
+    return {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
+
+
+def convert_module(old: nn.Module, path: str, build: dict) -> AttentionBase:
+    """The new module of the plan ``build`` (:func:`swap_plan`) for the torch or mgk attention module ``old`` found at
+    ``path``; ValueError naming ``path`` for what cannot be carried."""
+    return convert_source(_read(old, path), path, build)
+
+
+def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBase:
+    """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
+    :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`)."""
+    width = src.num_heads * src.head_dim
+    heads = build["num_heads"] or src.num_heads
+    if width % heads:
+        raise ValueError(f"swap_attention: num_heads={heads} does not divide the attention width {width} of {path}")
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(build["seed"])
+        new = build_attention(build["kind"], src.embed_dim, heads, head_dim=width // heads, dropout=src.dropout,
+                              bias=src.bias, batch_first=src.batch_first, kdim=src.kdim, vdim=src.vdim,
+                              **build["options"])
+        weights = new.load_projections(src.weights)  # the new kind's conversion rule, in its own file
+    shapes = {n: p.shape for n, p in new.named_parameters()}
+    weights.update({n: t for n, t in src.parameters.items() if n in shapes and shapes[n] == t.shape})
+    new.to(src.device)
+    if new.q_proj.weight.dtype != src.dtype:
+        new.to(src.dtype)
+    params = dict(new.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            if value is not None:
+                params[name].copy_(value)
+    return new.train(src.training)
+
+
+# The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot
+# know. Parametrized ones (torch.nn.utils.parametrize) are read through their attribute, the effective tensor.
+_TORCH_TENSORS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                  "out_proj.weight", "out_proj.bias", "bias_k", "bias_v")
+
+
+def _read(old: nn.Module, path: str) -> AttentionSource:
+    """The configuration and projections of ``old``; ValueError naming ``path`` for what cannot be carried."""
+    if isinstance(old, nn.MultiheadAttention):
+        _check_torch_module(old, path)
+        weights = {}
+        for name in _TORCH_TENSORS:  # the effective tensors, also under a parametrization
+            owner, _, attr = name.rpartition(".")
+            value = getattr(old.get_submodule(owner) if owner else old, attr, None)
+            if isinstance(value, Tensor):
+                weights[name] = value.detach().cpu()
+        from_torch_state_dict(weights)
+        config = dict(embed_dim=old.embed_dim, num_heads=old.num_heads, head_dim=old.head_dim, dropout=old.dropout,
+                      bias=old.in_proj_bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
+        own = {}
+    else:
+        try:
+            weights = {k: v.cpu() for k, v in old.per_head_projections().items()}
+        except ValueError as e:
+            raise ValueError(f"swap_attention: {path} ({type(old).__name__}): {e}") from None
+        config = dict(embed_dim=old.embed_dim, num_heads=old.num_heads, head_dim=old.head_dim, dropout=old.dropout,
+                      bias=old.q_proj.bias is not None, batch_first=old.batch_first, kdim=old.kdim, vdim=old.vdim)
+        own = {k: v.detach().cpu() for k, v in old.named_parameters()}
+    first = next(old.parameters())
+    return AttentionSource(**config, weights=weights, parameters=own, device=first.device, dtype=first.dtype,
+                   training=old.training)
+
+
+def _check_torch_module(old: nn.MultiheadAttention, path: str) -> None:
+    """ValueError in one line naming ``path`` when ``old`` holds what mgk's modules cannot represent: the extra
+    key/value rows of add_bias_kv / add_zero_attn, a subclass's own ``forward`` (whose computation would be lost
+    silently), or parameters and buffers of its own (or of wrappers put around its projections, e.g. by
+    parametrizations)."""
+    for flag, value in (("add_bias_kv", old.bias_k is not None), ("add_zero_attn", old.add_zero_attn)):
+        if value:
+            raise ValueError(f"swap_attention: {path} is nn.MultiheadAttention({flag}=True), which mgk's "
+                             "attention modules cannot represent (no extra key/value rows)")
+    cls = type(old)
+    if cls.forward is not nn.MultiheadAttention.forward:
+        raise ValueError(f"swap_attention: {path} is {cls.__name__}, a subclass of nn.MultiheadAttention with its own "
+                         "forward, which replacing it would silently drop; swap its attention yourself or remove the "
+                         "override")
+    if not isinstance(old.out_proj, nn.Linear):
+        raise ValueError(f"swap_attention: {path}.out_proj is {type(old.out_proj).__name__}, not nn.Linear: mgk cannot "
+                         "tell which weights it applies")
+    own = [n for n, _ in old.named_parameters()] + [n for n, _ in old.named_buffers()]
+    extra = sorted({n for n in own if _parametrized_name(n) not in _TORCH_TENSORS})
+    if extra:
+        raise ValueError(f"swap_attention: {path} ({cls.__name__}) holds {', '.join(extra)}, which "
+                         "nn.MultiheadAttention does not have and mgk's attention modules cannot carry over")
+
+
+def _parametrized_name(name: str) -> str:
+    """The tensor a parameter of torch.nn.utils.parametrize stands for (``out_proj.parametrizations.weight.original``
+    -> ``out_proj.weight``); other names unchanged."""
+    match = re.fullmatch(r"(?:(.*)\.)?parametrizations\.([^.]+)\.original\d*", name)
+    if match is None:
+        return name
+    return f"{match.group(1)}.{match.group(2)}" if match.group(1) else match.group(2)
