@@ -126,25 +126,36 @@ def test_a_causal_float_mask_from_a_torch_layer_exports_except_for_the_linear_ki
     torch.testing.assert_close(export().module()(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
 
 
-def test_saved_programs_load_and_run_without_mgk(tmp_path):
-    """torch.export.save, then torch.export.load in a fresh interpreter that never imports mgk."""
+def _saved_programs_load_and_run_without_mgk(tmp_path, variants):
     x, padding = _inputs(3, CHUNK + 6, 2)
     torch.save((x, padding), tmp_path / "inputs.pt")
-    for i, (kind, options) in enumerate(VARIANTS):
+    for i, (kind, options) in enumerate(variants):
         model, program = _export(kind, options)
         torch.export.save(program, tmp_path / f"{i}.pt2")
         torch.save(model(x, padding).detach(), tmp_path / f"{i}.want.pt")
     script = (
         "import sys, torch\n"
         f"x, padding = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
-        f"for i in range({len(VARIANTS)}):\n"
+        f"for i in range({len(variants)}):\n"
         f"    out = torch.export.load(f'{tmp_path}/{{i}}.pt2').module()(x, padding)\n"
         f"    torch.testing.assert_close(out, torch.load(f'{tmp_path}/{{i}}.want.pt'), rtol=1e-5, atol=1e-6)\n"
         "assert not any(name == 'mgk' or name.startswith('mgk.') for name in sys.modules)\n"
         "print('loaded', i + 1)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == f"loaded {len(VARIANTS)}"
+    assert done.stdout.strip() == f"loaded {len(variants)}"
+
+
+def test_saved_programs_load_and_run_without_mgk(tmp_path):
+    """torch.export.save, then torch.export.load in a fresh interpreter that never imports mgk: one kind per way
+    the exported program computes (SDPA, MGK's folded SDPA, MLK's chunked sums); every variant in the slow run."""
+    _saved_programs_load_and_run_without_mgk(tmp_path, [("softmax", {}), ("mgk", {}), ("mlk", {})])
+
+
+@pytest.mark.slow
+def test_saved_programs_of_every_variant_load_and_run_without_mgk(tmp_path):
+    """The same for every registered variant (about 5 minutes on 2 cores: one export each)."""
+    _saved_programs_load_and_run_without_mgk(tmp_path, VARIANTS)
 
 
 @pytest.mark.parametrize("kind,options", VARIANTS, ids=IDS)
