@@ -30,7 +30,7 @@ from . import checkpoint, distributed, records, rundir
 from .evaluate import eval_slice, evaluate
 from .interrupt import Interrupted, SignalStop, StopSignals, signal_name
 from .precision import autocast, grad_scaler
-from .schedule import build_scheduler, check_resumable
+from .schedule import build_scheduler, resume_scheduler
 from .state import LoopState
 
 __all__ = ["EpochSampler", "Interrupted", "LoopState", "NonFiniteLoss", "NonFiniteResult", "Trainer", "fit"]
@@ -151,8 +151,8 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was made with another model config: " + "; ".join(diffs))
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(checkpoint.align_optimizer_state(ckpt["optimizer"], ckpt["model"], self.model))
-        check_resumable(self.scheduler, ckpt["scheduler"], self.cfg.optim.steps)
-        self.scheduler.load_state_dict(ckpt["scheduler"])
+        saved = config_mod.flat(config_mod.from_dict(ckpt["config"]))
+        resume_scheduler(self.scheduler, ckpt["scheduler"], saved=saved, now=config_mod.flat(self.cfg))
         self.scaler.load_state_dict(ckpt["scaler"])
         self.state = LoopState.from_checkpoint(ckpt)
         self.saved_step = self.state.step
