@@ -81,6 +81,16 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
     return cfg, out, False
 
 
+def train_config(argv: list[str]) -> config_mod.RunConfig:
+    """The validated config that ``mgk train ARGV`` (a new run: ``argv`` starts with ``train``, no ``--resume``)
+    trains with, before its data is read: the preset, the flags and every ``--set`` applied as ``mgk train`` applies
+    them. ValueError for a value or combination it refuses."""
+    cfg, _, resume = _resolve_train_config(build_parser().parse_args(list(argv)))
+    if resume:
+        raise ValueError("train_config resolves a new run; a --resume run takes its config from its config.yaml")
+    return config_mod.validate(cfg)
+
+
 def _run_train(args) -> int:
     from .train.loop import Interrupted, fit
 
