@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from .analyze import cli as analyze_cli
+from .argtypes import seed
 from .attention import attention_kinds
 from .bench import cli as bench_cli
 from .choices import argparse_type, require
@@ -40,7 +41,7 @@ def _train_parser(sub) -> None:
                                                             .metadata["choices"]),
                    help="mixture-weight mode of mgk / smgk (mlk / smlk: learned only); an error for other kinds")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed, default=None, help="training seed, 0 to 2**64 - 1 (default: the preset's)")
     p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>); "

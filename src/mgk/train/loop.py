@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .. import config as config_mod
 from ..attention import soft_e_step
 from ..config import RunConfig
+from ..seeds import torch_seed
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
 from ..tasks.run_records import run_failure
@@ -95,7 +96,7 @@ class Trainer:
         if self.resume:
             self._load_checkpoint()
         else:
-            torch.manual_seed(self.cfg.seed * 7919 + self.dist.rank)  # each rank its own dropout stream
+            torch.manual_seed(torch_seed(self.cfg.seed * 7919 + self.dist.rank))  # each rank its own dropout stream
         self._setup_records()
         self.net = DistributedDataParallel(self.model) if self.dist.world_size > 1 else self.model
         self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.optim.batch_size, self.cfg.seed)
@@ -160,7 +161,7 @@ class Trainer:
         if len(rngs) == self.dist.world_size:
             checkpoint.set_rng_state(rngs[self.dist.rank])
         else:  # another world size: fresh per-rank streams, still a function of (seed, step, rank)
-            torch.manual_seed(self.cfg.seed * 7919 + self.state.step * 31 + self.dist.rank)
+            torch.manual_seed(torch_seed(self.cfg.seed * 7919 + self.state.step * 31 + self.dist.rank))
 
     def model_differences(self, saved_config: dict) -> list[str]:
         """``"key: saved != now"`` for the task, sizes and model-config fields that differ from ``saved_config``."""
