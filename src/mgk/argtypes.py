@@ -5,20 +5,28 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["number"]
+from .seeds import INT64_MAX, SEED_MAX
+
+__all__ = ["number", "seed"]
+
+
+def _show(x) -> str:
+    """A bound as typed: an int in full (2**64 - 1 is not 1.84467e+19), a float in short form."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def number(kind: type = int, low: float | None = None, high: float | None = None, *, low_open: bool = False,
            note: str = ""):
     """A parser of ``kind`` (int or float) in ``[low, high]`` (``(low, ...`` with ``low_open``; either bound may be
     None). NaN and infinities are refused. ``note`` follows the range in the message (e.g. "(0 = greedy)").
+    An int without ``high`` is still refused above :data:`mgk.seeds.INT64_MAX`, the most a torch integer holds.
     The parser raises argparse.ArgumentTypeError, which argparse prints as one line naming the option."""
     if low is not None and high is not None:
-        shown = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        shown = f"in {'(' if low_open else '['}{_show(low)}, {_show(high)}]"
     elif low is not None:
-        shown = f"{'>' if low_open else '>='} {low:g}"
+        shown = f"{'>' if low_open else '>='} {_show(low)}"
     else:
-        shown = f"<= {high:g}" if high is not None else "a finite number"
+        shown = f"<= {_show(high)}" if high is not None else "a finite number"
     shown += f" {note}" if note else ""
 
     def parse(text: str):
@@ -31,5 +39,11 @@ def number(kind: type = int, low: float | None = None, high: float | None = None
         if (not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low))
                 or (high is not None and value > high)):
             raise argparse.ArgumentTypeError(f"must be {shown}, got {text}")
+        if kind is int and high is None and value > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"must be <= {INT64_MAX} (a 64-bit integer), got {text}")
         return value
     return parse
+
+
+# A seed as torch takes it (mgk.seeds): every --seed of every command.
+seed = number(int, 0, SEED_MAX, note="(64 bits)")

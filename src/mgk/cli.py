@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from .analyze import cli as analyze_cli
+from .argtypes import number, seed
 from .attention import attention_kinds
 from .bench import cli as bench_cli
 from .choices import argparse_type, require
@@ -40,9 +41,13 @@ def _train_parser(sub) -> None:
                                                             .metadata["choices"]),
                    help="mixture-weight mode of mgk / smgk (mlk / smlk: learned only); an error for other kinds")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed, default=None, help="training seed, 0 to 2**64 - 1 (default: the preset's)")
     p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=number(int, 1), default=None,
+                   help="CPU threads of this process (torch.set_num_threads; default: torch's, one per core or "
+                        "$OMP_NUM_THREADS); with several runs on one machine give each at most cores / runs (1 for "
+                        "small models), or their threads spin against each other")
     p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>); "
                                                 "must be empty or new")
     p.add_argument("--overwrite", action="store_true",
@@ -81,11 +86,25 @@ def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
     return cfg, out, False
 
 
+def train_config(argv: list[str]) -> config_mod.RunConfig:
+    """The validated config that ``mgk train ARGV`` (a new run: ``argv`` starts with ``train``, no ``--resume``)
+    trains with, before its data is read: the preset, the flags and every ``--set`` applied as ``mgk train`` applies
+    them. ValueError for a value or combination it refuses."""
+    cfg, _, resume = _resolve_train_config(build_parser().parse_args(list(argv)))
+    if resume:
+        raise ValueError("train_config resolves a new run; a --resume run takes its config from its config.yaml")
+    return config_mod.validate(cfg)
+
+
 def _run_train(args) -> int:
     from .train.loop import Interrupted, fit
 
     cfg, run_dir, resume = _resolve_train_config(args)
     config_mod.validate(cfg)
+    if args.threads is not None:  # a setting of this process, not of the run: env.json records it
+        import torch
+
+        torch.set_num_threads(args.threads)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--{'resume' if resume else 'out'} {run_dir} is a file, not a run directory")
     try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .choices import did_you_mean
+from .seeds import INT64_MAX
 
 __all__ = ["Label", "spec", "check", "check_value", "parse", "range_text", "inapplicable", "type_name"]
 
@@ -136,6 +137,11 @@ def check_value(value, hint, meta, name: str) -> None:
         each = " (each value)" if isinstance(value, (tuple, list)) else ""
         finite = all(math.isfinite(x) for x in numbers)
         raise ValueError(f"{name} must be {'' if finite else 'a finite number '}{text}{each}, got {value!r}")
+    if meta.get("le") is None and meta.get("lt") is None and any(
+            isinstance(x, int) and not -INT64_MAX - 1 <= x <= INT64_MAX for x in numbers):
+        # Without a declared bound an int still goes to torch, which holds 64 bits and fails with a message that
+        # names nothing ("Overflow when unpacking long").
+        raise ValueError(f"{name} must fit a 64-bit integer ({-INT64_MAX - 1} to {INT64_MAX}), got {value!r}")
 
 
 def inapplicable(obj) -> list[str]:

@@ -118,3 +118,44 @@ def test_decode_rows_run_under_the_allocators_defaults(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     decode.run(["layer"], [("mgk", 4)], [16], [1], steps=1, device="cpu", timeout=5.0)
     assert seen and all("MALLOC_MMAP_THRESHOLD_" not in env for env in seen)
+
+
+@pytest.fixture
+def position_run(tmp_path_factory):
+    """A trained 2-step LM run whose MGK has mixture weights per key position, over max_len=16 positions."""
+    from mgk.data import wikitext as wt
+
+    root = tmp_path_factory.mktemp("position_run")
+    wt.generate_corpus(root / "data", train_lines=60, valid_lines=10, test_lines=10, num_words=80, seed=1)
+    sets = ["batch_size=4", "segment_len=8", "max_len=16", "d_model=16", "num_layers=2", "ffn_dim=32", "head_dim=4",
+            "eval_every=2", "eval_batch_size=8", "warmup_steps=1", "progress=false", "adaptive_cutoffs=[20,60]",
+            "pi_shape=position"]
+    main(["train", "--task", "lm", "--data", str(root / "data"), "--attention", "mgk", "--heads", "2", "--steps", "2",
+          "--out", str(root / "run"), *(x for kv in sets for x in ("--set", kv))])
+    return root / "run"
+
+
+def test_a_run_too_short_for_the_rows_is_refused_in_one_line_before_running(position_run, monkeypatch, one_thread):
+    """Every row failed on its own, with its message cut at 80 characters in the table (issue 30 #9)."""
+    from mgk.bench import decode
+
+    monkeypatch.setattr(decode, "run_row", lambda *a, **k: pytest.fail("a row ran"))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "decode", "--run", str(position_run), "--contexts", "4,8", "--batches", "1", "--steps", "2"])
+    text = str(e.value.code)
+    assert "\n" not in text and "max_len=16" in text and "--contexts of at most 6" in text, text
+    # what it says to change is right: the longest context it allows decodes, one more does not
+    measure("run", None, None, 6, batch=1, steps=2, device="cpu", run_dir=str(position_run))
+    with pytest.raises(ValueError, match="max_len=16"):
+        measure("run", None, None, 7, batch=1, steps=2, device="cpu", run_dir=str(position_run))
+
+
+def test_tables_show_a_row_error_whole():
+    from mgk.bench.attention import table as attention_table
+    from mgk.bench.model import table as model_table
+
+    error = "x" * 150 + " | what to change: use --contexts of at most 6"
+    row = {"kind": "mgk", "heads": 4, "num_heads": 4, "target": "layer", "batch": 1, "context": 8, "length": 8,
+           "preset": "lm-small", "error": error}
+    for shown in (table({"rows": [row]}), attention_table({"rows": [row]}), model_table({"rows": [row]})):
+        assert "x" * 150 + " \\| what to change: use --contexts of at most 6" in shown

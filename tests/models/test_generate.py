@@ -154,3 +154,23 @@ def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     assert set(next_token(log_probs, temperature=0).tolist()) == {0}
     counts = torch.bincount(next_token(log_probs, generator=g), minlength=5) / 4000
     torch.testing.assert_close(counts, p, atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=[variant_name(k, v) for k, v in CASES])
+def test_the_cache_grows_as_tokens_come_not_to_max_new_tokens(kind, options, monkeypatch):
+    """generate allocated T + max_new_tokens slots a layer up front: an eos at the first step with max_new_tokens
+    =300000 held GBs at paper size (issue 30 #8). The bytes allocated must follow the tokens made."""
+    model = _lm(kind, options, max_len=100_000)
+    idx = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(3))
+    eos = int(model.generate(idx[:1], 1, temperature=0)[0, -1])
+    made = []
+    new_cache = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda *a, **k: made.append(new_cache(*a, **k)) or made[-1])
+    out = model.generate(idx[:1], 60_000, temperature=0, eos=eos)
+    assert out.shape[1] == 7  # ended by eos at the first step
+    [cache] = made
+    used = cache.nbytes()
+    allocated = sum(layer.allocated_bytes() for layer in cache)
+    assert allocated <= 4 * max(used, 1), (allocated, used)
+    # and it still grows as far as the tokens go: the greedy continuation is the uncached one
+    assert torch.equal(model.generate(idx, 40, temperature=0), _greedy_uncached(model, idx, 40))

@@ -85,3 +85,19 @@ def test_cli_errors_are_one_line_and_name_the_cause(tmp_path, th, capsys):
     (run / "checkpoints" / "last.pt").write_bytes(b"junk")
     with pytest.raises(SystemExit, match=r"last.pt is not a readable mgk checkpoint"):
         main(["train", "--resume", str(run), "--steps", "4"])  # a finished run is not touched: train it longer
+
+
+def test_threads_sets_the_runs_cpu_threads_and_refuses_zero_in_one_line(tmp_path, th):
+    """`--threads` is the documented way to size a run's thread pool (issue 30 #8); env.json records it."""
+    import subprocess as _subprocess
+
+    out = tmp_path / "run"
+    th.run(th.mgk_cmd("train", "--attention", "softmax", "--steps", "1", "--threads", "2", "--out", str(out),
+                      *th.sets(*th.TINY)))
+    assert json.loads((out / "env.json").read_text())["threads"] == 2
+    p = _subprocess.run(th.mgk_cmd("train", "--threads", "0", "--out", str(tmp_path / "r0")), env=th.env(),
+                        capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--threads" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    help_text = _subprocess.run(th.mgk_cmd("train", "--help"), env=th.env(), capture_output=True, text=True,
+                                timeout=120).stdout
+    assert "--threads" in help_text

@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..argtypes import seed
+
 __all__ = ["add_parser", "run", "analyse_dirs"]
 
 
@@ -21,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--split", default="val", choices=["val", "test"], help="split to draw examples from")
     p.add_argument("--samples", type=int, default=100, help="examples drawn at random (default 100); every head "
                                                             "of every layer is measured on each")
-    p.add_argument("--seed", type=int, default=0, help="seed of the example draw (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the example draw, 0 to 2**64 - 1 (default 0)")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/analysis; with --compare: "
                                                "./analysis-compare)")
     p.add_argument("--data", default=None, help="data folder (default: the run's own)")

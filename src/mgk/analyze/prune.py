@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention.base import AttentionBase
+from ..seeds import torch_seed
 from ..train.distributed import Dist
 from ..train.evaluate import evaluate
 
@@ -225,7 +226,7 @@ def random_curves(task, model, layers, data, *, unit: str, settings) -> dict:
     """``settings.random_orders`` random-order pruning curves of ``unit`` (seeds ``settings.seed + j``): ``kept``
     and per step the mean and sample std of the metric over the orders, and every curve."""
     curves = [prune_curve(task, model, layers, data, unit=unit, settings=settings,
-                          order=torch.Generator().manual_seed(settings.seed + j))["metric"]
+                          order=torch.Generator().manual_seed(torch_seed(settings.seed + j)))["metric"]
               for j in range(settings.random_orders)]
     if not curves:
         return {}

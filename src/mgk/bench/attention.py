@@ -253,6 +253,12 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
             "date": time.strftime("%Y-%m-%d")}
 
 
+def error_cell(message: str) -> str:
+    """A row's error as one Markdown table cell, whole (a cut message loses the part that says what to change):
+    on one line, its ``|`` escaped."""
+    return " ".join(str(message).split()).replace("|", "\\|")
+
+
 def machine() -> str:
     """A one-line description of the machine (processor, cores, torch threads, GPU if any)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -267,7 +273,7 @@ def table(result: dict) -> str:
     first = {}
     for row in result["rows"]:
         if "error" in row:
-            lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | error: {row['error'][:60]} "
+            lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | error: {error_cell(row['error'])} "
                          "| | | | | |")
             continue
         base = first.setdefault(row["length"], row)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..argtypes import number
 from ..choices import argparse_type, unknown
+from ..seeds import INT64_MAX
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
 
@@ -24,6 +25,8 @@ def _kinds(text: str) -> list[tuple[str, int]]:
             raise SystemExit(f"--kinds: {item!r} is not NAME:HEADS (e.g. mgk:4)")
         if int(heads) < 1:
             raise SystemExit(f"--kinds: {item!r}: the number of heads must be >= 1")
+        if int(heads) > INT64_MAX:
+            raise SystemExit(f"--kinds: {item!r}: the number of heads must be <= {INT64_MAX} (a 64-bit integer)")
         try:
             variant(name)
         except ValueError as e:
@@ -84,6 +87,8 @@ def _lengths(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"every value must be positive (>= 1), got {text}")
+    if any(v > INT64_MAX for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be <= {INT64_MAX} (a 64-bit integer), got {text}")
     return values
 
 
@@ -194,6 +199,12 @@ def _run_decode(args) -> dict:
         if cfg.task != "lm":  # otherwise every row failed deep in the model, with a truncated AttributeError
             raise SystemExit(f"--run: {args.run} is a {cfg.task!r} run (a classifier): only language-model runs "
                              "(--task lm) decode")
+        from .decode import check_run_positions
+
+        try:
+            check_run_positions(args.run, args.contexts, args.steps)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--run: {exc}") from None
     if args.overrides:
         from ..config import apply_overrides
         from ..tasks import all_presets

@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..attention.registry import display_label, get_kind
-from .attention import bench_options, build_kind, machine, variant
+from .attention import bench_options, build_kind, error_cell, machine, variant
 from .model import bench_task, kind_overrides, run_row
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,linear:8,mlk:4"
@@ -88,6 +88,27 @@ def _preset_model(target, kind, heads, overrides, *, context, steps):
         raise ValueError(f"target {target!r} is a {cfg.task!r} preset: decoding needs a language model (lm-*, wt103-*)")
     torch.manual_seed(0)
     return bench_task(cfg).build_model(cfg), cfg
+
+
+def check_run_positions(run_dir: str, contexts: list[int], steps: int) -> None:
+    """ValueError, one line saying what to change, when the model of ``run_dir`` cannot decode the longest of
+    ``contexts`` plus the :data:`WARMUP_STEPS` warm-up and ``steps`` timed steps: per-position mixture weights
+    cover ``max_len`` positions only (:meth:`mgk.models.lm.TransformerLM.position_limit`). Checked once, before any
+    row runs (each row failed on its own otherwise)."""
+    from ..train.load import load_run
+
+    limit = load_run(run_dir, device="cpu").model.position_limit()
+    longest = max(contexts)
+    need = longest + WARMUP_STEPS + steps  # positions read: the context, then one per warm-up and timed step
+    if limit is None or need <= limit[1]:
+        return
+    option, max_len = limit
+    room = max_len - WARMUP_STEPS - steps
+    fix = (f"use --contexts of at most {room}" if room >= 1 else
+           f"use --steps of at most {max_len - WARMUP_STEPS - 1} with --contexts 1" if max_len > WARMUP_STEPS + 1
+           else f"the run's max_len leaves no room for the {WARMUP_STEPS} warm-up steps: measure a preset instead")
+    raise ValueError(f"{run_dir} has mixture weights for max_len={max_len} positions ({option}), but --contexts "
+                     f"{longest} plus {WARMUP_STEPS} warm-up and --steps {steps} timed steps read {need}: {fix}")
 
 
 def _timed(fn, device, repeats: int) -> list[float]:
@@ -179,7 +200,7 @@ def table(result: dict) -> str:
     for row in result["rows"]:
         head = f"| {row['target']} | {row['kind']} | {row.get('heads') or ''} | {row['batch']} | {row['context']} |"
         if "error" in row:
-            lines.append(f"{head} error: {row['error'][:80]} | | | | | |")
+            lines.append(f"{head} error: {error_cell(row['error'])} | | | | | |")
             continue
         base = first.setdefault((row["target"], row["batch"], row["context"]), row)
         lines.append(f"{head} {row['prefill_ms']:.1f} | {row['step_ms']:.2f} | {row['step_ms'] / base['step_ms']:.2f} "

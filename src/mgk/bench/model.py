@@ -25,7 +25,7 @@ import time
 import torch
 
 from ..attention.registry import display_label
-from .attention import machine, variant
+from .attention import error_cell, machine, variant
 
 # WikiText-103's vocabulary (Merity et al. 2017): the size the LM presets train with.
 WT103_VOCAB_SIZE = 267_735
@@ -247,8 +247,8 @@ def table(result: dict) -> str:
     base = ok[0] if ok else None
     for row in result["rows"]:
         if "error" in row:
-            lines.append(f"| {row['kind']} | {row.get('num_heads') or ''} | {row['preset']} | error: {row['error']} "
-                         "| | | | | | |")
+            lines.append(f"| {row['kind']} | {row.get('num_heads') or ''} | {row['preset']} | error: "
+                         f"{error_cell(row['error'])} | | | | | | |")
             continue
         lines.append(f"| {row['kind']} | {row['num_heads']} | {row['preset']} | {row['params']:,} | "
                      f"{row['train_tokens_per_s']:,.0f} | {row['train_tokens_per_s'] / base['train_tokens_per_s']:.2f}"

@@ -16,6 +16,7 @@ from ..fields import spec
 from ..models.init import INITS
 from ..models.lm import ADAPTIVE_SOFTMAX
 from ..models.lra import CLASSIFIER_ACTIVATIONS, POOLINGS
+from ..seeds import SEED_MAX
 
 __all__ = ["RunConfig", "DataConfig", "ModelConfig", "OptimConfig", "EvalConfig", "SCHEDULES", "PRECISIONS",
            "GROUPS"]
@@ -49,7 +50,8 @@ class DataConfig:
     gen_max_length: int = spec(100, ge=1, doc="generated ListOps: longest sequence in tokens")
     val_fraction: float = spec(0.1, ge=0, lt=1, doc="share of train carved out as validation where a release has "
                                                     "no validation split (0: none)")
-    split_seed: int = spec(0, ge=0, doc="seed of such carved splits (fixed, independent of the training seed)")
+    split_seed: int = spec(0, ge=0, le=SEED_MAX,
+                           doc="seed of such carved splits (fixed, independent of the training seed)")
     level: str = spec("curv_contour_length_14", doc="Pathfinder difficulty folder (or easy / intermediate / hard)")
     # The synthetic head-count tasks (mgk.data.dretrieval, mgk.data.mqar); their presets set them.
     gen_seq_len: int = spec(16, ge=1, doc="generated dretrieval: T positions (the model also sees a class token); "
@@ -143,7 +145,7 @@ class RunConfig:
     """
 
     task: str = spec("listops", doc="the task (mgk.tasks.TASKS)")
-    seed: int = spec(0, ge=0, doc="seed of the initialisation, the data order and dropout")
+    seed: int = spec(0, ge=0, le=SEED_MAX, doc="seed of the initialisation, the data order and dropout")
     log_every: int = spec(25, ge=1, doc="optimiser steps between logged training metrics")
     checkpoint_every: int = spec(250, ge=1, doc="optimiser steps between checkpoints (last.pt)")
     progress: bool = spec(True, doc="progress bars")

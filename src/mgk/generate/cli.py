@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import number
+from ..argtypes import number, seed
 
 _count = number(int, 1)
 _temperature = number(float, 0, note="(0 = greedy)")
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=_temperature, default=1.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=_count, default=None, help="sample from the K most likely tokens only")
     p.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set of mass P (nucleus)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampling generator, 0 to 2**64 - 1 (default 0)")
     p.add_argument("--num-samples", type=_count, default=1, help="continuations of the prompt (default 1)")
     p.add_argument("--checkpoint", default="best", choices=["best", "last"], help="which checkpoint (default: best)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

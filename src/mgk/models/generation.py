@@ -104,7 +104,9 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
         out = idx.long()
         if max_new_tokens == 0:
             return out
-        cache = model.new_cache(idx.shape[1] + max_new_tokens)
+        # No room reserved for max_new_tokens: the slot caches take the prompt at the first call and double as
+        # tokens come, so an early eos (or a large max_new_tokens) costs memory for the tokens made, not the bound.
+        cache = model.new_cache()
         log_probs = model.next_log_probs(out, key_padding_mask=pad, past_key_values=cache)
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for step in range(max_new_tokens):

@@ -104,6 +104,8 @@ def run(args) -> int:
         raise SystemExit(f"mgk reproduce: {e}") from None
     if not runs:
         raise SystemExit("mgk reproduce: --only leaves no run")
+    for line in (line for r in runs for line in ex.stale_run_dirs(r)):
+        print(f"mgk reproduce: {line}", file=sys.stderr)
     from .data_check import check_data
 
     tasks = check_data(runs, args.scale, data) if not args.report_only else []

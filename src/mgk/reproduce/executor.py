@@ -1,8 +1,10 @@
 """Running the grid: state of each run directory, one run as subprocesses, and the local / submitit executors.
 
 A run is *finished* when its ``results.json`` exists (and, for LM, its ``eval.json``) and its record
-(``<run_dir>.reproduce.json``)
-carries the same key; finished runs are never run again. A run with ``checkpoints/last.pt`` but no results was
+(``<run_dir>.reproduce.json``) carries the same key (the hash of its resolved config: :mod:`mgk.reproduce.grid`);
+finished runs are never run again. Another directory of the same task, row and seed, made with another config
+(an edited preset or default, another ``--data``, an older mgk's key), is never counted: :func:`stale_run_dirs`
+says so in one line each. A run with ``checkpoints/last.pt`` but no results was
 interrupted and continues with ``mgk train --resume``; anything else starts from scratch. Each run's output goes
 to ``<run_dir>.reproduce.log`` beside the run directory (which holds only what ``mgk train`` writes, since
 ``mgk train`` refuses a non-empty new directory); ``<run_dir>.reproduce.json`` records the key, the commands,
@@ -19,13 +21,14 @@ import threading
 import time
 from pathlib import Path
 
+from .. import config as config_mod
 from ..atomic import write_text_atomic
-from ..train.rundir import RunFiles
+from ..train.rundir import RunFiles, load_config
 from .grid import Run
 from .stopping import GridStop
 
-__all__ = ["run_state", "execute_run", "run_local", "run_submitit", "slurm_parameters", "sbatch_preview",
-           "read_record", "record_path", "log_path"]
+__all__ = ["run_state", "stale_run_dirs", "execute_run", "run_local", "run_submitit", "slurm_parameters",
+           "sbatch_preview", "read_record", "record_path", "log_path"]
 
 
 def record_path(run_dir: Path) -> Path:
@@ -62,6 +65,42 @@ def run_state(run: Run) -> str:
         evaluated = [run.eval_json] * (run.eval_args is not None) + [run.eval_test_json] * run.test_eval
         return "evaluate" if not all(p.is_file() for p in evaluated) else "finished"
     return "resume" if files.checkpoint("last").is_file() else "new"
+
+
+# What mgk train fills in itself (from the data, or as typed), not what a grid run asks for.
+_SET_BY_THE_RUN = ("vocab_size", "num_classes", "data_as_given", "progress")
+
+
+def stale_run_dirs(run: Run) -> list[str]:
+    """One line for each other directory of ``run``'s task, row and seed (``seed<k>-*`` beside ``run.run_dir``)
+    that holds results or a checkpoint: it was made with another config than ``run`` resolves to now, so it is not
+    counted as finished (issue 30 #4). The line names the fields that differ (none: the same fields under an older
+    mgk's key, or another evaluation)."""
+    parent = run.run_dir.parent
+    if not parent.is_dir():
+        return []
+    lines = []
+    for d in sorted(parent.glob(f"seed{run.seed}-*")):
+        files = RunFiles(d)
+        if d == run.run_dir or not d.is_dir() or not (files.results.is_file() or files.checkpoint("last").is_file()):
+            continue
+        lines.append(f"{d} was made with another config than {run.task} {run.row.key} seed {run.seed} resolves to "
+                     f"now ({_differences(d, run)}): it is not counted as finished; this run goes to "
+                     f"{run.run_dir.name}")
+    return lines
+
+
+def _differences(run_dir: Path, run: Run) -> str:
+    """``"key: was != now"`` for the fields of ``run_dir``'s config.yaml that differ from ``run``'s config."""
+    try:
+        was = config_mod.flat(load_config(run_dir))
+    except (OSError, ValueError) as e:
+        return f"its config.yaml cannot be read: {' '.join(str(e).split())}"
+    now = config_mod.flat(config_mod.from_dict(run.config))
+    diffs = [f"{k}: {was.get(k)!r} != {v!r}" for k, v in now.items() if k not in _SET_BY_THE_RUN and was.get(k) != v]
+    if not diffs:
+        return "the same fields, under an older mgk's key or with another evaluation"
+    return "; ".join(diffs[:4]) + (f"; {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
 def _child_env(threads: int | None) -> dict:

@@ -1,9 +1,10 @@
 """The grid: experiment x scale x seeds, filtered by ``--only``, expanded into runs with resolved commands.
 
 Each run has the exact ``mgk train`` argument list, and for language modelling the ``mgk eval`` one. Its key is a
-hash of those arguments without the output directory (the resolved config: preset, task, data path, model, seed
-and every ``--set``), and its directory ``<out>/runs/<task>/<row>/seed<k>-<key>``: a changed setting gets a new
-directory, so a finished run is never overwritten.
+hash of the config it trains with, as ``mgk train`` resolves those arguments (:func:`mgk.cli.train_config`: the
+preset's values and the defaults included, so an edited preset or default gives a new key; issue 30 #4), and of the
+``mgk eval`` arguments; its directory is ``<out>/runs/<task>/<row>/seed<k>-<key>``: a changed setting gets a new
+directory, so a finished run is never overwritten nor counted for another config.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import hashlib
 import json
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import config as config_mod
 from ..attention import get_kind
 from ..choices import did_you_mean
 from ..train.rundir import RunFiles
@@ -39,6 +41,7 @@ class Run:
     key: str
     run_dir: Path
     test_eval: bool = False  # LM data with a test split: also `mgk eval --split test` (same window; not in the key)
+    config: dict | None = field(default=None, compare=False)  # config.to_dict of what train_args resolve to
 
     @property
     def task_label(self) -> str:
@@ -163,9 +166,16 @@ def _has_test_split(setting: TaskSetting, path: str | None) -> bool:
     return config_mod.apply_overrides(all_presets()[setting.preset], setting.overrides).data.gen_test > 0
 
 
-def run_key(train_args, eval_args) -> str:
-    """12 hex digits of sha256 over the resolved arguments."""
-    blob = json.dumps({"train": list(train_args), "eval": list(eval_args or ())}, sort_keys=True)
+def resolved_config(train_args) -> config_mod.RunConfig:
+    """The config ``mgk train`` resolves ``train_args`` to (:func:`mgk.cli.train_config`, the one resolver)."""
+    from ..cli import train_config  # mgk.cli imports this package
+
+    return train_config(list(train_args))
+
+
+def run_key(config: dict, eval_args) -> str:
+    """12 hex digits of sha256 over the resolved config (``config.to_dict``) and the evaluation arguments."""
+    blob = json.dumps({"config": config, "eval": list(eval_args or ())}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -194,10 +204,12 @@ def expand(exp: Experiment, scale: str, seeds: list, out: Path, *, only=None, da
                 if "seed" in only and str(seed) not in only["seed"]:
                     continue
                 train_args, eval_args = _resolve(row, task, seed, setting, path)
-                key = run_key(train_args, eval_args)
+                config = config_mod.to_dict(resolved_config(train_args))
+                key = run_key(config, eval_args)
                 run_dir = Path(out).absolute() / "runs" / task / row.key / f"seed{seed}-{key}"
                 test_eval = eval_args is not None and _has_test_split(setting, path)
-                runs.append(Run(row, task, seed, setting, path, train_args, eval_args, key, run_dir, test_eval))
+                runs.append(Run(row, task, seed, setting, path, train_args, eval_args, key, run_dir, test_eval,
+                                config))
     # Task by task, seed-major: every row gets seed 0 before any gets seed 1, so a grid stopped part-way (or its
     # report written early) compares rows over the same seeds.
     order = {t: i for i, t in enumerate(tasks)}

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..seeds import torch_seed
+
 __all__ = ["EpochSampler", "Sampler", "Task", "TaskModule"]
 
 
@@ -40,7 +42,7 @@ class EpochSampler:
         """int64 (batch_size,) example indices of optimiser step ``step``."""
         epoch, pos = divmod(step, self.per_epoch)
         if self._cache[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed(torch_seed(self.seed * 1_000_003 + epoch))
             self._cache = (epoch, torch.randperm(self.n, generator=g))
         return self._cache[1][pos * self.batch_size:(pos + 1) * self.batch_size]
 

@@ -10,6 +10,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from ..seeds import torch_seed
 from . import distributed
 from .precision import autocast
 
@@ -64,7 +65,7 @@ def eval_slice(num_examples: int, *, batches: int, batch_size: int, round_index:
     epoch, offset = divmod(start, num_examples)
     parts, have = [], 0
     while have < want:
-        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 7 * epoch + 1)
+        g = torch.Generator().manual_seed(torch_seed(int(seed) * 1_000_003 + 7 * epoch + 1))
         perm = torch.randperm(num_examples, generator=g)[offset:]
         parts.append(perm[:want - have])
         have += parts[-1].numel()

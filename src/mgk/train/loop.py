@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .. import config as config_mod
 from ..attention import soft_e_step
 from ..config import RunConfig
+from ..seeds import torch_seed
 from ..tasks import get_task
 from ..tasks.base import EpochSampler, Task
 from ..tasks.run_records import run_failure
@@ -30,7 +31,7 @@ from . import checkpoint, distributed, records, rundir
 from .evaluate import eval_slice, evaluate
 from .interrupt import Interrupted, SignalStop, StopSignals, signal_name
 from .precision import autocast, grad_scaler
-from .schedule import build_scheduler, check_resumable
+from .schedule import build_scheduler, resume_scheduler
 from .state import LoopState
 
 __all__ = ["EpochSampler", "Interrupted", "LoopState", "NonFiniteLoss", "NonFiniteResult", "Trainer", "fit"]
@@ -95,7 +96,7 @@ class Trainer:
         if self.resume:
             self._load_checkpoint()
         else:
-            torch.manual_seed(self.cfg.seed * 7919 + self.dist.rank)  # each rank its own dropout stream
+            torch.manual_seed(torch_seed(self.cfg.seed * 7919 + self.dist.rank))  # each rank its own dropout stream
         self._setup_records()
         self.net = DistributedDataParallel(self.model) if self.dist.world_size > 1 else self.model
         self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.optim.batch_size, self.cfg.seed)
@@ -151,8 +152,8 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was made with another model config: " + "; ".join(diffs))
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(checkpoint.align_optimizer_state(ckpt["optimizer"], ckpt["model"], self.model))
-        check_resumable(self.scheduler, ckpt["scheduler"], self.cfg.optim.steps)
-        self.scheduler.load_state_dict(ckpt["scheduler"])
+        saved = config_mod.flat(config_mod.from_dict(ckpt["config"]))
+        resume_scheduler(self.scheduler, ckpt["scheduler"], saved=saved, now=config_mod.flat(self.cfg))
         self.scaler.load_state_dict(ckpt["scaler"])
         self.state = LoopState.from_checkpoint(ckpt)
         self.saved_step = self.state.step
@@ -160,7 +161,7 @@ class Trainer:
         if len(rngs) == self.dist.world_size:
             checkpoint.set_rng_state(rngs[self.dist.rank])
         else:  # another world size: fresh per-rank streams, still a function of (seed, step, rank)
-            torch.manual_seed(self.cfg.seed * 7919 + self.state.step * 31 + self.dist.rank)
+            torch.manual_seed(torch_seed(self.cfg.seed * 7919 + self.state.step * 31 + self.dist.rank))
 
     def model_differences(self, saved_config: dict) -> list[str]:
         """``"key: saved != now"`` for the task, sizes and model-config fields that differ from ``saved_config``."""

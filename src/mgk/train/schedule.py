@@ -61,3 +61,36 @@ def check_resumable(scheduler, state: dict, total_steps: int) -> None:
     if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR) and saved is not None and saved != total_steps:
         raise ValueError(f"schedule onecycle was planned for {saved} steps; it cannot resume with steps="
                          f"{total_steps} (start a new run for another length)")
+
+
+_PHASES = ("schedule", "lr", "warmup_steps", "steps")
+
+
+def resume_scheduler(scheduler, state: dict, *, saved: dict, now: dict) -> None:
+    """Load the saved scheduler ``state`` into ``scheduler`` (built by :func:`build_scheduler` for the resumed run,
+    its optimiser already restored), so that the resumed run's schedule sets the lr from its first resumed step.
+
+    ``saved`` and ``now`` are the flat configs (``mgk.config.flat``) of the checkpoint and of the resumed run.
+    LambdaLR (every schedule but "onecycle") computes an lr only when stepped: the restored optimiser holds the lr
+    the old schedule gave the next step (0 after a finished linear or cosine decay), so the lr of that step is set
+    again from the new schedule, its peak ``lr`` (the new base) and its steps and warm-up (issue 30 #3). With
+    nothing changed this is the same float (``base_lr * lambda(step)``, as ``LambdaLR.get_lr``), so resuming stays
+    bitwise exact. OneCycleLR's phases, peak and momentum cycle are fixed when it is built: ValueError naming the
+    field when ``schedule``, ``lr``, ``warmup_steps`` or ``steps`` changed and either side is "onecycle"."""
+    if "onecycle" in (saved["schedule"], now["schedule"]):
+        changed = [k for k in _PHASES if saved[k] != now[k]]
+        if changed:
+            was = ", ".join(f"{k}={saved[k]}" for k in _PHASES)
+            raise ValueError(f"the run was trained with {was}; schedule onecycle fixes its phases when it starts, so "
+                             f"it cannot resume with {', '.join(f'{k}={now[k]}' for k in changed)} (start a new run "
+                             "with --overwrite --out, or resume without changing these)")
+        check_resumable(scheduler, state, now["steps"])
+        scheduler.load_state_dict(state)
+        return
+    scheduler.load_state_dict(state)
+    step = scheduler.last_epoch
+    scheduler.base_lrs = [now["lr"] for _ in scheduler.optimizer.param_groups]
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
