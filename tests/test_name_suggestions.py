@@ -85,3 +85,22 @@ def test_bench_and_the_pi_flag_suggest_the_close_name_and_list_the_names(capsys,
     line = _line(capsys, argv)
     assert line.startswith(prefix) and fragment in line and "preset 'listop-small'" not in line, line
     assert all(n in line for n in names), line
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--set", "batch_siz=3"], "mgk train: --set batch_siz: unknown config field; did you mean 'batch_size'?"),
+    (["train", "--set", "attention.options.sigma=2"], "mgk train: --set attention.options.sigma: unknown config "
+     "field; did you mean 'attention.options.sigma2' or 'attention.options.pi'?"),
+    (["data", "check", "--task", "listops", "--data", ".", "--set", "lrr=3"],
+     "mgk data check: --set lrr: unknown config field; did you mean 'lr'?"),
+    (["bench", "model", "--set", "batch_siz=3"],
+     "mgk bench model: --set batch_siz: unknown config field; did you mean 'batch_size'?"),
+    (["bench", "decode", "--set", "num_keyz=2"],
+     "mgk bench decode: --set num_keyz: unknown config field; did you mean 'num_keys'?"),
+    (["train", "--attention", "softmax", "--set", "num_keys=2"], "mgk train: --set num_keys: attention option "
+     "'num_keys' does not apply to attention kind 'softmax' (softmax takes no options)"),
+])
+def test_an_unknown_set_field_is_one_line_naming_the_flag_and_the_field(capsys, argv, line):
+    """As for --task: the flag and the field, named once (bench used to say `--set: --set batch_siz`), and the close
+    names; an option the chosen kind does not take names the --set that gave it."""
+    assert _line(capsys, argv) == line

@@ -243,3 +243,69 @@ def test_progress_bar_shows_only_on_a_terminal(monkeypatch):
         bar = evaluate_mod.progress_bar(3, desc="val", enabled=enabled)
         assert bar.disable is not shown and bar.leave is False
         bar.close()
+
+
+def _tree(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name != LOCK_NAME)
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_run_folder(tmp_path, th):
+    """A bad --data, or a mistake found once the data are generated into the run (max_len too short for them), used
+    to leave a run folder behind (with the lock file, or the generated data) that the same command, corrected, then
+    refused as not empty."""
+    nested = tmp_path / "runs" / "a" / "run"  # parents created by this command go with it
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(tmp_path / "no-such-data"), "--steps", "1", "--out", str(nested)])
+    assert "no-such-data" in _one_line(e)
+    assert not (tmp_path / "runs").exists()
+
+    new = tmp_path / "new"
+    with pytest.raises(SystemExit, match="max_len"):
+        main(["train", "--steps", "1", "--out", str(new), *th.sets(*th.TINY, "max_len=5")])
+    assert not new.exists()
+
+    empty = tmp_path / "empty"  # made by the user: it stays, as empty as it was
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="max_len"):
+        main(["train", "--steps", "1", "--out", str(empty), *th.sets(*th.TINY, "max_len=5")])
+    assert empty.is_dir() and _tree(empty) == []
+    main(["train", "--steps", "1", "--out", str(empty), *th.sets(*th.TINY)])  # no --overwrite needed
+    assert (empty / "results.json").is_file()
+
+
+def test_a_failed_resume_or_overwrite_keeps_the_directory(tmp_path, th, run_v0_1_0):
+    run_dir, _ = run_v0_1_0
+    (run_dir / "results.json").unlink()
+    last = run_dir / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:100])  # damaged: the resume fails in its setup
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != LOCK_NAME}
+    with pytest.raises(SystemExit, match="last.pt"):
+        main(["train", "--resume", str(run_dir)])
+    assert all(p.read_bytes() == data for p, data in before.items())  # (the data cache may have grown)
+
+    mine = tmp_path / "mine"  # a folder with the user's own files and an earlier run's results
+    main(["train", "--steps", "1", "--out", str(mine), *th.sets(*th.TINY)])
+    with pytest.raises(SystemExit, match="max_len"):
+        main(["train", "--steps", "1", "--out", str(mine), "--overwrite", *th.sets(*th.TINY, "max_len=5")])
+    assert mine.is_dir() and _tree(mine) == []  # emptied by --overwrite, as asked; the folder itself stays
+
+
+def test_abandon_removes_only_what_the_claim_made(tmp_path):
+    from mgk.train import rundir
+
+    lock = rundir.claim(tmp_path / "a" / "b" / "run")
+    (tmp_path / "a" / "other-run").mkdir()  # another process's run, under a parent this claim created
+    (tmp_path / "a" / "b" / "run" / "config.yaml").write_text("x: 1\n")
+    (tmp_path / "a" / "b" / "run" / "notes.txt").write_text("not mgk's")
+    rundir.abandon(lock)
+    assert _tree(tmp_path) == ["a", "a/b", "a/b/run", "a/b/run/notes.txt", "a/other-run"]
+    assert holder_pid(tmp_path / "a" / "b" / "run") is None
+
+    lock = rundir.claim(tmp_path / "a" / "b" / "run2")
+    (tmp_path / "a" / "b" / "run2" / "tb").mkdir()
+    rundir.abandon(lock)
+    assert _tree(tmp_path) == ["a", "a/b", "a/b/run", "a/b/run/notes.txt", "a/other-run"]
+
+    resumed = rundir.claim(tmp_path / "a" / "b" / "run", resume=True)
+    rundir.abandon(resumed)
+    assert _tree(tmp_path) == ["a", "a/b", "a/b/run", "a/b/run/notes.txt", "a/other-run"]

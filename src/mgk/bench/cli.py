@@ -212,7 +212,7 @@ def _run_decode(args) -> dict:
         try:
             apply_overrides(all_presets()["lm-small"], args.overrides)
         except ValueError as exc:
-            raise SystemExit(f"--set: {exc}") from None
+            raise SystemExit(_set_error(exc)) from None
     targets = ["run"] if args.run is not None else args.targets or list(DEFAULT_TARGETS)
     kinds = args.kinds if args.kinds is not None else _decode_kinds(DEFAULT_KINDS)
     result = run_decode(targets, kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
@@ -251,7 +251,7 @@ def run(args) -> int:
         try:
             apply_overrides(all_presets()[preset], args.overrides)
         except ValueError as exc:
-            raise SystemExit(f"--set: {exc}") from None
+            raise SystemExit(_set_error(exc)) from None
         result = run_model(preset, args.overrides, kinds=args.kinds, steps=args.steps, device=args.device,
                            timeout=args.timeout)
         print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
@@ -265,3 +265,8 @@ def run(args) -> int:
         print(f"mgk bench: {len(failed)} of {len(result['rows'])} rows failed (see the error column)")
         return 1
     return 0
+
+
+def _set_error(exc: ValueError) -> str:
+    """The one line of a bad ``--set``, naming the flag once (most config errors name it already)."""
+    return str(exc) if str(exc).startswith("--set") else f"--set: {exc}"

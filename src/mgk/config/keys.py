@@ -132,6 +132,14 @@ def _hint(cfg: RunConfig, path: str):
     return typing.get_type_hints(type(owner))[leaf]
 
 
+def _set_hint(cfg: RunConfig, path: str, key: str):
+    """:func:`_hint` for ``--set key=...``: an option the chosen kind does not take is named with the flag."""
+    try:
+        return _hint(cfg, path)
+    except ValueError as e:
+        raise ValueError(f"--set {key}: {e}") from None
+
+
 def _set(obj, parts: list[str], value):
     if len(parts) == 1:
         return dataclasses.replace(obj, **{parts[0]: value})
@@ -190,7 +198,7 @@ def apply_overrides(cfg: RunConfig, pairs=(), /, **values) -> RunConfig:
     typed = {resolve_key(k): v for k, v in values.items()}
     kind = texts[_KIND][1] if _KIND in texts else typed.get(_KIND)
     chosen = _choose_kind(cfg, kind) if kind is not None else cfg  # options parse as the chosen kind declares them
-    parsed = {path: fields.parse(text, _hint(chosen, path), key) for path, (key, text) in texts.items()}
+    parsed = {path: fields.parse(text, _set_hint(chosen, path, key), key) for path, (key, text) in texts.items()}
     changes = {**typed, **parsed}
     return _apply(cfg, changes, keep=set(changes))
 

@@ -381,13 +381,18 @@ class Trainer:
                 "failed and tables leave it out (lower lr, use --precision 32, or check adam_eps)")
 
     def close(self) -> None:
-        """Close the records, leave the process group and release the run directory (idempotent)."""
+        """Close the records, leave the process group and release the run directory (idempotent). A new run closed
+        before its first optimiser step (its setup or first step failed) leaves no run folder behind
+        (:func:`~mgk.train.rundir.abandon`)."""
         if self.log is not None:
             self.log.close()
             self.log = None
         distributed.teardown()
         if self.lock is not None:
-            self.lock.release()
+            if not self.resume and self.state.step == 0:
+                rundir.abandon(self.lock)
+            else:
+                self.lock.release()
             self.lock = None
 
     def results(self) -> dict:

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 __all__ = ["LOCK_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "RunFileError", "RunFiles", "append_line",
-           "claim", "find_runs", "holder_pid", "load_config", "read_config", "read_json", "read_metrics",
+           "abandon", "claim", "find_runs", "holder_pid", "load_config", "read_config", "read_json", "read_metrics",
            "read_results", "read_run_results", "write_config", "write_json"]
 
 LOCK_NAME = ".mgk-lock"
@@ -126,6 +126,10 @@ class RunDirLock:
         self.run_dir, self.shared = Path(run_dir), shared
         self.path = RunFiles(self.run_dir).lock
         self._fd: int | None = None
+        # Set by claim() for a new run, read by abandon(): the highest folder the claim created (None when run_dir
+        # existed), and whether the run directory held nothing of value when claimed (new, empty, or emptied).
+        self.made: Path | None = None
+        self.new_run = False
 
     def acquire(self) -> "RunDirLock":
         """Take the lock (exclusive, or shared for readers such as ``mgk eval``) without waiting; RunDirError
@@ -190,8 +194,10 @@ def claim(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool =
     run_dir = Path(run_dir)
     if resume and not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: no such run directory to resume")
+    made = _highest_missing(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir).acquire()
+    lock.made, lock.new_run = made, not resume
     try:
         entries = [] if resume else _entries(run_dir)
         if entries and not overwrite:
@@ -207,6 +213,50 @@ def claim(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool =
     return lock
 
 
+def _highest_missing(path: Path) -> Path | None:
+    """The highest folder of ``path`` (``path`` or one of its parents) that does not exist yet; None when it does."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing = folder
+    return missing
+
+
+def abandon(lock: RunDirLock) -> None:
+    """Undo :func:`claim` for a new run that stopped before its first optimiser step, then release ``lock``.
+
+    What the run wrote (the entries of :data:`RUN_ENTRIES`: data it generated, config.yaml, train.log, ...) is
+    removed, so no empty run folder is left and the same command can be run again without ``--overwrite``. The
+    folders the claim created go too (the run directory and parents it made, each only while empty: a parent that
+    another process filled meanwhile stays). A directory that existed before is never removed, and files that
+    ``mgk train`` does not write are never touched; a resumed run's directory (``claim(resume=True)``) is left as
+    it is."""
+    run_dir = lock.run_dir
+    try:
+        if lock.new_run and run_dir.is_dir():
+            _remove(run_dir, [e for e in _entries(run_dir) if e in RUN_ENTRIES])
+            if lock.made is not None:
+                lock.path.unlink(missing_ok=True)
+                for folder in (run_dir, *run_dir.parents):
+                    folder.rmdir()  # OSError when not empty: someone else's files stay, and so do their parents
+                    if folder == lock.made:
+                        break
+    except OSError:
+        pass  # a clean-up that fails leaves what it could not remove, as a failed run would
+    finally:
+        lock.release()
+
+
+def _remove(run_dir: Path, names: list[str]) -> None:
+    for name in names:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
 def _clear(run_dir: Path, entries: list[str], data: str | None) -> None:
     """Empty ``run_dir`` (but its lock file) for --overwrite; refuse when it holds anything mgk did not write."""
     foreign = [e for e in entries if e not in RUN_ENTRIES]
@@ -219,12 +269,7 @@ def _clear(run_dir: Path, entries: list[str], data: str | None) -> None:
         if inside == root or root in inside.parents:
             raise RunDirError(f"--data {data} lies inside {run_dir}: --overwrite would delete it; choose another "
                               "--out")
-    for name in entries:
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    _remove(run_dir, entries)
 
 
 # --------------------------------------------------------------------------- reading and writing the files
