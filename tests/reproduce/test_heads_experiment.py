@@ -7,6 +7,7 @@ import statistics
 import pytest
 import yaml
 
+from mgk.attention import get_kind
 from mgk.reproduce import expand, get_experiment
 from mgk.reproduce.collect import attention_flops
 from mgk.reproduce.executor import record_path
@@ -19,7 +20,8 @@ def test_heads_rows_run_on_their_own_tasks():
     exp = get_experiment("heads")
     rows = {r.key: r for r in exp.rows}
     d_rows = {f"softmax-{h}" for h in (1, 2, 4, 8)} | {f"{k}-{h}" for k in ("mgk", "smgk") for h in (1, 2, 4)}
-    assert {k for k, r in rows.items() if r.runs_on("dretrieval-d8")} == d_rows | {"mgk-1-m4"}
+    gqa = {f"gqa-8-kv{g}" for g in (4, 2, 1)}  # the baselines of results/cpu/kv-budget.md
+    assert {k for k, r in rows.items() if r.runs_on("dretrieval-d8")} == d_rows | {"mgk-1-m4"} | gqa
     assert {k for k, r in rows.items() if r.runs_on("mqar-n8")} == (
         {f"linear-{h}" for h in (1, 2, 4, 8)} | {f"mlk-{h}" for h in (1, 2, 4)})
     assert rows["mgk-4"].keys_per_head == 2 and rows["mgk-1-m4"].keys_per_head == 4
@@ -27,6 +29,29 @@ def test_heads_rows_run_on_their_own_tasks():
     assert rows["mgk-1-m4"].label == "MGK x 1, M = 4" and rows["mgk-1"].label == "MGK x 1"  # told apart
     # every comparison names rows of the experiment; the primary pair is M = 2 keys at half the heads
     assert all(a in rows and b in rows for a, b in exp.comparisons) and ("mgk-4", "softmax-8") in exp.comparisons
+    assert ("mgk-4", "gqa-8-kv2") in exp.comparisons and ("smgk-4", "gqa-8-kv4") in exp.comparisons
+    assert rows["gqa-8-kv2"].label == "GQA x 8 (kv 2)" and rows["gqa-8-kv1"].label == "MQA x 8"
+    assert rows["gqa-8-kv2"].options.num_kv_heads == 2 and rows["gqa-8-kv2"].keys_per_head == 1
+
+
+def test_kv_budget_rows_and_their_costs():
+    """results/cpu/kv-budget.md: GQA-8 (kv 2) has MGK-4's attention parameters and a third of its cache bytes."""
+    from mgk.config import apply_overrides
+    from mgk.reproduce.collect import attention_cache_bytes
+    from mgk.tasks.lm import PRESETS
+
+    exp = get_experiment("kv-budget")
+    assert [r.key for r in exp.rows] == ["softmax-8", "softmax-4", "gqa-8-kv4", "gqa-8-kv2", "gqa-8-kv1", "mgk-4",
+                                         "smgk-4"]
+    assert exp.metric == "ppl" and exp.tasks == ("lm",) and ("mgk-4", "gqa-8-kv2") in exp.comparisons
+    cache = {}
+    for row in exp.rows:
+        pi = {"pi": row.pi} if "pi" in get_kind(row.attention).options.names() else {}
+        cfg = apply_overrides(PRESETS["lm-small"], row.overrides, attention=row.attention, num_heads=row.heads, **pi)
+        cache[row.key] = attention_cache_bytes(cfg)
+    D = 16  # lm-small's head_dim
+    assert cache["softmax-8"] == 2 * 8 * D * 4 and cache["gqa-8-kv2"] == cache["softmax-8"] // 4
+    assert cache["mgk-4"] == 4 * (2 * D + D + 2) * 4 and cache["gqa-8-kv1"] == cache["softmax-8"] // 8
 
 
 def test_heads_grid_commands(tmp_path):

@@ -25,8 +25,8 @@ from .executor import record_path
 from .experiments import Experiment
 from .grid import Run
 
-__all__ = ["run_figures", "attention_params", "attention_flops", "aggregate", "file_facts", "PROTOCOL_FIELDS",
-           "task_metric"]
+__all__ = ["run_figures", "attention_params", "attention_flops", "attention_cache_bytes", "aggregate", "file_facts",
+           "PROTOCOL_FIELDS", "task_metric"]
 
 PROTOCOL_FIELDS = ("max_len", "batch_size", "steps", "lr", "warmup_steps", "schedule", "weight_decay", "adam_eps",
                    "d_model", "num_layers", "ffn_dim", "head_dim", "num_keys", "dropout", "attn_dropout", "pooling",
@@ -97,6 +97,16 @@ def attention_flops(cfg) -> int:
     return per_layer * cfg.model.num_layers * towers
 
 
+def attention_cache_bytes(cfg) -> int:
+    """Bytes a decoding cache holds per token and attention layer in float32 for the RunConfig ``cfg``: the
+    registry's formula of its kind (:class:`mgk.attention.cache_spec.CacheSpec`; GQA counts its key/value heads
+    only), held against the buffers by the tests; for linear attention and MLK, the fixed state of a layer."""
+    from ..attention import get_kind
+
+    a = cfg.attention
+    return get_kind(a.kind).cache.cache_bytes(a.options, num_heads=a.num_heads, head_dim=a.head_dim, length=1)
+
+
 def _window(ev: dict) -> str | None:
     """``"context 256, stride 1"``: the evaluation window of an ``mgk eval`` result (None without one)."""
     return f"context {ev['context']}, stride {ev['stride']}" if "context" in ev and "stride" in ev else None
@@ -135,7 +145,8 @@ def run_figures(run: Run, metric: str) -> dict:
                    best_step=res.get("best_step"),
                    attention_params=res["params_attention"] if "params_attention" in res
                    else _read(d, problems, attention_params),
-                   flops=attention_flops(cfg) if cfg else None)
+                   flops=attention_flops(cfg) if cfg else None,
+                   cache_bytes=attention_cache_bytes(cfg) if cfg else None)
     if failed:
         out["value"] = None
     out.update(failed=failed[0] if failed else None, problems=problems, results=res or None)
@@ -174,8 +185,8 @@ def aggregate(exp: Experiment, runs: list[Run], figures: list[dict]) -> list[dic
                                 **dict(zip(("mean", "std"), _mean_std(tests) if tests else ()))}
                 for name in ("window", "test_window"):
                     cell[name] = sorted({f[name] for f in figs if f.get(name)})
-            for name in ("params", "attention_params", "flops", "s_per_step", "peak_rss_mb", "majority_acc",
-                         "constant"):
+            for name in ("params", "attention_params", "flops", "cache_bytes", "s_per_step", "peak_rss_mb",
+                         "majority_acc", "constant"):
                 xs = [f.get(name) for f in figs if isinstance(f.get(name), (int, float))]
                 cell[name] = statistics.fmean(xs) if xs and name in ("s_per_step", "peak_rss_mb", "majority_acc",
                                                                       "constant") else (xs[0] if xs else None)

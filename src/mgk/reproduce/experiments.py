@@ -143,16 +143,32 @@ _D_TASKS = ("dretrieval-d8", "dretrieval-d4", "dretrieval-d2")
 _MQAR_TASKS = ("mqar-n8",)
 
 
+def _gqa_rows(tasks: tuple = ()) -> list:
+    """GQA with 8 query heads and 4 or 2 key/value heads, and MQA (one): the baselines users pick today for a smaller
+    cache (Ainslie et al. 2023; Shazeer 2019); GQA-8 (kv 2) has MGK-4's attention parameters and a third of its
+    cache (results/cpu/kv-budget.md)."""
+    return [Row(f"gqa-8-kv{g}", "gqa", 8, overrides=(f"num_kv_heads={g}",), tasks=tasks) for g in (4, 2, 1)]
+
+
 def _heads_rows() -> tuple:
-    """Softmax h in {1, 2, 4, 8}, MGK and sMGK h in {1, 2, 4} with M = 2, MGK M = 4 at h = 1 on D-retrieval; linear
+    """Softmax h in {1, 2, 4, 8}, MGK and sMGK h in {1, 2, 4} with M = 2, MGK M = 4 at h = 1, GQA-8 with 4, 2
+    and 1 key/value heads on D-retrieval; linear
     h in {1, 2, 4, 8} and MLK h in {1, 2, 4} (M = 2) on MQAR. head_dim is fixed by the presets."""
     rows = [Row(f"softmax-{h}", "softmax", h, tasks=_D_TASKS) for h in (8, 4, 2, 1)]
     rows += [Row(f"{kind}-{h}", kind, h, tasks=_D_TASKS) for kind in ("mgk", "smgk") for h in (4, 2, 1)]
     rows.append(Row("mgk-1-m4", "mgk", 1, overrides=("num_keys=4",), tasks=_D_TASKS))
+    rows += _gqa_rows(_D_TASKS)
     rows += [Row(f"linear-{h}", "linear", h, tasks=_MQAR_TASKS) for h in (8, 4, 2, 1)]
     rows += [Row(f"mlk-{h}", "mlk", h, tasks=_MQAR_TASKS) for h in (4, 2, 1)]
     return tuple(rows)
 
+
+# results/cpu/kv-budget.md, pre-registered: MGK-4 against GQA-8 (kv 2), the same attention parameters and a third of
+# the cache; sMGK-4 against what has its cache; then the reference pairs.
+_KV_BUDGET_COMPARISONS = (
+    ("mgk-4", "gqa-8-kv2"), ("smgk-4", "softmax-4"), ("smgk-4", "gqa-8-kv4"),
+    ("gqa-8-kv2", "softmax-8"), ("gqa-8-kv1", "gqa-8-kv2"), ("gqa-8-kv4", "softmax-4"),
+)
 
 # (row, reference): M keys per head against M times the heads (equal h * M), the preconditions (does the task
 # separate k heads from 2k?) and, on MQAR, equal state size (MLK-k against linear-k).
@@ -164,6 +180,14 @@ HEADS_COMPARISONS = (
     ("linear-8", "linear-4"),
     ("mlk-4", "linear-4"), ("mlk-4", "linear-8"), ("mlk-2", "linear-4"), ("mlk-1", "linear-2"),
     ("mlk-2", "linear-2"), ("mlk-1", "linear-1"),
+    *_KV_BUDGET_COMPARISONS,
+)
+
+# The kv-budget experiment on WikiText-103 (results/cpu/kv-budget.md): quality against attention parameters and
+# cache bytes, softmax and GQA against MGK-4 and sMGK-4.
+_KV_BUDGET = (
+    Row("softmax-8", "softmax", 8), Row("softmax-4", "softmax", 4), *_gqa_rows(),
+    Row("mgk-4", "mgk", 4), Row("smgk-4", "smgk", 4),
 )
 
 _LRA_TASKS = ("listops", "text", "retrieval")
@@ -180,6 +204,9 @@ EXPERIMENTS = {e.name: e for e in (
                metric="ppl"),
     Experiment("heads", "Heads that matter: D-retrieval and MQAR against the number of heads and keys per head",
                (*_D_TASKS, *_MQAR_TASKS), (), _heads_rows(), comparisons=HEADS_COMPARISONS),
+    Experiment("kv-budget", "WikiText-103 perplexity of MGK against GQA / MQA at equal parameters and cache",
+               ("lm",), (), _KV_BUDGET, metric="ppl",
+               comparisons=(*_KV_BUDGET_COMPARISONS, ("mgk-4", "softmax-8"), ("softmax-8", "softmax-4"))),
 )}
 
 

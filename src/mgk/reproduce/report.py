@@ -173,7 +173,7 @@ def _table(rep: dict, task: dict) -> list[str]:
     unit = "valid perplexity" if ppl else unit
     split = "test perplexity | n | paper | evaluation window" if ppl else "split"
     head = (f"| Row | {task['label']} ({unit}{better}) | n | paper | {split} | attn params | params | "
-            "attn FLOPs/fwd | s/step | peak RSS MB |" + chance + (" h x M |" if keys else ""))
+            "attn FLOPs/fwd | cache B/token/layer | s/step | peak RSS MB |" + chance + (" h x M |" if keys else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
         n = f"{c['n']}/{c['planned']}"
@@ -182,6 +182,7 @@ def _table(rep: dict, task: dict) -> list[str]:
         split = _lm_columns(c) if ppl else ('/'.join(c['splits']) or DASH)
         lines.append(f"| {c['label']} | {_cell(c)} | {n} | {_num(c['paper'])} | {split} | "
                      f"{_si(c['attention_params'])} | {_si(c['params'])} | {_si(c['flops'])} | "
+                     f"{_num(c.get('cache_bytes'), '{:.0f}')} | "
                      f"{_num(c['s_per_step'], '{:.3f}')} | {_num(c['peak_rss_mb'], '{:.0f}')} |{above}{hm}")
     return lines
 
@@ -230,7 +231,9 @@ def render(rep: dict) -> str:
             "`split`: test when the data has a test split, else validation (the best-validation checkpoint); "
             "perplexity: validation and, when the data has a test split, test, each with its evaluation window. "
             "attn FLOPs/fwd: analytic FLOPs of all attention layers for one sequence of the run's length "
-            "(`mgk bench`'s count). Peak RSS: the training process's resident memory. `> majority`: above the "
+            "(`mgk bench`'s count). cache B/token/layer: the bytes a decoding cache holds per token and attention "
+            "layer in float32 (the registry's formula, which the tests hold against the buffers; linear kinds: the "
+            "fixed state of a layer). Peak RSS: the training process's resident memory. `> majority`: above the "
             "majority-class accuracy (in brackets); `< constant`: an NMSE below that of predicting the train mean "
             "(in brackets; NMSE is lower-is-better). `h x M`: heads times keys per head.", ""]
     for task in rep["tasks"]:
