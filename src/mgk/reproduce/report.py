@@ -180,10 +180,10 @@ def _table(rep: dict, task: dict) -> list[str]:
         above = f" {_chance(c)} |" if chance else ""
         hm = f" {c['heads']} x {c['keys']} |" if keys else ""
         split = _lm_columns(c) if ppl else ('/'.join(c['splits']) or DASH)
-        lines.append(f"| {c['label']} | {_cell(c)} | {n} | {_num(c['paper'])} | {split} | "
-                     f"{_si(c['attention_params'])} | {_si(c['params'])} | {_si(c['flops'])} | "
-                     f"{_num(c.get('cache_bytes'), '{:.0f}')} | "
-                     f"{_num(c['s_per_step'], '{:.3f}')} | {_num(c['peak_rss_mb'], '{:.0f}')} |{above}{hm}")
+        figures = [c["label"], _cell(c), n, _num(c["paper"]), split, _si(c["attention_params"]), _si(c["params"]),
+                   _si(c["flops"]), _num(c.get("cache_bytes"), "{:.0f}"), _num(c["s_per_step"], "{:.3f}"),
+                   _num(c["peak_rss_mb"], "{:.0f}")]
+        lines.append("| " + " | ".join(figures) + " |" + above + hm)
     return lines
 
 
