@@ -8,8 +8,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Each top-level part of mgk may import from its own layer and the layers below, never from a layer above.
 LAYERS = {
-    "argtypes": 0, "atomic": 0, "choices": 0, "fields": 0, "functional": 0,  # the attention math, file writer,
-    # fields, names and numbers of the command line
+    "argtypes": 0, "atomic": 0, "choices": 0, "fields": 0, "functional": 0, "seeds": 0,  # the attention math,
+    # file writer, fields, names and numbers of the command line, the range of seeds torch takes
     "attention": 1,                          # nn.Modules over the functional core
     "integrations": 1,                       # those modules inside other libraries' models (a peer of attention:
     # swap_attention hands a Hugging Face model to integrations.hf, which builds through attention's registry)
