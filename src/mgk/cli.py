@@ -45,9 +45,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=number(int, 1), default=None,
-                   help="CPU threads of this process (torch.set_num_threads; default: torch's, one per core or "
-                        "$OMP_NUM_THREADS); with several runs on one machine give each at most cores / runs (1 for "
-                        "small models), or their threads spin against each other")
+                   help="CPU threads of this process (torch.set_num_threads; default: 1 for models under 1M "
+                        "parameters, which lose little on one thread and much when threads spin against another "
+                        "busy process, else torch's, one per core or $OMP_NUM_THREADS); with several runs on one "
+                        "machine give each at most cores / runs")
     p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>); "
                                                 "must be empty or new")
     p.add_argument("--overwrite", action="store_true",
@@ -108,7 +109,8 @@ def _run_train(args) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--{'resume' if resume else 'out'} {run_dir} is a file, not a run directory")
     try:
-        fit(cfg, run_dir, resume=resume, device=args.device, overwrite=args.overwrite)
+        fit(cfg, run_dir, resume=resume, device=args.device, overwrite=args.overwrite,
+            small_model_threads=args.threads is None and "OMP_NUM_THREADS" not in os.environ)
     except Interrupted as e:  # SIGINT / SIGTERM: one line with the --resume command, exit 128 + signal
         if e.is_main:
             print(f"mgk train: {e}", file=sys.stderr)

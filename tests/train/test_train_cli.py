@@ -1,5 +1,6 @@
 """`mgk train` end to end on the generated ListOps: run records, results.json, errors."""
 import json
+import subprocess
 
 import pytest
 import yaml
@@ -101,3 +102,42 @@ def test_threads_sets_the_runs_cpu_threads_and_refuses_zero_in_one_line(tmp_path
     help_text = _subprocess.run(th.mgk_cmd("train", "--help"), env=th.env(), capture_output=True, text=True,
                                 timeout=120).stdout
     assert "--threads" in help_text
+
+
+@pytest.mark.parametrize("omp, want", [(None, 1), ("2", 2)])
+def test_a_small_model_trains_on_one_thread_unless_threads_are_given(tmp_path, th, omp, want):
+    """Issue 30 (#8): threads of a small model spun against another busy process (the main job took 53 minutes on
+    a busy machine against 1.6 quiet); without --threads and $OMP_NUM_THREADS, a model under
+    mgk.train.loop.SMALL_MODEL_PARAMS trains on one thread; $OMP_NUM_THREADS (or --threads) is obeyed."""
+    env = {k: v for k, v in th.env().items() if k != "OMP_NUM_THREADS"}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    out = tmp_path / "run"
+    done = subprocess.run(th.mgk_cmd("train", "--attention", "softmax", "--steps", "1", "--out", str(out),
+                                     *th.sets(*th.TINY)), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "env.json").read_text())["threads"] == want
+
+
+def test_the_small_model_rule_leaves_larger_models_and_library_calls_alone(tmp_path, th, monkeypatch):
+    """Only `mgk train` (a process of its own) applies the rule: fit() called as a library leaves the caller's
+    threads alone, and a model at or above the limit keeps torch's threads."""
+    import torch
+
+    from mgk.train import loop
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the caller's setting, which only the small-model rule may change
+        cfg = config_mod.validate(config_mod.apply_overrides(config_mod.RunConfig(), [*th.TINY, "steps=1"],
+                                                             attention="softmax"))
+        loop.fit(cfg, tmp_path / "lib")
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 1)
+        loop.fit(cfg, tmp_path / "big", small_model_threads=True)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 10**12)
+        loop.fit(cfg, tmp_path / "small", small_model_threads=True)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

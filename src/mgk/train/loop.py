@@ -51,27 +51,39 @@ def _say(run_dir: Path, message: str) -> None:
     rundir.append_line(rundir.RunFiles(run_dir).log, message)
 
 
+# A model with fewer parameters trains on one CPU thread when ``small_model_threads`` (``mgk train`` without
+# --threads or $OMP_NUM_THREADS): on the 2-core development machine (2026-12-02, `mgk train` 60 steps, 2 repeats),
+# the README's main job (MGK-4 on ListOps, 136k parameters) took 0.048-0.066 s a step on 1 thread and 0.040-0.042 on
+# 2 alone, but beside one busy process 0.049-0.051 on 1 thread against 0.126-0.157 on 2, whose threads spin against
+# it; a 1.55M-parameter model gained 1.39x from 2 threads alone and lost 1.8x beside a busy process.
+SMALL_MODEL_PARAMS = 1_000_000
+
+
 class Trainer:
     """Trains ``cfg`` into ``run_dir`` (or continues it from checkpoints/last.pt when ``resume``).
 
     Use: ``t = Trainer(cfg, run_dir); t.setup(); t.train(); results = t.finish()`` (what :func:`fit` does; call
-    ``t.close()`` when one of them raises). ``setup`` locks the run directory (:mod:`mgk.train.rundir`) and, for a
-    new run, requires it empty unless ``overwrite``; ``finish`` or ``close`` releases it. A relative data path of a
-    new run is stored as an absolute path (``data.path_as_given`` keeps it as typed). With ``stop``
-    (:class:`~mgk.train.interrupt.StopSignals`), a recorded signal ends ``train`` after the current step with
+    ``t.close()`` when one of them raises). ``small_model_threads``: set this process's torch threads to 1 when the
+    model has fewer than :data:`SMALL_MODEL_PARAMS` parameters (what ``mgk train`` asks for when given neither
+    ``--threads`` nor ``$OMP_NUM_THREADS``; a library caller's threads are left alone by default). ``setup`` locks
+    the run directory (:mod:`mgk.train.rundir`) and, for a new run, requires it empty unless ``overwrite``;
+    ``finish`` or ``close`` releases it. A relative data path of a new run is stored as an absolute path
+    (``data.path_as_given`` keeps it as typed). With ``stop`` (:class:`~mgk.train.interrupt.StopSignals`), a
+    recorded signal ends ``train`` after the current step with
     last.pt written, raising :class:`~mgk.train.interrupt.Interrupted`.
     Raises ValueError for a batch size that does not split over ranks and accumulation steps, or a device that does
     not exist here.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
-                 overwrite: bool = False, stop: StopSignals | None = None):
+                 overwrite: bool = False, stop: StopSignals | None = None, small_model_threads: bool = False):
         if not resume and cfg.data.path is not None and cfg.data.path_as_given is None:
             cfg = config_mod.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data.path)),
                                      data_as_given=cfg.data.path)
         self.cfg = config_mod.validate(cfg)
         self.dist = distributed.setup(device)
         self.run_dir, self.resume, self.overwrite, self.stop = Path(run_dir), resume, overwrite, stop
+        self.small_model_threads = small_model_threads
         self.lock: rundir.RunDirLock | None = None
         self.saved_step: int | None = None
         self.files = rundir.RunFiles(self.run_dir)
@@ -132,6 +144,8 @@ class Trainer:
         self.model = self.task.build_model(self.cfg).to(self.dist.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_attention_params = records.attention_parameters(self.model)
+        if self.small_model_threads and self.dist.device.type == "cpu" and self.num_params < SMALL_MODEL_PARAMS:
+            torch.set_num_threads(1)  # see SMALL_MODEL_PARAMS
 
     def _setup_optimizer(self) -> None:
         """AdamW, linear warm-up then the configured decay (Nguyen et al. 2022, Section 4; Loshchilov & Hutter
@@ -444,7 +458,7 @@ def finished_results(run_dir: str | Path, cfg: RunConfig) -> dict | None:
 
 
 def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
-        overwrite: bool = False) -> dict | None:
+        overwrite: bool = False, small_model_threads: bool = False) -> dict | None:
     """Train ``cfg`` into ``run_dir`` (or continue it from checkpoints/last.pt when ``resume``): :class:`Trainer`'s
     setup, train and finish, with SIGINT and SIGTERM handled (:mod:`mgk.train.interrupt`). Resuming a finished run
     (results.json reports ``cfg.optim.steps`` steps or more) changes nothing and returns its results.
@@ -465,7 +479,8 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
     trainer = None
     with StopSignals() as stop:
         try:
-            trainer = Trainer(cfg, run_dir, resume=resume, device=device, overwrite=overwrite, stop=stop)
+            trainer = Trainer(cfg, run_dir, resume=resume, device=device, overwrite=overwrite, stop=stop,
+                              small_model_threads=small_model_threads)
             trainer.setup()
             trainer.train()
             return trainer.finish()
