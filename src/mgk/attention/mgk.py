@@ -188,6 +188,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
 
     @property
     def cache_layout(self) -> str:
+        """"MGKAttention (separate keys)" or "... (shifted keys)": the two store different keys, so a cache filled by
+        one is refused by the other."""
         return f"{type(self).__name__} ({self.keys} keys)"
 
     def _cached_core(self, q, x, v, valid, cache: LayerCache):
