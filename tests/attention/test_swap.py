@@ -279,6 +279,16 @@ def test_a_parametrized_projection_is_carried_as_its_effective_weight():
         torch.testing.assert_close(new(x, need_weights=False)[0], want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["softmax", "mgk", "gqa", "mlk"])
+def test_a_frozen_layer_stays_frozen_and_a_trainable_one_trainable(kind):
+    """A swap kept the weights but set requires_grad on every new parameter: a frozen layer of a model being
+    fine-tuned would have been trained without a word."""
+    frozen = nn.MultiheadAttention(E, H, batch_first=True).eval().requires_grad_(False)
+    model = mgk.swap_attention(nn.Sequential(frozen, nn.MultiheadAttention(E, H, batch_first=True)), kind)
+    assert not any(p.requires_grad for p in model[0].parameters())
+    assert all(p.requires_grad for p in model[1].parameters())
+
+
 def test_bad_kind_options_and_head_counts_are_refused():
     old = nn.MultiheadAttention(E, H)
     with pytest.raises(ValueError, match="unknown attention kind 'mgkk'"):

@@ -86,7 +86,8 @@ def test_cli_writes_json_rows_and_a_table(tmp_path):
     assert table(result).count("\n") == 1 + len(result["rows"])
 
 
-@pytest.mark.parametrize("text,message", [("mgk", "NAME:HEADS"), ("mgk:0", ">= 1"), ("flash:4", "unknown kind")])
+@pytest.mark.parametrize("text,message", [("mgk", "NAME:HEADS"), ("mgk:0", ">= 1"), ("flash:4", "unknown kind"),
+                                          ("gqa+num_kv_heads=2+num_kv_heads=4:8", "given twice")])
 def test_bad_kinds_are_refused_by_name(text, message):
     with pytest.raises(SystemExit, match=message):
         _kinds(text)

@@ -36,6 +36,7 @@ class AttentionSource:
     device: torch.device
     dtype: torch.dtype
     training: bool
+    trainable: bool = True  # whether any of the old module's parameters required grad (a frozen layer stays frozen)
 
 
 def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict) -> dict:
@@ -76,7 +77,7 @@ def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBas
         for name, value in weights.items():
             if value is not None:
                 params[name].copy_(value)
-    return new.train(src.training)
+    return new.requires_grad_(src.trainable).train(src.training)
 
 
 # The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot
@@ -109,7 +110,7 @@ def _read(old: nn.Module, path: str) -> AttentionSource:
         own = {k: v.detach().cpu() for k, v in old.named_parameters()}
     first = next(old.parameters())
     return AttentionSource(**config, weights=weights, parameters=own, device=first.device, dtype=first.dtype,
-                   training=old.training)
+                           training=old.training, trainable=any(p.requires_grad for p in old.parameters()))
 
 
 def _check_torch_module(old: nn.MultiheadAttention, path: str) -> None:

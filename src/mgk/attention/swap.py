@@ -28,8 +28,9 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         options: the kind's own options, as :func:`mgk.build_attention` (num_keys, pi, sigma2, ...).
 
     Carried over from each old module: embed_dim, num_heads (unless given), head_dim, dropout, bias, batch_first,
-    kdim / vdim, device, dtype and train/eval mode. Weights, with the old key projection K (for an mgk mixture
-    source: its first component):
+    kdim / vdim, device, dtype, train/eval mode, and whether it is frozen (a module none of whose parameters requires
+    grad gives a new module none of whose parameters does; forward hooks on the old module are not carried).
+    Weights, with the old key projection K (for an mgk mixture source: its first component):
 
     * softmax and linear: the query, key, value and output projections are copied exactly. ``nn.MultiheadAttention``
       -> "softmax" with the same heads then gives the same outputs (to rounding), masks included; its packed

@@ -75,7 +75,7 @@ VARIANTS = {"mgk-hard": BenchVariant("mgk", {"pi": "hard_e"}), "mgk-softe": Benc
 
 def variant(name: str) -> BenchVariant:
     """The variant benchmarked as ``name``: a :data:`VARIANTS` name, a registered kind, or ``kind+option=value+...``.
-    ValueError naming an unknown kind, an option the kind does not take or a bad value."""
+    ValueError naming an unknown kind, an option the kind does not take or given twice, or a bad value."""
     if name in VARIANTS:
         return VARIANTS[name]
     kind, *pairs = name.split("+")
@@ -90,6 +90,8 @@ def variant(name: str) -> BenchVariant:
         key, sep, text = pair.partition("=")
         if not sep:
             raise ValueError(f"{name!r}: expected option=value after '+', got {pair!r}")
+        if key in options:
+            raise ValueError(f"{name!r}: option {key!r} is given twice; give it once")
         options[key] = spec.parse_option(key, text)
     spec.make_options(**options)
     return BenchVariant(kind, options)

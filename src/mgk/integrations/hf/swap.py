@@ -154,7 +154,8 @@ def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num
     first = next(old.parameters())
     return AttentionSource(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim, dropout=float(dropout),
                            bias=bias, batch_first=True, kdim=embed_dim, vdim=embed_dim, weights=weights, parameters={},
-                           device=first.device, dtype=first.dtype, training=old.training)
+                           device=first.device, dtype=first.dtype, training=old.training,
+                           trainable=any(p.requires_grad for p in old.parameters()))
 
 
 def _llama_source(old: nn.Module, config) -> AttentionSource:
