@@ -14,93 +14,24 @@ from pathlib import Path
 
 from . import config as config_mod
 from .analyze import cli as analyze_cli
-from .argtypes import number, seed
-from .attention import attention_kinds
 from .bench import cli as bench_cli
-from .choices import argparse_type, require
+from .choices import require
 from .generate import cli as generate_cli
 from .reproduce import cli as reproduce_cli
 from .tasks import TASKS, all_presets
-
-_TASK = argparse_type("task", TASKS)
-_PRESET = argparse_type("preset", lambda: sorted(all_presets()))
-
-
-def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model on a task (default: generated ListOps, small CPU preset)",
-                       description="Train on a task. Without --data, ListOps is generated (the embedded default).")
-    p.add_argument("--task", default=None, type=_TASK, help=f"task: {', '.join(TASKS)} (default: the preset's "
-                                                             "task, listops)")
-    p.add_argument("--preset", default=None, type=_PRESET,
-                   help=f"starting configuration: {', '.join(sorted(all_presets()))} (default: <task>-small)")
-    p.add_argument("--data", default=None, help="folder with the release files (default: generate)")
-    p.add_argument("--attention", default=None, type=argparse_type("attention kind", attention_kinds),
-                   help=f"attention kind: {', '.join(attention_kinds())}")
-    p.add_argument("--heads", type=int, default=None, help="number of attention heads")
-    p.add_argument("--pi", default=None, type=argparse_type("pi mode", config_mod.field_of("attention.options.pi")
-                                                            .metadata["choices"]),
-                   help="mixture-weight mode of mgk / smgk (mlk / smlk: learned only); an error for other kinds")
-    p.add_argument("--steps", type=int, default=None, help="optimiser steps")
-    p.add_argument("--seed", type=seed, default=None, help="training seed, 0 to 2**64 - 1 (default: the preset's)")
-    p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=number(int, 1), default=None,
-                   help="CPU threads of this process (torch.set_num_threads; default: 1 for models under 1M "
-                        "parameters, which lose little on one thread and much when threads spin against another "
-                        "busy process, else torch's, one per core or $OMP_NUM_THREADS); with several runs on one "
-                        "machine give each at most cores / runs")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<attention><heads>-<time>); "
-                                                "must be empty or new")
-    p.add_argument("--overwrite", action="store_true",
-                   help="clear --out first when it holds an earlier run (never a directory in use)")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field (repeatable), e.g. --set batch_size=16 --set lr=3e-4")
-
-
-def _resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
-    if args.resume:
-        from .train.rundir import load_config
-
-        run_dir = Path(args.resume)
-        cfg = load_config(run_dir)
-        flags = [n for n in ("task", "preset", "data", "attention", "heads", "pi", "seed", "out")
-                 if getattr(args, n) is not None]
-        flags += ["overwrite"] if args.overwrite else []
-        if flags:
-            raise SystemExit(f"mgk train: --resume takes its config from {run_dir}/config.yaml; "
-                             f"drop --{', --'.join(flags)} (use --set for steps or bookkeeping fields)")
-        changes = {k: v for k, v in (("steps", args.steps), ("precision", args.precision)) if v is not None}
-        return config_mod.apply_overrides(cfg, args.overrides, **changes), run_dir, True
-    task = args.task or "listops"
-    preset = args.preset or f"{task}-small"
-    presets = all_presets()
-    require("preset", preset, sorted(presets))
-    flags = {"task": args.task, "data": args.data, "attention": args.attention, "num_heads": args.heads,
-             "pi": args.pi, "steps": args.steps, "seed": args.seed, "precision": args.precision}
-    # Flags and --set at once: an option the chosen kind does not take is an error when set here, while the
-    # preset's forms for other kinds (and its learned-weight shape under --pi soft_e) simply do not apply.
-    cfg = config_mod.apply_overrides(presets[preset], args.overrides,
-                                     **{k: v for k, v in flags.items() if v is not None})
-    name = f"{cfg.task}-{cfg.attention.kind}{cfg.attention.num_heads}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = Path(args.out) if args.out else Path("runs") / name
-    return cfg, out, False
-
-
-def train_config(argv: list[str]) -> config_mod.RunConfig:
-    """The validated config that ``mgk train ARGV`` (a new run: ``argv`` starts with ``train``, no ``--resume``)
-    trains with, before its data is read: the preset, the flags and every ``--set`` applied as ``mgk train`` applies
-    them. ValueError for a value or combination it refuses."""
-    cfg, _, resume = _resolve_train_config(build_parser().parse_args(list(argv)))
-    if resume:
-        raise ValueError("train_config resolves a new run; a --resume run takes its config from its config.yaml")
-    return config_mod.validate(cfg)
+from .train.arguments import (
+    PRESET_TYPE,
+    TASK_TYPE,
+    add_train_parser,
+    resolve_train_config,
+    train_config,  # noqa: F401  (mgk.cli.train_config, as before)
+)
 
 
 def _run_train(args) -> int:
     from .train.loop import Interrupted, fit
 
-    cfg, run_dir, resume = _resolve_train_config(args)
+    cfg, run_dir, resume = resolve_train_config(args)
     config_mod.validate(cfg)
     if args.threads is not None:  # a setting of this process, not of the run: env.json records it
         import torch
@@ -167,9 +98,9 @@ def _data_parser(sub) -> None:
                         description="Validate the files of a task: counts per split, label balance, length "
                                     "statistics. Every malformed or missing file is an error naming it (and the line "
                                     "for text formats); the exit status is 1 when there is any.")
-    c.add_argument("--task", required=True, type=_TASK, help=", ".join(TASKS))
+    c.add_argument("--task", required=True, type=TASK_TYPE, help=", ".join(TASKS))
     c.add_argument("--data", required=True, help="the folder or archive to check (as for mgk train --data)")
-    c.add_argument("--preset", default=None, type=_PRESET, help="configuration the check assumes (max_len, level, "
+    c.add_argument("--preset", default=None, type=PRESET_TYPE, help="configuration the check assumes (max_len, level, "
                                                   "val_fraction, ...; default: <task>-small)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set max_len=1000 --set level=curv_baseline")
@@ -257,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mgk", description="Transformer-MGK: attention with a mixture of Gaussian keys, and the "
                                              "paper's experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
+    add_train_parser(sub)
     bench_cli.add_parser(sub)
     _eval_parser(sub)
     generate_cli.add_parser(sub)

@@ -1,10 +1,11 @@
 """The grid: experiment x scale x seeds, filtered by ``--only``, expanded into runs with resolved commands.
 
 Each run has the exact ``mgk train`` argument list, and for language modelling the ``mgk eval`` one. Its key is a
-hash of the config it trains with, as ``mgk train`` resolves those arguments (:func:`mgk.cli.train_config`: the
-preset's values and the defaults included, so an edited preset or default gives a new key; issue 30 #4), and of the
-``mgk eval`` arguments; its directory is ``<out>/runs/<task>/<row>/seed<k>-<key>``: a changed setting gets a new
-directory, so a finished run is never overwritten nor counted for another config.
+hash of the config it trains with, as ``mgk train`` resolves those arguments
+(:func:`mgk.train.arguments.train_config`: the preset's values and the defaults included, so an edited preset or
+default gives a new key; issue 30 #4), and of the ``mgk eval`` arguments; its directory is
+``<out>/runs/<task>/<row>/seed<k>-<key>``: a changed setting gets a new directory, so a finished run is never
+overwritten nor counted for another config.
 """
 from __future__ import annotations
 
@@ -167,8 +168,9 @@ def _has_test_split(setting: TaskSetting, path: str | None) -> bool:
 
 
 def resolved_config(train_args) -> config_mod.RunConfig:
-    """The config ``mgk train`` resolves ``train_args`` to (:func:`mgk.cli.train_config`, the one resolver)."""
-    from ..cli import train_config  # mgk.cli imports this package
+    """The config ``mgk train`` resolves ``train_args`` to (:func:`mgk.train.arguments.train_config`, the one
+    resolver)."""
+    from ..train.arguments import train_config
 
     return train_config(list(train_args))
 
