@@ -17,7 +17,7 @@ LAYERS = {
     "config": 3, "data": 3,                  # the run configuration (built from model configs); datasets, caches
     "tasks": 4,                              # a task = its data, its model and its metric
     "train": 5,                              # the loop, checkpoints, evaluation
-    "analyze": 6, "bench": 6, "generate": 6, "reproduce": 6, "cli": 6, "__main__": 6,  # entry points
+    "analyze": 6, "bench": 6, "generate": 6, "reproduce": 6, "retrofit": 6, "cli": 6, "__main__": 6,  # entry points
 }
 MAX_FUNCTION_LINES = 80
 

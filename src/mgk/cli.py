@@ -39,9 +39,18 @@ def _run_train(args) -> int:
         torch.set_num_threads(args.threads)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--{'resume' if resume else 'out'} {run_dir} is a file, not a run directory")
+    initialise = None
+    if args.init_from is not None:
+        from . import retrofit
+
+        init = retrofit.InitFrom(args.init_from, pairs=args.init_pairs or "similar")
+        init.check(cfg.task)
+
+        def initialise(model, task):
+            return retrofit.initialise(init, model, task, cfg.seed)
     try:
         fit(cfg, run_dir, resume=resume, device=args.device, overwrite=args.overwrite,
-            small_model_threads=args.threads is None and "OMP_NUM_THREADS" not in os.environ)
+            small_model_threads=args.threads is None and "OMP_NUM_THREADS" not in os.environ, initialise=initialise)
     except Interrupted as e:  # SIGINT / SIGTERM: one line with the --resume command, exit 128 + signal
         if e.is_main:
             print(f"mgk train: {e}", file=sys.stderr)

@@ -114,3 +114,17 @@ def summary(values) -> dict:
         return {"n": 0}
     return {"n": int(x.numel()), "mean": float(x.mean()), "std": float(x.std()) if x.numel() > 1 else 0.0,
             "min": float(x.min()), "median": float(x.median()), "max": float(x.max())}
+
+
+def js_matrix(maps: Tensor) -> Tensor:
+    """(H, H) float64: entry (h, h') the mean over query rows of ``JS(A_h[i], A_h'[i])`` in bits (0 on the
+    diagonal); the pairwise form of :func:`pairwise_js`, whose value is the mean of this matrix's upper triangle.
+    maps (H, L, S)."""
+    H = maps.shape[0]
+    out = torch.zeros(H, H, dtype=torch.float64)
+    if H > 1:
+        i, j = _pairs(H)
+        js = js_divergence(maps[i], maps[j]).mean(dim=-1)
+        out[i, j] = js
+        out[j, i] = js
+    return out

@@ -271,11 +271,19 @@ class MixtureKeysMixin:
         """The conversion rule of mixture keys from a layer with one key projection K (:func:`mgk.swap_attention`):
         queries, values and output copied; separate keys (MGK, MLK) take K as component 1 and K plus Gaussian noise
         of standard deviation ``KEY_SPREAD * std(K)`` as components 2..M (biases copied); shifted keys (sMGK, sMLK)
-        take K itself, their shifts drawn as at construction. Mixture weights stay as initialised (uniform)."""
+        take K itself, their shifts drawn as at construction. Mixture weights stay as initialised (uniform).
+
+        A key projection with M times the layer's width holds the M components themselves, component-major
+        (:func:`mgk.attention.regroup.merge_heads`): separate keys take them as they are; shifted keys have one key
+        projection and refuse them (ValueError)."""
         out = AttentionBase.load_projections(self, {k: v for k, v in weights.items() if not k.startswith("k_proj.")})
         key_w, key_b = weights["k_proj.weight"], weights.get("k_proj.bias")
-        if self.keys == "separate":
-            M = self.num_keys
+        M, width = self.num_keys, self.num_heads * self.head_dim
+        if M > 1 and key_w.shape[0] == M * width:
+            if self.keys != "separate":
+                raise ValueError(f"{type(self).__name__} has one key projection and shifts: it cannot take {M} key "
+                                 "components (merging heads into components needs separate keys: mgk or mlk)")
+        elif self.keys == "separate":
             spread = KEY_SPREAD * key_w.float().std().item()
             key_w = torch.cat([key_w] + [key_w + spread * torch.randn(key_w.shape, dtype=key_w.dtype)
                                          for _ in range(M - 1)])

@@ -48,6 +48,14 @@ def add_train_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="clear --out first when it holds an earlier run (never a directory in use)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
+    p.add_argument("--init-from", default=None, metavar="RUN_DIR",
+                   help="start a new run from RUN_DIR's best weights and config (its task, data and sizes), its "
+                        "attention converted to --attention / --heads: same heads (the kind's rule: GQA mean-pools "
+                        "key/value heads), MGK with half the heads (pairs of heads merged into its two key "
+                        "components) or fewer heads (the most important kept); see docs/retrofit.md")
+    p.add_argument("--init-pairs", default=None, choices=["similar", "adjacent"],
+                   help="with --init-from, the heads merged into one MGK head: 'similar' (default: the most alike "
+                        "attention maps on validation examples) or 'adjacent' (0-1, 2-3, ...)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field (repeatable), e.g. --set batch_size=16 --set lr=3e-4")
 
@@ -59,28 +67,50 @@ def resolve_train_config(args) -> tuple[config_mod.RunConfig, Path, bool]:
         from .rundir import load_config
 
         run_dir = Path(args.resume)
-        cfg = load_config(run_dir)
-        flags = [n for n in ("task", "preset", "data", "attention", "heads", "pi", "seed", "out")
-                 if getattr(args, n) is not None]
+        flags = [n for n in ("task", "preset", "data", "attention", "heads", "pi", "seed", "out", "init_from",
+                             "init_pairs") if getattr(args, n) is not None]
         flags += ["overwrite"] if args.overwrite else []
         if flags:
             raise SystemExit(f"mgk train: --resume takes its config from {run_dir}/config.yaml; "
-                             f"drop --{', --'.join(flags)} (use --set for steps or bookkeeping fields)")
+                             f"drop --{', --'.join(f.replace('_', '-') for f in flags)} (use --set for steps or "
+                             "bookkeeping fields)")
+        cfg = load_config(run_dir)
         changes = {k: v for k, v in (("steps", args.steps), ("precision", args.precision)) if v is not None}
         return config_mod.apply_overrides(cfg, args.overrides, **changes), run_dir, True
-    task = args.task or "listops"
-    preset = args.preset or f"{task}-small"
-    presets = all_presets()
-    require("preset", preset, sorted(presets))
+    if args.init_pairs is not None and args.init_from is None:
+        raise SystemExit("mgk train: --init-pairs applies to --init-from RUN_DIR only")
+    if args.init_from is not None:
+        base = _init_base(args)
+    else:
+        task = args.task or "listops"
+        preset = args.preset or f"{task}-small"
+        presets = all_presets()
+        require("preset", preset, sorted(presets))
+        base = presets[preset]
     flags = {"task": args.task, "data": args.data, "attention": args.attention, "num_heads": args.heads,
              "pi": args.pi, "steps": args.steps, "seed": args.seed, "precision": args.precision}
     # Flags and --set at once: an option the chosen kind does not take is an error when set here, while the
     # preset's forms for other kinds (and its learned-weight shape under --pi soft_e) simply do not apply.
-    cfg = config_mod.apply_overrides(presets[preset], args.overrides,
+    cfg = config_mod.apply_overrides(base, args.overrides,
                                      **{k: v for k, v in flags.items() if v is not None})
     name = f"{cfg.task}-{cfg.attention.kind}{cfg.attention.num_heads}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out) if args.out else Path("runs") / name
     return cfg, out, False
+
+
+def _init_base(args) -> config_mod.RunConfig:
+    """The config of ``--init-from RUN_DIR`` a new run starts from; SystemExit in one line for flags it cannot
+    take or a folder that is not a run."""
+    from .rundir import load_config
+
+    flags = [n for n in ("resume", "task", "preset") if getattr(args, n) is not None]
+    if flags:
+        raise SystemExit(f"mgk train: --init-from takes the task, data and sizes from {args.init_from}/config.yaml; "
+                         f"drop --{', --'.join(flags)}")
+    try:
+        return load_config(Path(args.init_from))
+    except FileNotFoundError:
+        raise SystemExit(f"mgk train: --init-from {args.init_from}: not a run directory (no config.yaml)") from None
 
 
 def train_config(argv: list[str]) -> config_mod.RunConfig:

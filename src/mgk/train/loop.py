@@ -70,13 +70,17 @@ class Trainer:
     ``finish`` or ``close`` releases it. A relative data path of a new run is stored as an absolute path
     (``data.path_as_given`` keeps it as typed). With ``stop`` (:class:`~mgk.train.interrupt.StopSignals`), a
     recorded signal ends ``train`` after the current step with
-    last.pt written, raising :class:`~mgk.train.interrupt.Interrupted`.
+    last.pt written, raising :class:`~mgk.train.interrupt.Interrupted`. ``initialise(model, task) -> dict`` (new
+    runs only; ``mgk train --init-from``, :mod:`mgk.retrofit`): called on the freshly built model once the data is
+    read, it sets the weights and returns a record (with a one-line ``"summary"``) written to init.json; the
+    initialised weights are then validated and logged at step 0.
     Raises ValueError for a batch size that does not split over ranks and accumulation steps, or a device that does
     not exist here.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
-                 overwrite: bool = False, stop: StopSignals | None = None, small_model_threads: bool = False):
+                 overwrite: bool = False, stop: StopSignals | None = None, small_model_threads: bool = False,
+                 initialise=None):
         if not resume and cfg.data.path is not None and cfg.data.path_as_given is None:
             cfg = config_mod.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data.path)),
                                      data_as_given=cfg.data.path)
@@ -84,6 +88,7 @@ class Trainer:
         self.dist = distributed.setup(device)
         self.run_dir, self.resume, self.overwrite, self.stop = Path(run_dir), resume, overwrite, stop
         self.small_model_threads = small_model_threads
+        self.initialise, self.init_record = None if resume else initialise, None
         self.lock: rundir.RunDirLock | None = None
         self.saved_step: int | None = None
         self.files = rundir.RunFiles(self.run_dir)
@@ -104,6 +109,8 @@ class Trainer:
         self._claim_run_dir()
         self._setup_data()
         self._setup_model()
+        if self.initialise is not None:  # a new run started from another run's weights (mgk train --init-from)
+            self.init_record = self.initialise(self.model, self.task)
         self._setup_optimizer()
         if self.resume:
             self._load_checkpoint()
@@ -111,6 +118,8 @@ class Trainer:
             torch.manual_seed(torch_seed(self.cfg.seed * 7919 + self.dist.rank))  # each rank its own dropout stream
         self._setup_records()
         self.net = DistributedDataParallel(self.model) if self.dist.world_size > 1 else self.model
+        if self.init_record is not None and self.splits["val"] is not None:
+            self._validate_start()
         self.sampler = self.task.sampler(len(self.splits["train"]), self.cfg.optim.batch_size, self.cfg.seed)
 
     def _claim_run_dir(self) -> None:
@@ -198,6 +207,9 @@ class Trainer:
                                       say=lambda line: _say(self.run_dir, line))
         for note in self.task.notes:
             _say(self.run_dir, note)
+        if self.init_record is not None:
+            rundir.write_json(self.files.init, self.init_record)
+            _say(self.run_dir, self.init_record["summary"])
         a = cfg.attention
         _say(self.run_dir, f"model: {a.kind} x {a.num_heads} heads (head_dim {a.head_dim}), "
                            f"{self.num_params:,} parameters in total, {self.num_attention_params:,} in attention; "
@@ -341,6 +353,15 @@ class Trainer:
                                  "config": config_mod.to_dict(self.cfg)}, self.files.checkpoint("best"), kind="best")
         return val
 
+    def _validate_start(self) -> None:
+        """Validation of the initialised weights, logged at step 0 (a conversion's starting point; it never becomes
+        best.pt, which is chosen among the evaluations of training)."""
+        val = self.evaluate(self.splits["val"], desc="val")
+        if self.dist.is_main:
+            self.log.log(0, {f"val/{k}": v for k, v in val.items() if k != "count"})
+            _say(self.run_dir, "validation of the initialised weights (step 0): "
+                               + ", ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "count"))
+
     def save_checkpoint(self) -> None:
         """Write last.pt: model, optimiser, scheduler, scaler, ``loop_state`` (:class:`LoopState` fields), config
         and every rank's RNG state. Every rank must call it (the RNG states are gathered); only rank 0 writes."""
@@ -458,9 +479,10 @@ def finished_results(run_dir: str | Path, cfg: RunConfig) -> dict | None:
 
 
 def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: str | None = None,
-        overwrite: bool = False, small_model_threads: bool = False) -> dict | None:
+        overwrite: bool = False, small_model_threads: bool = False, initialise=None) -> dict | None:
     """Train ``cfg`` into ``run_dir`` (or continue it from checkpoints/last.pt when ``resume``): :class:`Trainer`'s
-    setup, train and finish, with SIGINT and SIGTERM handled (:mod:`mgk.train.interrupt`). Resuming a finished run
+    setup, train and finish, with SIGINT and SIGTERM handled (:mod:`mgk.train.interrupt`); ``initialise`` as
+    :class:`Trainer`'s. Resuming a finished run
     (results.json reports ``cfg.optim.steps`` steps or more) changes nothing and returns its results.
 
     Returns the results dict on rank 0 (None elsewhere). Raises NonFiniteLoss when the loss is not finite and
@@ -480,7 +502,7 @@ def fit(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, device: st
     with StopSignals() as stop:
         try:
             trainer = Trainer(cfg, run_dir, resume=resume, device=device, overwrite=overwrite, stop=stop,
-                              small_model_threads=small_model_threads)
+                              small_model_threads=small_model_threads, initialise=initialise)
             trainer.setup()
             trainer.train()
             return trainer.finish()

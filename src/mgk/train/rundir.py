@@ -68,6 +68,7 @@ class RunFiles:
     eval = _entry("eval.json", "the `mgk eval --json` result of a reproduce grid")
     eval_test = _entry("eval_test.json", "the `mgk eval --split test --json` result of a reproduce grid")
     vocab = _entry("vocab.txt", "a vocabulary learned from the data")
+    init = _entry("init.json", "where the weights started (`mgk train --init-from`) and how they were converted")
     checkpoints = _entry("checkpoints", "the folder of last.pt and best.pt")
     tb = _entry("tb", "TensorBoard events")
     plots = _entry("plots", "learning curves")

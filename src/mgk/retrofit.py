@@ -1,0 +1,196 @@
+"""Starting a run from another run's trained weights, its attention converted to another kind or number of heads:
+``mgk train --init-from RUN_DIR --attention KIND --heads H`` (results/cpu/kv-budget.md, "Retro-fitting").
+
+Everything but the attention layers (embeddings, feed-forward layers, norms, the task's head) is copied as it is;
+the two models must have the same shapes there (a run of the same task and sizes). Each attention layer of the
+source is read as a multi-head layer (:meth:`mgk.attention.AttentionBase.per_head_projections`) and converted by
+one of three rules, chosen by the shapes:
+
+* **same heads and width**: the new kind's own conversion rule (``load_projections``, as :func:`mgk.swap_attention`
+  does): softmax -> GQA mean-pools each group's key/value heads (Ainslie et al. 2023; exact for G = H), softmax ->
+  MGK with the same heads takes the key as component 1 plus perturbed copies.
+* **merge** (mgk / mlk target with ``H_source / num_keys`` heads of the source's head_dim): groups of ``num_keys``
+  source heads become the key components of one head (:func:`mgk.attention.regroup.merge_heads`). Groups by
+  ``pairs="similar"``: greedy matching on the mean Jensen-Shannon divergence of the heads' attention maps over
+  validation examples (:mod:`mgk.analyze.similarity`), or ``"adjacent"``: heads (0, 1), (2, 3), ... (the control).
+* **prune** (any other target with fewer heads of the source's head_dim): the heads of largest importance
+  ``E_x |dL/dxi_h|`` on validation examples (Michel et al., NeurIPS 2019; :func:`mgk.analyze.prune.importance`) are
+  kept, in their order, then the new kind's rule applies (GQA then mean-pools the kept heads).
+
+Other shapes are refused in one line. The choices made (groups, kept heads, importances) are written to the new
+run's ``init.json``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .analyze import prune
+from .analyze.similarity import greedy_groups, head_divergence
+from .attention import AttentionBase
+from .attention.regroup import merge_heads, select_heads
+from .train import rundir
+from .train.load import load_run
+
+__all__ = ["PAIRINGS", "InitFrom", "describe", "initialise"]
+
+PAIRINGS = ("similar", "adjacent")
+# Validation examples the pairing (JS divergence) and the importance are measured on: the first ones of the split,
+# so the choice is a function of the source run and the data alone.
+MEASURE_EXAMPLES = 256
+
+
+@dataclass(frozen=True)
+class InitFrom:
+    """Where a new run's weights come from: ``run_dir`` (a run of ``mgk train``), its ``checkpoint`` ("best" or
+    "last"), and how heads are grouped when they are merged into mixture components (``pairs``: "similar" or
+    "adjacent")."""
+
+    run_dir: Path
+    checkpoint: str = "best"
+    pairs: str = "similar"
+
+    def __post_init__(self):
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        if self.pairs not in PAIRINGS:
+            raise ValueError(f"pairs must be one of {', '.join(PAIRINGS)}, got {self.pairs!r}")
+        if self.checkpoint not in ("best", "last"):
+            raise ValueError(f"checkpoint must be 'best' or 'last', got {self.checkpoint!r}")
+
+    def check(self, task: str) -> None:
+        """ValueError in one line when ``run_dir`` is not a run, or a run of another task than ``task``."""
+        try:
+            src = rundir.load_config(self.run_dir)
+        except FileNotFoundError:
+            raise ValueError(f"--init-from {self.run_dir}: not a run directory (no config.yaml)") from None
+        if src.task != task:
+            raise ValueError(f"--init-from {self.run_dir}: a {src.task} run; this run trains {task}")
+
+
+def _attention(model: nn.Module) -> dict[str, AttentionBase]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, AttentionBase)}
+
+
+def _copy_rest(source: nn.Module, model: nn.Module, skip: list[str], run_dir: Path) -> int:
+    """Copy every state entry outside the attention layers ``skip``; ValueError naming the first that differs."""
+    def outside(name: str) -> bool:
+        return not any(name.startswith(f"{p}.") for p in skip)
+
+    src = {k: v for k, v in source.state_dict().items() if outside(k)}
+    dst = {k: v for k, v in model.state_dict().items() if outside(k)}
+    if set(src) != set(dst):
+        name = sorted(set(src) ^ set(dst))[0]
+        raise ValueError(f"--init-from {run_dir}: the models differ outside attention ({name} is in only one of them)")
+    for name, t in dst.items():
+        if src[name].shape != t.shape:
+            raise ValueError(f"--init-from {run_dir}: {name} is {tuple(src[name].shape)} in the source run and "
+                             f"{tuple(t.shape)} here (another vocabulary or size)")
+    model.load_state_dict({**model.state_dict(), **src})
+    return len(src)
+
+
+def _rule(old: AttentionBase, new: AttentionBase) -> str:
+    """"same", "merge" or "prune" for converting ``old`` into ``new``; ValueError in one line for other shapes."""
+    if old.num_heads == new.num_heads and old.head_dim == new.head_dim:
+        return "same"
+    mix = getattr(new, "mixture", None)
+    if new.head_dim == old.head_dim and mix is not None and mix.keys == "separate" \
+            and new.num_heads * mix.num_keys == old.num_heads:
+        return "merge"
+    if new.head_dim == old.head_dim and new.num_heads < old.num_heads and not (mix is not None and
+                                                                              mix.keys == "separate"):
+        return "prune"
+    raise ValueError(
+        f"no conversion from {type(old).__name__} x {old.num_heads} (head_dim {old.head_dim}) to "
+        f"{type(new).__name__} x {new.num_heads} (head_dim {new.head_dim}): defined for the same heads and head_dim, "
+        "mgk / mlk with source heads / num_keys heads (merging), and fewer heads of the same head_dim (pruning)")
+
+
+def _measure(source, task, layers: list[str], rules: list[str], new: list[AttentionBase], pairs: str) -> list:
+    """Per layer: the groups to merge or the heads to keep (None for "same"), with what they were chosen by."""
+    val = task.splits.get("val")
+    index = None if val is None else torch.arange(min(MEASURE_EXAMPLES, len(val)))
+    need_js = any(r == "merge" for r in rules) and pairs == "similar"
+    need_imp = any(r == "prune" for r in rules)
+    if (need_js or need_imp) and val is None:
+        raise ValueError("--init-from: choosing heads needs the run's validation split, and its data has none")
+    old = [_attention(source)[p] for p in layers]
+    js = head_divergence(task, source, val, index) if need_js else None
+    imp = prune.importance(task, source, old, val, index, prune.unit_gates(old, "head"), unit="head",
+                           batch_size=32) if need_imp else None
+    plans = []
+    for i, (rule, o, n) in enumerate(zip(rules, old, new)):
+        if rule == "merge":
+            M = n.mixture.num_keys
+            groups = (greedy_groups(js[i], M) if need_js else
+                      [list(range(g * M, (g + 1) * M)) for g in range(n.num_heads)])
+            plans.append({"groups": groups, "by": f"{pairs} pairs" + ("" if js is None else "; JS (bits) "
+                          + ", ".join(f"{g}: {float(js[i][g[0], g[1]]):.4f}" for g in groups))})
+        elif rule == "prune":
+            order = sorted(range(o.num_heads), key=lambda h: -float(imp[i][h]))
+            plans.append({"keep": sorted(order[:n.num_heads]), "importance": [float(v) for v in imp[i]],
+                          "by": "largest E|dL/dxi_h| (Michel et al. 2019)"})
+        else:
+            plans.append({})
+    return plans
+
+
+def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
+    """Load ``init``'s run into ``model`` (a fresh model of the new run, on its device) with its attention converted
+    (module docstring); ``task`` is the new run's task with its splits (validation examples choose heads); ``seed``
+    seeds the conversion's random draws (the global RNG is left as it was). Returns the record written to init.json.
+    Raises ValueError in one line for another task, sizes that differ outside attention, or attention shapes that
+    have no conversion; FileNotFoundError for a missing run or checkpoint."""
+    source = load_run(init.run_dir, checkpoint=init.checkpoint, device=next(model.parameters()).device)
+    if source.cfg.task != task.name:
+        raise ValueError(f"--init-from {init.run_dir}: a {source.cfg.task} run; this run trains {task.name}")
+    old, new = _attention(source.model), _attention(model)
+    if list(old) != list(new):
+        raise ValueError(f"--init-from {init.run_dir}: its attention layers ({len(old)}) are not this model's "
+                         f"({len(new)}): another number of layers")
+    layers = list(new)
+    copied = _copy_rest(source.model, model, layers, init.run_dir)
+    rules = [_rule(old[p], new[p]) for p in layers]
+    plans = _measure(source.model, task, layers, rules, [new[p] for p in layers], init.pairs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for path, rule, plan in zip(layers, rules, plans):
+            _convert(old[path], new[path], rule, plan, path)
+    record = {"source": str(init.run_dir), "checkpoint": str(source.checkpoint), "step": source.step,
+              "source_attention": f"{source.cfg.attention.kind} x {source.cfg.attention.num_heads}",
+              "pairs": init.pairs, "copied_entries": copied,
+              "layers": [{"path": p, "rule": r, **plan} for p, r, plan in zip(layers, rules, plans)]}
+    return {"summary": describe(record), **record}
+
+
+def _convert(old: AttentionBase, new: AttentionBase, rule: str, plan: dict, path: str) -> None:
+    """Set ``new``'s projections from ``old``'s by ``rule``; ValueError naming ``path`` when one does not fit."""
+    try:
+        weights = {k: v.to(new.q_proj.weight.dtype) for k, v in old.per_head_projections().items()}
+    except ValueError as e:
+        raise ValueError(f"--init-from: {path}: {e}") from None
+    if rule == "merge":
+        weights = merge_heads(weights, plan["groups"], old.head_dim)
+    elif rule == "prune":
+        weights = select_heads(weights, plan["keep"], old.head_dim)
+    values = new.load_projections(weights)
+    params = dict(new.named_parameters())
+    unset = [n for n in ("q_proj.weight", "v_proj.weight", "out_proj.weight") if n not in values]
+    if unset:
+        raise ValueError(f"--init-from: {path}: {unset[0]} of the source does not fit {type(new).__name__} "
+                         f"{tuple(params[unset[0]].shape)}")
+    with torch.no_grad():
+        for name, value in values.items():
+            params[name].copy_(value)
+
+
+def describe(record: dict) -> str:
+    """One line for train.log: the source and the rules applied."""
+    rules = sorted({layer["rule"] for layer in record["layers"]})
+    return (f"initialised from {record['source']} ({Path(record['checkpoint']).name}, step {record['step']}, "
+            f"{record['source_attention']}): {record['copied_entries']} entries outside attention copied; attention "
+            f"by {', '.join(rules)} (init.json)")
+
