@@ -95,12 +95,14 @@ def plot_accuracy_vs_params(folder: Path, rep: dict) -> Path | None:
 
 
 _AXES = (("heads", "heads h", False), ("keys_total", "keys h x M", False),
-         ("attention_params", "attention parameters", True), ("flops", "attention FLOPs per sequence (forward)", True))
+         ("attention_params", "attention parameters", True), ("flops", "attention FLOPs per sequence (forward)", True),
+         ("cache_bytes", "decoding cache, bytes per token and layer", True))
 
 
 def plot_metric_vs_heads(folder: Path, rep: dict) -> list[Path]:
-    """``metric_vs_heads_<task>.png`` per task: four panels, the metric (mean ± sample std over seeds) against h,
-    h x M, the attention parameters and the attention FLOPs, one line per kind and M (softmax, MGK M=2, ...)."""
+    """``metric_vs_heads_<task>.png`` per task: five panels, the metric (mean ± sample std over seeds) against h,
+    h x M, the attention parameters, the attention FLOPs and the decoding cache's bytes per token and layer, one line
+    per kind and M (softmax, MGK M=2, GQA-8 over its key/value heads, ...)."""
     cells = [c for c in rep["rows"] if c["n"] and c.get("heads")]
     if not cells:
         return []
@@ -109,7 +111,7 @@ def plot_metric_vs_heads(folder: Path, rep: dict) -> list[Path]:
     written = []
     for task in dict.fromkeys(c["task"] for c in cells):
         mine = [{**c, "keys_total": c["heads"] * c.get("keys", 1)} for c in cells if c["task"] == task]
-        fig, axes = plt.subplots(1, 4, figsize=(14, 3.4), sharey=True)
+        fig, axes = plt.subplots(1, len(_AXES), figsize=(17, 3.4), sharey=True)
         series = dict.fromkeys((c["kind"], c.get("keys", 1)) for c in mine)
         for (kind, m) in series:
             pts = sorted((c for c in mine if (c["kind"], c.get("keys", 1)) == (kind, m)), key=lambda c: c["heads"])

@@ -271,7 +271,8 @@ def render(rep: dict) -> str:
             "Plots: `plots/learning_curves_<task>.png` (validation curve of each row, mean over seeds with a band of "
             "± 1 std), `plots/metric_vs_attention_params.png` (error bars ± 1 std over seeds), "
             "`plots/metric_vs_heads_<task>.png` (the metric against the heads h, the keys h x M, the attention "
-            "parameters and the attention FLOPs, mean ± std over seeds).", ""]
+            "parameters, the attention FLOPs and the decoding cache's bytes per token and layer, mean ± std over "
+            "seeds).", ""]
     return "\n".join(out)
 
 
