@@ -43,8 +43,8 @@ def _run_train(args) -> int:
     if args.init_from is not None:
         from . import retrofit
 
-        init = retrofit.InitFrom(args.init_from, pairs=args.init_pairs or "similar")
-        init.check(cfg.task)
+        init = retrofit.InitFrom(args.init_from, pairs=args.init_pairs)
+        init.check(cfg.task, out=run_dir, steps=cfg.optim.steps, warmup_steps=cfg.optim.warmup_steps)
 
         def initialise(model, task):
             return retrofit.initialise(init, model, task, cfg.seed)

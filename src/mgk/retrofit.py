@@ -45,29 +45,41 @@ MEASURE_EXAMPLES = 256
 
 @dataclass(frozen=True)
 class InitFrom:
-    """Where a new run's weights come from: ``run_dir`` (a run of ``mgk train``), its ``checkpoint`` ("best" or
-    "last"), and how heads are grouped when they are merged into mixture components (``pairs``: "similar" or
-    "adjacent")."""
+    """Where a new run's weights come from: ``run_dir`` (a run of ``mgk train``), its ``checkpoint`` ("best", which
+    is last.pt for a run without best.pt, or "last"), and how heads are grouped when they are merged into mixture
+    components (``pairs``: "similar", the default, or "adjacent"; given for a conversion that merges nothing, it is
+    an error rather than silently unused)."""
 
     run_dir: Path
     checkpoint: str = "best"
-    pairs: str = "similar"
+    pairs: str | None = None  # None: "similar" where heads are merged; given, it must be used by a merge
 
     def __post_init__(self):
         object.__setattr__(self, "run_dir", Path(self.run_dir))
-        if self.pairs not in PAIRINGS:
+        if self.pairs is not None and self.pairs not in PAIRINGS:
             raise ValueError(f"pairs must be one of {', '.join(PAIRINGS)}, got {self.pairs!r}")
         if self.checkpoint not in ("best", "last"):
             raise ValueError(f"checkpoint must be 'best' or 'last', got {self.checkpoint!r}")
 
-    def check(self, task: str) -> None:
-        """ValueError in one line when ``run_dir`` is not a run, or a run of another task than ``task``."""
+    def check(self, task: str, out: Path | None = None, steps: int | None = None,
+              warmup_steps: int | None = None) -> None:
+        """ValueError in one line, before anything is written: ``run_dir`` is not a run, or a run of another task
+        than ``task``; the new run's ``out`` is the source or holds it (``--overwrite`` would delete it); the
+        source's ``warmup_steps`` (kept unless changed) exceed the new run's ``steps``."""
         try:
             src = rundir.load_config(self.run_dir)
         except FileNotFoundError:
             raise ValueError(f"--init-from {self.run_dir}: not a run directory (no config.yaml)") from None
         if src.task != task:
             raise ValueError(f"--init-from {self.run_dir}: a {src.task} run; this run trains {task}")
+        if out is not None:
+            source, new = self.run_dir.resolve(), Path(out).resolve()
+            if new == source or new in source.parents:
+                raise ValueError(f"--out {out} is the --init-from run {self.run_dir} or holds it: the new run "
+                                 "needs its own folder (--overwrite would delete the source)")
+        if steps is not None and warmup_steps is not None and warmup_steps > steps:
+            raise ValueError(f"--init-from keeps the source's warmup_steps={warmup_steps}, more than --steps "
+                             f"{steps}: give --set warmup_steps=N (for example {max(1, steps // 10)})")
 
 
 def _attention(model: nn.Module) -> dict[str, AttentionBase]:
@@ -113,6 +125,7 @@ def _measure(source, task, layers: list[str], rules: list[str], new: list[Attent
     """Per layer: the groups to merge or the heads to keep (None for "same"), with what they were chosen by."""
     val = task.splits.get("val")
     index = None if val is None else torch.arange(min(MEASURE_EXAMPLES, len(val)))
+    pairs = pairs or "similar"
     need_js = any(r == "merge" for r in rules) and pairs == "similar"
     need_imp = any(r == "prune" for r in rules)
     if (need_js or need_imp) and val is None:
@@ -127,8 +140,8 @@ def _measure(source, task, layers: list[str], rules: list[str], new: list[Attent
             M = n.mixture.num_keys
             groups = (greedy_groups(js[i], M) if need_js else
                       [list(range(g * M, (g + 1) * M)) for g in range(n.num_heads)])
-            plans.append({"groups": groups, "by": f"{pairs} pairs" + ("" if js is None else "; JS (bits) "
-                          + ", ".join(f"{g}: {float(js[i][g[0], g[1]]):.4f}" for g in groups))})
+            plans.append({"groups": groups, "pairs": pairs, "by": f"{pairs} heads",
+                          **({} if js is None else {"divergence": [_group_js(js[i], g) for g in groups]})})
         elif rule == "prune":
             order = sorted(range(o.num_heads), key=lambda h: -float(imp[i][h]))
             plans.append({"keep": sorted(order[:n.num_heads]), "importance": [float(v) for v in imp[i]],
@@ -138,15 +151,44 @@ def _measure(source, task, layers: list[str], rules: list[str], new: list[Attent
     return plans
 
 
+def _group_js(js, group: list[int]) -> float:
+    """Mean JS divergence (bits) over the pairs of heads in ``group``."""
+    pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]]
+    return sum(float(js[a, b]) for a, b in pairs) / len(pairs)
+
+
+def _load_source(init: InitFrom, device):
+    try:
+        return load_run(init.run_dir, checkpoint=init.checkpoint, device=device)
+    except FileNotFoundError as e:
+        raise ValueError(f"--init-from {init.run_dir}: {e}") from None
+
+
+def _check_vocabulary(source, task, run_dir: Path) -> None:
+    """ValueError when a language model's words are not the source's, word for word: its embeddings (and tied
+    output weights) are rows by word id, so another order would give every word another word's vector."""
+    old, new = getattr(source.task, "vocab", None), getattr(task, "vocab", None)
+    if old is None or new is None or old.words == new.words:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(old.words, new.words)) if a != b), min(len(old), len(new)))
+    there = old.words[at] if at < len(old) else None
+    here = new.words[at] if at < len(new) else None
+    raise ValueError(f"--init-from {run_dir}: this data's vocabulary is not the source run's (word {at}: {there!r} "
+                     f"there, {here!r} here), so its embeddings would belong to other words; train on the source's "
+                     "data")
+
+
 def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
     """Load ``init``'s run into ``model`` (a fresh model of the new run, on its device) with its attention converted
     (module docstring); ``task`` is the new run's task with its splits (validation examples choose heads); ``seed``
     seeds the conversion's random draws (the global RNG is left as it was). Returns the record written to init.json.
     Raises ValueError in one line for another task, sizes that differ outside attention, or attention shapes that
     have no conversion; FileNotFoundError for a missing run or checkpoint."""
-    source = load_run(init.run_dir, checkpoint=init.checkpoint, device=next(model.parameters()).device)
+    source = _load_source(init, next(model.parameters()).device)
     if source.cfg.task != task.name:
-        raise ValueError(f"--init-from {init.run_dir}: a {source.cfg.task} run; this run trains {task.name}")
+        raise ValueError(f"--init-from {init.run_dir}: its checkpoint is a {source.cfg.task} model; this run trains "
+                         f"{task.name}")
+    _check_vocabulary(source, task, init.run_dir)
     old, new = _attention(source.model), _attention(model)
     if list(old) != list(new):
         raise ValueError(f"--init-from {init.run_dir}: its attention layers ({len(old)}) are not this model's "
@@ -154,14 +196,19 @@ def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
     layers = list(new)
     copied = _copy_rest(source.model, model, layers, init.run_dir)
     rules = [_rule(old[p], new[p]) for p in layers]
+    if init.pairs is not None and "merge" not in rules:
+        raise ValueError(f"--init-pairs {init.pairs}: this conversion merges no heads (it is by "
+                         f"{', '.join(sorted(set(rules)))}); pairs apply to mgk / mlk with source heads / num_keys "
+                         "heads")
     plans = _measure(source.model, task, layers, rules, [new[p] for p in layers], init.pairs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for path, rule, plan in zip(layers, rules, plans):
             _convert(old[path], new[path], rule, plan, path)
     record = {"source": str(init.run_dir), "checkpoint": str(source.checkpoint), "step": source.step,
+              "source_status": source.status(),
               "source_attention": f"{source.cfg.attention.kind} x {source.cfg.attention.num_heads}",
-              "pairs": init.pairs, "copied_entries": copied,
+              "copied_entries": copied,
               "layers": [{"path": p, "rule": r, **plan} for p, r, plan in zip(layers, rules, plans)]}
     return {"summary": describe(record), **record}
 
@@ -178,6 +225,10 @@ def _convert(old: AttentionBase, new: AttentionBase, rule: str, plan: dict, path
         weights = select_heads(weights, plan["keep"], old.head_dim)
     values = new.load_projections(weights)
     params = dict(new.named_parameters())
+    if rule == "same":  # as swap_attention: the source's own parameters of the same name and shape (mgk -> mgk
+        # keeps every key component and the learned weights, so the conversion is exact)
+        values.update({n: t.detach() for n, t in old.named_parameters()
+                       if n in params and params[n].shape == t.shape})
     unset = [n for n in ("q_proj.weight", "v_proj.weight", "out_proj.weight") if n not in values]
     if unset:
         raise ValueError(f"--init-from: {path}: {unset[0]} of the source does not fit {type(new).__name__} "
@@ -190,7 +241,8 @@ def _convert(old: AttentionBase, new: AttentionBase, rule: str, plan: dict, path
 def describe(record: dict) -> str:
     """One line for train.log: the source and the rules applied."""
     rules = sorted({layer["rule"] for layer in record["layers"]})
+    status = "" if record["source_status"] == "finished" else f", source {record['source_status']}"
     return (f"initialised from {record['source']} ({Path(record['checkpoint']).name}, step {record['step']}, "
-            f"{record['source_attention']}): {record['copied_entries']} entries outside attention copied; attention "
-            f"by {', '.join(rules)} (init.json)")
+            f"{record['source_attention']}{status}): {record['copied_entries']} entries outside attention copied; "
+            f"attention by {', '.join(rules)} (init.json)")
 

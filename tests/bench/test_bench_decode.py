@@ -4,6 +4,7 @@ BENCHMARKS.md, measured on a quiet machine."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -159,3 +160,79 @@ def test_tables_show_a_row_error_whole():
            "preset": "lm-small", "error": error}
     for shown in (table({"rows": [row]}), attention_table({"rows": [row]}), model_table({"rows": [row]})):
         assert "x" * 150 + " \\| what to change: use --contexts of at most 6" in shown
+
+
+def _fake_rows(calls):
+    """A run_row stand-in: records the code it was given and returns a finished row for it."""
+    def fake(code, timeout, rss=True):
+        calls.append(code)
+        if "read_bandwidth" in code:
+            return {"gb_s": 10.0}
+        kind = re.search(r"measure\('(\w+)', (None|'[^']*'), (None|\d+), (\d+)", code)
+        step = 2.0 + len(calls) % 3
+        return {"target": kind.group(1), "kind": (kind.group(2) or "None").strip("'"), "heads": kind.group(3),
+                "context": int(kind.group(4)), "batch": 1, "prefill_ms": 5.0, "step_ms": step,
+                "ms_per_token": step, "tokens_per_s": 1000 / step, "cache_bytes": 10**6, "cache_bytes_formula": 10**6,
+                "cache_bytes_per_token_layer": 100.0, "weight_bytes": 4 * 10**6, "params": 10**6, "label": "x"}
+    return fake
+
+
+def test_rounds_interleave_the_kinds_and_report_median_min_and_max(monkeypatch):
+    """Issue 34: kinds measured in turn, round after round, so that a change of the machine's load falls on every
+    kind alike; the row holds the median of the rounds and their spread."""
+    from mgk.bench import decode
+
+    calls = []
+    monkeypatch.setattr(decode, "run_row", _fake_rows(calls))
+    result = decode.run(["layer"], [("softmax", 8), ("mgk", 4)], [16], [1], steps=1, device="cpu", timeout=5.0,
+                        rounds=3)
+    kinds = [c.split("measure(")[1].split(",")[1].strip() for c in calls if "measure(" in c]
+    assert kinds == ["'softmax'", "'mgk'"] * 3
+    for row in result["rows"]:
+        assert row["rounds"] == 3 and row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"]
+        assert len(row["load_1min"]) == 3
+    assert result["settings"]["rounds"] == 3
+    spreads = re.findall(r"\| \d+\.\d\d \((\d+\.\d\d)-(\d+\.\d\d)\) \|", decode.table(result))
+    assert len(spreads) == 2 and all(float(a) <= float(b) for a, b in spreads)
+
+
+def test_the_limit_the_load_and_the_bandwidth_are_recorded(monkeypatch):
+    """Each row against t_min = (weight + cache bytes) / measured read bandwidth (gpt-fast's bandwidth achieved);
+    the load average before and after; a busy machine is named in a warning."""
+    from mgk.bench import decode
+
+    monkeypatch.setattr(decode, "run_row", _fake_rows([]))
+    monkeypatch.setattr(decode.os, "getloadavg", lambda: (3.5, 2.0, 1.0))
+    result = decode.run(["layer"], [("softmax", 8)], [16], [1], steps=1, device="cpu", timeout=5.0)
+    row = result["rows"][0]
+    assert result["read_bandwidth_gb_s"] == 10.0
+    assert row["t_min_ms"] == pytest.approx((4 * 10**6 + 10**6) / 10e9 * 1000)
+    assert row["bandwidth_fraction"] == pytest.approx(row["t_min_ms"] / row["step_ms"])
+    assert result["load_average"]["before"][0] == 3.5 and result["busy"] is True
+    assert "busy (1-minute load average 3.50" in decode.busy_warning(result)
+    monkeypatch.setattr(decode.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    quiet = decode.run(["layer"], [("softmax", 8)], [16], [1], steps=1, device="cpu", timeout=5.0)
+    assert quiet["busy"] is False and decode.busy_warning(quiet) is None
+
+
+def test_read_bandwidth_is_a_positive_rate(one_thread):
+    from mgk.bench.decode import read_bandwidth
+
+    assert 0.05 < read_bandwidth("cpu", megabytes=16, repeats=2) < 10_000
+
+
+def test_a_run_is_measured_beside_softmax8_of_its_sizes(run_v0_1_0, one_thread, monkeypatch):
+    """Issue 34: `--run` had no baseline ("x first" was always 1.00); now softmax-8 of the run's sizes (random
+    weights) is measured first."""
+    from mgk.bench import decode
+
+    run_dir, _ = run_v0_1_0
+    base = measure("run", "softmax", 8, 8, batch=1, steps=1, device="cpu", run_dir=str(run_dir))
+    own = measure("run", None, None, 8, batch=1, steps=1, device="cpu", run_dir=str(run_dir))
+    assert base["kind"] == "softmax" and base["heads"] == 8 and own["kind"] == "mgk"
+    assert base["layers"] == own["layers"] and base["head_dim"] == own["head_dim"]
+    calls = []
+    monkeypatch.setattr(decode, "run_row", _fake_rows(calls))
+    decode.run(["run"], [("mgk", 4)], [8], [1], steps=1, device="cpu", timeout=5.0, run_dir=str(run_dir))
+    order = [c.split("measure(")[1].split(",")[1].strip() for c in calls if "measure(" in c]
+    assert order == ["'softmax'", "None"]

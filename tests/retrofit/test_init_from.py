@@ -109,7 +109,8 @@ def test_softmax4_keeps_the_most_important_heads(source, tmp_path):
 ])
 def test_bad_conversions_end_in_one_line(source, tmp_path, flags, match):
     with pytest.raises(SystemExit) as e:
-        main(["train", "--init-from", str(source), *flags, "--steps", "1", "--out", str(tmp_path / "bad")])
+        main(["train", "--init-from", str(source), *flags, "--steps", "1", "--set", "warmup_steps=1", "--out",
+              str(tmp_path / "bad")])
     msg = str(e.value.code)
     assert "\n" not in msg and msg.startswith("mgk train: ")
     assert __import__("re").search(match, msg), msg
@@ -131,3 +132,50 @@ def test_a_source_of_another_task_is_refused(tmp_path, th):
                                                             "gen_val=16", "gen_test=16")])
     with pytest.raises(ValueError, match="a listops run; this run trains dretrieval"):
         InitFrom(lo).check("dretrieval")
+
+
+def test_the_source_cannot_be_the_new_run_s_folder(source, tmp_path):
+    """A new-user pass found `--out SRC --overwrite` deleting the source run before anything was converted."""
+    before = sorted(p.name for p in source.iterdir())
+    for out in (source, source.parent):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--init-from", str(source), "--attention", "softmax", "--heads", "4", "--steps", "5",
+                  "--set", "warmup_steps=1", "--out", str(out), "--overwrite"])
+        assert "is the --init-from run" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert sorted(p.name for p in source.iterdir()) == before and (source / "checkpoints" / "best.pt").is_file()
+
+
+def test_pairs_that_merge_nothing_and_a_warmup_longer_than_the_run_are_refused(source, tmp_path):
+    with pytest.raises(SystemExit, match="--init-pairs adjacent: this conversion merges no heads .*by prune"):
+        main(["train", "--init-from", str(source), "--attention", "softmax", "--heads", "4", "--init-pairs",
+              "adjacent", "--steps", "5", "--set", "warmup_steps=1", "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="keeps the source's warmup_steps=5, more than --steps 3: give --set"):
+        main(["train", "--init-from", str(source), "--attention", "softmax", "--heads", "4", "--steps", "3",
+              "--out", str(tmp_path / "b")])
+
+
+def test_mgk_to_the_same_mgk_is_exact_and_results_name_the_source(tmp_path, th):
+    """Same heads keep the source's own parameters (every key component, the learned weights), as swap_attention
+    does; results.json says where the weights came from."""
+    src = tmp_path / "mgk4"
+    main(["train", "--task", "dretrieval", "--preset", "dretrieval-small", "--attention", "mgk", "--heads", "4",
+          "--steps", "40", "--out", str(src), *th.sets(*SMALL)])
+    run = _convert(src, tmp_path / "again", "--attention", "mgk", "--heads", "4", steps=2)
+    assert _val_at(run, 0) == [pytest.approx(_best_val(src), rel=1e-5)]
+    results = json.loads((run / "results.json").read_text())
+    assert results["init_from"]["source"] == str(src) and results["init_from"]["rules"] == ["same"]
+
+
+def test_a_language_model_on_another_vocabulary_is_refused():
+    """Embeddings are rows by word id: the same number of words in another order would silently swap them."""
+    from types import SimpleNamespace
+
+    from mgk.data.wikitext import Vocabulary
+    from mgk.retrofit import _check_vocabulary
+
+    def holder(words):
+        return SimpleNamespace(task=SimpleNamespace(vocab=Vocabulary(words)), vocab=Vocabulary(words))
+
+    _check_vocabulary(holder(["a", "b", "<eos>"]), holder(["a", "b", "<eos>"]), "src")
+    with pytest.raises(ValueError, match="word 0: 'a' there, 'b' here"):
+        _check_vocabulary(holder(["a", "b", "<eos>"]), holder(["b", "a", "<eos>"]), "src")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from ..argtypes import number
@@ -171,14 +172,34 @@ def _decode_parser(kinds) -> None:
                    help="override a field of the LM presets (e.g. vocab_size=1000)")
     d.add_argument("--run", default=None, metavar="RUN_DIR", help="measure this trained LM run instead of the "
                                                                   "targets (its own kind and heads)")
+    d.add_argument("--rounds", type=_positive(int), default=1,
+                   help="run the kinds of each cell in turn this many times and report the median with min-max "
+                        "(default 1; 3 for figures to publish)")
     d.add_argument("--device", type=_device, default="cpu")
     d.add_argument("--timeout", type=_positive(float), default=1200.0,
                    help="seconds per row before it is reported as failed")
     d.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
 
 
+def _decode_header(result: dict, run_cfg) -> str:
+    """The line above the table: machine, load, bandwidth and the sizes measured (the run's, with --run)."""
+    st = result["settings"]
+    if run_cfg is not None:
+        m, a = run_cfg.model, run_cfg.attention
+        sizes = (f"run {st['run_dir']}: {a.kind} x {a.num_heads} (head_dim {a.head_dim}), d_model {m.d_model}, "
+                 f"{m.num_layers} layers, vocab {m.vocab_size}; baseline softmax x 8 of its sizes, random weights")
+    else:
+        sizes = (f"targets {','.join(st['targets'])}; layer width {st['embed_dim']}, head_dim {st['head_dim']}"
+                 + (f"; --set {' '.join(st['overrides'])}" if st["overrides"] else ""))
+    bw = result.get("read_bandwidth_gb_s")
+    load = result["load_average"]
+    return (f"# {result['machine']}; torch {result['torch']}; {sizes}; steps {st['steps']}, rounds {st['rounds']}; "
+            f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after; read bandwidth "
+            + (f"{bw:.1f} GB/s" if bw else "not measured"))
+
+
 def _run_decode(args) -> dict:
-    from .decode import DEFAULT_KINDS, DEFAULT_TARGETS
+    from .decode import DEFAULT_KINDS, DEFAULT_TARGETS, busy_warning
     from .decode import run as run_decode
     from .decode import table as decode_table
 
@@ -217,8 +238,11 @@ def _run_decode(args) -> dict:
     kinds = args.kinds if args.kinds is not None else _decode_kinds(DEFAULT_KINDS)
     result = run_decode(targets, kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
                         timeout=args.timeout, embed_dim=args.embed_dim, head_dim=args.head_dim,
-                        overrides=args.overrides, run_dir=args.run)
-    print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
+                        overrides=args.overrides, run_dir=args.run, rounds=args.rounds)
+    warning = busy_warning(result)
+    if warning:
+        print(warning, file=sys.stderr)
+    print(_decode_header(result, cfg if args.run is not None else None))
     print(decode_table(result))
     return result
 

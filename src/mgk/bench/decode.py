@@ -12,10 +12,21 @@ the registry's formula
 Targets: ``layer`` (one attention module of width ``--embed-dim`` with heads of ``--head-dim``, as ``mgk bench
 attention``), a preset's LM shape (``lm-small``, ``wt103-paper``: the model ``mgk train`` builds, random weights,
 WikiText-103's vocabulary; per-position mixture weights are given ``max_len`` = the longest position a row reaches),
-or with ``--run RUN_DIR`` a trained model. Each row runs in a fresh subprocess, as the other benchmarks.
+or with ``--run RUN_DIR`` a trained model, beside softmax-8 of the run's sizes (random weights) as its baseline. Each
+row runs in a fresh subprocess, as the other benchmarks.
+
+Against a limit, as gpt-fast's "bandwidth achieved": the bench measures the machine's read bandwidth itself (a
+streaming sum over a buffer much larger than the caches, :func:`read_bandwidth`), and each row reports ``t_min_ms``,
+the time a step takes at that bandwidth reading the weights and the cache once (``weight_bytes`` + ``cache_bytes``),
+and ``bandwidth_fraction`` = t_min / step time. ``rounds`` > 1 repeats every kind of a (target, batch, context) cell
+in turn, round after round, and reports the median of the rounds with their min and max. The JSON records the load
+average before and after and at each row's start, and the torch threads; a busy machine (1-minute load average
+above :data:`BUSY_LOAD` before the first row) is warned about, since other work changes the ratios between kinds
+(a busy machine turned a measured 0.71x into 1.03x).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -28,6 +39,8 @@ from .model import bench_task, kind_overrides, run_row
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,linear:8,mlk:4"
 DEFAULT_TARGETS = ("layer", "lm-small", "wt103-paper")
 WARMUP_STEPS = 8  # the first steps after a prefill run slower (measured: 3.4 ms settling to 2.2 over about 5)
+BUSY_LOAD = 0.5  # 1-minute load average above which the machine is called busy: other work held half a core
+BANDWIDTH_MB = 1024  # the streamed buffer: far above the CPU caches (and the layer caches measured here)
 
 
 def _sync(device: torch.device) -> None:
@@ -90,6 +103,23 @@ def _preset_model(target, kind, heads, overrides, *, context, steps):
     return bench_task(cfg).build_model(cfg), cfg
 
 
+def _run_model(run_dir, kind, heads, *, context, steps):
+    """The trained model of ``run_dir`` (kind None), or its sizes with bench kind ``kind`` and random weights (the
+    baseline of ``--run``), and the run config."""
+    from ..train.load import load_run
+
+    if kind is None:
+        run = load_run(run_dir, device="cpu")
+        return run.model, run.cfg
+    from ..config import apply_overrides
+    from ..train.rundir import load_config
+
+    longest = context + steps + WARMUP_STEPS
+    cfg = apply_overrides(load_config(run_dir), [*kind_overrides(kind, heads), f"max_len={longest}"])
+    torch.manual_seed(0)
+    return bench_task(cfg).build_model(cfg), cfg
+
+
 def check_run_positions(run_dir: str, contexts: list[int], steps: int) -> None:
     """ValueError, one line saying what to change, when the model of ``run_dir`` cannot decode the longest of
     ``contexts`` plus the :data:`WARMUP_STEPS` warm-up and ``steps`` timed steps: per-position mixture weights
@@ -147,10 +177,7 @@ def measure(target: str, kind: str | None, heads: int | None, context: int, *, b
                                              embed_dim=embed_dim, head_dim=head_dim, device=dev)
     else:
         if target == "run":
-            from ..train.load import load_run
-
-            run = load_run(run_dir, device=device)
-            model, cfg = run.model, run.cfg
+            model, cfg = _run_model(run_dir, kind, heads, context=context, steps=steps)
         else:
             model, cfg = _preset_model(target, kind, heads, overrides or [], context=context, steps=steps)
         step, prefill, cache, facts = _model(model, cfg, batch=batch, context=context, device=dev)
@@ -162,48 +189,119 @@ def measure(target: str, kind: str | None, heads: int | None, context: int, *, b
             "label": display_label(facts["kind_name"], facts["heads"], facts["options"]), "heads": facts["heads"],
             "head_dim": facts["head_dim"], "layers": facts["layers"], "context": context, "batch": batch,
             "prefill_ms": prefill_ms, "step_ms": step_ms, "ms_per_token": step_ms / batch,
-            "tokens_per_s": 1000.0 * batch / step_ms, **sizes, "params": facts["params"], "device": device}
+            "tokens_per_s": 1000.0 * batch / step_ms, **sizes, "params": facts["params"],
+            "weight_bytes": facts["params"] * 4, "threads": torch.get_num_threads(), "device": device}
+
+
+@torch.no_grad()
+def read_bandwidth(device: str = "cpu", megabytes: int = BANDWIDTH_MB, repeats: int = 5) -> float:
+    """The memory system's read bandwidth in GB/s (1e9 bytes) as this process sees it: the fastest of ``repeats``
+    sums over a float32 buffer of ``megabytes`` MiB (after one untimed pass), on ``device`` with torch's threads."""
+    dev = torch.device(device)
+    buf = torch.ones(megabytes * 2**20 // 4, device=dev)
+    buf.sum()
+    _sync(dev)
+    best = min(_timed(buf.sum, dev, repeats))
+    return buf.numel() * 4 / (best / 1000) / 1e9
+
+
+def _row_code(target, kind, heads, context, args) -> str:
+    return ("import json; from mgk.bench.decode import measure; "
+            f"print(json.dumps(measure({target!r}, {kind!r}, {heads!r}, {context}, **{args!r})))")
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One row from the rows of the same cell and kind over rounds: the median step and prefill, their spread."""
+    good = [r for r in rounds if "error" not in r]
+    if not good:
+        return rounds[-1]
+    steps = [r["step_ms"] for r in good]
+    row = dict(good[0])
+    step = statistics.median(steps)
+    row.update(step_ms=step, ms_per_token=step / row["batch"], tokens_per_s=1000.0 * row["batch"] / step,
+               prefill_ms=statistics.median(r["prefill_ms"] for r in good), step_ms_min=min(steps),
+               step_ms_max=max(steps), rounds=len(good), load_1min=[r["load_1min"] for r in good])
+    if len(good) < len(rounds):
+        row["failed_rounds"] = len(rounds) - len(good)
+    return row
 
 
 def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], batches: list[int], *, steps: int,
         device: str, timeout: float, embed_dim: int = 256, head_dim: int = 32, overrides: list[str] | None = None,
-        run_dir: str | None = None) -> dict:
-    """:func:`measure` for every (target, kind, batch, context), each in its own subprocess; a failed row holds
-    ``error``. Returns ``{"rows", "machine", "torch", "settings", "date"}``."""
+        run_dir: str | None = None, rounds: int = 1, bandwidth: bool = True) -> dict:
+    """:func:`measure` for every (target, kind, batch, context), each in its own subprocess; with ``rounds`` > 1 the
+    kinds of each (target, batch, context) run in turn, ``rounds`` times, and a row holds the median with its min
+    and max (``step_ms_min``, ``step_ms_max``). A failed row holds ``error``. The target "run" measures ``run_dir``
+    beside softmax-8 of its sizes (first, so that ``x first`` in the table is the run against softmax-8). Returns
+    ``{"rows", "machine", "torch", "settings", "date", "load_average", "read_bandwidth_gb_s", "busy"}``."""
+    load_before = os.getloadavg()
+    bw = None
+    if bandwidth:
+        got = run_row(f"import json; from mgk.bench.decode import read_bandwidth; "
+                      f"print(json.dumps({{'gb_s': read_bandwidth({device!r})}}))", timeout, rss=False)
+        bw = got.get("gb_s")
     rows = []
     for target in targets:
-        for kind, heads in (kinds if target != "run" else [(None, None)]):
-            for batch in batches:
-                for context in contexts:
-                    args = dict(batch=batch, steps=steps, device=device, embed_dim=embed_dim, head_dim=head_dim,
-                                overrides=overrides or [], run_dir=run_dir)
-                    code = ("import json; from mgk.bench.decode import measure; "
-                            f"print(json.dumps(measure({target!r}, {kind!r}, {heads!r}, {context}, **{args!r})))")
-                    row = run_row(code, timeout, rss=False)  # times and tensor bytes: no RSS to follow
-                    if "error" in row:
-                        row = {"target": target, "kind": kind or "run", "heads": heads, "context": context,
-                               "batch": batch, **row}
-                    rows.append(row)
+        cell_kinds = kinds if target != "run" else [("softmax", 8), (None, None)]
+        for batch in batches:
+            for context in contexts:
+                args = dict(batch=batch, steps=steps, device=device, embed_dim=embed_dim, head_dim=head_dim,
+                            overrides=overrides or [], run_dir=run_dir)
+                per_kind = {i: [] for i in range(len(cell_kinds))}
+                for _ in range(rounds):
+                    for i, (kind, heads) in enumerate(cell_kinds):
+                        load = os.getloadavg()[0]
+                        row = run_row(_row_code(target, kind, heads, context, args), timeout, rss=False)
+                        if "error" in row:
+                            row = {"target": target, "kind": kind or "run", "heads": heads, "context": context,
+                                   "batch": batch, **row}
+                        per_kind[i].append({**row, "load_1min": load})
+                for i in per_kind:
+                    rows.append(_limit(_merge_rounds(per_kind[i]), bw))
+    load_after = os.getloadavg()
     return {"rows": rows, "machine": machine(), "torch": torch.__version__,
             "settings": {"targets": targets, "contexts": contexts, "batches": batches, "steps": steps,
-                         "device": device, "embed_dim": embed_dim, "head_dim": head_dim,
+                         "device": device, "embed_dim": embed_dim, "head_dim": head_dim, "rounds": rounds,
                          "overrides": overrides or [], "run_dir": run_dir, "dtype": "float32"},
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+            "load_average": {"before": list(load_before), "after": list(load_after)},
+            "busy": load_before[0] > BUSY_LOAD, "read_bandwidth_gb_s": bw}
+
+
+def _limit(row: dict, bandwidth_gb_s: float | None) -> dict:
+    """``t_min_ms`` (weights and cache read once at the measured bandwidth) and ``bandwidth_fraction`` of a row."""
+    if "error" in row or not bandwidth_gb_s:
+        return row
+    t_min = (row["weight_bytes"] + row["cache_bytes"]) / (bandwidth_gb_s * 1e9) * 1000
+    return {**row, "t_min_ms": t_min, "bandwidth_fraction": t_min / row["step_ms"]}
+
+
+def busy_warning(result: dict) -> str | None:
+    """The warning for a run on a busy machine, or None."""
+    if not result.get("busy"):
+        return None
+    load = result["load_average"]["before"][0]
+    return (f"warning: the machine was busy (1-minute load average {load:.2f} on {result['cores']} cores before the "
+            "first row): other work changes the time of each kind differently, so ratios are not those of a quiet "
+            "machine; re-run with nothing else running")
 
 
 def table(result: dict) -> str:
     """Markdown table of a :func:`run` result; ``x first`` compares with the first kind of the same target, batch
-    and context."""
+    and context; ms/step shows the rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``."""
     lines = ["| target | kind | heads | batch | context | prefill ms | ms/step | x first | cache MB "
-             "| bytes/token/layer | x first |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| bytes/token/layer | x first | t_min/t |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}
     for row in result["rows"]:
         head = f"| {row['target']} | {row['kind']} | {row.get('heads') or ''} | {row['batch']} | {row['context']} |"
         if "error" in row:
-            lines.append(f"{head} error: {error_cell(row['error'])} | | | | | |")
+            lines.append(f"{head} error: {error_cell(row['error'])} | | | | | | |")
             continue
         base = first.setdefault((row["target"], row["batch"], row["context"]), row)
-        lines.append(f"{head} {row['prefill_ms']:.1f} | {row['step_ms']:.2f} | {row['step_ms'] / base['step_ms']:.2f} "
-                     f"| {row['cache_bytes'] / 2**20:.2f} | {row['cache_bytes_per_token_layer']:.0f} | "
-                     f"{row['cache_bytes'] / base['cache_bytes']:.3f} |")
+        spread = f" ({row['step_ms_min']:.2f}-{row['step_ms_max']:.2f})" if row.get("rounds", 1) > 1 else ""
+        frac = f"{row['bandwidth_fraction']:.2f}" if "bandwidth_fraction" in row else ""
+        lines.append(f"{head} {row['prefill_ms']:.1f} | {row['step_ms']:.2f}{spread} | "
+                     f"{row['step_ms'] / base['step_ms']:.2f} | {row['cache_bytes'] / 2**20:.2f} | "
+                     f"{row['cache_bytes_per_token_layer']:.0f} | {row['cache_bytes'] / base['cache_bytes']:.3f} | "
+                     f"{frac} |")
     return "\n".join(lines)

@@ -443,6 +443,10 @@ class Trainer:
                    "world_size": self.dist.world_size,
                    "precision": cfg.optim.precision, "max_len": cfg.data.max_len, "best_step": st.best_step,
                    "skipped_steps": st.skipped, "seconds_per_step": self._seconds_per_step()}
+        if self.files.init.is_file():  # started from another run's weights (also after a resume)
+            init = rundir.read_json(self.files.init)
+            results["init_from"] = {"source": init.get("source"), "step": init.get("step"),
+                                    "rules": sorted({layer.get("rule") for layer in init.get("layers", [])})}
         for name, ds in (("val", self.splits["val"]), ("test", self.splits["test"])):
             if ds is None:
                 results[name] = None
