@@ -122,7 +122,7 @@ def _rule(old: AttentionBase, new: AttentionBase) -> str:
 
 
 def _measure(source, task, layers: list[str], rules: list[str], new: list[AttentionBase], pairs: str) -> list:
-    """Per layer: the groups to merge or the heads to keep (None for "same"), with what they were chosen by."""
+    """Per layer: the groups to merge or the heads to keep ({} for "same"), with what they were chosen by."""
     val = task.splits.get("val")
     index = None if val is None else torch.arange(min(MEASURE_EXAMPLES, len(val)))
     pairs = pairs or "similar"
@@ -182,8 +182,9 @@ def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
     """Load ``init``'s run into ``model`` (a fresh model of the new run, on its device) with its attention converted
     (module docstring); ``task`` is the new run's task with its splits (validation examples choose heads); ``seed``
     seeds the conversion's random draws (the global RNG is left as it was). Returns the record written to init.json.
-    Raises ValueError in one line for another task, sizes that differ outside attention, or attention shapes that
-    have no conversion; FileNotFoundError for a missing run or checkpoint."""
+    Raises ValueError in one line (naming ``--init-from``) for a missing run or checkpoint, another task, another
+    vocabulary, sizes that differ outside attention, attention shapes that have no conversion, or ``init.pairs``
+    given where nothing is merged."""
     source = _load_source(init, next(model.parameters()).device)
     if source.cfg.task != task.name:
         raise ValueError(f"--init-from {init.run_dir}: its checkpoint is a {source.cfg.task} model; this run trains "
