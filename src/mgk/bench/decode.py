@@ -240,11 +240,11 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
         got = run_row(f"import json; from mgk.bench.decode import read_bandwidth; "
                       f"print(json.dumps({{'gb_s': read_bandwidth({device!r})}}))", timeout, rss=False)
         bw = got.get("gb_s")
-    rows = []
-    for target in targets:
+    rows = {}  # measured cell by cell (kinds in turn), listed kind by kind as before: (target, kind, batch, context)
+    for t, target in enumerate(targets):
         cell_kinds = kinds if target != "run" else [("softmax", 8), (None, None)]
-        for batch in batches:
-            for context in contexts:
+        for b, batch in enumerate(batches):
+            for c, context in enumerate(contexts):
                 args = dict(batch=batch, steps=steps, device=device, embed_dim=embed_dim, head_dim=head_dim,
                             overrides=overrides or [], run_dir=run_dir)
                 per_kind = {i: [] for i in range(len(cell_kinds))}
@@ -257,9 +257,9 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
                                    "batch": batch, **row}
                         per_kind[i].append({**row, "load_1min": load})
                 for i in per_kind:
-                    rows.append(_limit(_merge_rounds(per_kind[i]), bw))
+                    rows[t, i, b, c] = _limit(_merge_rounds(per_kind[i]), bw)
     load_after = os.getloadavg()
-    return {"rows": rows, "machine": machine(), "torch": torch.__version__,
+    return {"rows": [rows[k] for k in sorted(rows)], "machine": machine(), "torch": torch.__version__,
             "settings": {"targets": targets, "contexts": contexts, "batches": batches, "steps": steps,
                          "device": device, "embed_dim": embed_dim, "head_dim": head_dim, "rounds": rounds,
                          "overrides": overrides or [], "run_dir": run_dir, "dtype": "float32"},
