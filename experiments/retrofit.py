@@ -41,8 +41,7 @@ SCRATCH_ROWS = {"gqa-8-kv2": "gqa-8-kv2", "mgk-4-similar": "mgk-4", "mgk-4-adjac
 def _sources(folder: Path) -> list[tuple[int, Path]]:
     out = []
     for run in sorted(p for p in folder.iterdir() if p.is_dir() and (p / "results.json").is_file()):
-        cfg = json.loads((run / "results.json").read_text())
-        out.append((int(cfg.get("seed", run.name.split("-")[0].removeprefix("seed"))), run))
+        out.append((int(json.loads((run / "results.json").read_text())["seed"]), run))
     if not out:
         raise SystemExit(f"retrofit: no finished run (results.json) in {folder}")
     return out
@@ -117,7 +116,7 @@ def collect(out: Path, sources, fractions, task: str) -> dict:
                 vals.append(v)
                 starts.append(_start(run, key))
             cell = _cell(target, task, vals, key or "nmse")
-            cell.update(fraction=frac, steps=None, start=[s for s in starts])
+            cell.update(fraction=frac, start=starts)
             cells.append(cell)
             table.append(cell)
         cells_by_budget[frac] = compare(cells, PAIRS)

@@ -47,6 +47,7 @@ def _run_train(args) -> int:
         init.check(cfg.task, out=run_dir, steps=cfg.optim.steps, warmup_steps=cfg.optim.warmup_steps)
 
         def initialise(model, task):
+            """The Trainer's hook: ``model``'s weights from ``--init-from``, converted (mgk.retrofit)."""
             return retrofit.initialise(init, model, task, cfg.seed)
     try:
         fit(cfg, run_dir, resume=resume, device=args.device, overwrite=args.overwrite,

@@ -89,6 +89,7 @@ def _attention(model: nn.Module) -> dict[str, AttentionBase]:
 def _copy_rest(source: nn.Module, model: nn.Module, skip: list[str], run_dir: Path) -> int:
     """Copy every state entry outside the attention layers ``skip``; ValueError naming the first that differs."""
     def outside(name: str) -> bool:
+        """Whether state entry ``name`` lies outside every attention layer in ``skip``."""
         return not any(name.startswith(f"{p}.") for p in skip)
 
     src = {k: v for k, v in source.state_dict().items() if outside(k)}
