@@ -205,6 +205,19 @@ class LayerCache:
         self._count(valid, L)
         return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
 
+    def claim(self, L: int) -> tuple[dict[str, Tensor], int]:
+        """Room for L new real tokens (no padding) whose entries the caller writes itself, in place: the slots are
+        marked real and counted. Returns ``(buffers, slot)``: every buffer at its whole capacity and the first new
+        slot (the static-cache form of :func:`mgk.functional.mgk_cache_step`). Call after a first :meth:`append`
+        (which allocates the buffers); ValueError otherwise."""
+        if not self._buffers:
+            raise ValueError("claim() needs the buffers of a first append() (the prefill)")
+        self._grow(self.length + L)
+        slot = self.length
+        self._valid[:, slot:slot + L] = True
+        self._count(None, L)
+        return self._buffers, slot
+
     def entries(self) -> dict[str, Tensor]:
         """Every entry's view over the slots in use."""
         return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
@@ -220,6 +233,11 @@ class LayerCache:
             new = x.detach().to(buf.dtype).movedim(dim, 1)[:, 0]
             keep = rows.view(-1, *([1] * (old.dim() - 1)))
             moved[index, slot] = torch.where(keep, new, old)
+
+    @property
+    def padded(self) -> bool:
+        """Whether any call so far had padding (then :meth:`key_valid` masks some slots)."""
+        return self._padded
 
     def key_valid(self) -> Tensor:
         """(B, T) bool, True = a real token, over the slots in use (call after :meth:`bind`)."""

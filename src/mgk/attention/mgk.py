@@ -20,6 +20,7 @@ from ..functional import (
     mgk_attention_soft_e,
     mgk_cache_centre,
     mgk_cache_entries,
+    mgk_cache_step,
     mgk_responsibilities,
 )
 from .base import AttentionBase
@@ -198,11 +199,19 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         A row's centre stays provisional until it has seen two real tokens (:class:`_CachedCentre`). No Soft-E
         statistics."""
         L = x.shape[1]
-        self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
+        by_position = self.mixture.position_limit() is not None
+        if by_position:
+            self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
+        log_pi = self.mixture.log_weights_at(cache.positions(valid, L)) if by_position else self.mixture.log_weights(1)
         entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
                              shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
+        if valid is None and cache.extra.get("provisional") is False:
+            # the steady state (a fixed centre, no padding among the new tokens): one fused write-and-attend call
+            buffers, slot = cache.claim(L)
+            return mgk_cache_step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"],
+                                  values=buffers["values"], slot=slot, centre=cache.extra["centre"],
+                                  key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi, **entry_options).to(v.dtype)
         centre = _CachedCentre(cache)
         first = centre.centre is None
         before = cache.seen

@@ -16,7 +16,7 @@ from .linear import (
 )
 from .masks import MaskError, causal_mask
 from .mgk import gaussian_log_kernel, mgk_attention, mgk_centre, mgk_responsibilities, select_backend
-from .mgk_cache import mgk_attention_cached, mgk_cache_centre, mgk_cache_entries
+from .mgk_cache import mgk_attention_cached, mgk_cache_centre, mgk_cache_entries, mgk_cache_step
 from .softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "mgk_attention_soft_e",
     "mgk_cache_centre",
     "mgk_cache_entries",
+    "mgk_cache_step",
     "mgk_centre",
     "mgk_responsibilities",
     "mlk_attention",

@@ -33,9 +33,10 @@ from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
 from ._dispatch import is_transformed, pick
 from ._mgk_backends import _chunks
+from . import _mixture_flash
 from ._mixture_terms import check_components, check_mixture_args, check_shifts, key_bias, needs_qnorm, row_bias
 
-__all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries"]
+__all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries", "mgk_cache_step"]
 
 DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
 
@@ -269,3 +270,117 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
             out = _attend(_scores(q[:, :, a:b], kc, kb, scale, terms), v, rows, mixture, dropout_p)
             outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
     return torch.cat(outs, dim=2).to(out_dtype)
+
+
+def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
+                   slot: int, centre: Tensor, key_valid: Tensor | None = None, log_pi: Tensor | None = None,
+                   sigma2: float | Tensor | None = None, shifts: Tensor | None = None, mixture: str = "sum",
+                   backend: str | None = None) -> Tensor:
+    """A whole decoding step over a preallocated (static) cache: the L new tokens' entries written into the cache's
+    buffers at slots ``[slot, slot + L)``, then the new queries attended over slots ``[0, slot + L)`` causally.
+
+    The reference is the composition it replaces, which the "explicit" backend runs:
+    ``mgk_cache_entries(key, ...)`` copied into the buffers, then :func:`mgk_attention_cached` over the filled
+    slots. The "kernel" backend (our C++ CPU kernel, ``csrc/mixture_decode.cpp``) does both in one call: one
+    pass per (row, head) that computes the entries, writes them and reads the cache in place, with no other
+    PyTorch operator (a step of separate operators costs about thirty small calls per layer, which at batch 1 and
+    short contexts cost more than the attention itself: issue 34).
+
+    Args:
+        query: (B, H, L, D) the new queries (uncentred).
+        key: the new tokens' raw key projections: (B, H, M, L, D) (MGK), or with ``shifts`` the one unshifted key
+            (B, H, L, D) (sMGK).
+        value: (B, H, L, Dv) the new values.
+        keys, key_bias, values: the cache's buffers, (B, H, M, T, D) (or (B, H, T, D) with shifts),
+            (B, H, M, T) and (B, H, T, Dv), of one dtype, with T >= slot + L; written in place at the new slots.
+        slot: the first slot of the new tokens (the slots before it hold earlier entries made with ``centre``).
+        centre: (B, H, D), the cache's fixed centre (:func:`mgk_cache_centre`).
+        key_valid: (B, slot + L) bool, True = a real token (padding in the cache), or None (every slot real).
+        log_pi: log prior of the new tokens broadcastable to (B, H, M, L), or None (uniform; None for "max").
+        sigma2, shifts, mixture: as :func:`mgk_cache_entries`.
+        backend: None (the kernel where it serves: CPU float32 / float64 buffers of the query's dtype, at most a
+            few queries, outside autograd, torch.compile and torch.func), "kernel" or "explicit".
+    Returns:
+        (B, H, L, Dv) in the buffers' dtype; equals :func:`mgk_attention_cached` after the composition above.
+    Raises:
+        ValueError naming the argument for wrong shapes, dtypes, slots or options; BackendError (a ValueError)
+        naming why a backend asked for cannot serve.
+    """
+    shifted = shifts is not None
+    check_tensor(query, "query", 4, "(B, H, L, D)")
+    check_tensor(key, "key", 4 if shifted else 5, "(B, H, L, D) with shifts" if shifted else "(B, H, M, L, D)")
+    check_tensor(keys, "keys", 4 if shifted else 5, "(B, H, T, D) with shifts" if shifted else "(B, H, M, T, D)")
+    check_tensor(key_bias, "key_bias", 4, "(B, H, M, T)")
+    check_tensor(values, "values", 4, "(B, H, T, Dv)")
+    check_mixture_args(mixture, log_pi)
+    L, T = query.shape[2], values.shape[2]
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0 or slot + L > T:
+        raise ValueError(f"slot must be an int with 0 <= slot and slot + L <= T (the buffers' {T} slots) for L = {L} "
+                         f"new tokens, got {slot!r}")
+    S = slot + L
+    if key_valid is not None and (not isinstance(key_valid, Tensor) or key_valid.dtype != torch.bool
+                                  or tuple(key_valid.shape) != (query.shape[0], S)):
+        what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
+        raise ValueError(f"key_valid must be a bool tensor (B, slot + L) = ({query.shape[0]}, {S}), got {what}")
+    M = _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
+    dt = keys.dtype
+    kernel_unserved = _step_unserved(query, key, value, keys, key_bias, values, dt)
+    name = pick(backend, DECODE_BACKENDS, lambda b, _: kernel_unserved if b == "kernel" else None)
+    if name == "explicit":
+        mask = None if key_valid is None else key_valid[:, None, None, :]
+        new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2,
+                                               mixture=mixture, shifts=shifts)
+        with torch.no_grad():
+            keys.narrow(-2, slot, L).copy_(new_keys)
+            key_bias.narrow(-1, slot, L).copy_(new_bias)
+            values.narrow(2, slot, L).copy_(value.detach())
+        return mgk_attention_cached(query, keys.narrow(-2, 0, S), key_bias.narrow(-1, 0, S), values.narrow(2, 0, S),
+                                    centre=centre, sigma2=sigma2, shifts=shifts, mixture=mixture, attn_mask=mask,
+                                    is_causal=True, backend="explicit").to(dt)
+    B, H, D = query.shape[0], query.shape[1], query.shape[3]
+    with torch.no_grad():
+        c = check_centre(centre, B, H, D, dt, query.device).contiguous()
+        s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
+        lp = (query.new_empty(0) if mixture == "max"
+              else mixture_terms.log_prior(log_pi, M, dt, query.device).expand(B, H, M, L))
+        mu = query.new_empty(0) if not shifted else check_shifts(shifts, M, H, D).to(dt).contiguous()
+        try:
+            return _mixture_flash._module.decode_step(
+                query.contiguous(), key.unsqueeze(2) if shifted else key, value, c, (1.0 / s2).contiguous(), lp, mu,
+                needs_qnorm(s2), keys.unsqueeze(2) if shifted else keys, key_bias, values,
+                query.new_empty(0, dtype=torch.bool) if key_valid is None else key_valid, slot, mixture == "max")
+        except RuntimeError as exc:  # the kernel's own shape checks, in one line
+            raise ValueError(f"mgk_cache_step: {str(exc).splitlines()[0]}") from None
+
+
+def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) -> int:
+    """The sizes of :func:`mgk_cache_step`'s operands against each other (ValueError naming the two that differ);
+    returns M."""
+    B, H, L, D = query.shape
+    M = key_bias.shape[2]
+    for name, t in (("key", key), ("value", value), ("keys", keys), ("key_bias", key_bias), ("values", values)):
+        check_same("query", B, name, t.shape[0], "batch size")
+        check_same("query", H, name, t.shape[1], "number of heads")
+    check_same("query", L, "key", key.shape[-2], "new tokens L")
+    check_same("query", L, "value", value.shape[2], "new tokens L")
+    check_same("query", D, "key", key.shape[-1], "head_dim")
+    check_same("query", D, "keys", keys.shape[-1], "head_dim")
+    check_same("value", value.shape[-1], "values", values.shape[-1], "value size Dv")
+    check_same("keys", keys.shape[-2], "key_bias", key_bias.shape[-1], "slots T")
+    check_same("keys", keys.shape[-2], "values", values.shape[2], "slots T")
+    if not shifted:
+        check_same("key", key.shape[2], "key_bias", M, "mixture components M")
+        check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
+    check_components(M, "key_bias")
+    return M
+
+
+def _step_unserved(query, key, value, keys, key_bias, values, dt) -> str | None:
+    """Why the fused step cannot serve (None when it can): :func:`._mixture_decode.unserved` plus one dtype for
+    every operand (the buffers' own)."""
+    if any(t.dtype != dt for t in (query, key, value, key_bias, values)):
+        return f"the kernel takes one dtype: the buffers are {dt}, the new tokens' tensors must be too"
+    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in (key, value, keys, key_bias, values)):
+        return "an operand is not contiguous in its last dimension"
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad)

@@ -147,14 +147,13 @@ struct Step {
 };
 
 // One slice (b, h): scores of its L queries (L x M x S) into sc, then the weights and the value sum.
+// q: the slice's L queries (L, D); rb: its row terms (M, L) or nullptr.
 template <typename T>
-void slice(const Step<T>& p, int64_t b, int64_t h, T* sc) {
+void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* rb) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t L = p.L, S = p.S, M = p.M, W = Vec<T>::size();
-  const T* q = p.q + (b * p.H + h) * L * p.D;
   const T* keys = p.k + b * p.k_b + h * p.k_h;
   const T* bias = p.bias + b * p.b_b + h * p.b_h;
-  const T* rb = p.rowbias ? p.rowbias + (b * p.H + h) * M * L : nullptr;
   const T* v = p.v + b * p.v_b + h * p.v_h;
   const uint8_t* valid = p.valid ? p.valid + b * p.valid_b : nullptr;
   T* out = p.out + (b * p.H + h) * L * p.Dv;
@@ -279,7 +278,194 @@ torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor 
     const int64_t grain = B * H * L * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
       scalar_t* sc = scratch<scalar_t>(static_cast<size_t>(L * M * S));
-      for (int64_t i = begin; i < end; ++i) slice(p, i / H, i % H, sc);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / H, h = i % H;
+        slice(p, b, h, sc, p.q + i * L * D, p.rowbias ? p.rowbias + i * M * L : nullptr);
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole step in one call: the L new tokens' entries computed and written into the cache's buffers at slots
+// [t, t + L), then the L new queries attended over slots [0, t + L). Per slice (b, h), with c the centre, k the
+// raw key projection of a new token (M components for MGK, the one unshifted key for sMGK) and 1/s_r the inverse
+// variance of component r (mgk/functional/mgk_cache.py, mgk_cache_entries and _query_terms):
+//
+//   MGK:  keys[r] = (k_r - c) / s_r        bias[r] = log pi_r - |k_r - c|^2 / (2 s_r)
+//   sMGK: keys    = k - c                  bias[r] = log pi_r - (|k - c|^2 - 2 (k - c) . mu_r) / (2 s_r)
+//   queries q~ = q - c; row term[r] = -(q~ . mu_r) / s_r - |mu_r|^2 / (2 s_r)   (sMGK)
+//                                      - |q~|^2 / (2 s_r)                         (when the variances differ)
+//
+// (Hard-E: no log pi.) Writing and reading in the same call saves the separate passes of the entries' formula,
+// the copy into the buffers and the query terms: about thirty small PyTorch calls per layer and step.
+namespace {
+
+template <typename T>
+struct Write {
+  const T* k; int64_t k_b, k_h, k_r, k_l;  // (B, H, Mk, L, D) raw keys, last dim contiguous
+  const T* vn; int64_t vn_b, vn_h, vn_l;  // (B, H, L, Dv) new values, last dim contiguous
+  const T* c;  // (B, H, D) contiguous centre
+  const T* inv; int64_t inv_h;  // (H' , M) inverse variances, inv_h = 0 when shared by the heads
+  const T* lp; int64_t lp_b, lp_h, lp_r, lp_l;  // log pi (B, H, M, L) strided (0 for broadcast), or nullptr
+  const T* mu;  // (M, H, D) contiguous shifts, or nullptr (MGK)
+  bool qnorm;
+  T* kb; int64_t kb_b, kb_h, kb_r, kb_j;  // key buffer (B, H, Mk, T, D)
+  T* bb; int64_t bb_b, bb_h, bb_r;  // bias buffer (B, H, M, T)
+  T* vb; int64_t vb_b, vb_h, vb_j;  // value buffer (B, H, T, Dv)
+  int64_t t;  // first slot written
+};
+
+template <typename T>
+void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, T* qc, T* rb) {
+  const int64_t L = p.L, D = p.D, M = p.M;
+  const T* c = w.c + (b * p.H + h) * D;
+  const T* inv = w.inv + h * w.inv_h;
+  for (int64_t l = 0; l < L; ++l) {
+    // the new token's entries
+    for (int64_t r = 0; r < p.Mk; ++r) {
+      const T* k = w.k + b * w.k_b + h * w.k_h + r * w.k_r + l * w.k_l;
+      T* dst = w.kb + b * w.kb_b + h * w.kb_h + r * w.kb_r + (w.t + l) * w.kb_j;
+      const T scale = w.mu ? T(1) : inv[r];
+      T norm = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const T x = k[d] - c[d];
+        norm += x * x;
+        dst[d] = x * scale;
+      }
+      if (!w.mu) {
+        const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r * w.lp_r + l * w.lp_l] : T(0);
+        w.bb[b * w.bb_b + h * w.bb_h + r * w.bb_r + w.t + l] = prior - norm * inv[r] * T(0.5);
+      } else {
+        for (int64_t r2 = 0; r2 < M; ++r2) {
+          const T* mu = w.mu + (r2 * p.H + h) * D;
+          T cross = 0;
+          for (int64_t d = 0; d < D; ++d) cross += dst[d] * mu[d];
+          const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r2 * w.lp_r + l * w.lp_l] : T(0);
+          w.bb[b * w.bb_b + h * w.bb_h + r2 * w.bb_r + w.t + l] = prior - (norm - T(2) * cross) * inv[r2] * T(0.5);
+        }
+      }
+    }
+    const T* vn = w.vn + b * w.vn_b + h * w.vn_h + l * w.vn_l;
+    T* vd = w.vb + b * w.vb_b + h * w.vb_h + (w.t + l) * w.vb_j;
+    for (int64_t d = 0; d < p.Dv; ++d) vd[d] = vn[d];
+    // the query and its row terms
+    const T* q = p.q + ((b * p.H + h) * L + l) * D;
+    T qq = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      qc[l * D + d] = q[d] - c[d];
+      qq += qc[l * D + d] * qc[l * D + d];
+    }
+    if (rb) {
+      for (int64_t r = 0; r < M; ++r) {
+        T term = w.qnorm ? -qq * inv[r] * T(0.5) : T(0);
+        if (w.mu) {
+          const T* mu = w.mu + (r * p.H + h) * D;
+          T qm = 0, mm = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            qm += qc[l * D + d] * mu[d];
+            mm += mu[d] * mu[d];
+          }
+          term -= (qm + mm * T(0.5)) * inv[r];
+        }
+        rb[r * L + l] = term;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q (B, H, L, D) contiguous, uncentred; key_new (B, H, Mk, L, D) raw keys and value_new (B, H, L, Dv) (last dims
+// contiguous); centre (B, H, D) contiguous; inv_s2 (H' = 1 or H, M) contiguous; log_pi broadcastable to (B, H, M, L)
+// (already expanded, strides 0 where broadcast) or empty; shifts (M, H, D) contiguous or empty (MGK); the cache's
+// buffers keys (B, H, Mk, T, D), bias (B, H, M, T), values (B, H, T, Dv) (last dims contiguous) with room for
+// slots [t, t + L); valid (B, t + L) bool or empty. -> (B, H, L, Dv).
+torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor value_new,
+                                  torch::Tensor centre, torch::Tensor inv_s2, torch::Tensor log_pi,
+                                  torch::Tensor shifts, bool qnorm, torch::Tensor keys_buf, torch::Tensor bias_buf,
+                                  torch::Tensor values_buf, torch::Tensor valid, int64_t t, bool hard) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be a contiguous (B, H, L, D) tensor");
+  check_rows(key_new, "key_new", 5);
+  check_rows(value_new, "value_new", 4);
+  check_rows(keys_buf, "keys", 5);
+  check_rows(bias_buf, "bias", 4);
+  check_rows(values_buf, "values", 4);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t M = bias_buf.size(2), Mk = keys_buf.size(2), cap = keys_buf.size(3), Dv = values_buf.size(3);
+  const int64_t S = t + L;
+  TORCH_CHECK(t >= 0 && S <= cap && bias_buf.size(3) == cap && values_buf.size(2) == cap,
+              "the buffers must have room for slots [t, t + L)");
+  TORCH_CHECK(key_new.size(0) == B && key_new.size(1) == H && key_new.size(2) == Mk && key_new.size(3) == L &&
+              key_new.size(4) == D, "key_new does not match q and the key buffer");
+  TORCH_CHECK(value_new.size(0) == B && value_new.size(1) == H && value_new.size(2) == L && value_new.size(3) == Dv,
+              "value_new does not match q and the value buffer");
+  TORCH_CHECK(keys_buf.size(0) == B && keys_buf.size(1) == H && keys_buf.size(4) == D && bias_buf.size(0) == B &&
+              bias_buf.size(1) == H && values_buf.size(0) == B && values_buf.size(1) == H, "buffers do not match q");
+  TORCH_CHECK(centre.is_contiguous() && centre.dim() == 3 && centre.size(0) == B && centre.size(1) == H &&
+              centre.size(2) == D, "centre must be a contiguous (B, H, D) tensor");
+  TORCH_CHECK(inv_s2.is_contiguous() && inv_s2.dim() == 2 && (inv_s2.size(0) == 1 || inv_s2.size(0) == H) &&
+              inv_s2.size(1) == M, "inv_s2 must be a contiguous (1 or H, M) tensor");
+  const bool shifted = shifts.numel() > 0, has_lp = log_pi.numel() > 0, has_valid = valid.numel() > 0;
+  TORCH_CHECK(shifted ? Mk == 1 : Mk == M, "keys must hold M keys per position (MGK) or one, with shifts (sMGK)");
+  if (shifted)
+    TORCH_CHECK(shifts.is_contiguous() && shifts.dim() == 3 && shifts.size(0) == M && shifts.size(1) == H &&
+                shifts.size(2) == D, "shifts must be a contiguous (M, H, D) tensor");
+  if (has_lp)
+    TORCH_CHECK(log_pi.dim() == 4 && log_pi.size(0) == B && log_pi.size(1) == H && log_pi.size(2) == M &&
+                log_pi.size(3) == L, "log_pi must be expanded to (B, H, M, L)");
+  if (has_valid) {
+    check_rows(valid, "valid", 2);
+    TORCH_CHECK(valid.scalar_type() == at::kBool && valid.size(0) == B && valid.size(1) == S,
+                "valid must be a bool (B, t + L) tensor");
+  }
+  for (const auto* x : {&key_new, &value_new, &centre, &inv_s2, &keys_buf, &bias_buf, &values_buf})
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "every floating operand must have q's dtype");
+  if (has_lp) TORCH_CHECK(log_pi.scalar_type() == q.scalar_type(), "log_pi must have q's dtype");
+  if (shifted) TORCH_CHECK(shifts.scalar_type() == q.scalar_type(), "shifts must have q's dtype");
+  auto out = torch::empty({B, H, L, Dv}, q.options());
+  if (B * H * L == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_decode_step", [&] {
+    using T = scalar_t;
+    auto kb = keys_buf.narrow(3, 0, S), bb = bias_buf.narrow(3, 0, S), vb = values_buf.narrow(2, 0, S);
+    Step<T> p{B, H, L, S, D, Dv, M, Mk,
+              q.data_ptr<T>(),
+              kb.data_ptr<T>(), kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
+              nullptr,  // MGK's keys are scaled when written; sMGK's scale comes below
+              bb.data_ptr<T>(), bb.stride(0), bb.stride(1), bb.stride(2),
+              nullptr,
+              vb.data_ptr<T>(), vb.stride(0), vb.stride(1), vb.stride(2),
+              has_valid ? reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>()) : nullptr,
+              has_valid ? valid.stride(0) : 0,
+              L > 1, hard, out.data_ptr<T>()};
+    // sMGK's stored keys are unscaled: the kernel scales their dot products by 1 / s_r, per head
+    torch::Tensor scale;
+    if (shifted) {
+      scale = inv_s2.expand({H, M}).contiguous();
+      p.scale = scale.data_ptr<T>();
+    }
+    Write<T> w{key_new.data_ptr<T>(), key_new.stride(0), key_new.stride(1), key_new.stride(2), key_new.stride(3),
+               value_new.data_ptr<T>(), value_new.stride(0), value_new.stride(1), value_new.stride(2),
+               centre.data_ptr<T>(), inv_s2.data_ptr<T>(), inv_s2.size(0) == 1 ? 0 : M,
+               has_lp ? log_pi.data_ptr<T>() : nullptr,
+               has_lp ? log_pi.stride(0) : 0, has_lp ? log_pi.stride(1) : 0, has_lp ? log_pi.stride(2) : 0,
+               has_lp ? log_pi.stride(3) : 0,
+               shifted ? shifts.data_ptr<T>() : nullptr, qnorm,
+               kb.data_ptr<T>(), kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
+               bb.data_ptr<T>(), bb.stride(0), bb.stride(1), bb.stride(2),
+               vb.data_ptr<T>(), vb.stride(0), vb.stride(1), vb.stride(2), t};
+    const bool terms = shifted || qnorm;
+    const int64_t grain = B * H * L * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+      T* sc = scratch<T>(static_cast<size_t>(L * M * S + L * D + L * M));
+      T* qc = sc + L * M * S;
+      T* rb = terms ? qc + L * D : nullptr;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / H, h = i % H;
+        write_and_terms(p, w, b, h, qc, rb);
+        slice(p, b, h, sc, qc, rb);
+      }
     });
   });
   return out;

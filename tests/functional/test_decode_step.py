@@ -1,0 +1,166 @@
+"""The fused decoding step (mgk_cache_step, csrc/mixture_decode.cpp ``decode_step``): the new tokens' entries
+written into a static cache and attended in one call, against the float64 formula (reference.py) of the uncached
+keys, and its kernel against its own explicit form (the composition it replaces): every buffer slot equal, the
+slots outside the new ones untouched, padding in the cache, sMGK, Hard-E, unequal per-head variances, per-token
+priors, vector tails, up to 16 new queries and the thread pool; then the inputs it must refuse in one line (issue 34).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mgk.functional import BackendError, _mixture_flash, mgk_cache_entries, mgk_cache_step
+
+from .reference import mgk_reference, normalised_log_pi
+
+F64 = torch.float64
+
+
+@pytest.fixture
+def kernel():
+    if _mixture_flash._load() is None:
+        pytest.skip(f"the CPU kernel could not be built here: {_mixture_flash.build_error()}")
+
+
+def _case(*, B=2, H=3, M=2, D=8, Dv=5, old=11, L=1, T=20, shifted=False, mixture="sum", per_token=False,
+          padded=True, seed=0):
+    """float64 raw keys / values of ``old`` cached tokens and L new ones, the buffers holding the old entries, the
+    step's arguments and the float64 formula's output over all old + new keys."""
+    g = torch.Generator().manual_seed(seed)
+    S = old + L
+    raw = torch.randn(B, H, S, D, generator=g, dtype=F64) if shifted else torch.randn(B, H, M, S, D, generator=g,
+                                                                                         dtype=F64)
+    raw = raw + 3.0  # a shared offset: the centre must take it out
+    v = torch.randn(B, H, S, Dv, generator=g, dtype=F64)
+    q = torch.randn(B, H, L, D, generator=g, dtype=F64) + 3.0
+    shifts = None
+    if shifted:
+        shifts = torch.cat([torch.zeros(1, H, D, dtype=F64), 0.5 * torch.randn(M - 1, H, D, generator=g, dtype=F64)])
+    sigma2 = torch.linspace(0.6, 2.2, H * M, dtype=F64).reshape(H, M)  # unequal: the |q|^2 row term is kept
+    log_pi = None
+    if mixture == "sum":
+        log_pi = normalised_log_pi((B, H, M, S) if per_token else (1, H, M, 1), dim=2, seed=seed)
+    centre = raw.mean(dim=-2) if shifted else raw.mean(dim=(2, 3))
+    valid = torch.ones(B, S, dtype=torch.bool)
+    if padded:
+        valid[-1, :3] = False  # the last row: three padded slots in the cache
+    old_lp = None if log_pi is None else log_pi[..., :old] if per_token else log_pi
+    new_lp = None if log_pi is None else log_pi[..., old:] if per_token else log_pi
+    keys, key_bias = mgk_cache_entries(raw[..., :old, :], centre=centre, log_pi=old_lp, sigma2=sigma2,
+                                       mixture=mixture, shifts=shifts)
+    buffers = {"keys": torch.full((*keys.shape[:-2], T, D), 7.0, dtype=F64),
+               "key_bias": torch.full((B, H, M, T), 7.0, dtype=F64), "values": torch.full((B, H, T, Dv), 7.0,
+                                                                                       dtype=F64)}
+    buffers["keys"][..., :old, :] = keys
+    buffers["key_bias"][..., :old] = key_bias
+    buffers["values"][:, :, :old] = v[:, :, :old]
+    k = raw if not shifted else raw.unsqueeze(2) - shifts.transpose(0, 1).unsqueeze(0).unsqueeze(3)
+    want, _ = mgk_reference(q, k, v, log_pi=log_pi, sigma2=sigma2, mixture=mixture,
+                            mask=valid[:, None, None, :] if padded else None, is_causal=True, log_space=True)
+    step = dict(slot=old, centre=centre, key_valid=valid if padded else None, log_pi=new_lp, sigma2=sigma2,
+                shifts=shifts, mixture=mixture)
+    return q, raw[..., old:, :], v[:, :, old:], buffers, step, want
+
+
+def _run(q, key, value, buffers, step, dtype, backend):
+    bufs = {n: b.to(dtype).clone() for n, b in buffers.items()}
+    cast = {n: (x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in step.items()}
+    out = mgk_cache_step(q.to(dtype), key.to(dtype), value.to(dtype), **bufs, **cast, backend=backend)
+    return out, bufs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("mixture", ["sum", "max"])
+@pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
+@pytest.mark.parametrize("L", [1, 3, 16])
+@pytest.mark.parametrize("D,Dv", [(3, 5), (13, 69), (32, 32)])
+def test_the_fused_step_is_the_formula_and_writes_what_the_composition_writes(D, Dv, L, shifted, mixture, dtype,
+                                                                              kernel):
+    """Output against the float64 formula of the uncached keys; every buffer, the new slots and the untouched ones
+    (still 7.0 after slot + L), against the explicit composition of mgk_cache_entries, copy and the cached step."""
+    q, key, value, buffers, step, want = _case(D=D, Dv=Dv, L=L, shifted=shifted, mixture=mixture, T=11 + L + 4,
+                                               seed=D + Dv + L)
+    got, bufs = _run(q, key, value, buffers, step, dtype, "kernel")
+    ref, ref_bufs = _run(q, key, value, buffers, step, dtype, "explicit")
+    tol = 1e-12 if dtype == F64 else 3e-5
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.to(F64), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(ref.to(F64), want, atol=tol, rtol=tol)
+    for name in bufs:
+        torch.testing.assert_close(bufs[name], ref_bufs[name], atol=tol, rtol=tol)
+        assert bool((bufs[name].narrow(-1 if name == "key_bias" else -2, 11 + L, 4) == 7.0).all()), name
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
+def test_per_token_priors_and_no_padding(shifted, kernel):
+    """Per-position weights (log pi per new token, as pi_shape="position" and Soft-E decode), no padded slot (no
+    key_valid)."""
+    q, key, value, buffers, step, want = _case(L=2, shifted=shifted, per_token=True, padded=False, seed=5)
+    got, _ = _run(q, key, value, buffers, step, F64, "kernel")
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_a_step_large_enough_for_the_thread_pool_is_the_formula_on_one_thread_and_on_two(kernel):
+    q, key, value, buffers, step, want = _case(B=3, H=4, D=32, Dv=32, old=900, L=1, T=905, seed=9)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = _run(q, key, value, buffers, step, torch.float32, "kernel")
+        torch.set_num_threads(max(2, previous))
+        many, _ = _run(q, key, value, buffers, step, torch.float32, "kernel")
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(one.double(), want, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(many, one, atol=1e-6, rtol=1e-6)
+
+
+def test_a_switched_off_component_and_a_row_that_sees_no_key(kernel):
+    """log pi = -inf for a component (a gated component) keeps the step finite; a row whose every cached and new
+    slot is padding gives zeros, as the other backends."""
+    q, key, value, buffers, step, _ = _case(L=1, seed=3)
+    lp = step["log_pi"].clone()
+    lp[:, 0, 1] = float("-inf")
+    step = dict(step, log_pi=lp)
+    step["key_valid"] = step["key_valid"].clone()
+    step["key_valid"][0] = False
+    got, _ = _run(q, key, value, buffers, step, F64, "kernel")
+    ref, _ = _run(q, key, value, buffers, step, F64, "explicit")
+    assert bool(got.isfinite().all())
+    assert bool((got[0] == 0).all())
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
+
+
+def test_the_kernel_is_refused_by_name_where_it_cannot_serve(kernel):
+    q, key, value, buffers, step, want = _case(L=1, seed=1)
+    with pytest.raises(BackendError, match="one dtype"):
+        mgk_cache_step(q.float(), key, value, **{n: b.clone() for n, b in buffers.items()}, **step, backend="kernel")
+    needs = q.clone().requires_grad_()
+    with pytest.raises(BackendError, match="no backward"):
+        mgk_cache_step(needs, key, value, **{n: b.clone() for n, b in buffers.items()}, **step, backend="kernel")
+    # the default takes the explicit form there, and it is still the formula
+    got = mgk_cache_step(needs, key, value, **{n: b.clone() for n, b in buffers.items()}, **step)
+    torch.testing.assert_close(got.detach(), want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(slot=10 ** 6), "slot must be an int"),
+    (dict(slot=-1), "slot must be an int"),
+    (dict(slot=2.0), "slot must be an int"),
+    (dict(key_valid=torch.ones(2, 3, dtype=torch.bool)), "key_valid must be a bool tensor"),
+    (dict(mixture="mean"), "mixture must be one of"),
+])
+def test_bad_arguments_are_named(change, match):
+    q, key, value, buffers, step, _ = _case(L=1, seed=2)
+    with pytest.raises(ValueError, match=match):
+        mgk_cache_step(q, key, value, **buffers, **dict(step, **change))
+
+
+@pytest.mark.parametrize("backend", ["kernel", "explicit"])
+def test_buffers_that_do_not_match_the_new_tokens_are_named(backend, kernel):
+    q, key, value, buffers, step, _ = _case(L=1, seed=2)
+    cases = [(dict(buffers, values=buffers["values"][..., :4]), "value size Dv: value has 5 but values has 4"),
+             (dict(buffers, key_bias=buffers["key_bias"][..., :15]), "slots T: keys has 20 but key_bias has 15"),
+             (dict(buffers, keys=buffers["keys"][:, :, :1]), "mixture components M: keys has 1 but key_bias has 2")]
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            mgk_cache_step(q, key, value, **bad, **step, backend=backend)
