@@ -142,17 +142,27 @@ def test_the_kernel_is_refused_by_name_where_it_cannot_serve(kernel):
     torch.testing.assert_close(got.detach(), want, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("backend", [None, "explicit"])
 @pytest.mark.parametrize("change,match", [
     (dict(slot=10 ** 6), "slot must be an int"),
     (dict(slot=-1), "slot must be an int"),
     (dict(slot=2.0), "slot must be an int"),
     (dict(key_valid=torch.ones(2, 3, dtype=torch.bool)), "key_valid must be a bool tensor"),
     (dict(mixture="mean"), "mixture must be one of"),
+    (dict(sigma2=0.0), "sigma2 must be"),
+    (dict(sigma2=-1.0), "sigma2 must be"),
+    (dict(sigma2=torch.tensor([1.0, -2.0], dtype=F64)), "sigma2 must be positive"),
+    (dict(sigma2=torch.ones(5, dtype=F64)), "sigma2 must be"),
+    (dict(log_pi=torch.zeros(1, 3, 4, 1, dtype=F64)), "log_pi"),
+    (dict(centre=torch.zeros(2, 5, 8, dtype=F64)), "centre must be"),
+    (dict(shifts=torch.zeros(2, 3, 8, dtype=F64)), "key must have shape"),
 ])
-def test_bad_arguments_are_named(change, match):
+def test_bad_arguments_are_named(change, match, backend):
+    """The kernel's own checks and the explicit form's name the same argument, in one line."""
     q, key, value, buffers, step, _ = _case(L=1, seed=2)
-    with pytest.raises(ValueError, match=match):
-        mgk_cache_step(q, key, value, **buffers, **dict(step, **change))
+    with pytest.raises(ValueError, match=match) as info:
+        mgk_cache_step(q, key, value, **buffers, **dict(step, **change), backend=backend)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("backend", ["kernel", "explicit"])

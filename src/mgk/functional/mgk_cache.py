@@ -22,6 +22,8 @@ Hard-E (mixture="max") takes the best component instead of the log-sum-exp and s
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -73,7 +75,12 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
         c = check_centre(centre, B, H, D, dt, key.device)
         s2 = mixture_terms.variances(sigma2, H, M, D, dt, key.device)
         k = key.detach().to(dt) - (c.unsqueeze(2) if shifted else c[:, :, None, None])
-        prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
+        prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device)
+        if prior is not None:
+            if prior.dim() != 4 or any(a not in (1, b) for a, b in zip(prior.shape, (B, H, M, S))):
+                raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, S) = "
+                                 f"{(B, H, M, S)}")
+            prior = prior.expand(B, H, M, S)
         if shifted:
             return k, key_bias(k, s2, prior, shifts=shifts.detach().to(dt))
         return mixture_terms.scaled_keys(k, s2), key_bias(k, s2, prior)
@@ -306,51 +313,84 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         ValueError naming the argument for wrong shapes, dtypes, slots or options; BackendError (a ValueError)
         naming why a backend asked for cannot serve.
     """
+    check_mixture_args(mixture, log_pi)
+    if backend != "explicit":
+        why = _step_unserved(query, key, value, keys, key_bias, values, slot)
+        if why is None:
+            return _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2,
+                                shifts, mixture)
+        if backend is not None:
+            pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
+    # the explicit composition: the checks, the entries' formula, a copy into the buffers and the cached step
     shifted = shifts is not None
     check_tensor(query, "query", 4, "(B, H, L, D)")
     check_tensor(key, "key", 4 if shifted else 5, "(B, H, L, D) with shifts" if shifted else "(B, H, M, L, D)")
+    check_tensor(value, "value", 4, "(B, H, L, Dv)")
     check_tensor(keys, "keys", 4 if shifted else 5, "(B, H, T, D) with shifts" if shifted else "(B, H, M, T, D)")
     check_tensor(key_bias, "key_bias", 4, "(B, H, M, T)")
     check_tensor(values, "values", 4, "(B, H, T, Dv)")
-    check_mixture_args(mixture, log_pi)
+    _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
     L, T = query.shape[2], values.shape[2]
-    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0 or slot + L > T:
-        raise ValueError(f"slot must be an int with 0 <= slot and slot + L <= T (the buffers' {T} slots) for L = {L} "
-                         f"new tokens, got {slot!r}")
+    _check_slot(slot, L, T)
     S = slot + L
     if key_valid is not None and (not isinstance(key_valid, Tensor) or key_valid.dtype != torch.bool
                                   or tuple(key_valid.shape) != (query.shape[0], S)):
         what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
         raise ValueError(f"key_valid must be a bool tensor (B, slot + L) = ({query.shape[0]}, {S}), got {what}")
-    M = _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
-    dt = keys.dtype
-    kernel_unserved = _step_unserved(query, key, value, keys, key_bias, values, dt)
-    name = pick(backend, DECODE_BACKENDS, lambda b, _: kernel_unserved if b == "kernel" else None)
-    if name == "explicit":
-        mask = None if key_valid is None else key_valid[:, None, None, :]
-        new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2,
-                                               mixture=mixture, shifts=shifts)
-        with torch.no_grad():
-            keys.narrow(-2, slot, L).copy_(new_keys)
-            key_bias.narrow(-1, slot, L).copy_(new_bias)
-            values.narrow(2, slot, L).copy_(value.detach())
-        return mgk_attention_cached(query, keys.narrow(-2, 0, S), key_bias.narrow(-1, 0, S), values.narrow(2, 0, S),
-                                    centre=centre, sigma2=sigma2, shifts=shifts, mixture=mixture, attn_mask=mask,
-                                    is_causal=True, backend="explicit").to(dt)
-    B, H, D = query.shape[0], query.shape[1], query.shape[3]
+    mask = None if key_valid is None else key_valid[:, None, None, :]
+    new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2, mixture=mixture,
+                                           shifts=shifts)
     with torch.no_grad():
-        c = check_centre(centre, B, H, D, dt, query.device).contiguous()
-        s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
-        lp = (query.new_empty(0) if mixture == "max"
-              else mixture_terms.log_prior(log_pi, M, dt, query.device).expand(B, H, M, L))
-        mu = query.new_empty(0) if not shifted else check_shifts(shifts, M, H, D).to(dt).contiguous()
+        keys.narrow(-2, slot, L).copy_(new_keys)
+        key_bias.narrow(-1, slot, L).copy_(new_bias)
+        values.narrow(2, slot, L).copy_(value.detach())
+    return mgk_attention_cached(query, keys.narrow(-2, 0, S), key_bias.narrow(-1, 0, S), values.narrow(2, 0, S),
+                                centre=centre, sigma2=sigma2, shifts=shifts, mixture=mixture, attn_mask=mask,
+                                is_causal=True, backend="explicit").to(keys.dtype)
+
+
+def _check_slot(slot, L: int, T: int) -> None:
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0 or slot + L > T:
+        raise ValueError(f"slot must be an int with 0 <= slot and slot + L <= T (the buffers' {T} slots) for L = {L} "
+                         f"new tokens, got {slot!r}")
+
+
+def _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
+                 mixture):
+    """:func:`mgk_cache_step` through the C++ kernel, which checks every size and value itself (few Python calls:
+    at batch 1 a step's Python overhead is the cost to cut)."""
+    B, H, L, D = query.shape
+    M, dt = key_bias.shape[2], keys.dtype
+    shifted = shifts is not None
+    if sigma2 is None or isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool):
+        inv = torch.full((1,), 1.0 / (math.sqrt(D) if sigma2 is None else sigma2) if sigma2 != 0 else math.inf,
+                         dtype=dt)
+    elif isinstance(sigma2, Tensor):
+        inv = torch.reciprocal(sigma2.detach().to(dt)).contiguous()
+    else:
+        raise ValueError(f"sigma2 must be None, a positive float or a floating tensor, got {type(sigma2).__name__}")
+    lp = query.new_empty(0)
+    if log_pi is not None:
+        if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point() or log_pi.dim() > 4:
+            raise ValueError(f"log_pi must be a floating tensor broadcastable to (B, H, M, L) = {(B, H, M, L)}")
         try:
-            return _mixture_flash._module.decode_step(
-                query.contiguous(), key.unsqueeze(2) if shifted else key, value, c, (1.0 / s2).contiguous(), lp, mu,
-                needs_qnorm(s2), keys.unsqueeze(2) if shifted else keys, key_bias, values,
-                query.new_empty(0, dtype=torch.bool) if key_valid is None else key_valid, slot, mixture == "max")
-        except RuntimeError as exc:  # the kernel's own shape checks, in one line
-            raise ValueError(f"mgk_cache_step: {str(exc).splitlines()[0]}") from None
+            lp = mixture_terms.log_prior(log_pi.detach(), M, dt, query.device).expand(B, H, M, L)
+        except RuntimeError:
+            raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, L) = "
+                             f"{(B, H, M, L)}") from None
+    mu = query.new_empty(0) if not shifted else shifts.detach().to(dt).contiguous()
+    valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else key_valid
+    if not isinstance(centre, Tensor):
+        raise ValueError(f"centre must be a floating tensor (B, H, D) = {(B, H, D)}, got {type(centre).__name__}")
+    try:
+        # the |q|^2 row term is passed whenever M > 1: exact either way (it cancels when the variances are equal),
+        # and cheaper than reading the variances back to decide
+        return _mixture_flash._module.decode_step(
+            query.contiguous(), key.unsqueeze(2) if shifted else key, value, centre.detach().to(dt).contiguous(),
+            inv, lp, mu, M > 1, keys.unsqueeze(2) if shifted else keys, key_bias, values, valid, slot,
+            mixture == "max")
+    except (RuntimeError, TypeError) as exc:  # the kernel's own checks (TypeError: a non-tensor), in one line
+        raise ValueError(str(exc).splitlines()[0]) from None
 
 
 def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) -> int:
@@ -375,12 +415,18 @@ def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) 
     return M
 
 
-def _step_unserved(query, key, value, keys, key_bias, values, dt) -> str | None:
-    """Why the fused step cannot serve (None when it can): :func:`._mixture_decode.unserved` plus one dtype for
-    every operand (the buffers' own)."""
-    if any(t.dtype != dt for t in (query, key, value, key_bias, values)):
+def _step_unserved(query, key, value, keys, key_bias, values, slot) -> str | None:
+    """Why the fused kernel cannot serve (None when it can): :func:`._mixture_decode.unserved`, one dtype for every
+    operand (the buffers' own), last dimensions contiguous; anything that is not a tensor, or a slot that is not an
+    int, is left to the explicit form's checks (which name it)."""
+    operands = (query, key, value, keys, key_bias, values)
+    if not all(isinstance(t, Tensor) for t in operands) or isinstance(slot, bool) or not isinstance(slot, int) \
+            or query.dim() != 4:
+        return "an operand is not a tensor of the expected rank, or slot is not an int"
+    dt = keys.dtype
+    if any(t.dtype != dt for t in operands):
         return f"the kernel takes one dtype: the buffers are {dt}, the new tokens' tensors must be too"
-    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in (key, value, keys, key_bias, values)):
+    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in operands[1:]):
         return "an operand is not contiguous in its last dimension"
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     return _mixture_decode.unserved(query, value, None, 0.0, needs_grad)

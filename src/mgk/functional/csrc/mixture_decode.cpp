@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -307,7 +308,8 @@ struct Write {
   const T* k; int64_t k_b, k_h, k_r, k_l;  // (B, H, Mk, L, D) raw keys, last dim contiguous
   const T* vn; int64_t vn_b, vn_h, vn_l;  // (B, H, L, Dv) new values, last dim contiguous
   const T* c;  // (B, H, D) contiguous centre
-  const T* inv; int64_t inv_h;  // (H' , M) inverse variances, inv_h = 0 when shared by the heads
+  const T* inv; int64_t inv_h, inv_r;  // inverse variances at h * inv_h + r * inv_r (0 where shared)
+  T prior0;  // log pi when no log_pi is given: -log M (uniform), 0 for Hard-E
   const T* lp; int64_t lp_b, lp_h, lp_r, lp_l;  // log pi (B, H, M, L) strided (0 for broadcast), or nullptr
   const T* mu;  // (M, H, D) contiguous shifts, or nullptr (MGK)
   bool qnorm;
@@ -321,13 +323,14 @@ template <typename T>
 void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, T* qc, T* rb) {
   const int64_t L = p.L, D = p.D, M = p.M;
   const T* c = w.c + (b * p.H + h) * D;
-  const T* inv = w.inv + h * w.inv_h;
+  const T* invh = w.inv + h * w.inv_h;
+  auto inv = [&](int64_t r) { return invh[r * w.inv_r]; };
   for (int64_t l = 0; l < L; ++l) {
     // the new token's entries
     for (int64_t r = 0; r < p.Mk; ++r) {
       const T* k = w.k + b * w.k_b + h * w.k_h + r * w.k_r + l * w.k_l;
       T* dst = w.kb + b * w.kb_b + h * w.kb_h + r * w.kb_r + (w.t + l) * w.kb_j;
-      const T scale = w.mu ? T(1) : inv[r];
+      const T scale = w.mu ? T(1) : inv(r);
       T norm = 0;
       for (int64_t d = 0; d < D; ++d) {
         const T x = k[d] - c[d];
@@ -335,15 +338,15 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
         dst[d] = x * scale;
       }
       if (!w.mu) {
-        const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r * w.lp_r + l * w.lp_l] : T(0);
-        w.bb[b * w.bb_b + h * w.bb_h + r * w.bb_r + w.t + l] = prior - norm * inv[r] * T(0.5);
+        const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r * w.lp_r + l * w.lp_l] : w.prior0;
+        w.bb[b * w.bb_b + h * w.bb_h + r * w.bb_r + w.t + l] = prior - norm * inv(r) * T(0.5);
       } else {
         for (int64_t r2 = 0; r2 < M; ++r2) {
           const T* mu = w.mu + (r2 * p.H + h) * D;
           T cross = 0;
           for (int64_t d = 0; d < D; ++d) cross += dst[d] * mu[d];
-          const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r2 * w.lp_r + l * w.lp_l] : T(0);
-          w.bb[b * w.bb_b + h * w.bb_h + r2 * w.bb_r + w.t + l] = prior - (norm - T(2) * cross) * inv[r2] * T(0.5);
+          const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r2 * w.lp_r + l * w.lp_l] : w.prior0;
+          w.bb[b * w.bb_b + h * w.bb_h + r2 * w.bb_r + w.t + l] = prior - (norm - T(2) * cross) * inv(r2) * T(0.5);
         }
       }
     }
@@ -359,7 +362,7 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
     }
     if (rb) {
       for (int64_t r = 0; r < M; ++r) {
-        T term = w.qnorm ? -qq * inv[r] * T(0.5) : T(0);
+        T term = w.qnorm ? -qq * inv(r) * T(0.5) : T(0);
         if (w.mu) {
           const T* mu = w.mu + (r * p.H + h) * D;
           T qm = 0, mm = 0;
@@ -367,7 +370,7 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
             qm += qc[l * D + d] * mu[d];
             mm += mu[d] * mu[d];
           }
-          term -= (qm + mm * T(0.5)) * inv[r];
+          term -= (qm + mm * T(0.5)) * inv(r);
         }
         rb[r * L + l] = term;
       }
@@ -375,59 +378,94 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
   }
 }
 
+// "what: a_name has a but b_name has b", the message of the Python checks (mgk/functional/_checks.py check_same).
+void same(int64_t a, int64_t b, const char* a_name, const char* b_name, const char* what) {
+  TORCH_CHECK(a == b, what, ": ", a_name, " has ", a, " but ", b_name, " has ", b);
+}
+
+void rank(const torch::Tensor& t, const char* name, int64_t dim, const char* layout) {
+  TORCH_CHECK(t.dim() == dim, name, " must have shape ", layout, " (", dim, " dims), got ", t.sizes());
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
 }  // namespace
 
 // q (B, H, L, D) contiguous, uncentred; key_new (B, H, Mk, L, D) raw keys and value_new (B, H, L, Dv) (last dims
-// contiguous); centre (B, H, D) contiguous; inv_s2 (H' = 1 or H, M) contiguous; log_pi broadcastable to (B, H, M, L)
-// (already expanded, strides 0 where broadcast) or empty; shifts (M, H, D) contiguous or empty (MGK); the cache's
-// buffers keys (B, H, Mk, T, D), bias (B, H, M, T), values (B, H, T, Dv) (last dims contiguous) with room for
-// slots [t, t + L); valid (B, t + L) bool or empty. -> (B, H, L, Dv).
+// contiguous); centre (B, H, D) contiguous; inv_s2 the inverse variances, one value, (M,), (1, M) or (H, M),
+// contiguous, positive and finite; log_pi broadcastable to (B, H, M, L) (expanded: strides 0 where broadcast) or
+// empty (uniform; nothing for Hard-E); shifts (M, H, D) contiguous or empty (MGK); the cache's buffers keys
+// (B, H, Mk, T, D), bias (B, H, M, T), values (B, H, T, Dv) (last dims contiguous) with room for slots [t, t + L);
+// valid (B, t + L) bool or empty. -> (B, H, L, Dv). A wrong operand is an error naming it (a ValueError in Python).
 torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor value_new,
                                   torch::Tensor centre, torch::Tensor inv_s2, torch::Tensor log_pi,
                                   torch::Tensor shifts, bool qnorm, torch::Tensor keys_buf, torch::Tensor bias_buf,
                                   torch::Tensor values_buf, torch::Tensor valid, int64_t t, bool hard) {
-  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be a contiguous (B, H, L, D) tensor");
-  check_rows(key_new, "key_new", 5);
-  check_rows(value_new, "value_new", 4);
-  check_rows(keys_buf, "keys", 5);
-  check_rows(bias_buf, "bias", 4);
-  check_rows(values_buf, "values", 4);
+  const bool shifted = shifts.numel() > 0, has_lp = log_pi.numel() > 0, has_valid = valid.numel() > 0;
+  rank(q, "query", 4, "(B, H, L, D)");
+  TORCH_CHECK(q.is_contiguous(), "query must be contiguous");
+  rank(key_new, "key", 5, shifted ? "(B, H, L, D) with shifts" : "(B, H, M, L, D)");
+  rank(value_new, "value", 4, "(B, H, L, Dv)");
+  rank(keys_buf, "keys", 5, shifted ? "(B, H, T, D) with shifts" : "(B, H, M, T, D)");
+  rank(bias_buf, "key_bias", 4, "(B, H, M, T)");
+  rank(values_buf, "values", 4, "(B, H, T, Dv)");
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t M = bias_buf.size(2), Mk = keys_buf.size(2), cap = keys_buf.size(3), Dv = values_buf.size(3);
+  const std::pair<const char*, const torch::Tensor*> operands[] = {
+      {"key", &key_new}, {"value", &value_new}, {"keys", &keys_buf}, {"key_bias", &bias_buf},
+      {"values", &values_buf}};
+  for (const auto& [name, x] : operands) {
+    same(B, x->size(0), "query", name, "batch size");
+    same(H, x->size(1), "query", name, "number of heads");
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), name, " has dtype ", x->scalar_type(), " but query has ",
+                q.scalar_type());
+  }
+  same(L, key_new.size(3), "query", "key", "new tokens L");
+  same(L, value_new.size(2), "query", "value", "new tokens L");
+  same(D, key_new.size(4), "query", "key", "head_dim");
+  same(D, keys_buf.size(4), "query", "keys", "head_dim");
+  same(value_new.size(3), Dv, "value", "values", "value size Dv");
+  same(cap, bias_buf.size(3), "keys", "key_bias", "slots T");
+  same(cap, values_buf.size(2), "keys", "values", "slots T");
+  if (!shifted) {
+    same(key_new.size(2), M, "key", "key_bias", "mixture components M");
+    same(Mk, M, "keys", "key_bias", "mixture components M");
+  }
+  TORCH_CHECK(M >= 1, "key_bias must hold at least one mixture component (M >= 1), got M = 0");
   const int64_t S = t + L;
-  TORCH_CHECK(t >= 0 && S <= cap && bias_buf.size(3) == cap && values_buf.size(2) == cap,
-              "the buffers must have room for slots [t, t + L)");
-  TORCH_CHECK(key_new.size(0) == B && key_new.size(1) == H && key_new.size(2) == Mk && key_new.size(3) == L &&
-              key_new.size(4) == D, "key_new does not match q and the key buffer");
-  TORCH_CHECK(value_new.size(0) == B && value_new.size(1) == H && value_new.size(2) == L && value_new.size(3) == Dv,
-              "value_new does not match q and the value buffer");
-  TORCH_CHECK(keys_buf.size(0) == B && keys_buf.size(1) == H && keys_buf.size(4) == D && bias_buf.size(0) == B &&
-              bias_buf.size(1) == H && values_buf.size(0) == B && values_buf.size(1) == H, "buffers do not match q");
-  TORCH_CHECK(centre.is_contiguous() && centre.dim() == 3 && centre.size(0) == B && centre.size(1) == H &&
-              centre.size(2) == D, "centre must be a contiguous (B, H, D) tensor");
-  TORCH_CHECK(inv_s2.is_contiguous() && inv_s2.dim() == 2 && (inv_s2.size(0) == 1 || inv_s2.size(0) == H) &&
-              inv_s2.size(1) == M, "inv_s2 must be a contiguous (1 or H, M) tensor");
-  const bool shifted = shifts.numel() > 0, has_lp = log_pi.numel() > 0, has_valid = valid.numel() > 0;
-  TORCH_CHECK(shifted ? Mk == 1 : Mk == M, "keys must hold M keys per position (MGK) or one, with shifts (sMGK)");
+  TORCH_CHECK(t >= 0 && S <= cap, "slot must be an int with 0 <= slot and slot + L <= T (the buffers' ", cap,
+              " slots) for L = ", L, " new tokens, got ", t);
+  TORCH_CHECK(centre.dim() == 3 && centre.size(0) == B && centre.size(1) == H && centre.size(2) == D &&
+              centre.is_contiguous() && centre.scalar_type() == q.scalar_type(),
+              "centre must be a contiguous (B, H, D) = (", B, ", ", H, ", ", D, ") tensor of query's dtype, got ",
+              centre.sizes());
+  const int64_t nv = inv_s2.numel();
+  const bool per_head = inv_s2.dim() == 2 && inv_s2.size(0) == H && inv_s2.size(1) == M && H > 1;
+  TORCH_CHECK(inv_s2.is_contiguous() && inv_s2.scalar_type() == q.scalar_type() &&
+              (nv == 1 || (nv == M && inv_s2.size(-1) == M) || per_head),
+              "sigma2 must be None, a positive float or a floating tensor of one value, shape (M,) = (", M,
+              ",) or (H, M) = (", H, ", ", M, "); got ", inv_s2.sizes());
   if (shifted)
     TORCH_CHECK(shifts.is_contiguous() && shifts.dim() == 3 && shifts.size(0) == M && shifts.size(1) == H &&
-                shifts.size(2) == D, "shifts must be a contiguous (M, H, D) tensor");
+                shifts.size(2) == D && shifts.scalar_type() == q.scalar_type(),
+                "shifts must be a floating tensor (M, H, D) = (", M, ", ", H, ", ", D,
+                ") of the components' offsets mu_r (sMGK's k_r = k - mu_r), got ", shifts.sizes());
   if (has_lp)
     TORCH_CHECK(log_pi.dim() == 4 && log_pi.size(0) == B && log_pi.size(1) == H && log_pi.size(2) == M &&
-                log_pi.size(3) == L, "log_pi must be expanded to (B, H, M, L)");
+                log_pi.size(3) == L && log_pi.scalar_type() == q.scalar_type(),
+                "log_pi must broadcast to (B, H, M, L) = (", B, ", ", H, ", ", M, ", ", L, "), got ", log_pi.sizes());
   if (has_valid) {
-    check_rows(valid, "valid", 2);
+    check_rows(valid, "key_valid", 2);
     TORCH_CHECK(valid.scalar_type() == at::kBool && valid.size(0) == B && valid.size(1) == S,
-                "valid must be a bool (B, t + L) tensor");
+                "key_valid must be a bool tensor (B, slot + L) = (", B, ", ", S, ")");
   }
-  for (const auto* x : {&key_new, &value_new, &centre, &inv_s2, &keys_buf, &bias_buf, &values_buf})
-    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "every floating operand must have q's dtype");
-  if (has_lp) TORCH_CHECK(log_pi.scalar_type() == q.scalar_type(), "log_pi must have q's dtype");
-  if (shifted) TORCH_CHECK(shifts.scalar_type() == q.scalar_type(), "shifts must have q's dtype");
   auto out = torch::empty({B, H, L, Dv}, q.options());
   if (B * H * L == 0) return out;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_decode_step", [&] {
     using T = scalar_t;
+    const T* inv = inv_s2.data_ptr<T>();
+    for (int64_t i = 0; i < nv; ++i)
+      TORCH_CHECK(inv[i] > T(0) && std::isfinite(inv[i]), "sigma2 must be positive and finite, got 1 / ",
+                  static_cast<double>(inv[i]));
     auto kb = keys_buf.narrow(3, 0, S), bb = bias_buf.narrow(3, 0, S), vb = values_buf.narrow(2, 0, S);
     Step<T> p{B, H, L, S, D, Dv, M, Mk,
               q.data_ptr<T>(),
@@ -440,14 +478,17 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
               has_valid ? valid.stride(0) : 0,
               L > 1, hard, out.data_ptr<T>()};
     // sMGK's stored keys are unscaled: the kernel scales their dot products by 1 / s_r, per head
-    torch::Tensor scale;
+    std::vector<T> scale;
     if (shifted) {
-      scale = inv_s2.expand({H, M}).contiguous();
-      p.scale = scale.data_ptr<T>();
+      scale.resize(H * M);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < M; ++r) scale[h * M + r] = inv[nv == 1 ? 0 : per_head ? h * M + r : r];
+      p.scale = scale.data();
     }
     Write<T> w{key_new.data_ptr<T>(), key_new.stride(0), key_new.stride(1), key_new.stride(2), key_new.stride(3),
                value_new.data_ptr<T>(), value_new.stride(0), value_new.stride(1), value_new.stride(2),
-               centre.data_ptr<T>(), inv_s2.data_ptr<T>(), inv_s2.size(0) == 1 ? 0 : M,
+               centre.data_ptr<T>(), inv, per_head ? M : 0, nv == 1 ? 0 : 1,
+               hard ? T(0) : -static_cast<T>(std::log(static_cast<double>(M))),
                has_lp ? log_pi.data_ptr<T>() : nullptr,
                has_lp ? log_pi.stride(0) : 0, has_lp ? log_pi.stride(1) : 0, has_lp ? log_pi.stride(2) : 0,
                has_lp ? log_pi.stride(3) : 0,
