@@ -202,7 +202,12 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         by_position = self.mixture.position_limit() is not None
         if by_position:
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        log_pi = self.mixture.log_weights_at(cache.positions(valid, L)) if by_position else self.mixture.log_weights(1)
+        if not by_position:
+            log_pi = self.mixture.log_weights(1)
+        elif valid is None and not cache.padded:  # every row has seen cache.length real tokens: one slice
+            log_pi = self.mixture.log_weights(L, start=cache.length)
+        else:
+            log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
         entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
                              shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)

@@ -63,13 +63,13 @@ def split_options(cls: type, kwargs: dict) -> tuple[dict, dict]:
 LEGACY_NAMES = ("k_proj.weight", "k_proj.bias", "key_shift", "pi_logits", "pi")
 
 
-def _first_positions(table: Tensor, S) -> Tensor:
-    """``table[:, :, :S]`` of per-position weights (H, M, max_len). A symbolic S (torch.export, torch.compile with
-    dynamic shapes) takes them by index: the slice would make the trace guard on S != max_len (whether the slice is
-    the whole table), so a length range reaching max_len would not export."""
-    if isinstance(S, torch.SymInt):
-        return table[:, :, torch.arange(S, device=table.device)]
-    return table[:, :, :S]
+def _first_positions(table: Tensor, S, start: int = 0) -> Tensor:
+    """``table[:, :, start:start + S]`` of per-position weights (H, M, max_len). A symbolic S (torch.export,
+    torch.compile with dynamic shapes) takes them by index: the slice would make the trace guard on S != max_len
+    (whether the slice is the whole table), so a length range reaching max_len would not export."""
+    if isinstance(S, torch.SymInt) or isinstance(start, torch.SymInt):
+        return table[:, :, start + torch.arange(S, device=table.device)]
+    return table[:, :, start:start + S]
 
 
 class MixtureKeys(nn.Module):
@@ -186,18 +186,20 @@ class MixtureKeys(nn.Module):
             raise ValueError(f"{owner}: {limit[0]} has mixture weights for max_len={limit[1]} key positions (its "
                              f"trained length); position {last} is past them")
 
-    def log_weights(self, S: int) -> Tensor | None:
-        """log pi broadcastable to (B, H, M, S); None for Hard-E. Soft-E reads the buffer's first S positions.
-        With a :attr:`component_gate` the weights are multiplied by it (and renormalised unless pi_norm="none")."""
+    def log_weights(self, S: int, start: int = 0) -> Tensor | None:
+        """log pi broadcastable to (B, H, M, S) of key positions ``start .. start + S - 1`` (per-position weights;
+        decoding a cache without padding reads its new tokens' positions this way, every row at the same ones);
+        None for Hard-E. With a :attr:`component_gate` the weights are multiplied by it (and renormalised unless
+        pi_norm="none")."""
         if self.pi_mode == "hard_e":
             if self.component_gate is not None:
                 raise ValueError("component_gate needs mixture weights; pi='hard_e' has none")
             return None
         if self.pi_mode == "soft_e":
-            pi = _first_positions(self.pi, S)
+            pi = _first_positions(self.pi, S, start)
             log_pi = pi.clamp_min(torch.finfo(pi.dtype).tiny).log().unsqueeze(0)
         else:
-            logits = (_first_positions(self.pi_logits, S) if self.pi_shape == "position"
+            logits = (_first_positions(self.pi_logits, S, start) if self.pi_shape == "position"
                       else self.pi_logits.unsqueeze(-1))
             log_pi = (torch.log_softmax(logits, dim=1) if self.pi_norm == "softmax" else logits).unsqueeze(0)
         return log_pi if self.component_gate is None else self._gated(log_pi)

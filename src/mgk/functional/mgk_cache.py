@@ -416,17 +416,24 @@ def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) 
 
 
 def _step_unserved(query, key, value, keys, key_bias, values, slot) -> str | None:
-    """Why the fused kernel cannot serve (None when it can): :func:`._mixture_decode.unserved`, one dtype for every
-    operand (the buffers' own), last dimensions contiguous; anything that is not a tensor, or a slot that is not an
-    int, is left to the explicit form's checks (which name it)."""
+    """Why the fused kernel cannot serve (None when it can): the reasons of :func:`._mixture_decode.unserved` (CPU
+    float32 / float64, at most a few queries, no gradient wanted, outside torch.compile / torch.func / dispatch
+    modes, built), one dtype for every operand (the buffers' own) and last dimensions contiguous. Anything that is
+    not a tensor of the right rank, or a slot that is not an int, is left to the explicit form's checks, which name
+    it. (Runs on every step: the common case answers in a few comparisons.)"""
     operands = (query, key, value, keys, key_bias, values)
-    if not all(isinstance(t, Tensor) for t in operands) or isinstance(slot, bool) or not isinstance(slot, int) \
-            or query.dim() != 4:
+    if not all(isinstance(t, Tensor) for t in operands) or type(slot) is not int or query.dim() != 4:
         return "an operand is not a tensor of the expected rank, or slot is not an int"
     dt = keys.dtype
-    if any(t.dtype != dt for t in operands):
+    if not (query.dtype is dt and key.dtype is dt and value.dtype is dt and key_bias.dtype is dt
+            and values.dtype is dt):
         return f"the kernel takes one dtype: the buffers are {dt}, the new tokens' tensors must be too"
     if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in operands[1:]):
         return "an operand is not contiguous in its last dimension"
+    if _mixture_flash._module is not None and _mixture_flash._eager_ok() and query.device.type == "cpu" \
+            and (dt is torch.float32 or dt is torch.float64) and query.shape[2] <= _mixture_decode.MAX_QUERIES \
+            and query.shape[-1] > 0 and value.shape[-1] > 0 and not torch.compiler.is_exporting() \
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
+        return None
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
+    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad) or "not served (torch.export)"
