@@ -236,3 +236,29 @@ def test_a_run_is_measured_beside_softmax8_of_its_sizes(run_v0_1_0, one_thread, 
     decode.run(["run"], [("mgk", 4)], [8], [1], steps=1, device="cpu", timeout=5.0, run_dir=str(run_dir))
     order = [c.split("measure(")[1].split(",")[1].strip() for c in calls if "measure(" in c]
     assert order == ["'softmax'", "None"]
+
+
+def test_plot_draws_ms_per_token_against_context_per_kind(tmp_path):
+    """Issue 34: the figure of ms per token against the context, a line per kind, a panel per (target, batch), with
+    the rounds' spread; failed rows are left out, a result with none that succeeded is refused."""
+    from PIL import Image
+
+    from mgk.bench.plots import plot_decode
+
+    rows = [{"target": "layer", "kind": kind, "label": f"{kind}-{heads}", "heads": heads, "context": context,
+             "batch": batch, "step_ms": step * batch, "ms_per_token": step, "step_ms_min": 0.9 * step * batch,
+             "step_ms_max": 1.2 * step * batch, "rounds": 3}
+            for kind, heads, step in (("softmax", 8, 1.0), ("mgk", 4, 0.8)) for batch in (1, 8)
+            for context in (256, 1024, 4096)]
+    rows.append({"target": "layer", "kind": "smgk", "heads": 4, "context": 256, "batch": 1, "error": "failed"})
+    path = plot_decode({"rows": rows, "date": "2026-12-02", "machine": "test"}, tmp_path / "decode.png")
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] > 2 * image.size[1]  # two panels side by side
+    with pytest.raises(ValueError, match="no row succeeded"):
+        plot_decode({"rows": rows[-1:]}, tmp_path / "none.png")
+
+
+def test_plot_needs_a_png_path_before_running():
+    p = subprocess.run([sys.executable, "-m", "mgk", "bench", "decode", "--plot", "figure.pdf"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "ending in .png" in p.stderr and "Traceback" not in p.stderr

@@ -109,14 +109,21 @@ def _device(text: str) -> str:
     return text
 
 
-def _json_path(text: str) -> Path:
-    """--json: refuse a path that cannot be written before the benchmark runs, not after."""
+def _output_path(text: str) -> Path:
+    """--json / --plot: refuse a path that cannot be written before the benchmark runs, not after."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory")
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: {path.parent} is not a writable folder")
     return path
+
+
+def _png_path(text: str) -> Path:
+    """--plot: a writable path ending in .png (the figure is a PNG whatever the name says)."""
+    if Path(text).suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text}: the figure is written as PNG; give a path ending in .png")
+    return _output_path(text)
 
 
 def add_parser(sub) -> None:
@@ -136,7 +143,7 @@ def add_parser(sub) -> None:
     a.add_argument("--device", type=_device, default="cpu")
     a.add_argument("--timeout", type=_positive(float), default=600.0,
                    help="seconds per row before it is reported as failed")
-    a.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
+    a.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
     m = kinds.add_parser("model", help="training/inference tokens per second and memory of a preset's model")
     m.add_argument("--task", default="listops", type=argparse_type("task", _task_names))
     m.add_argument("--preset", default=None, type=argparse_type("preset", _preset_names), help="default <task>-small")
@@ -147,7 +154,7 @@ def add_parser(sub) -> None:
     m.add_argument("--device", type=_device, default="cpu")
     m.add_argument("--timeout", type=_positive(float), default=3600.0,
                    help="seconds per row before it is reported as failed")
-    m.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
+    m.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
     _decode_parser(kinds)
 
 
@@ -178,7 +185,9 @@ def _decode_parser(kinds) -> None:
     d.add_argument("--device", type=_device, default="cpu")
     d.add_argument("--timeout", type=_positive(float), default=1200.0,
                    help="seconds per row before it is reported as failed")
-    d.add_argument("--json", type=_json_path, default=None, help="write the rows and machine facts here")
+    d.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
+    d.add_argument("--plot", type=_png_path, default=None, metavar="PNG",
+                   help="draw ms per token against the context, a line per kind, a panel per target and batch")
 
 
 def _decode_header(result: dict, run_cfg) -> str:
@@ -244,6 +253,10 @@ def _run_decode(args) -> dict:
         print(warning, file=sys.stderr)
     print(_decode_header(result, cfg if args.run is not None else None))
     print(decode_table(result))
+    if args.plot is not None and any("error" not in row for row in result["rows"]):
+        from .plots import plot_decode
+
+        print(f"figure: {plot_decode(result, args.plot)}")
     return result
 
 

@@ -36,7 +36,7 @@ from ..attention.registry import display_label, get_kind
 from .attention import bench_options, build_kind, error_cell, machine, variant
 from .model import bench_task, kind_overrides, run_row
 
-DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,linear:8,mlk:4"
+DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,gqa+num_kv_heads=2:8,linear:8,mlk:4"
 DEFAULT_TARGETS = ("layer", "lm-small", "wt103-paper")
 WARMUP_STEPS = 8  # the first steps after a prefill run slower (measured: 3.4 ms settling to 2.2 over about 5)
 BUSY_LOAD = 0.5  # 1-minute load average above which the machine is called busy: other work held half a core
