@@ -184,6 +184,16 @@ def softmax_attention_reference(query: Tensor, key: Tensor, value: Tensor, *, at
     return (out, weights.to(query.dtype)) if return_weights else out
 
 
+def _grouped_step(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """SDPA of queries (B, G, R, D) over keys / values (B, G, S, D) with a key-padding mask broadcastable to
+    (B, 1, 1, S) or None; rows that see no key are zero."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    empty = ~mask.any(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, scale=scale)
+    return _masks.zero_rows(out, empty)
+
+
 def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Tensor | None = None,
                              is_causal: bool = True, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
     """Softmax attention of new queries over a decoding cache, read in place (a decoding step of a softmax or GQA
@@ -206,6 +216,12 @@ def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_
         q, k, v = query.to(dt), key.to(dt), value.to(dt)
         grouped = k.shape[1] != H
         causal = is_causal and L > 1
+        if grouped and L == 1 and (mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1)) and dropout_p == 0:
+            # One new token: the H / G query heads of a group read the same keys, so they are G heads of H / G
+            # queries each (the cache is read once per group, never expanded to H heads: issue 34).
+            G = k.shape[1]
+            out = _grouped_step(q.view(B, G, H // G, D), k, v, mask, scale)
+            return out.view(B, H, 1, v.shape[-1]).to(query.dtype)
         if mask is None and (not causal or L == S):  # SDPA's causal flag is top-left: ours when L == S
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
                                                   enable_gqa=grouped).to(query.dtype)
