@@ -18,6 +18,7 @@ def plot_decode(result: dict, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     good = [r for r in result["rows"] if "error" not in r]
     if not good:
@@ -35,6 +36,8 @@ def plot_decode(result: dict, path: str | Path) -> Path:
             ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ticker.ScalarFormatter())
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per token")
         ax.set_title(f"{target}, batch {batch}")
