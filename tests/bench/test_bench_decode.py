@@ -262,3 +262,32 @@ def test_plot_needs_a_png_path_before_running():
     p = subprocess.run([sys.executable, "-m", "mgk", "bench", "decode", "--plot", "figure.pdf"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "ending in .png" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_same_process_alternates_the_kinds_of_a_cell_in_one_process(one_thread):
+    """--same-process: every kind of a cell prefilled in one process, then round after round each takes its steps
+    in turn; a row's step is the median of its rounds with their min and max, and its bytes are the formula's."""
+    from mgk.bench.decode import measure_cell
+
+    got = measure_cell("layer", [("softmax", 4), ("mgk", 2)], 16, batch=2, steps=2, rounds=3, device="cpu",
+                       embed_dim=32, head_dim=8)
+    rows = got["rows"]
+    assert [r["kind"] for r in rows] == ["softmax", "mgk"]
+    for r in rows:
+        assert set(FIELDS) <= set(r) and r["cache_bytes"] == r["cache_bytes_formula"]
+        assert r["rounds"] == 3 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["same_process"]
+
+
+def test_cli_same_process_writes_every_row_and_says_so(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, "-m", "mgk", "bench", "decode", "--targets", "layer,lm-small", "--kinds",
+           "softmax:4,mgk:2", "--contexts", "8", "--batches", "1", "--steps", "1", "--rounds", "2", "--embed-dim",
+           "32", "--head-dim", "8", "--same-process", "--json", str(out),
+           *(x for kv in SMALL_LM for x in ("--set", kv))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert [(r["target"], r["kind"]) for r in result["rows"]] == [
+        ("layer", "softmax"), ("layer", "mgk"), ("lm-small", "softmax"), ("lm-small", "mgk")]
+    assert all(r["same_process"] and r["rounds"] == 2 for r in result["rows"])
+    assert result["settings"]["same_process"] is True and "alternating in one process" in p.stdout

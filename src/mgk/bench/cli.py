@@ -182,6 +182,9 @@ def _decode_parser(kinds) -> None:
     d.add_argument("--rounds", type=_positive(int), default=1,
                    help="run the kinds of each cell in turn this many times and report the median with min-max "
                         "(default 1; 3 for figures to publish)")
+    d.add_argument("--same-process", action="store_true",
+                   help="build every kind of a cell in one process and alternate their steps round by round "
+                        "(tighter ratios between kinds; by default each row runs in a fresh process)")
     d.add_argument("--device", type=_device, default="cpu")
     d.add_argument("--timeout", type=_positive(float), default=1200.0,
                    help="seconds per row before it is reported as failed")
@@ -202,7 +205,8 @@ def _decode_header(result: dict, run_cfg) -> str:
                  + (f"; --set {' '.join(st['overrides'])}" if st["overrides"] else ""))
     bw = result.get("read_bandwidth_gb_s")
     load = result["load_average"]
-    return (f"# {result['machine']}; torch {result['torch']}; {sizes}; steps {st['steps']}, rounds {st['rounds']}; "
+    return (f"# {result['machine']}; torch {result['torch']}; {sizes}; steps {st['steps']}, rounds {st['rounds']}"
+            f"{', kinds alternating in one process per cell' if st.get('same_process') else ''}; "
             f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after; read bandwidth "
             + (f"{bw:.1f} GB/s" if bw else "not measured"))
 
@@ -247,7 +251,8 @@ def _run_decode(args) -> dict:
     kinds = args.kinds if args.kinds is not None else _decode_kinds(DEFAULT_KINDS)
     result = run_decode(targets, kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
                         timeout=args.timeout, embed_dim=args.embed_dim, head_dim=args.head_dim,
-                        overrides=args.overrides, run_dir=args.run, rounds=args.rounds)
+                        overrides=args.overrides, run_dir=args.run, rounds=args.rounds,
+                        same_process=args.same_process)
     warning = busy_warning(result)
     if warning:
         print(warning, file=sys.stderr)

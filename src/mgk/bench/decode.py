@@ -163,6 +163,28 @@ def _bytes(cache, facts, batch: int, context: int) -> dict:
             "cache_bytes_allocated": allocated}
 
 
+def _setup(target, kind, heads, context, *, batch, steps, device, embed_dim, head_dim, overrides, run_dir):
+    """(step, prefill, cache, facts) of one row, room for ``steps`` timed steps after the warm-up."""
+    torch.manual_seed(0)
+    if target == "layer":
+        return _layer(kind, heads, batch=batch, context=context, steps=steps, embed_dim=embed_dim,
+                      head_dim=head_dim, device=device)
+    if target == "run":
+        model, cfg = _run_model(run_dir, kind, heads, context=context, steps=steps)
+    else:
+        model, cfg = _preset_model(target, kind, heads, overrides or [], context=context, steps=steps)
+    return _model(model, cfg, batch=batch, context=context, device=device)
+
+
+def _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device) -> dict:
+    return {"target": target, "kind": kind or facts["kind_name"],
+            "label": display_label(facts["kind_name"], facts["heads"], facts["options"]), "heads": facts["heads"],
+            "head_dim": facts["head_dim"], "layers": facts["layers"], "context": context, "batch": batch,
+            "prefill_ms": prefill_ms, "step_ms": step_ms, "ms_per_token": step_ms / batch,
+            "tokens_per_s": 1000.0 * batch / step_ms, **sizes, "params": facts["params"],
+            "weight_bytes": facts["params"] * 4, "threads": torch.get_num_threads(), "device": device}
+
+
 @torch.no_grad()
 def measure(target: str, kind: str | None, heads: int | None, context: int, *, batch: int, steps: int, device: str,
             embed_dim: int = 256, head_dim: int = 32, overrides: list[str] | None = None,
@@ -170,27 +192,45 @@ def measure(target: str, kind: str | None, heads: int | None, context: int, *, b
     """One row, in this process: prefill_ms, step_ms (median), ms_per_token, tokens_per_s and the cache's bytes
     (measured, by the registry's formula, per token and layer, allocated) for ``target`` ("layer", an LM preset, or
     "run" with ``run_dir``) with bench kind ``kind`` (``heads`` heads; None: the preset's or run's own)."""
-    torch.manual_seed(0)
     dev = torch.device(device)
-    if target == "layer":
-        step, prefill, cache, facts = _layer(kind, heads, batch=batch, context=context, steps=steps,
-                                             embed_dim=embed_dim, head_dim=head_dim, device=dev)
-    else:
-        if target == "run":
-            model, cfg = _run_model(run_dir, kind, heads, context=context, steps=steps)
-        else:
-            model, cfg = _preset_model(target, kind, heads, overrides or [], context=context, steps=steps)
-        step, prefill, cache, facts = _model(model, cfg, batch=batch, context=context, device=dev)
+    step, prefill, cache, facts = _setup(target, kind, heads, context, batch=batch, steps=steps, device=dev,
+                                         embed_dim=embed_dim, head_dim=head_dim, overrides=overrides,
+                                         run_dir=run_dir)
     prefill_ms = _timed(prefill, dev, 1)[0]
     sizes = _bytes(cache, facts, batch, context)
     _timed(step, dev, WARMUP_STEPS)
     step_ms = statistics.median(_timed(step, dev, steps))
-    return {"target": target, "kind": kind or facts["kind_name"],
-            "label": display_label(facts["kind_name"], facts["heads"], facts["options"]), "heads": facts["heads"],
-            "head_dim": facts["head_dim"], "layers": facts["layers"], "context": context, "batch": batch,
-            "prefill_ms": prefill_ms, "step_ms": step_ms, "ms_per_token": step_ms / batch,
-            "tokens_per_s": 1000.0 * batch / step_ms, **sizes, "params": facts["params"],
-            "weight_bytes": facts["params"] * 4, "threads": torch.get_num_threads(), "device": device}
+    return _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device)
+
+
+@torch.no_grad()
+def measure_cell(target: str, kinds: list, context: int, *, batch: int, steps: int, rounds: int, device: str,
+                 embed_dim: int = 256, head_dim: int = 32, overrides: list[str] | None = None,
+                 run_dir: str | None = None) -> dict:
+    """Every kind of one (target, batch, context) cell in this process (``--same-process``): each prefilled and
+    warmed up, then ``rounds`` rounds in which every kind takes ``steps`` steps in turn; a row's step_ms is the median
+    of its rounds' medians, with their min and max. Sharing the process, its heap and its moment makes the kinds'
+    ratios tighter than rows in separate processes (on a shared 2-core VM the process-to-process spread of one kind
+    reached 10-15%). ``kinds``: [(kind, heads), ...]. Returns ``{"rows": [...]}`` in the order of ``kinds``."""
+    dev = torch.device(device)
+    cells = []
+    for kind, heads in kinds:
+        step, prefill, cache, facts = _setup(target, kind, heads, context, batch=batch, steps=steps * rounds,
+                                             device=dev, embed_dim=embed_dim, head_dim=head_dim,
+                                             overrides=overrides, run_dir=run_dir)
+        prefill_ms = _timed(prefill, dev, 1)[0]
+        sizes = _bytes(cache, facts, batch, context)
+        _timed(step, dev, WARMUP_STEPS)
+        cells.append((kind, step, facts, prefill_ms, sizes, []))
+    for _ in range(rounds):
+        for _kind, step, _facts, _prefill, _sizes, medians in cells:
+            medians.append(statistics.median(_timed(step, dev, steps)))
+    rows = []
+    for kind, _, facts, prefill_ms, sizes, medians in cells:
+        row = _row(target, kind, facts, context, batch, prefill_ms, statistics.median(medians), sizes, device)
+        rows.append({**row, "step_ms_min": min(medians), "step_ms_max": max(medians), "rounds": rounds,
+                     "same_process": True})
+    return {"rows": rows}
 
 
 @torch.no_grad()
@@ -228,12 +268,13 @@ def _merge_rounds(rounds: list[dict]) -> dict:
 
 def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], batches: list[int], *, steps: int,
         device: str, timeout: float, embed_dim: int = 256, head_dim: int = 32, overrides: list[str] | None = None,
-        run_dir: str | None = None, rounds: int = 1, bandwidth: bool = True) -> dict:
+        run_dir: str | None = None, rounds: int = 1, bandwidth: bool = True, same_process: bool = False) -> dict:
     """:func:`measure` for every (target, kind, batch, context), each in its own subprocess; with ``rounds`` > 1 the
     kinds of each (target, batch, context) run in turn, ``rounds`` times, and a row holds the median with its min
     and max (``step_ms_min``, ``step_ms_max``). A failed row holds ``error``. The target "run" measures ``run_dir``
     beside softmax-8 of its sizes (first, so that ``x first`` in the table is the run against softmax-8). Returns
-    ``{"rows", "machine", "torch", "settings", "date", "load_average", "read_bandwidth_gb_s", "busy"}``."""
+    ``{"rows", "machine", "torch", "settings", "date", "load_average", "read_bandwidth_gb_s", "busy"}``. With
+    ``same_process`` every cell runs in one subprocess (:func:`measure_cell`) and its kinds alternate there."""
     load_before = os.getloadavg()
     bw = None
     if bandwidth:
@@ -247,6 +288,18 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
             for c, context in enumerate(contexts):
                 args = dict(batch=batch, steps=steps, device=device, embed_dim=embed_dim, head_dim=head_dim,
                             overrides=overrides or [], run_dir=run_dir)
+                if same_process:
+                    load = os.getloadavg()[0]
+                    code = ("import json; from mgk.bench.decode import measure_cell; "
+                            f"print(json.dumps(measure_cell({target!r}, {cell_kinds!r}, {context}, rounds={rounds}, "
+                            f"**{args!r})))")
+                    got = run_row(code, timeout * len(cell_kinds), rss=False)
+                    for i, (kind, heads) in enumerate(cell_kinds):
+                        row = got["rows"][i] if "rows" in got else {
+                            "target": target, "kind": kind or "run", "heads": heads, "context": context,
+                            "batch": batch, "error": got.get("error", "no rows")}
+                        rows[t, i, b, c] = _limit({**row, "load_1min": [load]}, bw)
+                    continue
                 per_kind = {i: [] for i in range(len(cell_kinds))}
                 for _ in range(rounds):
                     for i, (kind, heads) in enumerate(cell_kinds):
@@ -262,7 +315,8 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
     return {"rows": [rows[k] for k in sorted(rows)], "machine": machine(), "torch": torch.__version__,
             "settings": {"targets": targets, "contexts": contexts, "batches": batches, "steps": steps,
                          "device": device, "embed_dim": embed_dim, "head_dim": head_dim, "rounds": rounds,
-                         "overrides": overrides or [], "run_dir": run_dir, "dtype": "float32"},
+                         "overrides": overrides or [], "run_dir": run_dir, "dtype": "float32",
+                         "same_process": same_process},
             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
             "load_average": {"before": list(load_before), "after": list(load_after)},
             "busy": load_before[0] > BUSY_LOAD, "read_bandwidth_gb_s": bw}
