@@ -276,6 +276,10 @@ def test_same_process_alternates_the_kinds_of_a_cell_in_one_process(one_thread):
     for r in rows:
         assert set(FIELDS) <= set(r) and r["cache_bytes"] == r["cache_bytes_formula"]
         assert r["rounds"] == 3 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["same_process"]
+        assert len(r["round_ms"]) == 3 and sorted(r["round_ms"])[1] == pytest.approx(r["step_ms"])
+        paired = sorted(a / b for a, b in zip(r["round_ms"], rows[0]["round_ms"]))[1]
+        assert r["paired_ratio"] == pytest.approx(paired)
+    assert rows[0]["paired_ratio"] == 1.0
 
 
 def test_cli_same_process_writes_every_row_and_says_so(tmp_path):

@@ -209,7 +209,8 @@ def measure_cell(target: str, kinds: list, context: int, *, batch: int, steps: i
                  run_dir: str | None = None) -> dict:
     """Every kind of one (target, batch, context) cell in this process (``--same-process``): each prefilled and
     warmed up, then ``rounds`` rounds in which every kind takes ``steps`` steps in turn; a row's step_ms is the median
-    of its rounds' medians, with their min and max. Sharing the process, its heap and its moment makes the kinds'
+    of its rounds' medians, with their min and max, and ``paired_ratio`` the median over rounds of its time over
+    the first kind's in the same round. Sharing the process, its heap and its moment makes the kinds'
     ratios tighter than rows in separate processes (on a shared 2-core VM the process-to-process spread of one kind
     reached 10-15%). ``kinds``: [(kind, heads), ...]. Returns ``{"rows": [...]}`` in the order of ``kinds``."""
     dev = torch.device(device)
@@ -229,7 +230,9 @@ def measure_cell(target: str, kinds: list, context: int, *, batch: int, steps: i
     for kind, _, facts, prefill_ms, sizes, medians in cells:
         row = _row(target, kind, facts, context, batch, prefill_ms, statistics.median(medians), sizes, device)
         rows.append({**row, "step_ms_min": min(medians), "step_ms_max": max(medians), "rounds": rounds,
-                     "same_process": True})
+                     "round_ms": medians, "same_process": True})
+    for row in rows:  # against the first kind round by round: a slow minute falls on both sides of each ratio
+        row["paired_ratio"] = statistics.median(a / b for a, b in zip(row["round_ms"], rows[0]["round_ms"]))
     return {"rows": rows}
 
 
@@ -342,7 +345,7 @@ def busy_warning(result: dict) -> str | None:
 
 def table(result: dict) -> str:
     """Markdown table of a :func:`run` result; ``x first`` compares with the first kind of the same target, batch
-    and context; ms/step shows the rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``."""
+    and context (with ``--same-process`` the median of the per-round ratios, ``paired_ratio``); ms/step shows the rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``."""
     lines = ["| target | kind | heads | batch | context | prefill ms | ms/step | x first | cache MB "
              "| bytes/token/layer | x first | t_min/t |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}
@@ -354,8 +357,9 @@ def table(result: dict) -> str:
         base = first.setdefault((row["target"], row["batch"], row["context"]), row)
         spread = f" ({row['step_ms_min']:.2f}-{row['step_ms_max']:.2f})" if row.get("rounds", 1) > 1 else ""
         frac = f"{row['bandwidth_fraction']:.2f}" if "bandwidth_fraction" in row else ""
+        ratio = row.get("paired_ratio", row["step_ms"] / base["step_ms"])
         lines.append(f"{head} {row['prefill_ms']:.1f} | {row['step_ms']:.2f}{spread} | "
-                     f"{row['step_ms'] / base['step_ms']:.2f} | {row['cache_bytes'] / 2**20:.2f} | "
+                     f"{ratio:.2f} | {row['cache_bytes'] / 2**20:.2f} | "
                      f"{row['cache_bytes_per_token_layer']:.0f} | {row['cache_bytes'] / base['cache_bytes']:.3f} | "
                      f"{frac} |")
     return "\n".join(lines)
