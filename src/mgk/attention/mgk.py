@@ -216,7 +216,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             buffers, slot = cache.claim(L)
             return mgk_cache_step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"],
                                   values=buffers["values"], slot=slot, centre=cache.extra["centre"],
-                                  key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi, **entry_options).to(v.dtype)
+                                  key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi,
+                                  **entry_options).to(v.dtype)
         centre = _CachedCentre(cache)
         first = centre.centre is None
         before = cache.seen

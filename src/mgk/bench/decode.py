@@ -345,7 +345,8 @@ def busy_warning(result: dict) -> str | None:
 
 def table(result: dict) -> str:
     """Markdown table of a :func:`run` result; ``x first`` compares with the first kind of the same target, batch
-    and context (with ``--same-process`` the median of the per-round ratios, ``paired_ratio``); ms/step shows the rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``."""
+    and context (with ``--same-process`` the median of the per-round ratios, ``paired_ratio``); ms/step shows the
+    rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``."""
     lines = ["| target | kind | heads | batch | context | prefill ms | ms/step | x first | cache MB "
              "| bytes/token/layer | x first | t_min/t |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}

@@ -28,14 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _mixture_decode
+from . import _mixture_decode, _mixture_flash
 from . import _mixture_terms as mixture_terms
 from . import masks as _masks
 from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
 from ._dispatch import is_transformed, pick
 from ._mgk_backends import _chunks
-from . import _mixture_flash
 from ._mixture_terms import check_components, check_mixture_args, check_shifts, key_bias, needs_qnorm, row_bias
 
 __all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries", "mgk_cache_step"]
