@@ -174,3 +174,79 @@ def test_buffers_that_do_not_match_the_new_tokens_are_named(backend, kernel):
     for bad, match in cases:
         with pytest.raises(ValueError, match=match):
             mgk_cache_step(q, key, value, **bad, **step, backend=backend)
+
+
+def test_the_first_step_of_a_fresh_process_is_served_by_the_kernel():
+    """The extension is loaded by the first step's own check (a fresh process once fell back to the explicit form,
+    and backend="kernel" was refused, until some other call had loaded it)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, sys; sys.path.insert(0, 'tests');\n"
+            "from mgk.functional import _mixture_flash, mgk_cache_step\n"
+            "from functional.test_decode_step import _case\n"
+            "assert _mixture_flash._module is None\n"
+            "q, key, value, buffers, step, want = _case(L=1, seed=4)\n"
+            "got = mgk_cache_step(q, key, value, **buffers, **step, backend='kernel')\n"
+            "torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12); print('served')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if "could not be built" in p.stderr:
+        pytest.skip("the CPU kernel could not be built here")
+    assert p.returncode == 0 and "served" in p.stdout, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", ["cuda", "Explicit", "sdpa", 123])
+def test_an_unknown_backend_is_named_even_where_the_kernel_could_serve(backend, kernel):
+    q, key, value, buffers, step, _ = _case(L=1, seed=2)
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        mgk_cache_step(q, key, value, **buffers, **step, backend=backend)
+
+
+def _unusual(q, key, value, buffers, step):
+    """(name, arguments) of inputs of unusual forms: each must get the same answer from the default (kernel where
+    it serves) and the explicit form, a ValueError naming the argument or the same numbers (adversarial pass)."""
+    B, H, M, D = q.shape[0], q.shape[1], buffers["key_bias"].shape[2], q.shape[3]
+    base = dict(query=q, key=key, value=value, **buffers, **step)
+    S = step["slot"] + q.shape[2]
+    return [
+        ("0-d key", dict(base, key=torch.tensor(1.0, dtype=F64))),
+        ("0-d values", dict(base, values=torch.tensor(1.0, dtype=F64))),
+        ("log_pi a list", dict(base, log_pi=[0.0])),
+        ("log_pi integer", dict(base, log_pi=torch.zeros(1, H, M, 1, dtype=torch.int64))),
+        ("sigma2 10**400", dict(base, sigma2=10 ** 400)),
+        ("sigma2 a bool tensor", dict(base, sigma2=torch.ones(M, dtype=torch.bool))),
+        ("sigma2 (1, 1, M)", dict(base, sigma2=torch.ones(1, 1, M, dtype=F64))),
+        ("slot 2**63 - 1", dict(base, slot=2 ** 63 - 1)),
+        ("slot 2**64", dict(base, slot=2 ** 64)),
+        ("key_valid a list", dict(base, key_valid=[[True] * S] * B)),
+        ("key_valid (B, 0)", dict(base, key_valid=torch.ones(B, 0, dtype=torch.bool))),
+        ("key_valid transposed", dict(base, key_valid=step["key_valid"].t().contiguous().t())),
+        ("centre int64", dict(base, centre=torch.zeros(B, H, D, dtype=torch.int64))),
+        ("centre (1, H, D)", dict(base, centre=step["centre"][:1])),
+        ("sigma2 1e-300 (scores near the float64 limit: both take it, the numbers may differ)",
+         dict(base, sigma2=1e-300)),
+        ("keys an expanded view", dict(base, keys=buffers["keys"][:1].expand_as(buffers["keys"]))),
+    ]
+
+
+@pytest.mark.parametrize("index", range(16))
+def test_unusual_inputs_get_one_answer_from_every_backend(index, kernel):
+    q, key, value, buffers, step, _ = _case(L=1, seed=6)
+    name, args = _unusual(q, key, value, buffers, step)[index]
+    outcomes = []
+    for backend in (None, "explicit"):
+        call = {k: (v.clone() if isinstance(v, torch.Tensor) and k in buffers and v.dim() and 0 not in v.stride()
+                    else v) for k, v in args.items()}  # each backend writes its own buffers
+        try:
+            outcomes.append(mgk_cache_step(**call, backend=backend))
+        except ValueError as exc:
+            assert "\n" not in str(exc), name
+            outcomes.append(type(exc))
+    if isinstance(outcomes[1], type):
+        assert outcomes[0] is ValueError, f"{name}: the explicit form refused it, the default took it"
+    else:
+        assert isinstance(outcomes[0], torch.Tensor), f"{name}: the explicit form took it, the default refused it"
+        if "may differ" in name:
+            assert not outcomes[0].isnan().any() and not outcomes[1].isnan().any()
+        else:
+            torch.testing.assert_close(outcomes[0], outcomes[1], atol=1e-10, rtol=1e-10)

@@ -83,6 +83,8 @@ def variances(sigma2, H: int, M: int, D: int, dtype, device) -> Tensor:
     if sigma2 is None:
         return torch.full((1, M), math.sqrt(D), dtype=dtype, device=device)
     if isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool):
+        if isinstance(sigma2, int) and abs(sigma2) > 2 ** 1023:
+            raise ValueError("sigma2 must be a positive finite variance, got an int too large for a float")
         if not sigma2 > 0 or not math.isfinite(sigma2):
             raise ValueError(f"sigma2 must be a positive finite variance, got {sigma2}")
         return torch.full((1, M), float(sigma2), dtype=dtype, device=device)

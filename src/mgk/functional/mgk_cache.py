@@ -64,6 +64,9 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     shifted = shifts is not None
     check_tensor(key, "key", 4 if shifted else 5, "(B, H, S, D) with shifts" if shifted else "(B, H, M, S, D)")
     check_mixture_args(mixture, log_pi)
+    if log_pi is not None and (not isinstance(log_pi, Tensor) or not log_pi.is_floating_point()):
+        what = log_pi.dtype if isinstance(log_pi, Tensor) else type(log_pi).__name__
+        raise ValueError(f"log_pi must be None or a floating tensor broadcastable to (B, H, M, S), got {what}")
     B, H = key.shape[:2]
     S, D = key.shape[-2], key.shape[-1]
     shifts = check_shifts(shifts, None, H, D)
@@ -313,8 +316,11 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         naming why a backend asked for cannot serve.
     """
     check_mixture_args(mixture, log_pi)
+    if backend is not None and backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend must be None or one of {DECODE_BACKENDS}, got {backend!r}")
     if backend != "explicit":
-        why = _step_unserved(query, key, value, keys, key_bias, values, slot)
+        why = _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, centre, sigma2, log_pi,
+                             shifts)
         if why is None:
             return _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2,
                                 shifts, mixture)
@@ -328,10 +334,15 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
     check_tensor(keys, "keys", 4 if shifted else 5, "(B, H, T, D) with shifts" if shifted else "(B, H, M, T, D)")
     check_tensor(key_bias, "key_bias", 4, "(B, H, M, T)")
     check_tensor(values, "values", 4, "(B, H, T, Dv)")
-    _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
+    M = _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
     L, T = query.shape[2], values.shape[2]
     _check_slot(slot, L, T)
     S = slot + L
+    check_shifts(shifts, M, query.shape[1], query.shape[3])  # before anything is written
+    for name, buf in (("keys", keys), ("key_bias", key_bias), ("values", values)):
+        if any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
+            raise ValueError(f"{name} must be a buffer that owns its memory (written in place), not an expanded "
+                             f"view (stride 0 in {tuple(buf.stride())})")
     if key_valid is not None and (not isinstance(key_valid, Tensor) or key_valid.dtype != torch.bool
                                   or tuple(key_valid.shape) != (query.shape[0], S)):
         what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
@@ -361,26 +372,20 @@ def _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_va
     B, H, L, D = query.shape
     M, dt = key_bias.shape[2], keys.dtype
     shifted = shifts is not None
-    if sigma2 is None or isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool):
-        inv = torch.full((1,), 1.0 / (math.sqrt(D) if sigma2 is None else sigma2) if sigma2 != 0 else math.inf,
-                         dtype=dt)
-    elif isinstance(sigma2, Tensor):
+    if isinstance(sigma2, Tensor):
         inv = torch.reciprocal(sigma2.detach().to(dt)).contiguous()
-    else:
-        raise ValueError(f"sigma2 must be None, a positive float or a floating tensor, got {type(sigma2).__name__}")
+    else:  # None or a number whose inverse _step_unserved found representable in dt
+        inv = torch.full((1,), 1.0 / (math.sqrt(D) if sigma2 is None else sigma2), dtype=dt)
     lp = query.new_empty(0)
     if log_pi is not None:
-        if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point() or log_pi.dim() > 4:
-            raise ValueError(f"log_pi must be a floating tensor broadcastable to (B, H, M, L) = {(B, H, M, L)}")
         try:
             lp = mixture_terms.log_prior(log_pi.detach(), M, dt, query.device).expand(B, H, M, L)
         except RuntimeError:
             raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, L) = "
                              f"{(B, H, M, L)}") from None
     mu = query.new_empty(0) if not shifted else shifts.detach().to(dt).contiguous()
-    valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else key_valid
-    if not isinstance(centre, Tensor):
-        raise ValueError(f"centre must be a floating tensor (B, H, D) = {(B, H, D)}, got {type(centre).__name__}")
+    valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else \
+        key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
     try:
         # the |q|^2 row term is passed whenever M > 1: exact either way (it cancels when the variances are equal),
         # and cheaper than reading the variances back to decide
@@ -414,25 +419,57 @@ def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) 
     return M
 
 
-def _step_unserved(query, key, value, keys, key_bias, values, slot) -> str | None:
+def _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, centre, sigma2, log_pi,
+                   shifts) -> str | None:
     """Why the fused kernel cannot serve (None when it can): the reasons of :func:`._mixture_decode.unserved` (CPU
     float32 / float64, at most a few queries, no gradient wanted, outside torch.compile / torch.func / dispatch
-    modes, built), one dtype for every operand (the buffers' own) and last dimensions contiguous. Anything that is
-    not a tensor of the right rank, or a slot that is not an int, is left to the explicit form's checks, which name
-    it. (Runs on every step: the common case answers in a few comparisons.)"""
+    modes, built), one dtype for every operand (the buffers' own), last dimensions contiguous, buffers that own
+    their memory. Any argument of an unusual form (a non-tensor, another rank, a broadcast centre, an integer
+    tensor, a slot out of range, a variance whose inverse the dtype cannot hold) is left to the explicit form,
+    which takes it or names it: the kernel serves the common case only, and answers in a few comparisons."""
     operands = (query, key, value, keys, key_bias, values)
-    if not all(isinstance(t, Tensor) for t in operands) or type(slot) is not int or query.dim() != 4:
-        return "an operand is not a tensor of the expected rank, or slot is not an int"
-    dt = keys.dtype
+    if not all(isinstance(t, Tensor) for t in operands):
+        return "an operand is not a tensor"
+    shifted = shifts is not None
+    if (query.dim(), key.dim(), value.dim(), keys.dim(), key_bias.dim(), values.dim()) != (
+            4, 4 if shifted else 5, 4, 4 if shifted else 5, 4, 4):
+        return "an operand has another rank"
+    B, H, L, D = query.shape
+    M, dt = key_bias.shape[2], keys.dtype
+    if type(slot) is not int or slot < 0 or slot + L > values.shape[2]:
+        return "slot is not an int in range"
+    if key_valid is not None and not (isinstance(key_valid, Tensor) and key_valid.dtype is torch.bool
+                                      and tuple(key_valid.shape) == (B, slot + L)):
+        return "key_valid is not a bool (B, slot + L) tensor"
+    if not (isinstance(centre, Tensor) and centre.is_floating_point() and tuple(centre.shape) == (B, H, D)):
+        return "centre is not a floating (B, H, D) tensor"
+    if shifted and not (isinstance(shifts, Tensor) and shifts.is_floating_point()
+                        and tuple(shifts.shape) == (M, H, D)):
+        return "shifts is not a floating (M, H, D) tensor"
+    if log_pi is not None and not (isinstance(log_pi, Tensor) and log_pi.is_floating_point() and log_pi.dim() <= 4):
+        return "log_pi is not a floating tensor of at most 4 dims"
+    if isinstance(sigma2, Tensor):
+        if not sigma2.is_floating_point() or sigma2.dim() > 2:
+            return "sigma2 is not a floating tensor of at most 2 dims"
+    elif sigma2 is not None:
+        if type(sigma2) not in (int, float) or not 0 < sigma2 < 2 ** 1023 or not math.isfinite(sigma2) \
+                or not 0.0 < 1.0 / sigma2 < torch.finfo(dt).max:
+            return "sigma2 is not a positive number whose inverse the dtype holds"
     if not (query.dtype is dt and key.dtype is dt and value.dtype is dt and key_bias.dtype is dt
             and values.dtype is dt):
         return f"the kernel takes one dtype: the buffers are {dt}, the new tokens' tensors must be too"
     if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in operands[1:]):
         return "an operand is not contiguous in its last dimension"
-    if _mixture_flash._module is not None and _mixture_flash._eager_ok() and query.device.type == "cpu" \
-            and (dt is torch.float32 or dt is torch.float64) and query.shape[2] <= _mixture_decode.MAX_QUERIES \
-            and query.shape[-1] > 0 and value.shape[-1] > 0 and not torch.compiler.is_exporting() \
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
-        return None
+    if any(st == 0 and n > 1 for buf in operands[3:] for st, n in zip(buf.stride(), buf.shape)):
+        return "a buffer is an expanded view"
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad) or "not served (torch.export)"
+    if _mixture_flash._module is None:  # first use: build and load the extension, or learn why it cannot be
+        why = _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
+        if why is not None:
+            return why
+    if _mixture_flash._module is not None and _mixture_flash._eager_ok() and query.device.type == "cpu" \
+            and (dt is torch.float32 or dt is torch.float64) and L <= _mixture_decode.MAX_QUERIES \
+            and D > 0 and value.shape[-1] > 0 and not torch.compiler.is_exporting() and not needs_grad:
+        return None
+    why = _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
+    return why or "torch.export traces PyTorch operators only"

@@ -464,8 +464,8 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
     using T = scalar_t;
     const T* inv = inv_s2.data_ptr<T>();
     for (int64_t i = 0; i < nv; ++i)
-      TORCH_CHECK(inv[i] > T(0) && std::isfinite(inv[i]), "sigma2 must be positive and finite, got 1 / ",
-                  static_cast<double>(inv[i]));
+      TORCH_CHECK(inv[i] > T(0) && std::isfinite(inv[i]),
+                  "sigma2 must be positive and finite; got a variance whose inverse is ", static_cast<double>(inv[i]));
     auto kb = keys_buf.narrow(3, 0, S), bb = bias_buf.narrow(3, 0, S), vb = values_buf.narrow(2, 0, S);
     Step<T> p{B, H, L, S, D, Dv, M, Mk,
               q.data_ptr<T>(),
