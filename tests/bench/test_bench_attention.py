@@ -87,10 +87,29 @@ def test_cli_writes_json_rows_and_a_table(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [("mgk", "NAME:HEADS"), ("mgk:0", ">= 1"), ("flash:4", "unknown kind"),
-                                          ("gqa+num_kv_heads=2+num_kv_heads=4:8", "given twice")])
+                                          ("gqa+num_kv_heads=2+num_kv_heads=4:8", "given twice"),
+                                          ("gqa+num_kv_heads=3:8", "num_kv_heads=3 must divide num_heads=8"),
+                                          ("softmax:8,gqa+num_kv_heads=16:8", "num_kv_heads=16 must divide")])
 def test_bad_kinds_are_refused_by_name(text, message):
+    """Every kind a bench takes is built once at head size 1 while --kinds is parsed, so a kind that cannot have
+    the heads asked for is one line before any row runs (it was an error row per cell after a full run)."""
     with pytest.raises(SystemExit, match=message):
         _kinds(text)
+
+
+@pytest.mark.parametrize("text", ["softmax:8,gqa+num_kv_heads=2:8,gqa+num_kv_heads=8:8,mgk:4,smgk:4,linear:8,mlk:4",
+                                  "mgk-hard:4,mgk-softe:4,mgk-sdpa:4,reference:4,mgk:1,gqa+num_kv_heads=1:3"])
+def test_good_kinds_pass_the_build_check(text):
+    assert [h for _, h in _kinds(text)] == [int(item.split(":")[1]) for item in text.split(",")]
+
+
+def test_table_has_no_nan_when_the_first_row_allocated_nothing():
+    rows = [{"kind": k, "heads": 4, "length": 16, "time_ms": t, "peak_mem_mb": m, "flops": 1e7, "params": 10}
+            for k, t, m in (("gqa", 2.0, 0.0), ("mgk", 4.0, 3.0))]
+    text = table({"rows": rows})
+    assert "nan" not in text and "| mgk | 4 | 16 | 4.0 | 2.00 | 3 | — |" in text
+    rows[0]["peak_mem_mb"] = 1.5
+    assert "| mgk | 4 | 16 | 4.0 | 2.00 | 3 | 2.00 |" in table({"rows": rows})
 
 
 @pytest.mark.parametrize("args,message", [

@@ -16,7 +16,6 @@ paths must beat). Labels, FLOP counts and options come from the registry (:mod:`
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -280,7 +279,8 @@ def table(result: dict) -> str:
             continue
         base = first.setdefault(row["length"], row)
         rel_t = row["time_ms"] / base["time_ms"]
-        rel_m = row["peak_mem_mb"] / base["peak_mem_mb"] if base["peak_mem_mb"] > 0 else math.nan
+        # a first row that allocated nothing measurable has no ratio (a dash, not nan)
+        rel_m = f"{row['peak_mem_mb'] / base['peak_mem_mb']:.2f}" if base["peak_mem_mb"] > 0 else "—"
         lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | {row['time_ms']:.1f} | {rel_t:.2f} | "
-                     f"{row['peak_mem_mb']:.0f} | {rel_m:.2f} | {row['flops'] / 1e9:.2f} | {row['params']:,} |")
+                     f"{row['peak_mem_mb']:.0f} | {rel_m} | {row['flops'] / 1e9:.2f} | {row['params']:,} |")
     return "\n".join(lines)

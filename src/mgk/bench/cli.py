@@ -30,10 +30,21 @@ def _kinds(text: str) -> list[tuple[str, int]]:
             raise SystemExit(f"--kinds: {item!r}: the number of heads must be <= {INT64_MAX} (a 64-bit integer)")
         try:
             variant(name)
+            _check_heads(name, int(heads))
         except ValueError as e:
             raise SystemExit(f"--kinds: {e}") from None
         out.append((name, int(heads)))
     return out
+
+
+def _check_heads(name: str, heads: int) -> None:
+    """ValueError when the kind cannot be built with ``heads`` heads (e.g. gqa+num_kv_heads=3 with 8), before any row
+    runs: a module of head size 1 is built (a few KB), so the module's own checks speak."""
+    from .attention import build_kind
+
+    if heads > 1024:  # more than any layer benchmarked here; the rows report what building it does
+        return
+    build_kind(name, heads, embed_dim=heads, head_dim=1, max_len=8)
 
 
 def _model_kinds(text: str) -> list[tuple[str, int]]:

@@ -463,13 +463,5 @@ def _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, c
     if any(st == 0 and n > 1 for buf in operands[3:] for st, n in zip(buf.stride(), buf.shape)):
         return "a buffer is an expanded view"
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if _mixture_flash._module is None:  # first use: build and load the extension, or learn why it cannot be
-        why = _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
-        if why is not None:
-            return why
-    if _mixture_flash._module is not None and _mixture_flash._eager_ok() and query.device.type == "cpu" \
-            and (dt is torch.float32 or dt is torch.float64) and L <= _mixture_decode.MAX_QUERIES \
-            and D > 0 and value.shape[-1] > 0 and not torch.compiler.is_exporting() and not needs_grad:
-        return None
-    why = _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
-    return why or "torch.export traces PyTorch operators only"
+    # the rest is the decoding kernel's own rule (device, dtype, size, gradient, tracing; builds it on first use)
+    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
