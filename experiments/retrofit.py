@@ -75,11 +75,14 @@ def _run(job) -> str:
     return f"{out}: {'done' if rc == 0 else f'FAILED ({rc}), see {log}'}"
 
 
-def _metric(results: dict) -> tuple[str, float]:
-    test = results.get("test") or results.get("val")
+def _metric(results: dict) -> tuple[str, float, str]:
+    """(metric, value, split): the test split's, or the validation split's where the data has no test split (the
+    shared WikiText-103 copy), named so that the report says which."""
+    split = "test" if results.get("test") else "validation"
+    scores = results.get("test") or results.get("val")
     for key in ("nmse", "ppl", "acc"):
-        if key in test:
-            return key, float(test[key])
+        if key in scores:
+            return key, float(scores[key]), split
     raise KeyError(f"no metric in {results}")
 
 
@@ -102,7 +105,7 @@ def collect(out: Path, sources, fractions, task: str) -> dict:
     from mgk.reproduce.report import compare
 
     table, cells_by_budget = [], {}
-    key = None
+    key, splits = None, set()
     for frac in fractions:
         cells = []
         for target in TARGETS:
@@ -112,7 +115,8 @@ def collect(out: Path, sources, fractions, task: str) -> dict:
                 if not (run / "results.json").is_file():
                     continue
                 results = json.loads((run / "results.json").read_text())
-                key, v = _metric(results)
+                key, v, split = _metric(results)
+                splits.add(split)
                 vals.append(v)
                 starts.append(_start(run, key))
             cell = _cell(target, task, vals, key or "nmse")
@@ -120,7 +124,8 @@ def collect(out: Path, sources, fractions, task: str) -> dict:
             cells.append(cell)
             table.append(cell)
         cells_by_budget[frac] = compare(cells, PAIRS)
-    return {"cells": table, "comparisons": {str(k): v for k, v in cells_by_budget.items()}, "metric": key}
+    return {"cells": table, "comparisons": {str(k): v for k, v in cells_by_budget.items()}, "metric": key,
+            "split": " and ".join(sorted(splits)) or "test"}
 
 
 def _fmt(c: dict) -> str:
@@ -136,9 +141,10 @@ def report(result: dict, scratch: dict, out: Path, task: str, source_steps: int,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = result["metric"]
+    key, split = result["metric"], result.get("split", "test")
     lines = [f"# Retro-fitting softmax-8 on {task}", "", f"Command: `{command}`", "",
-             f"Test {key} (mean ± sample std (n)), continued steps as a fraction of the source's {source_steps}; "
+             f"{split.capitalize()} {key} (mean ± sample std (n)), continued steps as a fraction of the source's "
+             f"{source_steps}; "
              "step 0 = the converted weights before training (validation split).", "",
              "| target | " + " | ".join(f"{f:.0%} ({round(f * source_steps)} steps)" for f in FRACTIONS)
              + " | step 0 (val) | from scratch |", "|---" * (len(FRACTIONS) + 3) + "|"]
@@ -170,7 +176,7 @@ def report(result: dict, scratch: dict, out: Path, task: str, source_steps: int,
     if src:
         ax.axhline(src["mean"], color="k", linestyle=":", linewidth=1, label="softmax-8 (source)")
     ax.set_xlabel("continued steps")
-    ax.set_ylabel(f"test {key}")
+    ax.set_ylabel(f"{split} {key}")
     ax.set_title(f"Retro-fitting softmax-8: {task}", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
