@@ -229,10 +229,15 @@ def _unusual(q, key, value, buffers, step):
     ]
 
 
-@pytest.mark.parametrize("index", range(16))
+UNUSUAL_CASES = 16  # len(_unusual(...)); the test below fails if the list and this count part
+
+
+@pytest.mark.parametrize("index", range(UNUSUAL_CASES))
 def test_unusual_inputs_get_one_answer_from_every_backend(index, kernel):
     q, key, value, buffers, step, _ = _case(L=1, seed=6)
-    name, args = _unusual(q, key, value, buffers, step)[index]
+    cases = _unusual(q, key, value, buffers, step)
+    assert len(cases) == UNUSUAL_CASES, "a case was added or removed: update UNUSUAL_CASES"
+    name, args = cases[index]
     outcomes = []
     for backend in (None, "explicit"):
         call = {k: (v.clone() if isinstance(v, torch.Tensor) and k in buffers and v.dim() and 0 not in v.stride()

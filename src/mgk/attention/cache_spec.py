@@ -50,6 +50,7 @@ class CacheSpec:
             return 0, 0, 0
 
         def count(n):
+            """A count given as a number, or as the name of the option that holds it."""
             return getattr(options, n) if isinstance(n, str) else n
 
         return count(self.keys_per_token), self.values_per_token, count(self.scalars_per_token)

@@ -72,10 +72,12 @@ class _CommitStatistics(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        """Keep the accumulator and the forward's statistics for :meth:`backward`."""
         _, ctx.acc, ctx.stats = inputs
 
     @staticmethod
     def backward(ctx, grad_out):
+        """Commit the statistics into the accumulator (only a backward that runs commits), pass the gradient on."""
         ctx.acc[:, :, :ctx.stats.shape[-1]].add_(ctx.stats)
         return grad_out, None, None
 

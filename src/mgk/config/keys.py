@@ -109,6 +109,7 @@ def close_matches(name: str, known) -> str:
     leaf = name.rsplit(".", 1)[-1]
 
     def score(k: str) -> float:
+        """Similarity in [0, 1] of key ``k`` to the unknown name, whole or by its last dotted part."""
         return max(difflib.SequenceMatcher(None, name, k).ratio(),
                    difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio())
 

@@ -36,6 +36,19 @@ def check_mixture_args(mixture, log_pi) -> None:
         raise ValueError("log_pi is unused by mixture='max' (Hard-E takes the nearest component); pass None")
 
 
+def check_log_pi(log_pi, shape: tuple[int, int, int, int], names: str = "(B, H, M, S)") -> None:
+    """ValueError naming ``log_pi`` unless it is None or a floating tensor broadcastable to ``shape`` (its sizes
+    called ``names``): the one check of the prior for every mixture entry point (uncached, cache entries, cache
+    step)."""
+    if log_pi is None:
+        return
+    if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point():
+        what = log_pi.dtype if isinstance(log_pi, Tensor) else type(log_pi).__name__
+        raise ValueError(f"log_pi must be None or a floating tensor broadcastable to {names} = {shape}, got {what}")
+    if log_pi.dim() > 4 or any(a not in (1, b) for a, b in zip((1,) * (4 - log_pi.dim()) + tuple(log_pi.shape), shape)):
+        raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to {names} = {shape}")
+
+
 def check_components(M: int, name: str) -> None:
     """ValueError naming ``name`` when it holds no mixture component."""
     if M < 1:
@@ -60,13 +73,7 @@ def check_mixture(query, key, value, log_pi, mixture, attn_mask):
     Returns ``(B, H, L, S, M, D, mask)``; ValueError (MaskError for the mask) naming the argument."""
     B, H, L, S, M, D = check_qkv(query, key, value, mixture=True)
     check_mixture_args(mixture, log_pi)
-    if log_pi is not None:
-        if not isinstance(log_pi, Tensor) or not log_pi.is_floating_point():
-            raise ValueError(f"log_pi must be a floating tensor broadcastable to (B, H, M, S) = {(B, H, M, S)}")
-        if log_pi.dim() > 4 or any(
-                a not in (1, b) for a, b in zip((1,) * (4 - log_pi.dim()) + tuple(log_pi.shape), (B, H, M, S))):
-            raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, S) = "
-                             f"{(B, H, M, S)}")
+    check_log_pi(log_pi, (B, H, M, S))
     mask = _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
     return B, H, L, S, M, D, mask
 

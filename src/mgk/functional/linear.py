@@ -242,6 +242,7 @@ def _backend(backend: str | None, return_weights: bool, is_causal: bool, initial
                          "keys whose weights would be returned")
 
     def why_not(name: str, automatic: bool) -> str | None:
+        """Why backend ``name`` cannot serve this call (None when it can), for :func:`pick`."""
         if name == "chunked" and return_weights:
             return "return_weights=True needs the (B, H, L, S) weights, which only backend='explicit' builds"
         if name == "explicit" and not return_weights and (initial_state is not None or output_final_state):

@@ -90,6 +90,7 @@ def _choose_statistics(backend, q, k, s2, log_prior, mask) -> str:
     transformed = is_transformed(q, k, s2, log_prior)
 
     def why_not(name, automatic):
+        """Why statistics backend ``name`` cannot serve this call (None when it can), for :func:`pick`."""
         if name != "kernel":
             return None
         if k.shape[2] == 1:

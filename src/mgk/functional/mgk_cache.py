@@ -35,7 +35,15 @@ from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
 from ._dispatch import is_transformed, pick
 from ._mgk_backends import _chunks
-from ._mixture_terms import check_components, check_mixture_args, check_shifts, key_bias, needs_qnorm, row_bias
+from ._mixture_terms import (
+    check_components,
+    check_log_pi,
+    check_mixture_args,
+    check_shifts,
+    key_bias,
+    needs_qnorm,
+    row_bias,
+)
 
 __all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries", "mgk_cache_step"]
 
@@ -64,25 +72,18 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     shifted = shifts is not None
     check_tensor(key, "key", 4 if shifted else 5, "(B, H, S, D) with shifts" if shifted else "(B, H, M, S, D)")
     check_mixture_args(mixture, log_pi)
-    if log_pi is not None and (not isinstance(log_pi, Tensor) or not log_pi.is_floating_point()):
-        what = log_pi.dtype if isinstance(log_pi, Tensor) else type(log_pi).__name__
-        raise ValueError(f"log_pi must be None or a floating tensor broadcastable to (B, H, M, S), got {what}")
     B, H = key.shape[:2]
     S, D = key.shape[-2], key.shape[-1]
     shifts = check_shifts(shifts, None, H, D)
     M = shifts.shape[0] if shifted else key.shape[2]
     check_components(M, "shifts" if shifted else "key")
+    check_log_pi(log_pi, (B, H, M, S))
     dt = compute_dtype(key)
     with torch.no_grad(), full_precision(key.device):
         c = check_centre(centre, B, H, D, dt, key.device)
         s2 = mixture_terms.variances(sigma2, H, M, D, dt, key.device)
         k = key.detach().to(dt) - (c.unsqueeze(2) if shifted else c[:, :, None, None])
-        prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device)
-        if prior is not None:
-            if prior.dim() != 4 or any(a not in (1, b) for a, b in zip(prior.shape, (B, H, M, S))):
-                raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, S) = "
-                                 f"{(B, H, M, S)}")
-            prior = prior.expand(B, H, M, S)
+        prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
         if shifted:
             return k, key_bias(k, s2, prior, shifts=shifts.detach().to(dt))
         return mixture_terms.scaled_keys(k, s2), key_bias(k, s2, prior)
@@ -378,11 +379,8 @@ def _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_va
         inv = torch.full((1,), 1.0 / (math.sqrt(D) if sigma2 is None else sigma2), dtype=dt)
     lp = query.new_empty(0)
     if log_pi is not None:
-        try:
-            lp = mixture_terms.log_prior(log_pi.detach(), M, dt, query.device).expand(B, H, M, L)
-        except RuntimeError:
-            raise ValueError(f"log_pi of shape {tuple(log_pi.shape)} does not broadcast to (B, H, M, L) = "
-                             f"{(B, H, M, L)}") from None
+        check_log_pi(log_pi, (B, H, M, L), "(B, H, M, L)")
+        lp = mixture_terms.log_prior(log_pi.detach(), M, dt, query.device).expand(B, H, M, L)
     mu = query.new_empty(0) if not shifted else shifts.detach().to(dt).contiguous()
     valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else \
         key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
