@@ -140,3 +140,38 @@ def test_peak_memory_is_not_inflated_by_first_call_imports(one_thread):
     kernel = measure("mgk", 1, 16, **small)["peak_mem_mb"]
     sdpa = measure("mgk-sdpa", 1, 16, **small)["peak_mem_mb"]
     assert kernel < 5 and sdpa < 5, (kernel, sdpa)
+
+
+def test_same_process_takes_turns_and_reports_rounds_and_paired_ratios(one_thread):
+    """--same-process: the kinds of a length built in one process, then round after round each makes its calls in
+    turn; a row's time is the median of its round medians, its ratio the median of per-round ratios to the first
+    kind, and no peak memory is claimed (one process holds every kind)."""
+    from mgk.bench.attention import measure_together
+
+    got = measure_together([("softmax", 2), ("mgk", 1)], 32, rounds=3, **{**SMALL, "repeats": 2})
+    rows = got["rows"]
+    assert [r["kind"] for r in rows] == ["softmax", "mgk"]
+    for r in rows:
+        assert r["rounds"] == 3 and len(r["round_ms"]) == 3 and r["same_process"] and r["peak_mem_mb"] is None
+        assert r["time_ms_min"] <= r["time_ms"] <= r["time_ms_max"]
+        assert sorted(r["round_ms"])[1] == pytest.approx(r["time_ms"])
+        paired = sorted(a / b for a, b in zip(r["round_ms"], rows[0]["round_ms"]))[1]
+        assert r["paired_ratio"] == pytest.approx(paired) and r["flops"] > 0 and r["params"] > 0
+    assert rows[0]["paired_ratio"] == 1.0
+    text = table({"rows": rows, "settings": {"same_process": True}})
+    assert "x first (paired)" in text and "peak MB" not in text and text.count("\n") == 1 + len(rows)
+
+
+def test_cli_same_process_records_the_load_and_refuses_rounds_alone(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "mgk", "bench", "attention", "--lengths", "16", "--kinds", "softmax:2,mgk:1",
+           "--embed-dim", "16", "--head-dim", "4", "--repeats", "1", "--json", str(out)]
+    p = subprocess.run([*cmd, "--same-process", "--rounds", "2"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert result["settings"]["same_process"] is True and result["settings"]["rounds"] == 2
+    assert all(r["rounds"] == 2 for r in result["rows"]) and "load average" in p.stdout
+    assert set(result["load_average"]) == {"before", "after"} and isinstance(result["busy"], bool)
+    p = subprocess.run([*cmd, "--rounds", "2"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--rounds counts the rounds of --same-process" in p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""

@@ -214,6 +214,25 @@ def test_the_causal_centre_is_the_query_of_the_first_row_that_sees_two_keys():
     assert torch.equal(mgk_centre(q[:1], k[:1], attn_mask=packed, is_causal=True), q[:1, :, 2])
 
 
+
+@pytest.mark.parametrize("S", [0, 1, 2, 3, 7])
+@pytest.mark.parametrize("L", [1, 2, 3, 7])
+def test_the_unmasked_causal_centre_from_sizes_equals_the_rule_through_a_mask(L, S):
+    """Without a mask the causal centre's row is computed from (L, S) alone (no tensor work, the training step's
+    common call); an all-True mask takes the general rule over counted keys. Both must choose the same row for every
+    shape, L > S (more queries than keys: leading rows see nothing) included, and both fall back to 0 for a
+    non-finite chosen query."""
+    q = torch.randn(2, 3, L, 4, dtype=F64)
+    k = torch.randn(2, 3, 1, S, 4, dtype=F64)
+    everything = torch.ones(1, 1, L, S, dtype=torch.bool)
+    general = mgk_centre(q, k, attn_mask=everything, is_causal=True)
+    assert torch.equal(mgk_centre(q, k, is_causal=True), general)
+    chosen = [i for i in range(L) if (general[0, 0] == q[0, 0, i]).all()]
+    if chosen:
+        q[1, :, chosen[0]] = float("inf")
+        for centre in (mgk_centre(q, k, is_causal=True), mgk_centre(q, k, attn_mask=everything, is_causal=True)):
+            assert torch.equal(centre[1], torch.zeros_like(centre[1])) and torch.equal(centre[0], general[0])
+
 def test_the_centre_skips_padded_query_rows_and_far_queries_without_causality():
     q, k, _ = _inputs(4, 10.0, None)
     mask = padding_mask([L, L - 5], L, left=True)

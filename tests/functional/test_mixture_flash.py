@@ -31,6 +31,16 @@ def formula(q, k, bias, v, rowbias, causal):
     return torch.nan_to_num(w, nan=0.0) @ v
 
 
+
+def formula_hard(q, k, bias, v, rowbias, causal):
+    """Hard-E: out_i = sum_j softmax_j(max_r (q_i.k_jr + bias_jr)) v_j, bottom-right causal; rows that see no key 0.
+    (rowbias is constant along a row and cancels; accepted for the signature of :func:`formula`.)"""
+    s = (torch.einsum("bhld,bhmsd->bhlms", q, k) + bias.unsqueeze(2)).amax(dim=3)
+    L, S = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(S - L), float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0) @ v
+
 def inputs(B, H, L, S, M, D, Dv, rowbias, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     t = [torch.randn(*shape, generator=g, dtype=F64) for shape in
@@ -68,6 +78,59 @@ def test_kernel_matches_formula_with_gradients(case, causal, rowbias, dtype):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a.to(F64), b, **tol, msg=lambda m, n=name: f"grad of {n}: {m}")
 
+
+
+def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The values of ``t`` (B, H, rows, cols) or (B, H, M, rows, cols) in another memory layout: "heads inside" as a
+    projection leaves them ((B, rows, H, cols) or (B, rows, M, H, cols) seen through a permute), "row gaps" (a slice
+    of wider rows), "broadcast" (size-1 batch expanded: stride 0), "columns strided" (transposed storage, which the
+    kernel cannot read by rows: the caller copies it), "contiguous"."""
+    t = t.detach()
+    if layout == "heads inside":
+        order = list(range(t.dim()))
+        order[1], order[-2] = order[-2], order[1]  # swap H and rows in storage, then view them back
+        return t.permute(order).contiguous().permute(order)
+    if layout == "row gaps":
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype)
+        wide[..., : t.shape[-1]] = t
+        return wide[..., : t.shape[-1]]
+    if layout == "broadcast":
+        return t[:1].expand_as(t)
+    if layout == "columns strided":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return t.contiguous()
+
+
+LAYOUTS = ["contiguous", "heads inside", "row gaps", "broadcast", "columns strided"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("L,S", [(1, 9), (140, 140), (7, 600)])
+@pytest.mark.parametrize("hard", [False, True])
+def test_the_kernel_reads_and_writes_any_layout_of_q_k_v(layout, L, S, hard):
+    """q, k and v are read in place whatever their strides (the projections' (B, L, H, D) layout among them, so no
+    copy in either direction); out and the gradients must equal the float64 formula's for every layout, the
+    gradient of out arriving in a layout of its own too (stride 0 from a sum; transposed)."""
+    B, H, M, D, Dv = 2, 3, 2, 8, 5
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=F64) for shape in ((B, H, L, D), (B, H, M, S, D),
+                                                                        (B, H, S, Dv)))
+    if layout == "broadcast":  # one batch row's values, repeated
+        q, k, v = q[:1].expand_as(q), k[:1].expand_as(k), v[:1].expand_as(v)
+    bias = torch.randn(B, H, M, S, generator=g, dtype=F64)
+    ins = [_laid_out(t, layout).requires_grad_() for t in (q, k, v)]
+    out = _mixture_flash.mixture_flash(ins[0], ins[1], bias, ins[2], None, True, hard)
+    ref_ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = (formula_hard if hard else formula)(ref_ins[0], ref_ins[1], bias, ref_ins[2], None, True)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-11)
+    for grad_out in (torch.ones(()).expand(out.shape), torch.randn(B, H, Dv, L, generator=g, dtype=F64).mT):
+        grads = torch.autograd.grad(out, ins, grad_out, retain_graph=True)
+        ref_grads = torch.autograd.grad(ref, ref_ins, grad_out, retain_graph=True)
+        for name, a, b, x in zip("qkv", grads, ref_grads, ins):
+            torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"grad of {n}: {m}")
+            if layout in ("contiguous", "heads inside"):  # dense inputs: read in place, gradients in their layout
+                assert a.stride() == x.stride(), name
+    assert out.transpose(1, 2).is_contiguous()  # (B, L, H, Dv) storage: merging the heads is a view
 
 @pytest.mark.parametrize("L,S", [(5, 5), (3, 6), (6, 3)])
 def test_gradcheck(L, S):

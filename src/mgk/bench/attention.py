@@ -4,7 +4,12 @@ Each (kind, length) is measured in a fresh subprocess so that peak memory is tha
 of the process's peak resident set size (``ru_maxrss``) over the call, with glibc told to serve blocks over 64 KiB
 from mmap so that freed memory leaves the resident set; on CUDA ``torch.cuda.max_memory_allocated``.
 Time is the median over ``repeats`` calls after one warm-up call; with ``--backward`` the module is in training mode
-(so Soft-E's E-step is included).
+(so Soft-E's E-step is included). With ``--same-process`` the kinds of one length share one subprocess and take
+turns, ``repeats`` calls each per round for ``--rounds`` rounds: a row's time is the median of its round medians and
+``paired_ratio`` the median over rounds of its time over the first kind's in the same round (a slow moment falls
+on both sides of a ratio; calls of a few milliseconds in separate processes moved one kind by up to 40% on the
+2-core VM). Peak memory is not measured then (one process holds every kind). The 1-minute load average before
+the run is recorded, and a busy machine is warned about, as in ``mgk bench decode``.
 
 Kinds are ``name:heads``. A name is a registered attention kind (softmax, mgk, smgk, linear, mlk, smlk), the same
 with options ``kind+option=value+...`` (e.g. ``mgk+pi=hard_e``), or a bench variant (:data:`VARIANTS`): ``mgk-hard``
@@ -173,9 +178,9 @@ def mgk_path(module: nn.Module, batch: int, device, dtype) -> str | None:
                           dropout_p=module.attn_dropout if module.training else 0.0)
 
 
-def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device) -> dict:
-    import resource
-
+def _setup(kind, heads, length, *, batch, embed_dim, head_dim, backward, dtype, device, causal):
+    """(module, input, call, backend path) of one row; ``call(inputs)`` runs one timed unit (forward, or forward and
+    backward of ``out.sum()``) and waits for CUDA."""
     torch.manual_seed(0)
     dev = torch.device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -196,6 +201,37 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    return module, x, call, path
+
+
+def _row(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, module, x, path,
+         time_ms, peak_mem_mb) -> dict:
+    return {"kind": kind, "label": label(kind, heads), "heads": heads, "length": length, "batch": batch,
+            "causal": causal, "backward": backward, "dtype": dtype, "time_ms": time_ms, "peak_mem_mb": peak_mem_mb,
+            "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
+                                    backward=backward, mixture_kernel=path == "kernel"),
+            "mgk_path": path,
+            "flops_counted": _counted_flops(module, x, causal, backward) if length <= 1024 else None,
+            "params": sum(p.numel() for p in module.parameters())}
+
+
+def _timed(call, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device) -> dict:
+    import resource
+
+    sizes = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, backward=backward, dtype=dtype, causal=causal)
+    module, x, call, path = _setup(kind, heads, length, device=device, **sizes)
+    dev = x.device
+    dt = x.dtype
+
     # One tiny call first: the first call of a custom op or kernel imports modules and fills caches (tens of MB of
     # resident memory once per process), which is not the call's memory.
     call(torch.randn(batch, 8, embed_dim, device=dev, dtype=dt, requires_grad=backward))
@@ -209,49 +245,87 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         call()
         peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB -> MiB
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1000)
-    return {"kind": kind, "label": label(kind, heads), "heads": heads, "length": length, "batch": batch,
-            "causal": causal, "backward": backward, "dtype": dtype, "time_ms": statistics.median(times),
-            "peak_mem_mb": peak,
-            "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
-                                    backward=backward, mixture_kernel=path == "kernel"),
-            "mgk_path": path,
-            "flops_counted": _counted_flops(module, x, causal, backward) if length <= 1024 else None,
-            "params": sum(p.numel() for p in module.parameters())}
+    time_ms = statistics.median(_timed(call, repeats))
+    return _row(kind, heads, length, **sizes, module=module, x=x, path=path, time_ms=time_ms, peak_mem_mb=peak)
+
+
+def measure_together(kinds: list[tuple[str, int]], length: int, *, batch: int, embed_dim: int, head_dim: int,
+                     causal: bool, backward: bool, dtype: str, repeats: int, rounds: int, device: str) -> dict:
+    """Every kind at one length in this process (``--same-process``): each built and warmed up (three calls), then
+    ``rounds`` rounds in which every kind makes ``repeats`` timed calls in turn. A row's ``time_ms`` is the median of
+    its round medians (``round_ms``, with ``time_ms_min`` / ``time_ms_max``) and ``paired_ratio`` the median over
+    rounds of its round median over the first kind's; ``peak_mem_mb`` is None (one process holds every kind).
+    Returns ``{"rows": [...]}`` in the order of ``kinds``."""
+    sizes = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, backward=backward, dtype=dtype, causal=causal)
+    cells = []
+    for kind, heads in kinds:
+        module, x, call, path = _setup(kind, heads, length, device=device, **sizes)
+        _timed(call, 3)
+        cells.append((kind, heads, module, x, call, path, []))
+    for _ in range(rounds):
+        for *_, call, _path, medians in cells:
+            medians.append(statistics.median(_timed(call, repeats)))
+    rows = []
+    for kind, heads, module, x, _call, path, medians in cells:
+        row = _row(kind, heads, length, **sizes, module=module, x=x, path=path, time_ms=statistics.median(medians),
+                   peak_mem_mb=None)
+        rows.append({**row, "round_ms": medians, "time_ms_min": min(medians), "time_ms_max": max(medians),
+                     "rounds": rounds, "same_process": True})
+    for row in rows:  # against the first kind round by round
+        row["paired_ratio"] = statistics.median(a / b for a, b in zip(row["round_ms"], rows[0]["round_ms"]))
+    return {"rows": rows}
+
+
+def _subprocess(code: str, timeout: float) -> dict:
+    """The JSON that ``code`` prints last, run in a fresh interpreter; ``{"error": ...}`` when it fails or times
+    out."""
+    # Large blocks straight from mmap and back on free: the resident set then follows live memory, so the growth of
+    # its peak over one call measures that call's peak (glibc; ignored elsewhere).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout} s"}
+    if p.returncode == 0:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    return {"error": (p.stderr.strip().splitlines() or ["exit status %d" % p.returncode])[-1]}
 
 
 def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_dim: int, head_dim: int,
-        causal: bool, backward: bool, dtype: str, repeats: int, device: str, timeout: float) -> dict:
-    """Measure every (kind, length) in its own subprocess; a failure (e.g. out of memory) becomes a row with
-    ``error`` instead of stopping the table."""
+        causal: bool, backward: bool, dtype: str, repeats: int, device: str, timeout: float,
+        same_process: bool = False, rounds: int = 1) -> dict:
+    """Measure every (kind, length) in its own subprocess, or with ``same_process`` the kinds of each length
+    together in one (:func:`measure_together`, ``rounds`` rounds); a failure (e.g. out of memory) becomes a row with
+    ``error`` instead of stopping the table. The result records the 1-minute load average before and after and
+    whether the machine was busy (:data:`mgk.bench.decode.BUSY_LOAD`)."""
+    from .decode import BUSY_LOAD
+
+    load_before = os.getloadavg()
     rows = []
+    args = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal, backward=backward,
+                dtype=dtype, repeats=repeats, device=device)
     for length in lengths:
+        if same_process:
+            code = ("import json; from mgk.bench.attention import measure_together; "
+                    f"print(json.dumps(measure_together({kinds!r}, {length}, rounds={rounds}, **{args!r})))")
+            got = _subprocess(code, timeout * len(kinds))
+            rows.extend(got["rows"] if "rows" in got else
+                        [{"kind": kind, "heads": heads, "length": length, "error": got["error"]}
+                         for kind, heads in kinds])
+            continue
         for kind, heads in kinds:
-            args = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal, backward=backward,
-                        dtype=dtype, repeats=repeats, device=device)
             code = ("import json, sys; from mgk.bench.attention import measure; "
                     f"print(json.dumps(measure({kind!r}, {heads}, {length}, **{args!r})))")
-            # Large blocks straight from mmap and back on free: the resident set then follows live memory, so
-            # the growth of its peak over one call measures that call's peak (glibc; ignored elsewhere).
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-            try:
-                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                                   env=env)
-                if p.returncode == 0:
-                    rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-                else:
-                    err = (p.stderr.strip().splitlines() or ["exit status %d" % p.returncode])[-1]
-                    rows.append({"kind": kind, "heads": heads, "length": length, "error": err})
-            except subprocess.TimeoutExpired:
-                rows.append({"kind": kind, "heads": heads, "length": length, "error": f"timeout after {timeout} s"})
+            got = _subprocess(code, timeout)
+            rows.append(got if "error" not in got else {"kind": kind, "heads": heads, "length": length, **got})
+    load_after = os.getloadavg()
     return {"rows": rows, "machine": machine(), "torch": torch.__version__,
             "settings": {"batch": batch, "embed_dim": embed_dim, "head_dim": head_dim, "causal": causal,
-                         "backward": backward, "dtype": dtype, "repeats": repeats, "device": device},
-            "date": time.strftime("%Y-%m-%d")}
+                         "backward": backward, "dtype": dtype, "repeats": repeats, "device": device,
+                         "same_process": same_process, "rounds": rounds if same_process else 1},
+            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+            "load_average": {"before": list(load_before), "after": list(load_after)},
+            "busy": load_before[0] > BUSY_LOAD}
 
 
 def error_cell(message: str) -> str:
@@ -269,15 +343,24 @@ def machine() -> str:
 
 def table(result: dict) -> str:
     """Markdown table of a :func:`run` result, with time and memory relative to the first kind at each length."""
+    together = result.get("settings", {}).get("same_process", False)
     lines = ["| kind | heads | length | time ms | x first | peak MB | x first | GFLOPs | params |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if together:  # rounds in one process: the spread of the round medians, the paired ratio, no memory
+        lines = ["| kind | heads | length | time ms (min-max over rounds) | x first (paired) | GFLOPs | params |",
+                 "|---|---|---|---|---|---|---|"]
     first = {}
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | error: {error_cell(row['error'])} "
-                         "| | | | | |")
+                         + ("| | | |" if together else "| | | | | |"))
             continue
         base = first.setdefault(row["length"], row)
+        if together:
+            lines.append(f"| {row['kind']} | {row['heads']} | {row['length']} | {row['time_ms']:.2f} "
+                         f"({row['time_ms_min']:.2f}-{row['time_ms_max']:.2f}) | {row['paired_ratio']:.2f} | "
+                         f"{row['flops'] / 1e9:.2f} | {row['params']:,} |")
+            continue
         rel_t = row["time_ms"] / base["time_ms"]
         # a first row that allocated nothing measurable has no ratio (a dash, not nan)
         rel_m = f"{row['peak_mem_mb'] / base['peak_mem_mb']:.2f}" if base["peak_mem_mb"] > 0 else "—"

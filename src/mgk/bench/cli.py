@@ -152,6 +152,11 @@ def add_parser(sub) -> None:
     a.add_argument("--backward", action="store_true", help="time forward + backward (default: forward only)")
     a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a.add_argument("--repeats", type=_positive(int), default=5, help="timed calls per row (median reported)")
+    a.add_argument("--same-process", action="store_true",
+                   help="the kinds of each length in one process, taking turns for --rounds rounds; time is the "
+                        "median of the round medians, x first the median of per-round ratios (no peak memory)")
+    a.add_argument("--rounds", type=_positive(int), default=None,
+                   help="rounds of --same-process (default 5; each kind makes --repeats calls per round)")
     a.add_argument("--device", type=_device, default="cpu")
     a.add_argument("--timeout", type=_positive(float), default=600.0,
                    help="seconds per row before it is reported as failed")
@@ -286,10 +291,21 @@ def run(args) -> int:
         from .attention import run as run_attention
         from .attention import table
 
+        if args.rounds is not None and not args.same_process:
+            raise SystemExit("--rounds counts the rounds of --same-process: add --same-process (separate processes "
+                             "measure each row once)")
         result = run_attention(args.kinds, args.lengths, batch=args.batch, embed_dim=args.embed_dim,
                                head_dim=args.head_dim, causal=args.causal, backward=args.backward,
-                               dtype=args.dtype, repeats=args.repeats, device=args.device, timeout=args.timeout)
-        print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
+                               dtype=args.dtype, repeats=args.repeats, device=args.device, timeout=args.timeout,
+                               same_process=args.same_process, rounds=args.rounds or 5)
+        from .decode import busy_warning
+
+        warning = busy_warning(result)
+        if warning:
+            print(warning, file=sys.stderr)
+        load = result["load_average"]
+        print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}; load average "
+              f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after")
         print(table(result))
         failed = [row for row in result["rows"] if "error" in row]
     else:

@@ -90,13 +90,32 @@ def _row(q: Tensor, index: Tensor) -> Tensor:
     return q.gather(2, index[..., None, None].expand(B, H, 1, D))[:, :, 0]
 
 
+def _unmasked_causal_row(L: int, S: int) -> int | None:
+    """The row :func:`_causal_centre` chooses without a mask or padded queries, where row i sees the
+    ``min(S, i + S - L + 1)`` keys j <= i + S - L: the first that sees two keys, else the first that sees one, else
+    None. Computed from the sizes, so that the common call (a causal language model's training step) makes no
+    tensor work for it; tests/functional/test_centre.py holds it equal to the masked rule."""
+    for n in (2, 1):
+        row = max(0, L - S + n - 1)
+        if S >= n and row < L:
+            return row
+    return None
+
+
 def _causal_centre(q: Tensor, mask: Tensor | None, S: int, query_ok: Tensor | None) -> Tensor:
     B, H, L, _ = q.shape
-    counts = _visible_counts(mask, L, S, q.device)  # once: the mask's pass is O(B H L S) when it has query rows
-    second = _first_row(counts, 2, query_ok).expand(B, H)
-    first = torch.where(second < L, second, _first_row(counts, 1, query_ok).expand(B, H))
-    row = _row(q, first.clamp_max(L - 1))
-    ok = (first < L) & torch.isfinite((row * row).sum(-1))
+    if mask is None and query_ok is None:
+        index = _unmasked_causal_row(L, S)
+        if index is None:
+            return q.new_zeros(B, H, q.shape[3])
+        row, ok = q[:, :, index], None
+    else:
+        counts = _visible_counts(mask, L, S, q.device)  # once: the mask's pass is O(B H L S) when it has query rows
+        second = _first_row(counts, 2, query_ok).expand(B, H)
+        first = torch.where(second < L, second, _first_row(counts, 1, query_ok).expand(B, H))
+        row, ok = _row(q, first.clamp_max(L - 1)), first < L
+    finite = torch.isfinite((row * row).sum(-1))
+    ok = finite if ok is None else ok & finite
     return torch.where(ok.unsqueeze(-1), row, torch.zeros((), dtype=q.dtype, device=q.device))
 
 

@@ -251,8 +251,25 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.T
 
 @_forward_op.register_fake
 def _(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats):
-    resp = q.new_empty((k.shape[0], k.shape[1], k.shape[2]) if stats else (0,))
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1])), resp
+    BH, M, S = bias.shape
+    resp = q.new_empty((BH, M, S) if stats else (0,))
+    return _rows_like(q, v.shape[-1]), q.new_empty((BH, q.shape[-2])), resp
+
+
+def _rows_like(q: torch.Tensor, cols: int) -> torch.Tensor:
+    """An empty output shaped like q's rows with ``cols`` columns, laid out as the C++ ``rows_like`` lays it: for
+    (B, H, L, D) queries in (B, L, H, D) order, so that merging the heads afterwards is a view."""
+    if q.dim() == 4:
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1], cols)).permute(0, 2, 1, 3)
+    return q.new_empty((*q.shape[:-1], cols))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernel reads it by rows: itself when its columns are adjacent and its row stride is at least the
+    row length (any other strides are read in place: the projections' (B, L, H, D) layout), else a contiguous copy
+    (e.g. the all-zero-stride gradient of ``out.sum()``)."""
+    rows_ok = t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]
+    return t if (t.stride(-1) == 1 or t.shape[-1] <= 1) and rows_ok else t.contiguous()
 
 
 @torch.library.custom_op("mgk::mixture_flash_backward", mutates_args=(), device_types="cpu")
@@ -284,8 +301,8 @@ def _gradients(ctx, grad_out, kernel_backward):
     eager mode). lse is an auxiliary output for the backward pass and resp a statistic: nothing differentiates
     through them. With dropout, out is the dropped output and delta = rowsum(dO * out) = sum_j A_ij dA_ij holds."""
     q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
-    grad_out = grad_out.contiguous()
-    delta = (grad_out * out).sum(-1)
+    grad_out = _rows(grad_out)
+    delta = (grad_out * out).sum(-1).reshape(lse.shape).contiguous()
     dq, dk, dbias, dv, drb = kernel_backward(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
     return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None, None, None
 
@@ -381,17 +398,15 @@ def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, st
     if dropout_p > 0.0 and seed is None:
         seed = draw_dropout_seed()
     seed, offset = seed if dropout_p > 0.0 else (0, 0)
-    # reshape is a view for the contiguous inputs the callers pass; contiguous() then copies nothing.
-    qf = q.reshape(B * H, L, D).contiguous()
-    kf = k.reshape(B * H, M, S, D).contiguous()
+    # q, k and v are read in place (the projections' layout); the small per-key and per-row terms are flattened.
+    qf, kf, vf = _rows(q), _rows(k), _rows(v)
     bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
-    vf = v.reshape(B * H, S, Dv).contiguous()
-    rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else qf.new_empty(0)
+    rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else q.new_empty(0)
     okf = (query_ok.expand(B, H, L).reshape(B * H, L).contiguous() if query_ok is not None
-           else qf.new_empty(0, dtype=torch.bool))
+           else q.new_empty(0, dtype=torch.bool))
     out, _, resp = _run_forward(qf, kf, bf, vf, rf, okf, bool(is_causal), bool(hard), dropout_p, int(seed),
                                 int(offset), bool(stats))
-    return out.view(B, H, L, Dv), (resp.view(B, H, M, S) if stats else None)
+    return out, (resp.view(B, H, M, S) if stats else None)
 
 
 def softmax_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_padding: torch.Tensor | None = None,

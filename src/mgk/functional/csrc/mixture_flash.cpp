@@ -122,6 +122,33 @@ struct Shapes {
   bool causal, hard;
 };
 
+// The rows of a (B, H, rows, cols) or (BH, rows, cols) tensor, and of keys (B, H, M, rows, cols) or
+// (BH, M, rows, cols), by (batch*head) slice bh, component r and row: any strides with a unit column stride and a
+// row stride >= cols (BLAS's leading dimension). So the kernel reads q, k, v and writes out, dq, dk, dv in the
+// layout the projections leave them, (B, L, H, D) seen as (B, H, L, D), instead of the caller copying them into
+// (B, H, L, D) order and back (two copies per tensor and direction, a visible share at a few hundred tokens).
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t H, sb, sh, sm, ld;
+  T* at(int64_t bh, int64_t row, int64_t r = 0) const {
+    return base + (bh / H) * sb + (bh % H) * sh + r * sm + row * ld;
+  }
+};
+
+template <typename T>
+Rows<T> rows_of(const torch::Tensor& t, bool components) {
+  const int64_t lead = t.dim() - (components ? 3 : 2);  // 2: (B, H, ...); 1: (BH, ...)
+  Rows<T> x;
+  x.base = t.data_ptr<T>();
+  x.H = lead == 2 ? t.size(1) : 1;
+  x.sb = t.stride(0);
+  x.sh = lead == 2 ? t.stride(1) : 0;
+  x.sm = components ? t.stride(lead) : 0;
+  x.ld = t.size(-2) > 1 ? t.stride(-2) : t.size(-1);  // one row: any leading dimension >= cols will do
+  return x;
+}
+
 // Attention dropout on the mixed weight A_ij (after the sum over components), from a counter-based stream: the
 // keep decision of (slice bh, query i, key j) is a hash of (seed, offset, bh, i, j) alone, so backward regenerates
 // the forward's mask without storing it and the mask does not depend on blocking or on the thread count (the
@@ -333,8 +360,9 @@ inline void add_responsibilities(const T* sc, int64_t M, size_t blk, int bq, int
 }
 
 template <typename T>
-void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* rowbias, T* out, T* lse,
-                  const Shapes<T>& sh, const Dropout& drop, const uint8_t* query_ok, T* resp) {
+void forward_impl(const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<T>& v, const T* rowbias,
+                  const Rows<T>& out, T* lse, const Shapes<T>& sh, const Dropout& drop, const uint8_t* query_ok,
+                  T* resp) {
   const int64_t qblock = task_block(kBlockQ, 16, sh.BH, sh.L);
   const int64_t nqb = (sh.L + qblock - 1) / qblock;
   const int64_t offset = sh.S - sh.L;
@@ -365,7 +393,7 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nqb, q0 = (task % nqb) * qblock;
       const int bq = static_cast<int>(std::min<int64_t>(qblock, sh.L - q0));
-      const T* qb = q + (bh * sh.L + q0) * sh.D;
+      const T* qb = q.at(bh, q0);
       std::fill(acc, acc + static_cast<int64_t>(kBlockQ) * sh.Dv, T(0));
       std::fill(m, m + kBlockQ, ninf);
       std::fill(l, l + kBlockQ, T(0));
@@ -376,8 +404,8 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
         std::copy(m, m + bq, mnew);
         for (int64_t r = 0; r < sh.M; ++r) {
           T* s = sc + r * kBlockQ * kBlockK;
-          const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
-          gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, kb, sh.D, T(0), s, kBlockK);
+          const T* kb = k.at(bh, k0, r);
+          gemm(false, true, bq, bk, sh.D, T(1), qb, q.ld, kb, k.ld, T(0), s, kBlockK);
           const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
           finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
                            mnew);
@@ -408,11 +436,10 @@ void forward_impl(const T* q, const T* k, const T* bias, const T* v, const T* ro
             for (int64_t d = 0; d < sh.Dv; ++d) ai[d] *= alpha;
           m[i] = mi;
         }
-        gemm(false, false, bq, sh.Dv, bk, T(1), p, kBlockK, v + (bh * sh.S + k0) * sh.Dv, sh.Dv, T(1),
-             acc, sh.Dv);
+        gemm(false, false, bq, sh.Dv, bk, T(1), p, kBlockK, v.at(bh, k0), v.ld, T(1), acc, sh.Dv);
       }
       for (int i = 0; i < bq; ++i) {
-        T* oi = out + (bh * sh.L + q0 + i) * sh.Dv;
+        T* oi = out.at(bh, q0 + i);
         const T* ai = acc + static_cast<int64_t>(i) * sh.Dv;
         if (l[i] > T(0) || std::isnan(l[i])) {  // NaN scores give NaN, as in the formula
           const T inv = T(1) / l[i];
@@ -448,9 +475,9 @@ inline void probs_from_scores(T* s, const T* lse, int bq, int bk) {
 }
 
 template <typename T>
-void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T* v, const T* rowbias,
-                   const T* lse, const T* delta, T* dq, T* dk, T* dbias, T* dv, T* drowbias, const Shapes<T>& sh,
-                   const Dropout& drop) {
+void backward_impl(const Rows<T>& dout, const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<T>& v,
+                   const T* rowbias, const T* lse, const T* delta, const Rows<T>& dq, const Rows<T>& dk, T* dbias,
+                   const Rows<T>& dv, T* drowbias, const Shapes<T>& sh, const Dropout& drop) {
   const int64_t kblock = task_block(kBlockK, 64, sh.BH, sh.S);
   const int64_t nkb = (sh.S + kblock - 1) / kblock;
   const int64_t offset = sh.S - sh.L;
@@ -480,21 +507,21 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nkb, k0 = (task % nkb) * kblock;
       const int bk = static_cast<int>(std::min<int64_t>(kblock, sh.S - k0));
-      const T* vb = v + (bh * sh.S + k0) * sh.Dv;
-      T* dvb = dv + (bh * sh.S + k0) * sh.Dv;
+      const T* vb = v.at(bh, k0);
+      T* dvb = dv.at(bh, k0);
       int64_t qstart = 0;
       if (sh.causal) qstart = std::max<int64_t>(0, k0 - offset) / kBlockQ * kBlockQ;
       for (int64_t q0 = qstart; q0 < sh.L; q0 += kBlockQ) {
         const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
-        const T* qb = q + (bh * sh.L + q0) * sh.D;
-        const T* dob = dout + (bh * sh.L + q0) * sh.Dv;
+        const T* qb = q.at(bh, q0);
+        const T* dob = dout.at(bh, q0);
         const T* lseb = lse + bh * sh.L + q0;
         const T* delb = delta + bh * sh.L + q0;
         // Scores s_r of every component.
         for (int64_t r = 0; r < sh.M; ++r) {
           T* s = pr + r * blk;
-          const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
-          gemm(false, true, bq, bk, sh.D, T(1), qb, sh.D, kb, sh.D, T(0), s, kBlockK);
+          const T* kb = k.at(bh, k0, r);
+          gemm(false, true, bq, bk, sh.D, T(1), qb, q.ld, kb, k.ld, T(0), s, kBlockK);
           const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
           finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal, nullptr);
         }
@@ -528,8 +555,8 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
           }
           aw = dp;  // A * Z, consumed by the dV GEMM before dp is overwritten
         }
-        gemm(true, false, bk, sh.Dv, bq, T(1), aw, kBlockK, dob, sh.Dv, T(1), dvb, sh.Dv);
-        gemm(false, true, bq, bk, sh.Dv, T(1), dob, sh.Dv, vb, sh.Dv, T(0), dp, kBlockK);
+        gemm(true, false, bk, sh.Dv, bq, T(1), aw, kBlockK, dob, dout.ld, T(1), dvb, dv.ld);
+        gemm(false, true, bq, bk, sh.Dv, T(1), dob, dout.ld, vb, v.ld, T(0), dp, kBlockK);
         for (int i = 0; i < bq; ++i) {
           T* row = dp + static_cast<int64_t>(i) * kBlockK;
           const T di = delb[i];
@@ -554,10 +581,10 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
             const T rs = mul_colsum_rowsum<T>(row, t, dbias_r, bk);
             if (drb) drb[i] += rs;
           }
-          const T* kb = k + ((bh * sh.M + r) * sh.S + k0) * sh.D;
-          T* dkb = dk + ((bh * sh.M + r) * sh.S + k0) * sh.D;
-          gemm(true, false, bk, sh.D, bq, T(1), ds, kBlockK, qb, sh.D, T(1), dkb, sh.D);
-          gemm(false, false, bq, sh.D, bk, T(1), ds, kBlockK, kb, sh.D, T(1),
+          const T* kb = k.at(bh, k0, r);
+          T* dkb = dk.at(bh, k0, r);
+          gemm(true, false, bk, sh.D, bq, T(1), ds, kBlockK, qb, q.ld, T(1), dkb, dk.ld);
+          gemm(false, false, bq, sh.D, bk, T(1), ds, kBlockK, kb, k.ld, T(1),
                part->dq.data() + ((bh - part->bh_lo) * sh.L + q0) * sh.D, sh.D);
         }
       }
@@ -567,8 +594,12 @@ void backward_impl(const T* dout, const T* q, const T* k, const T* bias, const T
   });
   std::sort(partials.begin(), partials.end(), [](const auto& x, const auto& y) { return x->begin < y->begin; });
   for (const auto& part : partials) {
-    T* d = dq + part->bh_lo * sh.L * sh.D;
-    for (size_t x = 0; x < part->dq.size(); ++x) d[x] += part->dq[x];
+    for (int64_t b = 0; b < part->nbh; ++b)
+      for (int64_t i = 0; i < sh.L; ++i) {
+        T* d = dq.at(part->bh_lo + b, i);
+        const T* x = part->dq.data() + (b * sh.L + i) * sh.D;
+        for (int64_t c = 0; c < sh.D; ++c) d[c] += x[c];
+      }
     if (drowbias) {
       T* e = drowbias + part->bh_lo * sh.M * sh.L;
       for (size_t x = 0; x < part->drb.size(); ++x) e[x] += part->drb[x];
@@ -646,33 +677,56 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, name, " must be float32 or float64");
 }
 
+// A tensor the kernel reads by rows (Rows): (B, H, rows, cols) or (BH, rows, cols), with `extra` more dimensions
+// (the keys' components) before the rows; unit column stride, row stride >= cols. Returns the number of slices BH.
+int64_t check_rows(const torch::Tensor& t, const char* name, int64_t extra) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 3 + extra || t.dim() == 4 + extra, name, " must have ", 3 + extra, " or ", 4 + extra,
+              " dimensions, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, name, " must be float32 or float64");
+  TORCH_CHECK((t.stride(-1) == 1 || t.size(-1) <= 1) && (t.size(-2) <= 1 || t.stride(-2) >= t.size(-1)), name,
+              " must have unit column stride and a row stride >= its row length");
+  return t.dim() == 4 + extra ? t.size(0) * t.size(1) : t.size(0);
+}
+
+// out (or a gradient) shaped like q's rows with `cols` columns: for (B, H, L, D) queries laid out as (B, L, H, D),
+// the projections' layout, so that merging the heads afterwards is a view.
+torch::Tensor rows_like(const torch::Tensor& q, int64_t cols) {
+  if (q.dim() == 4)
+    return torch::empty({q.size(0), q.size(2), q.size(1), cols}, q.options()).permute({0, 2, 1, 3});
+  return torch::empty({q.size(0), q.size(1), cols}, q.options());
+}
+
 }  // namespace
 
-// q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), v (BH, S, Dv), rowbias (BH, M, L) or empty -> out, lse, and
-// with stats the Soft-E statistics resp (BH, M, S) of the real queries (query_ok (BH, L) bool, or empty: all);
-// resp is empty without stats.
+// q (B, H, L, D), k (B, H, M, S, D), v (B, H, S, Dv) (or each with one (BH) leading dimension; any strides of
+// check_rows), bias (BH, M, S), rowbias (BH, M, L) or empty -> out (B, H, L, Dv) laid out as (B, L, H, Dv), lse
+// (BH, L), and with stats the Soft-E statistics resp (BH, M, S) of the real queries (query_ok (BH, L) bool, or
+// empty: all); resp is empty without stats.
 std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
                                                  torch::Tensor v, torch::Tensor rowbias, torch::Tensor query_ok,
                                                  bool causal, bool hard, double dropout_p, int64_t seed,
                                                  int64_t offset, bool stats) {
   const Dropout drop = make_dropout(dropout_p, seed, offset);
-  check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
-  TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
+  const int64_t BH = check_rows(q, "q", 0);
+  TORCH_CHECK(check_rows(k, "k", 1) == BH && check_rows(v, "v", 0) == BH, "q, k and v must hold the same slices");
+  check(bias, "bias", 3);
+  const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
+  TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   TORCH_CHECK(!(stats && hard), "Soft-E statistics are defined for the sum mixture only");
   TORCH_CHECK(query_ok.numel() == 0 || (query_ok.scalar_type() == at::kBool && query_ok.is_contiguous() &&
-                                        query_ok.dim() == 2 && query_ok.size(0) == q.size(0) &&
-                                        query_ok.size(1) == q.size(1)),
+                                        query_ok.dim() == 2 && query_ok.size(0) == BH && query_ok.size(1) == L),
               "query_ok must be contiguous bool (BH, L)");
   const bool has_rb = rowbias.numel() > 0;
   if (has_rb) check(rowbias, "rowbias", 3);
-  auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  auto lse = torch::empty({q.size(0), q.size(1)}, q.options());
-  auto resp = stats ? torch::zeros({k.size(0), k.size(1), k.size(2)}, q.options()) : torch::empty({0}, q.options());
+  auto out = rows_like(q, Dv);
+  auto lse = torch::empty({BH, L}, q.options());
+  auto resp = stats ? torch::zeros({BH, M, S}, q.options()) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_forward", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, hard};
-    forward_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
-                           v.data_ptr<scalar_t>(), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
-                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), sh, drop,
+    Shapes<scalar_t> sh{BH, M, L, S, D, Dv, causal, hard};
+    forward_impl<scalar_t>(rows_of<scalar_t>(q, false), rows_of<scalar_t>(k, true), bias.data_ptr<scalar_t>(),
+                           rows_of<scalar_t>(v, false), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
+                           rows_of<scalar_t>(out, false), lse.data_ptr<scalar_t>(), sh, drop,
                            query_ok.numel() ? reinterpret_cast<const uint8_t*>(query_ok.data_ptr<bool>()) : nullptr,
                            stats ? resp.data_ptr<scalar_t>() : nullptr);
   });
@@ -685,20 +739,25 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
                                                   torch::Tensor lse, torch::Tensor delta, bool causal, bool hard,
                                                   double dropout_p, int64_t seed, int64_t offset) {
   const Dropout drop = make_dropout(dropout_p, seed, offset);
-  check(dout, "dout", 3); check(q, "q", 3); check(k, "k", 4); check(bias, "bias", 3); check(v, "v", 3);
-  check(lse, "lse", 2); check(delta, "delta", 2);
-  TORCH_CHECK(q.size(2) > 0 && v.size(2) > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
+  const int64_t BH = check_rows(q, "q", 0);
+  TORCH_CHECK(check_rows(k, "k", 1) == BH && check_rows(v, "v", 0) == BH && check_rows(dout, "dout", 0) == BH,
+              "dout, q, k and v must hold the same slices");
+  check(bias, "bias", 3); check(lse, "lse", 2); check(delta, "delta", 2);
+  const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
+  TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   const bool has_rb = rowbias.numel() > 0;
+  // Gradients in their inputs' layouts (zeros_like keeps the strides of a dense tensor): no copies on the way back
+  // to the projections.
   auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dbias = torch::zeros_like(bias),
        dv = torch::zeros_like(v);
   auto drb = has_rb ? torch::zeros_like(rowbias) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_backward", [&] {
-    Shapes<scalar_t> sh{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2), v.size(2), causal, hard};
-    backward_impl<scalar_t>(dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                            bias.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+    Shapes<scalar_t> sh{BH, M, L, S, D, Dv, causal, hard};
+    backward_impl<scalar_t>(rows_of<scalar_t>(dout, false), rows_of<scalar_t>(q, false), rows_of<scalar_t>(k, true),
+                            bias.data_ptr<scalar_t>(), rows_of<scalar_t>(v, false),
                             has_rb ? rowbias.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),
-                            delta.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                            dbias.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                            delta.data_ptr<scalar_t>(), rows_of<scalar_t>(dq, false), rows_of<scalar_t>(dk, true),
+                            dbias.data_ptr<scalar_t>(), rows_of<scalar_t>(dv, false),
                             has_rb ? drb.data_ptr<scalar_t>() : nullptr, sh, drop);
   });
   return {dq, dk, dbias, dv, drb};
