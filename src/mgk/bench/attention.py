@@ -1,8 +1,10 @@
 """``mgk bench attention``: time, peak memory, FLOPs and parameters of attention modules at several lengths.
 
-Each (kind, length) is measured in a fresh subprocess so that peak memory is that of one call: on CPU the increase
-of the process's peak resident set size (``ru_maxrss``) over the call, with glibc told to serve blocks over 64 KiB
-from mmap so that freed memory leaves the resident set; on CUDA ``torch.cuda.max_memory_allocated``.
+Each (kind, length) is timed in a fresh subprocess under the allocator's defaults, and its peak memory measured in
+a second one, so that it is that of one call: on CPU the increase of the process's peak resident set size
+(``ru_maxrss``) over the call, with glibc told to serve blocks over 64 KiB from mmap so that freed memory leaves the
+resident set (which costs every large allocation page faults: timed that way, one layer call was 17% slower and
+MGK-4's ratio to softmax-8 moved from 0.91 to 0.99); on CUDA ``torch.cuda.max_memory_allocated``.
 Time is the median over ``repeats`` calls after one warm-up call; with ``--backward`` the module is in training mode
 (so Soft-E's E-step is included). With ``--same-process`` the kinds of one length share one subprocess and take
 turns, ``repeats`` calls each per round for ``--rounds`` rounds: a row's time is the median of its round medians and
@@ -20,12 +22,9 @@ paths must beat). Labels, FLOP counts and options come from the registry (:mod:`
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -156,11 +155,24 @@ def _counted_flops(module, x, causal, backward) -> int | None:
 
 
 def measure(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, head_dim: int, causal: bool,
-            backward: bool, dtype: str, repeats: int, device: str) -> dict:
-    """One row: time_ms (median), peak_mem_mb, flops (analytic), flops_counted, params, mgk_path. Runs in this
-    process."""
+            backward: bool, dtype: str, repeats: int, device: str, peak_memory: bool = True) -> dict:
+    """One row: time_ms (median), peak_mem_mb (None unless ``peak_memory``), flops (analytic), flops_counted,
+    params, mgk_path. Runs in this process. :func:`run` times a row and measures its memory in two processes: on
+    CPU the memory needs glibc's mmap threshold lowered, which costs every large allocation page faults and slowed
+    one layer call by 17% (MGK-4 more than softmax-8: 0.91x became 0.99x), so time is measured under the
+    allocator's defaults, as a user's process runs."""
     return _measure(kind, heads, length, batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal,
-                    backward=backward, dtype=dtype, repeats=repeats, device=device)
+                    backward=backward, dtype=dtype, repeats=repeats, device=device, peak_memory=peak_memory)
+
+
+def measure_peak_memory(kind: str, heads: int, length: int, *, batch: int, embed_dim: int, head_dim: int,
+                        causal: bool, backward: bool, dtype: str, device: str, **_unused) -> dict:
+    """``{"peak_mem_mb": ...}`` of one call (after a warm-up call at 8 tokens), in this process: on CUDA the growth
+    of ``max_memory_allocated``; on CPU the growth of the peak resident set, which follows live memory only when
+    glibc serves large blocks from mmap (``MALLOC_MMAP_THRESHOLD_=65536``, as :func:`run` starts it)."""
+    return {"peak_mem_mb": _measure(kind, heads, length, batch=batch, embed_dim=embed_dim, head_dim=head_dim,
+                                    causal=causal, backward=backward, dtype=dtype, repeats=0, device=device,
+                                    peak_memory=True, row=False)}
 
 
 def mgk_path(module: nn.Module, batch: int, device, dtype) -> str | None:
@@ -224,7 +236,9 @@ def _timed(call, repeats: int) -> list[float]:
     return times
 
 
-def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device) -> dict:
+def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, repeats, device,
+             peak_memory, row=True):
+    """The row of :func:`measure` (or with ``row=False`` only the peak memory in MB)."""
     import resource
 
     sizes = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, backward=backward, dtype=dtype, causal=causal)
@@ -236,7 +250,10 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
     # resident memory once per process), which is not the call's memory.
     call(torch.randn(batch, 8, embed_dim, device=dev, dtype=dt, requires_grad=backward))
     module.zero_grad(set_to_none=True)
-    if dev.type == "cuda":
+    peak = None
+    if not peak_memory:
+        call()  # the warm-up the memory call is otherwise
+    elif dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         call()
@@ -245,6 +262,8 @@ def _measure(kind, heads, length, *, batch, embed_dim, head_dim, causal, backwar
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         call()
         peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB -> MiB
+    if not row:
+        return peak
     time_ms = statistics.median(_timed(call, repeats))
     return _row(kind, heads, length, **sizes, module=module, x=x, path=path, time_ms=time_ms, peak_mem_mb=peak)
 
@@ -276,21 +295,6 @@ def measure_together(kinds: list[tuple[str, int]], length: int, *, batch: int, e
     return {"rows": rows}
 
 
-def _subprocess(code: str, timeout: float) -> dict:
-    """The JSON that ``code`` prints last, run in a fresh interpreter; ``{"error": ...}`` when it fails or times
-    out."""
-    # Large blocks straight from mmap and back on free: the resident set then follows live memory, so the growth of
-    # its peak over one call measures that call's peak (glibc; ignored elsewhere).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout} s"}
-    if p.returncode == 0:
-        return json.loads(p.stdout.strip().splitlines()[-1])
-    return {"error": (p.stderr.strip().splitlines() or ["exit status %d" % p.returncode])[-1]}
-
-
 def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_dim: int, head_dim: int,
         causal: bool, backward: bool, dtype: str, repeats: int, device: str, timeout: float,
         same_process: bool = False, rounds: int = 1) -> dict:
@@ -299,6 +303,7 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
     ``error`` instead of stopping the table. The result records the 1-minute load average before and after and
     whether the machine was busy (:data:`mgk.bench.decode.BUSY_LOAD`)."""
     from .decode import BUSY_LOAD
+    from .model import run_row
 
     load_before = os.getloadavg()
     rows = []
@@ -308,15 +313,21 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
         if same_process:
             code = ("import json; from mgk.bench.attention import measure_together; "
                     f"print(json.dumps(measure_together({kinds!r}, {length}, rounds={rounds}, **{args!r})))")
-            got = _subprocess(code, timeout * len(kinds))
+            got = run_row(code, timeout * len(kinds), rss=False)
             rows.extend(got["rows"] if "rows" in got else
                         [{"kind": kind, "heads": heads, "length": length, "error": got["error"]}
                          for kind, heads in kinds])
             continue
         for kind, heads in kinds:
-            code = ("import json, sys; from mgk.bench.attention import measure; "
-                    f"print(json.dumps(measure({kind!r}, {heads}, {length}, **{args!r})))")
-            got = _subprocess(code, timeout)
+            # time under the allocator's defaults, then the peak memory in a second process that needs mmap'd
+            # large blocks (:func:`measure`)
+            call = f"{kind!r}, {heads}, {length}, **{args!r}"
+            got = run_row(f"import json; from mgk.bench.attention import measure; "
+                          f"print(json.dumps(measure({call}, peak_memory=False)))", timeout, rss=False)
+            if "error" not in got:
+                memory = run_row(f"import json; from mgk.bench.attention import measure_peak_memory; "
+                                 f"print(json.dumps(measure_peak_memory({call})))", timeout, rss=True)
+                got = {**got, **memory}
             rows.append(got if "error" not in got else {"kind": kind, "heads": heads, "length": length, **got})
     load_after = os.getloadavg()
     return {"rows": rows, "machine": machine(), "torch": torch.__version__,

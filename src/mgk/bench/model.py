@@ -7,10 +7,11 @@ the sizes are fixed by each task's data format; the language model's vocabulary 
 ``--set vocab_size=N``). Inputs are random tokens at the preset's full length (the slowest case: no padding to
 trim); a training step is the task's own loss, backward and an AdamW step.
 
-Every row runs in a fresh subprocess so that its peak memory (``ru_maxrss`` growth on CPU, with glibc told to serve
-large blocks from mmap so that freed memory leaves the resident set; ``max_memory_allocated`` on CUDA) belongs to
-that row alone, and a row that dies (out of memory, a signal) becomes a row with an ``error`` naming the exit
-status and the likely cause instead of stopping the table.
+Every row is timed in a fresh subprocess under the allocator's defaults, and its peak memory measured in a second one
+(``ru_maxrss`` growth on CPU, with glibc told to serve large blocks from mmap so that freed memory leaves the
+resident set, which costs every large allocation page faults and would slow the timed steps; ``max_memory_allocated``
+on CUDA), so that it belongs to that row alone; a row that dies (out of memory, a signal) becomes a row with an
+``error`` naming the exit status and the likely cause instead of stopping the table.
 """
 from __future__ import annotations
 
@@ -116,9 +117,11 @@ def _timed(fn, steps: int) -> float:
 
 
 def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind: str | None = None,
-            heads: int | None = None) -> dict:
-    """One row (in this process): tokens/s of training and inference, s/step, peak training memory in MB and the
-    parameter count of ``preset`` with ``overrides`` and bench kind ``kind`` (None: the preset's attention)."""
+            heads: int | None = None, peak_memory: bool = True) -> dict:
+    """One row (in this process): tokens/s of training and inference, s/step, peak training memory in MB (None
+    unless ``peak_memory``; the first training step, untimed either way) and the parameter count of ``preset`` with
+    ``overrides`` and bench kind ``kind`` (None: the preset's attention). With ``steps=0`` only the memory is
+    measured (:func:`run` does so in a second process)."""
     import resource
 
     from ..config import apply_overrides
@@ -156,7 +159,10 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
         sync()
 
     model.train()
-    if dev.type == "cuda":
+    peak = None
+    if not peak_memory:
+        train_step()
+    elif dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         train_step()
         peak = torch.cuda.max_memory_allocated() / 2**20
@@ -164,6 +170,8 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         train_step()
         peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB -> MiB
+    if steps == 0:
+        return {"train_peak_mem_mb": peak}
     step_s = _timed(train_step, steps)
     model.eval()
     infer()
@@ -227,10 +235,12 @@ def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | Non
     ``kind``, ``preset`` and ``error``."""
     rows = []
     for kind, heads in kinds or [(None, None)]:
-        args = dict(steps=steps, device=device, kind=kind, heads=heads)
-        code = ("import json; from mgk.bench.model import measure; "
-                f"print(json.dumps(measure({preset!r}, {overrides!r}, **{args!r})))")
-        row = run_row(code, timeout)
+        code = "import json; from mgk.bench.model import measure; print(json.dumps(measure({}, {}, **{})))"
+        args = dict(steps=steps, device=device, kind=kind, heads=heads, peak_memory=False)
+        row = run_row(code.format(repr(preset), repr(overrides), repr(args)), timeout, rss=False)
+        if "error" not in row:  # the peak memory in a second process (see the module docstring)
+            args.update(steps=0, peak_memory=True)
+            row.update(run_row(code.format(repr(preset), repr(overrides), repr(args)), timeout, rss=True))
         if "error" in row:
             row = {"kind": kind or "preset", "preset": preset, "num_heads": heads, **row}
         rows.append(row)

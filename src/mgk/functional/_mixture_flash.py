@@ -393,7 +393,7 @@ def mixture_flash_with_responsibilities(q: torch.Tensor, k: torch.Tensor, bias: 
 
 def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, stats):
     B, H, L, D = q.shape
-    M, S, Dv = k.shape[2], k.shape[3], v.shape[-1]
+    M, S = k.shape[2], k.shape[3]
     dropout_p = float(dropout_p)
     if dropout_p > 0.0 and seed is None:
         seed = draw_dropout_seed()
