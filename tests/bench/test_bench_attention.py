@@ -193,7 +193,7 @@ def test_rows_are_timed_under_the_allocators_defaults_and_memory_measured_apart(
             return {"peak_mem_mb": 1.0, "train_peak_mem_mb": 1.0}
         return {"kind": "x", "time_ms": 1.0, "peak_mem_mb": None, "train_tokens_per_s": 1.0}
 
-    monkeypatch.setattr(bench_model, "run_row", fake_run_row)
+    monkeypatch.setattr(bench_attention if bench == "attention" else bench_model, "run_row", fake_run_row)
     if bench == "attention":
         bench_attention.run([("softmax", 2), ("mgk", 1)], [16], timeout=60, **{k: v for k, v in SMALL.items()
                                                                              if k != "causal"}, causal=True)

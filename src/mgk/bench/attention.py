@@ -35,6 +35,7 @@ from ..attention import MGKAttention, attention_kinds, get_kind
 from ..attention.registry import display_label
 from ..choices import did_you_mean
 from ..functional import select_backend
+from .rows import BUSY_LOAD, run_row
 
 
 class ReferenceMGK(MGKAttention):
@@ -301,10 +302,7 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
     """Measure every (kind, length) in its own subprocess, or with ``same_process`` the kinds of each length
     together in one (:func:`measure_together`, ``rounds`` rounds); a failure (e.g. out of memory) becomes a row with
     ``error`` instead of stopping the table. The result records the 1-minute load average before and after and
-    whether the machine was busy (:data:`mgk.bench.decode.BUSY_LOAD`)."""
-    from .decode import BUSY_LOAD
-    from .model import run_row
-
+    whether the machine was busy (:data:`mgk.bench.rows.BUSY_LOAD`)."""
     load_before = os.getloadavg()
     rows = []
     args = dict(batch=batch, embed_dim=embed_dim, head_dim=head_dim, causal=causal, backward=backward,

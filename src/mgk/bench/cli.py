@@ -298,7 +298,7 @@ def run(args) -> int:
                                head_dim=args.head_dim, causal=args.causal, backward=args.backward,
                                dtype=args.dtype, repeats=args.repeats, device=args.device, timeout=args.timeout,
                                same_process=args.same_process, rounds=args.rounds or 5)
-        from .decode import busy_warning
+        from .rows import busy_warning
 
         warning = busy_warning(result)
         if warning:

@@ -34,12 +34,12 @@ import torch
 
 from ..attention.registry import display_label, get_kind
 from .attention import bench_options, build_kind, error_cell, machine, variant
-from .model import bench_task, kind_overrides, run_row
+from .model import bench_task, kind_overrides
+from .rows import BUSY_LOAD, busy_warning, run_row  # noqa: F401 - busy_warning: part of this module's interface
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,gqa+num_kv_heads=2:8,linear:8,mlk:4"
 DEFAULT_TARGETS = ("layer", "lm-small", "wt103-paper")
 WARMUP_STEPS = 8  # the first steps after a prefill run slower (measured: 3.4 ms settling to 2.2 over about 5)
-BUSY_LOAD = 0.5  # 1-minute load average above which the machine is called busy: other work held half a core
 BANDWIDTH_MB = 1024  # the streamed buffer: far above the CPU caches (and the layer caches measured here)
 
 
@@ -331,16 +331,6 @@ def _limit(row: dict, bandwidth_gb_s: float | None) -> dict:
         return row
     t_min = (row["weight_bytes"] + row["cache_bytes"]) / (bandwidth_gb_s * 1e9) * 1000
     return {**row, "t_min_ms": t_min, "bandwidth_fraction": t_min / row["step_ms"]}
-
-
-def busy_warning(result: dict) -> str | None:
-    """The warning for a run on a busy machine, or None."""
-    if not result.get("busy"):
-        return None
-    load = result["load_average"]["before"][0]
-    return (f"warning: the machine was busy (1-minute load average {load:.2f} on {result['cores']} cores before the "
-            "first row): other work changes the time of each kind differently, so ratios are not those of a quiet "
-            "machine; re-run with nothing else running")
 
 
 def table(result: dict) -> str:

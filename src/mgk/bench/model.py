@@ -15,18 +15,14 @@ on CUDA), so that it belongs to that row alone; a row that dies (out of memory, 
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
 from ..attention.registry import display_label
 from .attention import error_cell, machine, variant
+from .rows import failure, run_row  # noqa: F401 - failure: part of this module's interface
 
 # WikiText-103's vocabulary (Merity et al. 2017): the size the LM presets train with.
 WT103_VOCAB_SIZE = 267_735
@@ -184,48 +180,6 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
             "params": sum(p.numel() for p in model.parameters()), "train_s_per_step": step_s,
             "train_tokens_per_s": tokens / step_s, "infer_s_per_step": infer_s,
             "infer_tokens_per_s": tokens / infer_s, "train_peak_mem_mb": peak}
-
-
-def failure(returncode: int, stderr: str) -> str:
-    """One line saying why a row's subprocess failed: its exit status, the likely cause for a signal, and the
-    last line of its error output (never empty)."""
-    tail = (stderr.strip().splitlines() or [""])[-1].strip()
-    if returncode < 0 or returncode in (128 + signal.SIGKILL, 128 + signal.SIGSEGV):
-        number = -returncode if returncode < 0 else returncode - 128
-        try:
-            name = signal.Signals(number).name
-        except ValueError:
-            name = f"signal {number}"
-        cause = {signal.SIGKILL: "likely out of memory (the kernel's OOM killer sends SIGKILL)",
-                 signal.SIGSEGV: "a crash in native code", signal.SIGTERM: "terminated from outside",
-                 signal.SIGINT: "interrupted"}.get(number, "killed by a signal")
-        text = f"killed by {name} (exit {returncode}): {cause}"
-    else:
-        text = f"exit status {returncode}"
-        if "out of memory" in tail.lower() or "MemoryError" in tail:
-            text += ": out of memory"
-    return f"{text}; last error line: {tail}" if tail else f"{text}; no error output"
-
-
-def run_row(code: str, timeout: float, *, rss: bool = True) -> dict:
-    """Run Python ``code`` (which prints one JSON row last) in a fresh subprocess: the row, or ``{"error": ...}``
-    naming the exit status and likely cause when it dies or times out. ``rss``: the row measures the resident set,
-    so large blocks come straight from mmap and go back on free (glibc), and the resident set follows live memory;
-    that costs page faults on every large allocation, so rows that measure only time (and tensor bytes) pass
-    False and run under the allocator's defaults, as a user's process does."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if rss else dict(os.environ)
-    try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout:g} s"}
-    if p.returncode == 0:
-        lines = p.stdout.strip().splitlines()
-        try:
-            return json.loads(lines[-1])
-        except (IndexError, json.JSONDecodeError):
-            return {"error": "exit status 0 but no result row; last error line: "
-                             + ((p.stderr.strip().splitlines() or ["none"])[-1])}
-    return {"error": failure(p.returncode, p.stderr)}
 
 
 def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | None, steps: int, device: str,
