@@ -130,7 +130,57 @@ def test_the_kernel_reads_and_writes_any_layout_of_q_k_v(layout, L, S, hard):
             torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"grad of {n}: {m}")
             if layout in ("contiguous", "heads inside"):  # dense inputs: read in place, gradients in their layout
                 assert a.stride() == x.stride(), name
+            assert a.stride() == _mixture_flash._grad_like(x).stride(), name  # torch.compile's fake: same layout
     assert out.transpose(1, 2).is_contiguous()  # (B, L, H, Dv) storage: merging the heads is a view
+
+
+def _overlapping(shape, strides, seed):
+    """A float64 tensor of ``shape`` over a small storage with ``strides``: rows that overlap (a batch or head
+    dimension of stride 1), which the kernel reads in place."""
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed), dtype=F64).as_strided(shape, strides)
+
+
+def test_gradients_of_inputs_whose_rows_overlap_are_written_where_they_belong():
+    """A q, k or v whose batch or head rows overlap (stride 1 along them; read in place) must get its gradient in a
+    layout whose columns are adjacent: zeros_like would order the dimensions by stride and the kernel wrote rows
+    into the wrong places (a gradient error of 1.4, found by an adversarial check)."""
+    q = _overlapping((2, 3, 5, 4), (7, 1, 4, 1), 0).requires_grad_()
+    k = _overlapping((2, 3, 2, 6, 4), (1, 50, 24, 4, 1), 1).requires_grad_()
+    v = _overlapping((2, 3, 6, 3), (1, 40, 5, 1), 2).requires_grad_()
+    bias = torch.randn(2, 3, 2, 6, generator=torch.Generator().manual_seed(3), dtype=F64)
+    for causal, hard in ((False, False), (True, False), (True, True)):
+        out = _mixture_flash.mixture_flash(q, k, bias, v, None, causal, hard)
+        ref_ins = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+        ref = (formula_hard if hard else formula)(ref_ins[0], ref_ins[1], bias, ref_ins[2], None, causal)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-11)
+        g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        for name, a, b, x in zip("qkv", grads, torch.autograd.grad(ref, ref_ins, g), (q, k, v)):
+            torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"grad of {n}: {m}")
+            assert a.stride() == _mixture_flash._grad_like(x).stride(), name
+    torch.testing.assert_close(
+        torch.autograd.grad(mgk_attention(q, k, v, backend="kernel").sum(), v)[0],
+        torch.autograd.grad(mgk_attention(q, k, v, backend="explicit").sum(), v)[0], atol=1e-12, rtol=1e-11)
+
+
+@pytest.mark.parametrize("B,H,L,S", [(0, 2, 5, 6), (2, 0, 5, 6), (2, 2, 0, 6), (1, 2, 3, 0)])
+def test_empty_inputs_give_zero_gradients_not_a_stride_error(B, H, L, S):
+    """A batch, head, query or key count of 0: zero outputs and zero gradients (the gradient of a sum over an empty
+    tensor has stride 0 everywhere, which a row check must not refuse), as the explicit backend gives."""
+    q = torch.randn(B, H, L, 4, requires_grad=True)
+    k = torch.randn(B, H, 2, S, 4, requires_grad=True)
+    v = torch.randn(B, H, S, 3, requires_grad=True)
+    for backend in ("kernel", "explicit"):
+        out = mgk_attention(q, k, v, backend=backend, is_causal=L <= S)
+        assert out.shape == (B, H, L, 3) and not out.any()
+        if out.requires_grad:  # (with L or S = 0 the call returns new zeros, before any backend runs)
+            grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+            assert all(g is None or not g.any() for g in grads), backend
+    bias = torch.zeros(B, H, 2, S)
+    out = _mixture_flash.mixture_flash(q, k, bias, v, None, False)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.shape == (B, H, L, 3) and all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
 
 @pytest.mark.parametrize("L,S", [(5, 5), (3, 6), (6, 3)])
 def test_gradcheck(L, S):

@@ -104,7 +104,8 @@ def _unmasked_causal_row(L: int, S: int) -> int | None:
 
 def _causal_centre(q: Tensor, mask: Tensor | None, S: int, query_ok: Tensor | None) -> Tensor:
     B, H, L, _ = q.shape
-    if mask is None and query_ok is None:
+    # (traced with dynamic shapes, the size rule would pin L - S: one graph per difference; the counted rule not)
+    if mask is None and query_ok is None and not torch.compiler.is_compiling():
         index = _unmasked_causal_row(L, S)
         if index is None:
             return q.new_zeros(B, H, q.shape[3])

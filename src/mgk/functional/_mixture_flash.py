@@ -267,9 +267,9 @@ def _rows_like(q: torch.Tensor, cols: int) -> torch.Tensor:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the kernel reads it by rows: itself when its columns are adjacent and its row stride is at least the
     row length (any other strides are read in place: the projections' (B, L, H, D) layout), else a contiguous copy
-    (e.g. the all-zero-stride gradient of ``out.sum()``)."""
+    (e.g. the all-zero-stride gradient of ``out.sum()``). An empty tensor is read as it is (it has no rows)."""
     rows_ok = t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]
-    return t if (t.stride(-1) == 1 or t.shape[-1] <= 1) and rows_ok else t.contiguous()
+    return t if t.numel() == 0 or ((t.stride(-1) == 1 or t.shape[-1] <= 1) and rows_ok) else t.contiguous()
 
 
 @torch.library.custom_op("mgk::mixture_flash_backward", mutates_args=(), device_types="cpu")
@@ -284,8 +284,15 @@ def _backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bias:
 
 @_backward_op.register_fake
 def _(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard, dropout_p, seed, offset):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(bias), torch.empty_like(v),
-            torch.empty_like(rowbias))
+    return _grad_like(q), _grad_like(k), torch.empty_like(bias), _grad_like(v), torch.empty_like(rowbias)
+
+
+def _grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty gradient laid out as the C++ ``grad_like`` lays it: as ``t`` when ``t``'s layout is a permutation of
+    a contiguous one with adjacent columns, else contiguous."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    dense = t.permute(order).is_contiguous()
+    return torch.empty_like(t) if dense and (t.shape[-1] <= 1 or t.stride(-1) == 1) else t.new_empty(t.shape)
 
 
 def _setup_context(ctx, inputs, output):

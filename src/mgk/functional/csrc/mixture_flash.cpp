@@ -684,8 +684,10 @@ int64_t check_rows(const torch::Tensor& t, const char* name, int64_t extra) {
   TORCH_CHECK(t.dim() == 3 + extra || t.dim() == 4 + extra, name, " must have ", 3 + extra, " or ", 4 + extra,
               " dimensions, got ", t.dim());
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, name, " must be float32 or float64");
-  TORCH_CHECK((t.stride(-1) == 1 || t.size(-1) <= 1) && (t.size(-2) <= 1 || t.stride(-2) >= t.size(-1)), name,
-              " must have unit column stride and a row stride >= its row length");
+  // an empty tensor has no row to read (its strides may be anything)
+  TORCH_CHECK(t.numel() == 0 || ((t.stride(-1) == 1 || t.size(-1) <= 1) &&
+                                 (t.size(-2) <= 1 || t.stride(-2) >= t.size(-1))),
+              name, " must have unit column stride and a row stride >= its row length");
   return t.dim() == 4 + extra ? t.size(0) * t.size(1) : t.size(0);
 }
 
@@ -695,6 +697,15 @@ torch::Tensor rows_like(const torch::Tensor& q, int64_t cols) {
   if (q.dim() == 4)
     return torch::empty({q.size(0), q.size(2), q.size(1), cols}, q.options()).permute({0, 2, 1, 3});
   return torch::empty({q.size(0), q.size(1), cols}, q.options());
+}
+
+// Zeros for the gradient of t: in t's own layout when that is a permutation of a contiguous layout with adjacent
+// columns (the projections' views: no copy on the way back), else contiguous. Not zeros_like alone: for a tensor
+// whose batch or head rows overlap (stride 1 along them) it orders the dimensions by stride, and the columns would
+// no longer be adjacent. _mixture_flash._grad_like is the same rule for torch.compile's fake tensors.
+torch::Tensor grad_like(const torch::Tensor& t) {
+  if (t.is_non_overlapping_and_dense() && (t.size(-1) <= 1 || t.stride(-1) == 1)) return torch::zeros_like(t);
+  return torch::zeros(t.sizes(), t.options());
 }
 
 }  // namespace
@@ -746,10 +757,9 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
   const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
   TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   const bool has_rb = rowbias.numel() > 0;
-  // Gradients in their inputs' layouts (zeros_like keeps the strides of a dense tensor): no copies on the way back
-  // to the projections.
-  auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dbias = torch::zeros_like(bias),
-       dv = torch::zeros_like(v);
+  // Gradients in their inputs' layouts where those are dense (grad_like): no copies on the way back to the
+  // projections.
+  auto dq = grad_like(q), dk = grad_like(k), dbias = torch::zeros_like(bias), dv = grad_like(v);
   auto drb = has_rb ? torch::zeros_like(rowbias) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_backward", [&] {
     Shapes<scalar_t> sh{BH, M, L, S, D, Dv, causal, hard};
