@@ -495,3 +495,25 @@ def test_soft_e_statistics_kernel_equals_chunked_path(causal, L, S, sigma):
     torch.testing.assert_close(count, ref_count)
     torch.testing.assert_close(resp, ref, atol=1e-9, rtol=1e-9)
     torch.testing.assert_close(resp.sum(1), count, atol=1e-8, rtol=1e-10)  # responsibilities sum to 1 per pair
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(k=(2, 3, 2, 6, 3)), "k's head size"), (dict(v=(2, 3, 5, 3)), "one row per key position"),
+    (dict(bias=(6, 1, 6)), "bias must be"), (dict(dtype_v=torch.float32), "share one dtype"),
+    (dict(rowbias=(6, 2, 4)), "rowbias must be")])
+def test_the_private_kernel_refuses_sizes_that_do_not_agree(bad, message):
+    """mgk_attention checks its arguments; the C++ functions under it are also reached directly (the custom op), and
+    must refuse sizes that disagree instead of reading past a tensor's end (found by an adversarial check: a k of
+    head size 3 against a q of 4 returned numbers). The well-formed call runs."""
+    good = dict(k=(2, 3, 2, 6, 4), v=(2, 3, 6, 3), bias=(6, 2, 6), rowbias=None)
+
+    def call(k, v, bias, rowbias, dtype_v=F64):
+        rb = q.new_empty(0) if rowbias is None else torch.randn(*rowbias, dtype=F64)
+        return _mixture_flash._load().forward(q, torch.randn(*k, dtype=F64), torch.randn(*bias, dtype=F64),
+                                              torch.randn(*v, dtype=dtype_v), rb, torch.empty(0, dtype=torch.bool),
+                                              False, False, 0.0, 0, 0, False)
+
+    q = torch.randn(2, 3, 5, 4, dtype=F64)
+    assert call(**good)[0].shape == (2, 3, 5, 3)
+    with pytest.raises(RuntimeError, match=message):
+        call(**{**good, **bad})

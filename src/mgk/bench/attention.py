@@ -219,6 +219,8 @@ def _setup(kind, heads, length, *, batch, embed_dim, head_dim, backward, dtype, 
 
 def _row(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, dtype, module, x, path,
          time_ms, peak_mem_mb) -> dict:
+    """The JSON row of one (kind, length): the measured time and memory with the analytic and counted FLOPs, the
+    MGK backend and the parameter count of ``module``."""
     return {"kind": kind, "label": label(kind, heads), "heads": heads, "length": length, "batch": batch,
             "causal": causal, "backward": backward, "dtype": dtype, "time_ms": time_ms, "peak_mem_mb": peak_mem_mb,
             "flops": analytic_flops(kind, heads, length, batch, embed_dim, head_dim, causal=causal,
@@ -229,6 +231,7 @@ def _row(kind, heads, length, *, batch, embed_dim, head_dim, causal, backward, d
 
 
 def _timed(call, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``call``."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

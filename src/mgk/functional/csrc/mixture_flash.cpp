@@ -691,6 +691,23 @@ int64_t check_rows(const torch::Tensor& t, const char* name, int64_t extra) {
   return t.dim() == 4 + extra ? t.size(0) * t.size(1) : t.size(0);
 }
 
+// The sizes and dtype the kernel assumes of the other inputs, given q's and k's (a direct caller of the private
+// functions gets an error instead of reads past a tensor's end): k (.., M, S, D), v (.., S, Dv), bias (BH, M, S),
+// rowbias empty or (BH, M, L), one dtype.
+void check_sizes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& bias, const torch::Tensor& v,
+                 const torch::Tensor& rowbias, int64_t BH, int64_t M, int64_t L, int64_t S, int64_t D) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && bias.scalar_type() == dt &&
+              (rowbias.numel() == 0 || rowbias.scalar_type() == dt), "q, k, bias, v and rowbias must share one dtype");
+  TORCH_CHECK(k.size(-1) == D, "k's head size (", k.size(-1), ") must equal q's (", D, ")");
+  TORCH_CHECK(v.size(-2) == S, "v must hold one row per key position (", S, "), got ", v.size(-2));
+  TORCH_CHECK(bias.size(0) == BH && bias.size(1) == M && bias.size(2) == S, "bias must be (BH, M, S) = (", BH, ", ",
+              M, ", ", S, ")");
+  TORCH_CHECK(rowbias.numel() == 0 || (rowbias.dim() == 3 && rowbias.size(0) == BH && rowbias.size(1) == M &&
+                                       rowbias.size(2) == L),
+              "rowbias must be empty or (BH, M, L) = (", BH, ", ", M, ", ", L, ")");
+}
+
 // out (or a gradient) shaped like q's rows with `cols` columns: for (B, H, L, D) queries laid out as (B, L, H, D),
 // the projections' layout, so that merging the heads afterwards is a view.
 torch::Tensor rows_like(const torch::Tensor& q, int64_t cols) {
@@ -724,6 +741,7 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
   check(bias, "bias", 3);
   const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
   TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
+  check_sizes(q, k, bias, v, rowbias, BH, M, L, S, D);
   TORCH_CHECK(!(stats && hard), "Soft-E statistics are defined for the sum mixture only");
   TORCH_CHECK(query_ok.numel() == 0 || (query_ok.scalar_type() == at::kBool && query_ok.is_contiguous() &&
                                         query_ok.dim() == 2 && query_ok.size(0) == BH && query_ok.size(1) == L),
@@ -756,6 +774,11 @@ std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Ten
   check(bias, "bias", 3); check(lse, "lse", 2); check(delta, "delta", 2);
   const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
   TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
+  check_sizes(q, k, bias, v, rowbias, BH, M, L, S, D);
+  TORCH_CHECK(dout.size(-2) == L && dout.size(-1) == Dv && dout.scalar_type() == q.scalar_type() &&
+              lse.size(0) == BH && lse.size(1) == L && delta.sizes() == lse.sizes() &&
+              lse.scalar_type() == q.scalar_type() && delta.scalar_type() == q.scalar_type(),
+              "dout (.., L, Dv), lse and delta (BH, L) must match the forward's sizes and dtype");
   const bool has_rb = rowbias.numel() > 0;
   // Gradients in their inputs' layouts where those are dense (grad_like): no copies on the way back to the
   // projections.
