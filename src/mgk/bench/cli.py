@@ -142,33 +142,36 @@ def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="measure attention and model speed, memory and FLOPs")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     a = kinds.add_parser("attention", help="attention modules (with projections) across lengths")
-    a.add_argument("--lengths", type=_lengths, default=_lengths("256,1024,4096,8192"))
-    a.add_argument("--batch", type=_positive(int), default=1)
-    a.add_argument("--embed-dim", type=_positive(int), default=256)
-    a.add_argument("--head-dim", type=_positive(int), default=32)
+    a.add_argument("--lengths", type=_lengths, default=_lengths("256,1024,4096,8192"),
+                   help="sequence lengths N, comma-separated (default 256,1024,4096,8192)")
+    a.add_argument("--batch", type=_positive(int), default=1, help="sequences per call (default 1)")
+    a.add_argument("--embed-dim", type=_positive(int), default=256, help="the layer's width E (default 256)")
+    a.add_argument("--head-dim", type=_positive(int), default=32, help="head size D of every kind (default 32)")
     # a string default goes through type= only when --kinds is not given (not on every `mgk` command's parser)
     a.add_argument("--kinds", type=_kinds, default=DEFAULT_KINDS, help=f"default {DEFAULT_KINDS}")
     a.add_argument("--causal", action="store_true", help="causal masking")
     a.add_argument("--backward", action="store_true", help="time forward + backward (default: forward only)")
-    a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="default float32")
     a.add_argument("--repeats", type=_positive(int), default=5, help="timed calls per row (median reported)")
     a.add_argument("--same-process", action="store_true",
                    help="the kinds of each length in one process, taking turns for --rounds rounds; time is the "
                         "median of the round medians, x first the median of per-round ratios (no peak memory)")
     a.add_argument("--rounds", type=_positive(int), default=None,
                    help="rounds of --same-process (default 5; each kind makes --repeats calls per round)")
-    a.add_argument("--device", type=_device, default="cpu")
+    a.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
     a.add_argument("--timeout", type=_positive(float), default=600.0,
                    help="seconds per row before it is reported as failed")
     a.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
     m = kinds.add_parser("model", help="training/inference tokens per second and memory of a preset's model")
-    m.add_argument("--task", default="listops", type=argparse_type("task", _task_names))
+    m.add_argument("--task", default="listops", type=argparse_type("task", _task_names),
+                   help="the task whose model is built (default listops)")
     m.add_argument("--preset", default=None, type=argparse_type("preset", _preset_names), help="default <task>-small")
     m.add_argument("--kinds", type=_model_kinds, default=None,
                    help="NAME:HEADS,... compared side by side, e.g. softmax:8,mgk:4 (default: the preset's own)")
-    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a preset setting, as in mgk train (repeatable), e.g. --set grad_accum=4")
     m.add_argument("--steps", type=_positive(int), default=3, help="timed steps per row (median reported)")
-    m.add_argument("--device", type=_device, default="cpu")
+    m.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
     m.add_argument("--timeout", type=_positive(float), default=3600.0,
                    help="seconds per row before it is reported as failed")
     m.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
@@ -202,7 +205,7 @@ def _decode_parser(kinds) -> None:
     d.add_argument("--same-process", action="store_true",
                    help="build every kind of a cell in one process and alternate their steps round by round "
                         "(tighter ratios between kinds; by default each row runs in a fresh process)")
-    d.add_argument("--device", type=_device, default="cpu")
+    d.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
     d.add_argument("--timeout", type=_positive(float), default=1200.0,
                    help="seconds per row before it is reported as failed")
     d.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
