@@ -117,7 +117,7 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
     """One row (in this process): tokens/s of training and inference, s/step, peak training memory in MB (None
     unless ``peak_memory``; the first training step, untimed either way) and the parameter count of ``preset`` with
     ``overrides`` and bench kind ``kind`` (None: the preset's attention). With ``steps=0`` only the memory is
-    measured (:func:`run` does so in a second process)."""
+    measured (:func:`measure_peak_memory`)."""
     import resource
 
     from ..config import apply_overrides
@@ -182,6 +182,14 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
             "infer_tokens_per_s": tokens / infer_s, "train_peak_mem_mb": peak}
 
 
+def measure_peak_memory(preset: str, overrides: list[str], *, device: str, kind: str | None = None,
+                        heads: int | None = None) -> dict:
+    """``{"train_peak_mem_mb": ...}`` of one training step of the row's model, in this process (on CPU the growth of
+    the peak resident set, which follows live memory only under ``MALLOC_MMAP_THRESHOLD_``, as :func:`run` starts
+    it)."""
+    return measure(preset, overrides, steps=0, device=device, kind=kind, heads=heads, peak_memory=True)
+
+
 def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | None, steps: int, device: str,
         timeout: float) -> dict:
     """:func:`measure` for every ``(kind, heads)`` of ``kinds`` (None: the preset's own attention), each in its
@@ -189,12 +197,12 @@ def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | Non
     ``kind``, ``preset`` and ``error``."""
     rows = []
     for kind, heads in kinds or [(None, None)]:
-        code = "import json; from mgk.bench.model import measure; print(json.dumps(measure({}, {}, **{})))"
-        args = dict(steps=steps, device=device, kind=kind, heads=heads, peak_memory=False)
-        row = run_row(code.format(repr(preset), repr(overrides), repr(args)), timeout, rss=False)
+        call = f"{preset!r}, {overrides!r}, device={device!r}, kind={kind!r}, heads={heads!r}"
+        row = run_row(f"import json; from mgk.bench.model import measure; "
+                      f"print(json.dumps(measure({call}, steps={steps}, peak_memory=False)))", timeout, rss=False)
         if "error" not in row:  # the peak memory in a second process (see the module docstring)
-            args.update(steps=0, peak_memory=True)
-            row.update(run_row(code.format(repr(preset), repr(overrides), repr(args)), timeout, rss=True))
+            row.update(run_row(f"import json; from mgk.bench.model import measure_peak_memory; "
+                               f"print(json.dumps(measure_peak_memory({call})))", timeout, rss=True))
         if "error" in row:
             row = {"kind": kind or "preset", "preset": preset, "num_heads": heads, **row}
         rows.append(row)
