@@ -60,6 +60,15 @@ def test_greedy_output_is_the_argmax_of_the_uncached_model_step_by_step(lm_run, 
     assert uncached == printed
 
 
+def test_compile_prints_the_eager_greedy_text_and_needs_the_cache(lm_run, capsys):
+    prompt = " ".join(load_run(lm_run).tokenizer.vocab.words[10:15])
+    args = (lm_run, "--prompt", prompt, "--max-new-tokens", 8, "--temperature", 0, "--device", "cpu")
+    eager = _generate(capsys, *args).out
+    torch._dynamo.reset()
+    assert _generate(capsys, *args, "--compile").out == eager
+    assert "use_cache=True" in _one_line_error(*args, "--compile", "--no-cache")
+
+
 def test_unknown_words_are_read_as_unk_and_reported(run_v0_1_0, capsys):
     run_dir, _ = run_v0_1_0
     res = _generate(capsys, run_dir, "--prompt", "tonto zzqq . yyxx zzqq", "--max-new-tokens", 3)

@@ -295,3 +295,24 @@ def test_cli_same_process_writes_every_row_and_says_so(tmp_path):
         ("layer", "softmax"), ("layer", "mgk"), ("lm-small", "softmax"), ("lm-small", "mgk")]
     assert all(r["same_process"] and r["rounds"] == 2 for r in result["rows"])
     assert result["settings"]["same_process"] is True and "alternating in one process" in p.stdout
+
+
+def test_compiled_rows_stand_beside_eager_ones_with_their_compile_time_apart(tmp_path):
+    """--compile: each kind's step also through torch.compile over a cache of fixed capacity (generate's compiled
+    step), its first, compiling step reported as compile_ms and kept out of step_ms; the table names the row."""
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, "-m", "mgk", "bench", "decode", "--targets", "layer,lm-small", "--kinds", "mgk:2",
+           "--contexts", "8", "--batches", "1", "--steps", "2", "--rounds", "2", "--embed-dim", "32", "--head-dim",
+           "8", "--same-process", "--compile", "--json", str(out), *(x for kv in SMALL_LM for x in ("--set", kv))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["target"], r["compiled"]) for r in rows] == [("layer", False), ("layer", True), ("lm-small", False),
+                                                          ("lm-small", True)]
+    for r in rows:
+        assert (r["compile_ms"] is not None) == r["compiled"] and r["cache_bytes"] == r["cache_bytes_formula"]
+        if r["compiled"]:  # the compiling step took far longer than any timed one, which it is not among
+            assert r["compile_ms"] > r["step_ms_max"] and len(r["round_ms"]) == 2
+    assert result["settings"]["compile"] is True
+    assert re.search(r"\| lm-small \| mgk, compiled \(\d+\.\d s\) \|", p.stdout)

@@ -29,6 +29,14 @@ decodes as that row alone. Key/value buffers are allocated for a capacity (:meth
 call's length) and grown geometrically; a step reads only the slots in use (gpt-fast#233 read empty slots). Each
 layer has its own cache and counts (flash-linear-attention#747 counted the length once for all layers).
 
+A cache can be fixed at a capacity (:meth:`LayerCache.fix_capacity`, gpt-fast's static cache): its buffers then never
+grow, a call adds one real token at a time at a slot held as a tensor, and attention reads the whole capacity with
+the valid-slot mask (slots ahead hold zeros and are masked). No step of that form reads a host-side count or
+changes a tensor's shape, so ``torch.compile`` traces it once for every step (``generate(..., compile=True)``,
+:mod:`mgk.models.compiled_decode`); the host-side counts (:attr:`LayerCache.length`) are then advanced by the caller
+(:meth:`LayerCache.advance`). The price is gpt-fast's: a step reads the slots not yet filled as well, so the
+capacity is sized to the tokens that will come (``generate`` fixes it at the prompt plus ``max_new_tokens``).
+
 Caches hold detached tensors and are for inference only: a cached call while autograd would record a graph
 through the layer (gradients enabled, and the input or a parameter requires grad) is a ValueError naming
 ``past_key_values`` (:meth:`mgk.attention.base.AttentionBase.forward`); decode under ``torch.no_grad()`` or
@@ -100,6 +108,7 @@ class LayerCache:
         self._owner: tuple | None = None
         self._module = None  # weakref.ref of the layer that filled the cache
         self._max_seen = 0  # an upper bound of seen.max(), kept on the host (no device sync per step)
+        self._slot: Tensor | None = None  # (1,) int64, the next slot, once the capacity is fixed
 
     @property
     def batch_size(self) -> int | None:
@@ -142,6 +151,8 @@ class LayerCache:
 
     def _count(self, valid: Tensor | None, L: int) -> None:
         self.seen = self.seen + (L if valid is None else valid.sum(dim=1))
+        if self._slot is not None:  # the host counts are the caller's (advance): a traced step reads none
+            return
         self._max_seen += L if valid is None else (int(valid.sum(dim=1).max()) if valid.numel() else 0)
         self.length += L
 
@@ -160,7 +171,9 @@ class LayerCache:
     def _grow(self, needed: int) -> None:
         if needed <= self._valid.shape[1]:
             return
-        new = max(needed, 2 * self._valid.shape[1])
+        self._resize(max(needed, 2 * self._valid.shape[1]))
+
+    def _resize(self, new: int) -> None:
         for name, buf in self._buffers.items():
             dim = self.slots[name]
             shape = list(buf.shape)
@@ -190,6 +203,8 @@ class LayerCache:
             raise ValueError(f"this {self.layout or 'layer'} cache has no slots for {sorted(unknown)}; it stores "
                              f"{sorted(self.slots) or 'a recurrent state only'}")
         L = next(iter(entries.values())).shape[self.slots[next(iter(entries))]]
+        if self._slot is not None:
+            return self._append_fixed(valid, L, entries)
         if not self._buffers:
             self._allocate(entries, L)
         self._grow(self.length + L)
@@ -205,6 +220,61 @@ class LayerCache:
         self._count(valid, L)
         return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
 
+    def _append_fixed(self, valid: Tensor | None, L: int, entries: dict[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`append` of a cache of fixed capacity: one real token written at the slot tensor, every buffer
+        returned whole (the valid-slot mask, :meth:`attn_mask`, hides the slots not yet filled)."""
+        self._check_fixed_call(valid, L)
+        for name, x in entries.items():
+            self._buffers[name].index_copy_(self.slots[name], self._slot, x.detach())
+        self._valid.index_fill_(1, self._slot, True)
+        self._slot.add_(1)
+        self._count(None, L)
+        return dict(self._buffers)
+
+    def _check_fixed_call(self, valid: Tensor | None, L: int) -> None:
+        if L != 1 or valid is not None:
+            raise ValueError("a cache of fixed capacity (fix_capacity) takes one real token per call, got "
+                             f"{L} new tokens{' with key_padding_mask' if valid is not None else ''}")
+        if self._buffers and not torch.compiler.is_compiling() and self.length + L > self.capacity:
+            # eager calls are checked against the host count (a traced step reads none: its caller checks)
+            raise ValueError(f"this cache's fixed capacity ({self.capacity} tokens) is used up")
+
+    # -- fixed capacity (a static cache, for torch.compile) --------------------------------------------------------
+    @property
+    def fixed(self) -> bool:
+        """Whether the capacity is fixed (:meth:`fix_capacity`)."""
+        return self._slot is not None
+
+    def fix_capacity(self, capacity: int) -> None:
+        """Fix the buffers at ``capacity`` slots (a static cache): from now on a call takes one real token, written
+        at a slot held as a tensor, and the whole capacity is read with the valid-slot mask, so a step has the same
+        shapes and reads no host-side count (module docstring). The host counts (:attr:`length`) are the caller's
+        from then on: call :meth:`advance` after each step. ValueError naming ``capacity`` unless it is a positive
+        int holding the tokens seen, or before the first call (the prefill, which allocates the buffers)."""
+        check_capacity(capacity, optional=False)
+        if self.seen is None:
+            raise ValueError("fix_capacity() needs a cache that has had its first call (the prefill)")
+        if capacity < self.length:
+            raise ValueError(f"capacity must hold the {self.length} tokens this cache has seen, got {capacity}")
+        if self._buffers:  # new buffers of exactly that size, zero past the tokens seen: a step reads every slot
+            self._resize(capacity)
+        self._slot = torch.full((1,), self.length, dtype=torch.int64, device=self.seen.device)
+
+    def room(self) -> int | None:
+        """Slots left in a cache of fixed capacity (None for a growing cache, or one without slots)."""
+        if self._slot is None or not self._buffers:
+            return None
+        return self.capacity - self.length
+
+    def advance(self, L: int) -> None:
+        """Advance the host counts of a cache of fixed capacity by L real tokens after a step (which, traced or
+        not, updated the device counts itself). ValueError for a growing cache, whose calls count themselves."""
+        if self._slot is None:
+            raise ValueError("advance() is for a cache of fixed capacity (fix_capacity); a growing cache counts its "
+                             "own calls")
+        self._max_seen += L
+        self.length += L
+
     def claim(self, L: int) -> tuple[dict[str, Tensor], int]:
         """Room for L new real tokens (no padding) whose entries the caller writes itself, in place: the slots are
         marked real and counted. Returns ``(buffers, slot)``: every buffer at its whole capacity and the first new
@@ -212,6 +282,8 @@ class LayerCache:
         (which allocates the buffers); ValueError otherwise."""
         if not self._buffers:
             raise ValueError("claim() needs the buffers of a first append() (the prefill)")
+        if self._slot is not None:
+            raise ValueError("claim() writes at a host-side slot; a cache of fixed capacity writes through append()")
         self._grow(self.length + L)
         slot = self.length
         self._valid[:, slot:slot + L] = True
@@ -219,7 +291,9 @@ class LayerCache:
         return self._buffers, slot
 
     def entries(self) -> dict[str, Tensor]:
-        """Every entry's view over the slots in use."""
+        """Every entry's view over the slots in use (the whole buffers once the capacity is fixed)."""
+        if self._slot is not None:
+            return dict(self._buffers)
         return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
 
     def write_slot(self, rows: Tensor, slot: Tensor, **entries: Tensor) -> None:
@@ -243,16 +317,20 @@ class LayerCache:
         """(B, T) bool, True = a real token, over the slots in use (call after :meth:`bind`)."""
         if self._valid is None:
             return torch.zeros(self.batch_size, 0, dtype=torch.bool, device=self.seen.device)
-        return self._valid[:, :self.length]
+        return self._valid if self._slot is not None else self._valid[:, :self.length]
 
     def attn_mask(self) -> Tensor | None:
         """(B, 1, 1, T) bool, True = a real token (the functional core's key-padding mask over the slots in use), or
-        None when no call has had padding."""
+        None when no call has had padding; once the capacity is fixed, always the mask over the whole capacity."""
+        if self._slot is not None:
+            return self._valid[:, None, None, :]
         return self._valid[:, None, None, :self.length] if self._padded else None
 
     # -- recurrent state ------------------------------------------------------------------------------------------
     def set_state(self, valid: Tensor | None, L: int, state) -> None:
         """Take the recurrent state after L new tokens (:class:`mgk.functional.LinearAttentionState`, detached)."""
+        if self._slot is not None:
+            self._check_fixed_call(valid, L)
         self.state = LinearAttentionState(state.kv.detach(), state.k_sum.detach(), state.length)
         self._count(valid, L)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
@@ -204,7 +205,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
 
     def _cached_core(self, q, x, v, valid, cache):
         L = x.shape[1]
-        self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
+        if not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
+            self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
         log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
         return self._recurrent(mlk_attention, q, self._keys(x), v, valid, cache, log_pi=log_pi, mix=self.mix)
 

@@ -202,17 +202,19 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         statistics."""
         L = x.shape[1]
         by_position = self.mixture.position_limit() is not None
-        if by_position:
+        if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
         if not by_position:
             log_pi = self.mixture.log_weights(1)
-        elif valid is None and not cache.padded:  # every row has seen cache.length real tokens: one slice
+        elif valid is None and not cache.padded and not cache.fixed:  # every row has seen cache.length: one slice
             log_pi = self.mixture.log_weights(L, start=cache.length)
         else:
             log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
         entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
                              shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
+        if cache.fixed:
+            return self._fixed_step(q, base, v, valid, cache, log_pi, entry_options)
         if valid is None and cache.extra.get("provisional") is False:
             # the steady state (a fixed centre, no padding among the new tokens): one fused write-and-attend call
             buffers, slot = cache.claim(L)
@@ -239,6 +241,20 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"],
                                     centre=centre.centre, attn_mask=cache.attn_mask(), is_causal=True,
                                     dropout_p=self.attn_dropout, **entry_options).to(v.dtype)
+
+    def _fixed_step(self, q, base, v, valid, cache: LayerCache, log_pi, entry_options):
+        """A step over a cache of fixed capacity (:meth:`LayerCache.fix_capacity`): the composition that
+        :func:`mgk.functional.mgk_cache_step` fuses (the new entries, written at the slot tensor, then
+        :func:`mgk.functional.mgk_attention_cached` over the whole capacity with the valid-slot mask), in operators
+        that torch.compile traces. The centre must be settled (every row has seen two real tokens)."""
+        if cache.extra.get("provisional") is not False:
+            raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
+                             "two real tokens")
+        keys, key_bias = mgk_cache_entries(base, centre=cache.extra["centre"], log_pi=log_pi, **entry_options)
+        entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
+        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"],
+                                    centre=cache.extra["centre"], attn_mask=cache.attn_mask(), is_causal=True,
+                                    backend="explicit", **entry_options).to(v.dtype)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
         log_pi = self.mixture_log_weights(k.shape[3])

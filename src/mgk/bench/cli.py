@@ -205,6 +205,10 @@ def _decode_parser(kinds) -> None:
     d.add_argument("--same-process", action="store_true",
                    help="build every kind of a cell in one process and alternate their steps round by round "
                         "(tighter ratios between kinds; by default each row runs in a fresh process)")
+    d.add_argument("--compile", action="store_true",
+                   help="also time each kind's step through torch.compile (inductor) over a cache of fixed "
+                        "capacity, as generate(..., compile=True) runs it; its compiling first step is reported "
+                        "apart")
     d.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
     d.add_argument("--timeout", type=_positive(float), default=1200.0,
                    help="seconds per row before it is reported as failed")
@@ -272,7 +276,7 @@ def _run_decode(args) -> dict:
     result = run_decode(targets, kinds, args.contexts, args.batches, steps=args.steps, device=args.device,
                         timeout=args.timeout, embed_dim=args.embed_dim, head_dim=args.head_dim,
                         overrides=args.overrides, run_dir=args.run, rounds=args.rounds,
-                        same_process=args.same_process)
+                        same_process=args.same_process, compile=args.compile)
     warning = busy_warning(result)
     if warning:
         print(warning, file=sys.stderr)

@@ -48,39 +48,60 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _layer(kind, heads, *, batch, context, steps, embed_dim, head_dim, device):
-    """(step function, prefill function, cache, layer facts) of one attention layer."""
-    module = build_kind(kind, heads, embed_dim, head_dim, max_len=context + steps + WARMUP_STEPS).to(device).eval()
-    cache = module.new_cache(context + steps + WARMUP_STEPS)
+def _layer_step(module, token, cache):
+    return module(token, past_key_values=cache, is_causal=True, need_weights=False)[0]
+
+
+def _layer(kind, heads, *, batch, context, steps, embed_dim, head_dim, device, compiled=False):
+    """(step function, prefill function, cache, layer facts) of one attention layer; ``compiled``: the step through
+    torch.compile over the cache fixed at its capacity (its first call compiles)."""
+    capacity = context + steps + WARMUP_STEPS + 1  # the compiled row's first, compiling step included
+    module = build_kind(kind, heads, embed_dim, head_dim, max_len=capacity).to(device).eval()
+    cache = module.new_cache(capacity)
     B = batch
     prompt = torch.randn(B, context, embed_dim, device=device)
     token = torch.randn(B, 1, embed_dim, device=device)
+    state = {"fn": None}
 
     def prefill():
         module(prompt, past_key_values=cache, is_causal=True, need_weights=False)
 
     def step():
-        module(token, past_key_values=cache, is_causal=True, need_weights=False)
+        if not compiled:
+            _layer_step(module, token, cache)
+            return
+        if state["fn"] is None:
+            cache.fix_capacity(capacity)
+            state["fn"] = torch.compile(_layer_step, fullgraph=True, dynamic=False)
+        state["fn"](module, token, cache)
+        cache.advance(1)
 
     v = variant(kind)
-    facts = {"kind_name": v.kind, "options": bench_options(v, max_len=context + steps + WARMUP_STEPS),
+    facts = {"kind_name": v.kind, "options": bench_options(v, max_len=capacity),
              "heads": module.num_heads, "head_dim": module.head_dim, "layers": 1,
              "params": sum(p.numel() for p in module.parameters())}
     return step, prefill, cache, facts
 
 
-def _model(model, cfg, *, batch, context, device):
-    """(step, prefill, cache, facts) of a TransformerLM ``model`` of run config ``cfg``."""
+def _model(model, cfg, *, batch, context, steps, device, compiled=False):
+    """(step, prefill, cache, facts) of a TransformerLM ``model`` of run config ``cfg``; ``compiled``: the step of
+    ``generate(..., compile=True)`` (:class:`mgk.models.compiled_decode.CompiledStep`; its first call compiles)."""
+    from ..models.compiled_decode import CompiledStep
+
     model = model.to(device).eval()
-    cache = model.new_cache(context + 64)
+    capacity = context + steps + WARMUP_STEPS + 1
+    cache = model.new_cache(capacity)
     prompt = torch.randint(0, model.vocab_size, (batch, context), device=device)
-    state = {"token": prompt[:, -1:]}
+    state = {"token": prompt[:, -1:], "fn": None}
 
     def prefill():
         state["token"] = model.next_log_probs(prompt, past_key_values=cache).argmax(-1, keepdim=True)
 
     def step():
-        state["token"] = model.next_log_probs(state["token"], past_key_values=cache).argmax(-1, keepdim=True)
+        if state["fn"] is None:
+            state["fn"] = CompiledStep(model, cache, capacity) if compiled else \
+                (lambda t: model.next_log_probs(t, past_key_values=cache))
+        state["token"] = state["fn"](state["token"]).argmax(-1, keepdim=True)
 
     a = cfg.attention
     facts = {"kind_name": a.kind, "options": a.options, "heads": a.num_heads, "head_dim": model.blocks[0].attn.head_dim,
@@ -163,21 +184,29 @@ def _bytes(cache, facts, batch: int, context: int) -> dict:
             "cache_bytes_allocated": allocated}
 
 
-def _setup(target, kind, heads, context, *, batch, steps, device, embed_dim, head_dim, overrides, run_dir):
-    """(step, prefill, cache, facts) of one row, room for ``steps`` timed steps after the warm-up."""
+def _setup(target, kind, heads, context, *, batch, steps, device, embed_dim, head_dim, overrides, run_dir,
+           compiled=False):
+    """(step, prefill, cache, facts) of one row, room for ``steps`` timed steps (and the compiling one) after the
+    warm-up."""
     torch.manual_seed(0)
     if target == "layer":
         return _layer(kind, heads, batch=batch, context=context, steps=steps, embed_dim=embed_dim,
-                      head_dim=head_dim, device=device)
+                      head_dim=head_dim, device=device, compiled=compiled)
     if target == "run":
-        model, cfg = _run_model(run_dir, kind, heads, context=context, steps=steps)
+        model, cfg = _run_model(run_dir, kind, heads, context=context, steps=steps + 1)
     else:
-        model, cfg = _preset_model(target, kind, heads, overrides or [], context=context, steps=steps)
-    return _model(model, cfg, batch=batch, context=context, device=device)
+        model, cfg = _preset_model(target, kind, heads, overrides or [], context=context, steps=steps + 1)
+    return _model(model, cfg, batch=batch, context=context, steps=steps, device=device, compiled=compiled)
 
 
-def _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device) -> dict:
-    return {"target": target, "kind": kind or facts["kind_name"],
+def _first_step_ms(step, device, compiled: bool) -> float | None:
+    """A compiled row's first step, which compiles (reported as ``compile_ms``, never in a per-token figure)."""
+    return _timed(step, device, 1)[0] if compiled else None
+
+
+def _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device, compile_ms=None) -> dict:
+    return {"target": target, "kind": kind or facts["kind_name"], "compiled": compile_ms is not None,
+            "compile_ms": compile_ms,
             "label": display_label(facts["kind_name"], facts["heads"], facts["options"]), "heads": facts["heads"],
             "head_dim": facts["head_dim"], "layers": facts["layers"], "context": context, "batch": batch,
             "prefill_ms": prefill_ms, "step_ms": step_ms, "ms_per_token": step_ms / batch,
@@ -188,19 +217,21 @@ def _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device
 @torch.no_grad()
 def measure(target: str, kind: str | None, heads: int | None, context: int, *, batch: int, steps: int, device: str,
             embed_dim: int = 256, head_dim: int = 32, overrides: list[str] | None = None,
-            run_dir: str | None = None) -> dict:
+            run_dir: str | None = None, compiled: bool = False) -> dict:
     """One row, in this process: prefill_ms, step_ms (median), ms_per_token, tokens_per_s and the cache's bytes
     (measured, by the registry's formula, per token and layer, allocated) for ``target`` ("layer", an LM preset, or
-    "run" with ``run_dir``) with bench kind ``kind`` (``heads`` heads; None: the preset's or run's own)."""
+    "run" with ``run_dir``) with bench kind ``kind`` (``heads`` heads; None: the preset's or run's own);
+    ``compiled``: the step through torch.compile, its first (compiling) step reported as ``compile_ms``."""
     dev = torch.device(device)
     step, prefill, cache, facts = _setup(target, kind, heads, context, batch=batch, steps=steps, device=dev,
                                          embed_dim=embed_dim, head_dim=head_dim, overrides=overrides,
-                                         run_dir=run_dir)
+                                         run_dir=run_dir, compiled=compiled)
     prefill_ms = _timed(prefill, dev, 1)[0]
     sizes = _bytes(cache, facts, batch, context)
+    compile_ms = _first_step_ms(step, dev, compiled)
     _timed(step, dev, WARMUP_STEPS)
     step_ms = statistics.median(_timed(step, dev, steps))
-    return _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device)
+    return _row(target, kind, facts, context, batch, prefill_ms, step_ms, sizes, device, compile_ms)
 
 
 @torch.no_grad()
@@ -212,23 +243,27 @@ def measure_cell(target: str, kinds: list, context: int, *, batch: int, steps: i
     of its rounds' medians, with their min and max, and ``paired_ratio`` the median over rounds of its time over
     the first kind's in the same round. Sharing the process, its heap and its moment makes the kinds'
     ratios tighter than rows in separate processes (on a shared 2-core VM the process-to-process spread of one kind
-    reached 10-15%). ``kinds``: [(kind, heads), ...]. Returns ``{"rows": [...]}`` in the order of ``kinds``."""
+    reached 10-15%). ``kinds``: [(kind, heads), ...], or (kind, heads, compiled) for a row through torch.compile.
+    Returns ``{"rows": [...]}`` in the order of ``kinds``."""
     dev = torch.device(device)
     cells = []
-    for kind, heads in kinds:
+    for kind, heads, *mode in kinds:
+        compiled = bool(mode and mode[0])
         step, prefill, cache, facts = _setup(target, kind, heads, context, batch=batch, steps=steps * rounds,
                                              device=dev, embed_dim=embed_dim, head_dim=head_dim,
-                                             overrides=overrides, run_dir=run_dir)
+                                             overrides=overrides, run_dir=run_dir, compiled=compiled)
         prefill_ms = _timed(prefill, dev, 1)[0]
         sizes = _bytes(cache, facts, batch, context)
+        compile_ms = _first_step_ms(step, dev, compiled)
         _timed(step, dev, WARMUP_STEPS)
-        cells.append((kind, step, facts, prefill_ms, sizes, []))
+        cells.append((kind, step, facts, prefill_ms, sizes, compile_ms, []))
     for _ in range(rounds):
-        for _kind, step, _facts, _prefill, _sizes, medians in cells:
-            medians.append(statistics.median(_timed(step, dev, steps)))
+        for cell in cells:
+            cell[-1].append(statistics.median(_timed(cell[1], dev, steps)))
     rows = []
-    for kind, _, facts, prefill_ms, sizes, medians in cells:
-        row = _row(target, kind, facts, context, batch, prefill_ms, statistics.median(medians), sizes, device)
+    for kind, _, facts, prefill_ms, sizes, compile_ms, medians in cells:
+        row = _row(target, kind, facts, context, batch, prefill_ms, statistics.median(medians), sizes, device,
+                   compile_ms)
         rows.append({**row, "step_ms_min": min(medians), "step_ms_max": max(medians), "rounds": rounds,
                      "round_ms": medians, "same_process": True})
     for row in rows:  # against the first kind round by round: a slow minute falls on both sides of each ratio
@@ -271,13 +306,16 @@ def _merge_rounds(rounds: list[dict]) -> dict:
 
 def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], batches: list[int], *, steps: int,
         device: str, timeout: float, embed_dim: int = 256, head_dim: int = 32, overrides: list[str] | None = None,
-        run_dir: str | None = None, rounds: int = 1, bandwidth: bool = True, same_process: bool = False) -> dict:
+        run_dir: str | None = None, rounds: int = 1, bandwidth: bool = True, same_process: bool = False,
+        compile: bool = False) -> dict:
     """:func:`measure` for every (target, kind, batch, context), each in its own subprocess; with ``rounds`` > 1 the
     kinds of each (target, batch, context) run in turn, ``rounds`` times, and a row holds the median with its min
     and max (``step_ms_min``, ``step_ms_max``). A failed row holds ``error``. The target "run" measures ``run_dir``
     beside softmax-8 of its sizes (first, so that ``x first`` in the table is the run against softmax-8). Returns
     ``{"rows", "machine", "torch", "settings", "date", "load_average", "read_bandwidth_gb_s", "busy"}``. With
-    ``same_process`` every cell runs in one subprocess (:func:`measure_cell`) and its kinds alternate there."""
+    ``same_process`` every cell runs in one subprocess (:func:`measure_cell`) and its kinds alternate there. With
+    ``compile`` every kind has a second row, its step through torch.compile over a cache of fixed capacity (the
+    step of ``generate(..., compile=True)``), with its compiling first step as ``compile_ms``."""
     load_before = os.getloadavg()
     bw = None
     if bandwidth:
@@ -286,7 +324,9 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
         bw = got.get("gb_s")
     rows = {}  # measured cell by cell (kinds in turn), listed kind by kind as before: (target, kind, batch, context)
     for t, target in enumerate(targets):
-        cell_kinds = kinds if target != "run" else [("softmax", 8), (None, None)]
+        cell_kinds = [(kind, heads, compiled) for kind, heads in (kinds if target != "run" else
+                                                                  [("softmax", 8), (None, None)])
+                      for compiled in ((False, True) if compile else (False,))]
         for b, batch in enumerate(batches):
             for c, context in enumerate(contexts):
                 args = dict(batch=batch, steps=steps, device=device, embed_dim=embed_dim, head_dim=head_dim,
@@ -297,20 +337,21 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
                             f"print(json.dumps(measure_cell({target!r}, {cell_kinds!r}, {context}, rounds={rounds}, "
                             f"**{args!r})))")
                     got = run_row(code, timeout * len(cell_kinds), rss=False)
-                    for i, (kind, heads) in enumerate(cell_kinds):
+                    for i, (kind, heads, compiled) in enumerate(cell_kinds):
                         row = got["rows"][i] if "rows" in got else {
                             "target": target, "kind": kind or "run", "heads": heads, "context": context,
-                            "batch": batch, "error": got.get("error", "no rows")}
+                            "batch": batch, "compiled": compiled, "error": got.get("error", "no rows")}
                         rows[t, i, b, c] = _limit({**row, "load_1min": [load]}, bw)
                     continue
                 per_kind = {i: [] for i in range(len(cell_kinds))}
                 for _ in range(rounds):
-                    for i, (kind, heads) in enumerate(cell_kinds):
+                    for i, (kind, heads, compiled) in enumerate(cell_kinds):
                         load = os.getloadavg()[0]
-                        row = run_row(_row_code(target, kind, heads, context, args), timeout, rss=False)
+                        row = run_row(_row_code(target, kind, heads, context, {**args, "compiled": compiled}),
+                                      timeout, rss=False)
                         if "error" in row:
                             row = {"target": target, "kind": kind or "run", "heads": heads, "context": context,
-                                   "batch": batch, **row}
+                                   "batch": batch, "compiled": compiled, **row}
                         per_kind[i].append({**row, "load_1min": load})
                 for i in per_kind:
                     rows[t, i, b, c] = _limit(_merge_rounds(per_kind[i]), bw)
@@ -319,7 +360,7 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
             "settings": {"targets": targets, "contexts": contexts, "batches": batches, "steps": steps,
                          "device": device, "embed_dim": embed_dim, "head_dim": head_dim, "rounds": rounds,
                          "overrides": overrides or [], "run_dir": run_dir, "dtype": "float32",
-                         "same_process": same_process},
+                         "same_process": same_process, "compile": compile},
             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
             "load_average": {"before": list(load_before), "after": list(load_after)},
             "busy": load_before[0] > BUSY_LOAD, "read_bandwidth_gb_s": bw}
@@ -336,12 +377,16 @@ def _limit(row: dict, bandwidth_gb_s: float | None) -> dict:
 def table(result: dict) -> str:
     """Markdown table of a :func:`run` result; ``x first`` compares with the first kind of the same target, batch
     and context (with ``--same-process`` the median of the per-round ratios, ``paired_ratio``); ms/step shows the
-    rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``."""
+    rounds' min-max when there were several; t_min/t is ``bandwidth_fraction``. A compiled row's kind reads
+    "KIND, compiled (N s)", N its first step's time, the compilation (not in any per-token figure)."""
     lines = ["| target | kind | heads | batch | context | prefill ms | ms/step | x first | cache MB "
              "| bytes/token/layer | x first | t_min/t |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}
     for row in result["rows"]:
-        head = f"| {row['target']} | {row['kind']} | {row.get('heads') or ''} | {row['batch']} | {row['context']} |"
+        kind = row["kind"]
+        if row.get("compiled"):
+            kind += f", compiled ({row['compile_ms'] / 1000:.1f} s)" if row.get("compile_ms") else ", compiled"
+        head = f"| {row['target']} | {kind} | {row.get('heads') or ''} | {row['batch']} | {row['context']} |"
         if "error" in row:
             lines.append(f"{head} error: {error_cell(row['error'])} | | | | | | |")
             continue

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step (slow; the "
                                                            "reference the cache must equal)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile (inductor) over a cache of fixed capacity: the first steps "
+                        "compile (seconds to a minute), later ones may be faster (BENCHMARKS.md)")
 
 
 def _prompt_text(args) -> str:
@@ -51,6 +54,7 @@ def _prompt_text(args) -> str:
 
 def _generate(args) -> list[str]:
     """The samples' texts (prompt and continuation); notes about the prompt go to stderr."""
+    from ..models.compiled_decode import CompileError
     from ..train.distributed import check_device
     from ..train.load import load_run
     from ..train.rundir import RunDirError, load_config
@@ -77,8 +81,8 @@ def _generate(args) -> list[str]:
                   "on (segment_len): its predictions there were never trained", file=sys.stderr)
         out = run.model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
-                                 use_cache=not args.no_cache)
-    except (FileNotFoundError, ValueError, RunDirError) as e:
+                                 use_cache=not args.no_cache, compile=args.compile)
+    except (FileNotFoundError, ValueError, RunDirError, CompileError) as e:
         raise SystemExit(f"mgk generate: {e}") from None
     return [tokenizer.decode(row.tolist()) for row in out]
 

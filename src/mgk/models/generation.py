@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .compiled_decode import CompiledStep, check_compile
 from .sampling import check_sampling, next_token
 
 __all__ = ["generate"]
@@ -65,7 +66,7 @@ def _continue(model, out: Tensor, pad: Tensor | None, cache, use_cache: bool) ->
 @torch.no_grad()
 def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos: int | None = None, generator: torch.Generator | None = None,
-             use_cache: bool = True, key_padding_mask: Tensor | None = None) -> Tensor:
+             use_cache: bool = True, key_padding_mask: Tensor | None = None, compile: bool | str = False) -> Tensor:
     """Continue the prompts ``idx`` by up to ``max_new_tokens`` tokens each.
 
     Runs under ``torch.no_grad`` in eval mode (the model's mode is restored after). Each token is drawn by
@@ -80,6 +81,11 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
         eos: a token id that ends a row: once drawn, the row's later tokens are ``eos`` as well, and generation
             stops when every row has ended.
         use_cache: decode through the model's cache (default); False recomputes the whole sequence at every step.
+        compile: True (inductor) or a torch.compile backend name: once every row has seen two real tokens, each
+            step runs one compiled graph over caches fixed at the tokens the generation will reach
+            (:mod:`mgk.models.compiled_decode`; the first compiled step includes the compilation, seconds to a
+            minute). The tokens equal eager decoding's up to the compiler's rounding (greedy: token for token in the
+            tests). False (default): eager.
     Returns:
         (B, T + n) int64: the prompt followed by its continuation, as nanoGPT's ``generate`` returns it; n =
         ``max_new_tokens``, or fewer when every row has reached ``eos``.
@@ -89,6 +95,9 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
         naming ``log_probs`` when the model's next-token scores are not finite (:func:`mgk.models.sampling.next_token`).
     """
     pad = _prompt_padding(idx, key_padding_mask)
+    backend = check_compile(compile)
+    if backend is not None and not use_cache:
+        raise ValueError("compile compiles the cached step: it needs use_cache=True")
     check_sampling(temperature, top_k, top_p, generator)
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < model.vocab_size):
         raise ValueError(f"eos must be None or a token id in [0, {model.vocab_size}), got {eos!r}")
@@ -109,6 +118,7 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
         cache = model.new_cache()
         log_probs = model.next_log_probs(out, key_padding_mask=pad, past_key_values=cache)
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        compiled = None
         for step in range(max_new_tokens):
             token = next_token(log_probs, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if eos is not None:
@@ -117,7 +127,10 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
             out = torch.cat([out, token.unsqueeze(1)], dim=1)
             if step == max_new_tokens - 1 or (eos is not None and bool(done.all())):
                 break
-            log_probs = _continue(model, out, pad, cache, use_cache)
+            if backend is not None and compiled is None and int(cache.seen.min()) >= 2:
+                # the calls left: this one and one per token after it but the last (which is not fed back)
+                compiled = CompiledStep(model, cache, cache[0].length + max_new_tokens - 1 - step, backend)
+            log_probs = compiled(out[:, -1:]) if compiled is not None else _continue(model, out, pad, cache, use_cache)
         return out
     finally:
         model.train(was_training)

@@ -120,10 +120,25 @@ class TransformerLM(nn.Module):
             x = self.adaptive.embed(tokens.long())
             return self._blocks(x + sinusoidal_positions(tokens.shape[1], self.d_model, device=x.device,
                                                          dtype=x.dtype))
+        return self._blocks(self.decode_inputs(tokens, past_key_values, key_padding_mask=key_padding_mask),
+                            key_padding_mask, past_key_values)
+
+    def decode_inputs(self, tokens: Tensor, past_key_values: DecodingCache, *,
+                      key_padding_mask: Tensor | None = None) -> Tensor:
+        """(B, L, E) the first layer's inputs for new ``tokens`` (B, L) after those ``past_key_values`` has seen:
+        their embeddings plus the sinusoids of each row's positions (:meth:`hidden`'s first half when decoding;
+        :meth:`log_probs_from_inputs` is the rest). ValueError naming the argument for bad shapes or a cache that
+        is not this model's."""
         x = self.adaptive.embed(tokens.long())
-        pos = sinusoidal_embedding(self._positions(tokens, key_padding_mask, past_key_values), self.d_model,
-                                   dtype=x.dtype)
-        return self._blocks(x + pos, key_padding_mask, past_key_values)
+        return x + sinusoidal_embedding(self._positions(tokens, key_padding_mask, past_key_values), self.d_model,
+                                        dtype=x.dtype)
+
+    def log_probs_from_inputs(self, x: Tensor, past_key_values: DecodingCache) -> Tensor:
+        """(B, V) next-token log-probabilities after the last of new tokens given as :meth:`decode_inputs` (B, L, E),
+        decoded through ``past_key_values`` (no padding among them): the part of a decoding step that
+        ``torch.compile`` traces in one graph (:mod:`mgk.models.compiled_decode`; the embedding's id checks and the
+        positions stay outside)."""
+        return self.adaptive.log_prob(self.out_drop(self._blocks(x, None, past_key_values)[:, -1]))
 
     def _blocks(self, x: Tensor, key_padding_mask: Tensor | None = None,
                 cache: DecodingCache | None = None) -> Tensor:

@@ -1,0 +1,91 @@
+"""``generate(..., compile=True)``: the one-token decoding step of a :class:`~mgk.models.TransformerLM`, compiled
+once by ``torch.compile`` over a cache of fixed capacity (gpt-fast's static cache, HF's ``cache_implementation=
+"static"``).
+
+The eager step (:meth:`TransformerLM.next_log_probs` through a growing cache) reads only the slots in use, and its
+shapes change every token, so a compiler would trace it anew at each one. Here every layer's cache is fixed at the
+tokens the generation will reach (:meth:`mgk.attention.cache.LayerCache.fix_capacity`): a step writes one token at a
+slot held as a tensor and reads the whole capacity with the valid-slot mask, reads no host-side count, and the traced
+graph (the blocks and the output layer, :meth:`TransformerLM.log_probs_from_inputs`) serves every step. The
+embedding (its token-id check reads values) and the positions run eagerly before it; the host counts are advanced
+after it. MGK / sMGK steps run the explicit form of the fused step (its C++ kernel is not a traced operator), which
+inductor fuses on its own.
+
+What it pays on CPU was measured, not assumed (BENCHMARKS.md, "Compiled decoding"); the first step includes the
+compilation, which the bench reports on its own line.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..attention.cache import DecodingCache
+
+__all__ = ["CompileError", "CompiledStep", "check_compile"]
+
+_COMPILED: dict[str, object] = {}  # one compiled function per backend: its guards tell models and shapes apart
+
+
+class CompileError(RuntimeError):
+    """torch.compile failed on the decoding step (e.g. inductor found no C++ compiler): one line naming the option,
+    the compiler's own error chained."""
+
+
+def check_compile(compile) -> str | None:
+    """The torch.compile backend that ``compile`` asks for: None for False, "inductor" for True, a backend name as
+    given (e.g. "aot_eager", which traces without generating code). ValueError naming ``compile`` otherwise."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return "inductor"
+    if isinstance(compile, str) and compile in torch.compiler.list_backends(exclude_tags=()):
+        return compile
+    raise ValueError(f"compile must be False, True (inductor) or a torch.compile backend name from "
+                     f"{sorted(torch.compiler.list_backends())}, got {compile!r}")
+
+
+def _log_probs(model, x: Tensor, cache: DecodingCache) -> Tensor:
+    return model.log_probs_from_inputs(x, cache)
+
+
+class CompiledStep:
+    """The compiled one-token step of ``model`` over ``cache`` (filled by the prefill), fixed at ``capacity`` tokens.
+
+    Args:
+        model: a :class:`~mgk.models.TransformerLM` in eval mode.
+        cache: its :class:`~mgk.attention.cache.DecodingCache` after the prefill; every layer must hold a settled
+            state (each row has seen two real tokens: MGK's centre is then fixed).
+        capacity: the tokens every layer's cache will reach (the tokens seen plus the steps to come).
+        backend: a torch.compile backend (:func:`check_compile`).
+    Calling it with the new tokens (B, 1) int64 returns their next-token log-probabilities (B, V), equal to
+    ``model.next_log_probs(tokens, past_key_values=cache)`` up to the compiler's rounding.
+    Raises:
+        ValueError naming ``capacity`` when it cannot hold the tokens seen, and in a call when the capacity is used
+        up; :class:`CompileError` (a RuntimeError) in one line when torch.compile fails (e.g. inductor finds no
+        C++ compiler).
+    """
+
+    def __init__(self, model, cache: DecodingCache, capacity: int, backend: str = "inductor"):
+        for layer in cache:
+            layer.fix_capacity(capacity)
+        self.model, self.cache, self.backend = model, cache, backend
+        if backend not in _COMPILED:
+            _COMPILED[backend] = torch.compile(_log_probs, backend=backend, fullgraph=True, dynamic=False)
+        self._fn = _COMPILED[backend]
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        room = self.cache[0].room() if len(self.cache) else None
+        if room is not None and room < tokens.shape[1]:
+            raise ValueError(f"the cache's fixed capacity ({self.cache[0].capacity} tokens) is used up")
+        x = self.model.decode_inputs(tokens, self.cache)
+        try:
+            out = self._fn(self.model, x, self.cache)
+        except ValueError:  # our own checks, already one line
+            raise
+        except Exception as exc:  # the compiler's failure, many lines deep: one line naming the option
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CompileError(f"compile={self.backend!r}: torch.compile failed ({type(exc).__name__}: {first}); "
+                               "generate with compile=False") from exc
+        for layer in self.cache:
+            layer.advance(tokens.shape[1])
+        return out
