@@ -255,3 +255,64 @@ def test_unusual_inputs_get_one_answer_from_every_backend(index, kernel):
             assert not outcomes[0].isnan().any() and not outcomes[1].isnan().any()
         else:
             torch.testing.assert_close(outcomes[0], outcomes[1], atol=1e-10, rtol=1e-10)
+
+
+def _at_slot(step, T, padded):
+    """The step's arguments with the slot as a (1,) int64 tensor and key_valid over every slot (False past the new
+    ones, as a cache of fixed capacity holds it)."""
+    old, B = step["slot"], step["centre"].shape[0]
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    valid[:, :old + 1] = True if step["key_valid"] is None else step["key_valid"]
+    return {**step, "slot": torch.tensor([old]), "key_valid": valid}
+
+
+@pytest.mark.parametrize("backend", ["kernel", "explicit"])
+@pytest.mark.parametrize("shifted,mixture,per_token", [(False, "sum", False), (True, "sum", True),
+                                                       (False, "max", False)], ids=["mgk", "smgk-token", "hard"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_slot_tensor_writes_and_attends_as_the_int_slot(backend, shifted, mixture, per_token, padded, kernel):
+    """The fixed-capacity form (slot a tensor, key_valid over the whole buffers): the custom op (kernel) or the
+    index_copy composition (explicit) against the float64 formula, and every buffer equal to the int-slot step's
+    (slots past the new one untouched: never read, never written)."""
+    T = 20
+    q, key, value, buffers, step, want = _case(shifted=shifted, mixture=mixture, per_token=per_token, padded=padded,
+                                               T=T)
+    got, bufs = _run(q, key, value, buffers, _at_slot(step, T, padded), torch.float64, backend)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    _, ref = _run(q, key, value, buffers, step, torch.float64, "explicit")
+    for name in bufs:
+        torch.testing.assert_close(bufs[name], ref[name], atol=1e-12, rtol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_a_traced_step_at_a_slot_tensor_keeps_the_kernel_as_one_op(compile_backend, kernel):
+    """Under torch.compile the kernel runs as the custom op mgk::cache_step_at (its buffers mutated in place): the
+    output and buffers equal eager's, and the traced graph holds the op."""
+    T = 20
+    q, key, value, buffers, step, want = _case(padded=True, T=T)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(str(gm.graph))
+        return torch.compile(gm, backend=compile_backend) if compile_backend == "inductor" else gm
+
+    torch._dynamo.reset()
+    bufs = {n: b.float().clone() for n, b in buffers.items()}
+    args = {n: (x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+            for n, x in _at_slot(step, T, True).items()}
+    fn = torch.compile(lambda *a: mgk_cache_step(*a, **bufs, **args), backend=backend, fullgraph=True)
+    got = fn(q.float(), key.float(), value.float())
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    eager, ref = _run(q, key, value, buffers, step, torch.float32, "kernel")
+    for name in bufs:
+        torch.testing.assert_close(bufs[name], ref[name], msg=name)
+    assert any("cache_step_at" in g for g in seen)
+
+
+def test_a_slot_tensor_needs_key_valid_over_every_slot_and_an_int64_slot(kernel):
+    q, key, value, buffers, step, _ = _case(T=20)
+    fixed = _at_slot(step, 20, True)
+    with pytest.raises(ValueError, match=r"key_valid must be a bool tensor \(B, T\) = \(2, 20\)"):
+        _run(q, key, value, buffers, {**fixed, "key_valid": fixed["key_valid"][:, :12]}, torch.float64, None)
+    with pytest.raises(ValueError, match="slot must be an int or a \\(1,\\) int64 tensor"):
+        _run(q, key, value, buffers, {**fixed, "slot": torch.tensor([11.0])}, torch.float64, None)

@@ -223,7 +223,7 @@ class LayerCache:
     def _append_fixed(self, valid: Tensor | None, L: int, entries: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`append` of a cache of fixed capacity: one real token written at the slot tensor, every buffer
         returned whole (the valid-slot mask, :meth:`attn_mask`, hides the slots not yet filled)."""
-        self._check_fixed_call(valid, L)
+        self.check_fixed_call(valid, L)
         for name, x in entries.items():
             self._buffers[name].index_copy_(self.slots[name], self._slot, x.detach())
         self._valid.index_fill_(1, self._slot, True)
@@ -231,7 +231,9 @@ class LayerCache:
         self._count(None, L)
         return dict(self._buffers)
 
-    def _check_fixed_call(self, valid: Tensor | None, L: int) -> None:
+    def check_fixed_call(self, valid: Tensor | None, L: int) -> None:
+        """ValueError (one line) unless a call of L new tokens with padding ``valid`` (None: none) suits a cache of
+        fixed capacity: one real token, and room for it (checked on the host count when not tracing)."""
         if L != 1 or valid is not None:
             raise ValueError("a cache of fixed capacity (fix_capacity) takes one real token per call, got "
                              f"{L} new tokens{' with key_padding_mask' if valid is not None else ''}")
@@ -278,12 +280,18 @@ class LayerCache:
     def claim(self, L: int) -> tuple[dict[str, Tensor], int]:
         """Room for L new real tokens (no padding) whose entries the caller writes itself, in place: the slots are
         marked real and counted. Returns ``(buffers, slot)``: every buffer at its whole capacity and the first new
-        slot (the static-cache form of :func:`mgk.functional.mgk_cache_step`). Call after a first :meth:`append`
+        slot (the static-cache form of :func:`mgk.functional.mgk_cache_step`); once the capacity is fixed, the slot
+        as a (1,) int64 tensor and L must be 1. Call after a first :meth:`append`
         (which allocates the buffers); ValueError otherwise."""
         if not self._buffers:
             raise ValueError("claim() needs the buffers of a first append() (the prefill)")
-        if self._slot is not None:
-            raise ValueError("claim() writes at a host-side slot; a cache of fixed capacity writes through append()")
+        if self._slot is not None:  # the slot as a tensor (taken before it moves on), for a traced step
+            self.check_fixed_call(None, L)
+            slot = self._slot.clone()
+            self._valid.index_fill_(1, self._slot, True)
+            self._slot.add_(L)
+            self._count(None, L)
+            return self._buffers, slot
         self._grow(self.length + L)
         slot = self.length
         self._valid[:, slot:slot + L] = True
@@ -330,7 +338,7 @@ class LayerCache:
     def set_state(self, valid: Tensor | None, L: int, state) -> None:
         """Take the recurrent state after L new tokens (:class:`mgk.functional.LinearAttentionState`, detached)."""
         if self._slot is not None:
-            self._check_fixed_call(valid, L)
+            self.check_fixed_call(valid, L)
         self.state = LinearAttentionState(state.kv.detach(), state.k_sum.detach(), state.length)
         self._count(valid, L)
 

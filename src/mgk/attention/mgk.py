@@ -243,18 +243,19 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
                                     dropout_p=self.attn_dropout, **entry_options).to(v.dtype)
 
     def _fixed_step(self, q, base, v, valid, cache: LayerCache, log_pi, entry_options):
-        """A step over a cache of fixed capacity (:meth:`LayerCache.fix_capacity`): the composition that
-        :func:`mgk.functional.mgk_cache_step` fuses (the new entries, written at the slot tensor, then
-        :func:`mgk.functional.mgk_attention_cached` over the whole capacity with the valid-slot mask), in operators
-        that torch.compile traces. The centre must be settled (every row has seen two real tokens)."""
+        """A step over a cache of fixed capacity (:meth:`LayerCache.fix_capacity`): the fused step at the slot
+        tensor (:func:`mgk.functional.mgk_cache_step`; under torch.compile the C++ kernel as a custom op, else the
+        explicit composition over the whole capacity with the valid-slot mask). The centre must be settled (every
+        row has seen two real tokens)."""
         if cache.extra.get("provisional") is not False:
             raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
                              "two real tokens")
-        keys, key_bias = mgk_cache_entries(base, centre=cache.extra["centre"], log_pi=log_pi, **entry_options)
-        entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
-        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"],
-                                    centre=cache.extra["centre"], attn_mask=cache.attn_mask(), is_causal=True,
-                                    backend="explicit", **entry_options).to(v.dtype)
+        cache.check_fixed_call(valid, q.shape[2])
+        buffers, slot = cache.claim(q.shape[2])
+        return mgk_cache_step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"],
+                              key_bias=buffers["key_bias"], values=buffers["values"], slot=slot,
+                              centre=cache.extra["centre"], key_valid=cache.key_valid(), log_pi=log_pi,
+                              **entry_options).to(v.dtype)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
         log_pi = self.mixture_log_weights(k.shape[3])

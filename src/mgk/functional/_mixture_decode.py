@@ -23,11 +23,12 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def unserved(query: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, needs_grad: bool) -> str | None:
+def unserved(query: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, needs_grad: bool,
+             traced_ok: bool = False) -> str | None:
     """Why the kernel cannot serve a step (None when it can): it takes CPU float32/float64, at most
     :data:`MAX_QUERIES` new queries, no dropout, no gradient wanted, a mask that is a key-padding mask (broadcastable
     to (B, 1, 1, S)) or none, runs outside torch.compile / torch.func / dispatch modes (they must see PyTorch
-    operators), and must be built."""
+    operators; ``traced_ok``: the caller runs it as a custom op, which they see), and must be built."""
     if needs_grad:
         return "the decoding kernel has no backward, and an operand of the step is in an autograd graph"
     if dropout_p > 0.0:
@@ -40,7 +41,7 @@ def unserved(query: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float
         return "attn_mask depends on the head or the query: the decoding kernel takes at most key padding"
     if not _mixture_flash.available(query):
         return f"the C++ kernel is unavailable ({_mixture_flash.build_error() or 'not loaded, or not float32/64'})"
-    if not _mixture_flash._eager_ok():
+    if not traced_ok and not _mixture_flash._eager_ok():
         return "torch.compile, torch.func and dispatch modes need PyTorch operators (backend='explicit')"
     return None
 

@@ -283,7 +283,7 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
 
 
 def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
-                   slot: int, centre: Tensor, key_valid: Tensor | None = None, log_pi: Tensor | None = None,
+                   slot: int | Tensor, centre: Tensor, key_valid: Tensor | None = None, log_pi: Tensor | None = None,
                    sigma2: float | Tensor | None = None, shifts: Tensor | None = None, mixture: str = "sum",
                    backend: str | None = None) -> Tensor:
     """A whole decoding step over a preallocated (static) cache: the L new tokens' entries written into the cache's
@@ -303,7 +303,11 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         value: (B, H, L, Dv) the new values.
         keys, key_bias, values: the cache's buffers, (B, H, M, T, D) (or (B, H, T, D) with shifts),
             (B, H, M, T) and (B, H, T, Dv), of one dtype, with T >= slot + L; written in place at the new slots.
-        slot: the first slot of the new tokens (the slots before it hold earlier entries made with ``centre``).
+        slot: the first slot of the new tokens (the slots before it hold earlier entries made with ``centre``); or
+            a (1,) int64 tensor holding it (a cache of fixed capacity, :meth:`mgk.attention.cache.LayerCache.fix_capacity`,
+            whose step torch.compile traces): then ``key_valid`` (B, T) covers every slot (False past the new ones)
+            and is required, and the kernel runs as the custom op ``mgk::cache_step_at``, which reads the slot on
+            the host inside the op and attends to slots ``[0, slot + L)`` only.
         centre: (B, H, D), the cache's fixed centre (:func:`mgk_cache_centre`).
         key_valid: (B, slot + L) bool, True = a real token (padding in the cache), or None (every slot real).
         log_pi: log prior of the new tokens broadcastable to (B, H, M, L), or None (uniform; None for "max").
@@ -319,6 +323,9 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
     check_mixture_args(mixture, log_pi)
     if backend is not None and backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be None or one of {DECODE_BACKENDS}, got {backend!r}")
+    if isinstance(slot, Tensor):
+        return _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
+                        mixture, backend)
     if backend != "explicit":
         why = _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, centre, sigma2, log_pi,
                              shifts)
@@ -370,6 +377,15 @@ def _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_va
                  mixture):
     """:func:`mgk_cache_step` through the C++ kernel, which checks every size and value itself (few Python calls:
     at batch 1 a step's Python overhead is the cost to cut)."""
+    args = _kernel_args(query, key, value, keys, key_bias, values, centre, key_valid, log_pi, sigma2, shifts, mixture)
+    try:
+        return _mixture_flash._module.decode_step(*args[:-1], slot, args[-1])
+    except (RuntimeError, TypeError) as exc:  # the kernel's own checks (TypeError: a non-tensor), in one line
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def _kernel_args(query, key, value, keys, key_bias, values, centre, key_valid, log_pi, sigma2, shifts, mixture):
+    """The C++ ``decode_step``'s arguments but the slot (which goes before the last, ``hard``)."""
     B, H, L, D = query.shape
     M, dt = key_bias.shape[2], keys.dtype
     shifted = shifts is not None
@@ -384,15 +400,76 @@ def _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_va
     mu = query.new_empty(0) if not shifted else shifts.detach().to(dt).contiguous()
     valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else \
         key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
-    try:
-        # the |q|^2 row term is passed whenever M > 1: exact either way (it cancels when the variances are equal),
-        # and cheaper than reading the variances back to decide
-        return _mixture_flash._module.decode_step(
-            query.contiguous(), key.unsqueeze(2) if shifted else key, value, centre.detach().to(dt).contiguous(),
-            inv, lp, mu, M > 1, keys.unsqueeze(2) if shifted else keys, key_bias, values, valid, slot,
-            mixture == "max")
-    except (RuntimeError, TypeError) as exc:  # the kernel's own checks (TypeError: a non-tensor), in one line
-        raise ValueError(str(exc).splitlines()[0]) from None
+    # the |q|^2 row term is passed whenever M > 1: exact either way (it cancels when the variances are equal), and
+    # cheaper than reading the variances back to decide
+    return (query.contiguous(), key.unsqueeze(2) if shifted else key, value, centre.detach().to(dt).contiguous(),
+            inv, lp, mu, M > 1, keys.unsqueeze(2) if shifted else keys, key_bias, values, valid, mixture == "max")
+
+
+# The kernel's step at a slot held in a tensor, as a custom op that mutates the cache's buffers: torch.compile keeps
+# it in its graph as one opaque call (the bare C++ function cannot be traced), and the slot is read on the host
+# inside it, so the traced step reads no host count and attends to the slots in use only.
+@torch.library.custom_op("mgk::cache_step_at", mutates_args=("keys", "key_bias", "values"), device_types="cpu")
+def _step_at_op(query: Tensor, key: Tensor, value: Tensor, centre: Tensor, inv: Tensor, log_prior: Tensor,
+                shifts: Tensor, qnorm: bool, keys: Tensor, key_bias: Tensor, values: Tensor, valid: Tensor,
+                slot: Tensor, hard: bool) -> Tensor:
+    t = int(slot.reshape(-1)[0])
+    used = valid if valid.numel() == 0 else valid[:, :t + query.shape[2]]
+    return _mixture_flash._module.decode_step(query, key, value, centre, inv, log_prior, shifts, qnorm, keys,
+                                              key_bias, values, used, t, hard)
+
+
+@_step_at_op.register_fake
+def _(query, key, value, centre, inv, log_prior, shifts, qnorm, keys, key_bias, values, valid, slot, hard):
+    return query.new_empty((query.shape[0], query.shape[1], query.shape[2], values.shape[-1]))
+
+
+def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts, mixture,
+             backend):
+    """:func:`mgk_cache_step` at a slot tensor (a cache of fixed capacity): the custom op where the kernel serves,
+    else the explicit composition with the entries written by ``index_copy_`` and the whole buffers read with
+    ``key_valid``."""
+    if not (isinstance(slot, Tensor) and slot.dtype == torch.int64 and slot.numel() == 1):
+        raise ValueError(f"slot must be an int or a (1,) int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
+    B, L = query.shape[0], query.shape[2]
+    if not (isinstance(key_valid, Tensor) and key_valid.dtype == torch.bool
+            and tuple(key_valid.shape) == (B, values.shape[2])):
+        what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
+        raise ValueError(f"key_valid must be a bool tensor (B, T) = ({B}, {values.shape[2]}) over every slot when "
+                         f"slot is a tensor, got {what}")
+    if backend != "explicit":
+        why = _step_at_unserved(query, key, value, keys, key_bias, values, L, key_valid, centre, sigma2, log_pi,
+                                shifts)
+        if why is None:
+            args = _kernel_args(query, key, value, keys, key_bias, values, centre, key_valid, log_pi, sigma2,
+                                shifts, mixture)
+            return _step_at_op(*args[:-1], slot, args[-1])
+        if backend is not None:
+            pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
+    new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2, mixture=mixture,
+                                           shifts=shifts)
+    if L != 1:
+        raise ValueError(f"a slot tensor takes one new token a step, got L = {L}")
+    with torch.no_grad():
+        keys.index_copy_(keys.dim() - 2, slot, new_keys.to(keys.dtype))
+        key_bias.index_copy_(3, slot, new_bias.to(key_bias.dtype))
+        values.index_copy_(2, slot, value.detach().to(values.dtype))
+    return mgk_attention_cached(query, keys, key_bias, values, centre=centre, sigma2=sigma2, shifts=shifts,
+                                mixture=mixture, attn_mask=key_valid[:, None, None, :], is_causal=True,
+                                backend="explicit").to(keys.dtype)
+
+
+def _step_at_unserved(query, key, value, keys, key_bias, values, L, key_valid, centre, sigma2, log_pi,
+                      shifts) -> str | None:
+    """Why the custom op cannot serve a step at a slot tensor: :func:`_step_unserved`'s reasons, except that it runs
+    inside torch.compile too (as a traced op); the slot's range is the kernel's own check."""
+    if L > 1:
+        return "a slot tensor takes one new token a step"
+    if _mixture_flash._module is None and torch.compiler.is_compiling():
+        return "the C++ kernel is not loaded (an eager step loads it; a trace cannot build it)"
+    probe = 0  # a slot in range for the checks that need one: the op reads the real one
+    return _step_unserved(query, key, value, keys, key_bias, values, probe, key_valid[:, :L], centre, sigma2, log_pi,
+                          shifts, traced_ok=True)
 
 
 def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) -> int:
@@ -418,7 +495,7 @@ def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) 
 
 
 def _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, centre, sigma2, log_pi,
-                   shifts) -> str | None:
+                   shifts, traced_ok: bool = False) -> str | None:
     """Why the fused kernel cannot serve (None when it can): the reasons of :func:`._mixture_decode.unserved` (CPU
     float32 / float64, at most a few queries, no gradient wanted, outside torch.compile / torch.func / dispatch
     modes, built), one dtype for every operand (the buffers' own), last dimensions contiguous, buffers that own
@@ -462,4 +539,4 @@ def _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, c
         return "a buffer is an expanded view"
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # the rest is the decoding kernel's own rule (device, dtype, size, gradient, tracing; builds it on first use)
-    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad)
+    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad, traced_ok=traced_ok)

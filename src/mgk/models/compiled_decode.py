@@ -11,8 +11,11 @@ embedding (its token-id check reads values) and the positions run eagerly before
 after it. MGK / sMGK steps run the explicit form of the fused step (its C++ kernel is not a traced operator), which
 inductor fuses on its own.
 
-What it pays on CPU was measured, not assumed (BENCHMARKS.md, "Compiled decoding"); the first step includes the
-compilation, which the bench reports on its own line.
+The graph is specialised to its shapes (``dynamic=False``: symbolic sizes made the mask checks fail to trace): a new
+batch size, capacity or model compiles again, and past torch.compile's recompilation limit (8 per function by
+default, ``torch._dynamo.config.recompile_limit``) steps run eagerly with torch's warning. What it pays on CPU was
+measured, not assumed (BENCHMARKS.md, "Compiled decoding"); the first step includes the compilation, which
+``mgk bench decode --compile`` reports apart.
 """
 from __future__ import annotations
 
