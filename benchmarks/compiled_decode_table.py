@@ -22,23 +22,27 @@ def cells(path: str) -> dict:
     return {((r["target"], r["batch"]), r["context"], r["kind"], r["compiled"]): r for r in rows if "error" not in r}
 
 
+def _line(runs: list[dict], t, c, k) -> str:
+    def both(values, fmt="{:.2f}"):
+        return " / ".join(fmt.format(v) for v in values)
+
+    eager = [run[t, c, k, False] for run in runs]
+    compiled = [run[t, c, k, True] for run in runs]
+    soft_eager = [run[t, c, "softmax", False] for run in runs]
+    soft_compiled = [run[t, c, "softmax", True] for run in runs]
+    return (f"| {t[0]}, {t[1]}, {c}, {k} | {both(r['step_ms'] for r in eager)} | "
+            f"{both(r['step_ms'] for r in compiled)} | {both(map(_paired, compiled, eager))} | "
+            f"{both(map(_paired, eager, soft_eager))} | {both(map(_paired, compiled, soft_compiled))} | "
+            f"{both((r['compile_ms'] / 1000 for r in compiled), '{:.1f}')} |")
+
+
 def main(paths: list[str]) -> str:
     runs = [cells(p) for p in paths]
     keys = sorted(dict.fromkeys((t, c, k) for run in runs for (t, c, k, _) in run),
                   key=lambda key: (key[0], key[1]))  # a stable sort: kinds in the bench's order
     lines = ["| target, batch, context, kind | eager ms | compiled ms | compiled x eager | eager x softmax-8 | "
              "compiled x softmax-8 (compiled) | compile s |", "|---|---|---|---|---|---|---|"]
-    for t, c, k in keys:
-        def cell(fn, fmt="{:.2f}"):
-            return " / ".join(fmt.format(fn(run)) for run in runs)
-        lines.append(
-            f"| {t[0]}, {t[1]}, {c}, {k} | {cell(lambda r: r[t, c, k, False]['step_ms'])} | "
-            f"{cell(lambda r: r[t, c, k, True]['step_ms'])} | "
-            f"{cell(lambda r: _paired(r[t, c, k, True], r[t, c, k, False]))} | "
-            f"{cell(lambda r: _paired(r[t, c, k, False], r[t, c, 'softmax', False]))} | "
-            f"{cell(lambda r: _paired(r[t, c, k, True], r[t, c, 'softmax', True]))} | "
-            f"{cell(lambda r: r[t, c, k, True]['compile_ms'] / 1000, '{:.1f}')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [_line(runs, *key) for key in keys])
 
 
 if __name__ == "__main__":

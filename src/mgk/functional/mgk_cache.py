@@ -304,16 +304,18 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         keys, key_bias, values: the cache's buffers, (B, H, M, T, D) (or (B, H, T, D) with shifts),
             (B, H, M, T) and (B, H, T, Dv), of one dtype, with T >= slot + L; written in place at the new slots.
         slot: the first slot of the new tokens (the slots before it hold earlier entries made with ``centre``); or
-            a (1,) int64 tensor holding it (a cache of fixed capacity, :meth:`mgk.attention.cache.LayerCache.fix_capacity`,
-            whose step torch.compile traces): then ``key_valid`` (B, T) covers every slot (False past the new ones)
-            and is required, and the kernel runs as the custom op ``mgk::cache_step_at``, which reads the slot on
-            the host inside the op and attends to slots ``[0, slot + L)`` only.
+            a (1,) int64 tensor holding it (a cache of fixed capacity,
+            :meth:`mgk.attention.cache.LayerCache.fix_capacity`, whose step torch.compile traces): then
+            ``key_valid`` (B, T) covers every slot (False past the new ones) and is required, L must be 1, and the
+            kernel runs as the custom op ``mgk::cache_step_at``, which reads the slot on the host inside the op
+            and attends to slots ``[0, slot + L)`` only (torch.compile keeps it in its graph).
         centre: (B, H, D), the cache's fixed centre (:func:`mgk_cache_centre`).
         key_valid: (B, slot + L) bool, True = a real token (padding in the cache), or None (every slot real).
         log_pi: log prior of the new tokens broadcastable to (B, H, M, L), or None (uniform; None for "max").
         sigma2, shifts, mixture: as :func:`mgk_cache_entries`.
         backend: None (the kernel where it serves: CPU float32 / float64 buffers of the query's dtype, at most a
-            few queries, outside autograd, torch.compile and torch.func), "kernel" or "explicit".
+            few queries, outside autograd, torch.compile and torch.func; with a slot tensor inside torch.compile
+            too), "kernel" or "explicit".
     Returns:
         (B, H, L, Dv) in the buffers' dtype; equals :func:`mgk_attention_cached` after the composition above.
     Raises:
