@@ -336,7 +336,14 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
                                 shifts, mixture)
         if backend is not None:
             pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
-    # the explicit composition: the checks, the entries' formula, a copy into the buffers and the cached step
+    return _explicit_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
+                          mixture)
+
+
+def _explicit_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
+                   mixture):
+    """:func:`mgk_cache_step`'s explicit composition: the checks, the entries' formula, a copy into the buffers and
+    the cached step."""
     shifted = shifts is not None
     check_tensor(query, "query", 4, "(B, H, L, D)")
     check_tensor(key, "key", 4 if shifted else 5, "(B, H, L, D) with shifts" if shifted else "(B, H, M, L, D)")
