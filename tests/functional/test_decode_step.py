@@ -284,10 +284,16 @@ def test_a_slot_tensor_writes_and_attends_as_the_int_slot(backend, shifted, mixt
         torch.testing.assert_close(bufs[name], ref[name], atol=1e-12, rtol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("small_bytes,op", [(0, True), (2 ** 30, False)], ids=["op", "composition"])
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-def test_a_traced_step_at_a_slot_tensor_keeps_the_kernel_as_one_op(compile_backend, kernel):
-    """Under torch.compile the kernel runs as the custom op mgk::cache_step_at (its buffers mutated in place): the
-    output and buffers equal eager's, and the traced graph holds the op."""
+def test_a_traced_step_at_a_slot_tensor_keeps_the_kernel_as_one_op(compile_backend, small_bytes, op, kernel,
+                                                                    monkeypatch):
+    """Under torch.compile the kernel runs as the custom op mgk::cache_step_at (its buffers mutated in place) for
+    caches of at least TRACED_EXPLICIT_BYTES of keys, the explicit composition below: the output and buffers equal
+    eager's either way, and the traced graph holds the op exactly when it should."""
+    from mgk.functional import mgk_cache as module
+
+    monkeypatch.setattr(module, "TRACED_EXPLICIT_BYTES", small_bytes)
     T = 20
     q, key, value, buffers, step, want = _case(padded=True, T=T)
     seen = []
@@ -306,7 +312,7 @@ def test_a_traced_step_at_a_slot_tensor_keeps_the_kernel_as_one_op(compile_backe
     eager, ref = _run(q, key, value, buffers, step, torch.float32, "kernel")
     for name in bufs:
         torch.testing.assert_close(bufs[name], ref[name], msg=name)
-    assert any("cache_step_at" in g for g in seen)
+    assert any("cache_step_at" in g for g in seen) == op
 
 
 def test_a_slot_tensor_needs_key_valid_over_every_slot_and_an_int64_slot(kernel):

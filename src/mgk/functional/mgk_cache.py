@@ -48,6 +48,12 @@ from ._mixture_terms import (
 __all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries", "mgk_cache_step"]
 
 DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
+# Below this many bytes of cached keys a traced step at a slot tensor takes the explicit composition, which inductor
+# fuses with the rest of the graph, instead of the kernel's custom op, whose call costs more than such a step reads
+# (2-core AMD EPYC VM, 2026-12-02, MGK-4 / sMGK-4 compiled against eager: whole models at batch 1, 0.1-1 MiB of keys
+# per layer, 0.88-1.02x through the composition and 0.95-1.00x through the op; one layer at batch 8 and 4096 tokens,
+# 33 MiB, 1.29x through the composition and 1.24x through the op; BENCHMARKS.md, "Compiled decoding").
+TRACED_EXPLICIT_BYTES = 2 ** 20
 
 
 def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = None,
@@ -315,7 +321,7 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         sigma2, shifts, mixture: as :func:`mgk_cache_entries`.
         backend: None (the kernel where it serves: CPU float32 / float64 buffers of the query's dtype, at most a
             few queries, outside autograd, torch.compile and torch.func; with a slot tensor inside torch.compile
-            too), "kernel" or "explicit".
+            too, for caches of at least :data:`TRACED_EXPLICIT_BYTES` of keys), "kernel" or "explicit".
     Returns:
         (B, H, L, Dv) in the buffers' dtype; equals :func:`mgk_attention_cached` after the composition above.
     Raises:
@@ -446,7 +452,8 @@ def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid,
         what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
         raise ValueError(f"key_valid must be a bool tensor (B, T) = ({B}, {values.shape[2]}) over every slot when "
                          f"slot is a tensor, got {what}")
-    if backend != "explicit":
+    small = keys.numel() * keys.element_size() < TRACED_EXPLICIT_BYTES and torch.compiler.is_compiling()
+    if backend == "kernel" or (backend is None and not small):
         why = _step_at_unserved(query, key, value, keys, key_bias, values, L, key_valid, centre, sigma2, log_pi,
                                 shifts)
         if why is None:
