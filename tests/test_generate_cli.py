@@ -66,7 +66,7 @@ def test_compile_prints_the_eager_greedy_text_and_needs_the_cache(lm_run, capsys
     eager = _generate(capsys, *args).out
     torch._dynamo.reset()
     assert _generate(capsys, *args, "--compile").out == eager
-    assert "use_cache=True" in _one_line_error(*args, "--compile", "--no-cache")
+    assert "drop --no-cache" in _one_line_error(*args, "--compile", "--no-cache")
 
 
 def test_unknown_words_are_read_as_unk_and_reported(run_v0_1_0, capsys):

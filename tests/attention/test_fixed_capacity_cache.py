@@ -151,3 +151,18 @@ def test_a_recurrent_state_cache_fixes_without_slots():
     got, cache = _fixed_decode(m, x)
     assert cache.room() is None and cache.fixed
     torch.testing.assert_close(got, _growing_decode(m, x), atol=1e-5, rtol=1e-5)
+
+
+def test_eager_calls_without_advance_are_still_checked_against_the_slot():
+    """The room check of an eager call reads the slot tensor, not the host count that only advance() moves (a
+    helper's report: a raw IndexError before)."""
+    m = _module("mgk", {})
+    x = torch.randn(1, 8, E)
+    cache = m.new_cache()
+    with torch.no_grad():
+        _call(m, x[:, :4], cache)
+        cache.fix_capacity(6)
+        _call(m, x[:, 4:5], cache)
+        _call(m, x[:, 5:6], cache)
+        with pytest.raises(ValueError, match=r"fixed capacity \(6 tokens\) is used up"):
+            _call(m, x[:, 6:7], cache)

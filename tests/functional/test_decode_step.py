@@ -322,3 +322,13 @@ def test_a_slot_tensor_needs_key_valid_over_every_slot_and_an_int64_slot(kernel)
         _run(q, key, value, buffers, {**fixed, "key_valid": fixed["key_valid"][:, :12]}, torch.float64, None)
     with pytest.raises(ValueError, match="slot must be an int or a \\(1,\\) int64 tensor"):
         _run(q, key, value, buffers, {**fixed, "slot": torch.tensor([11.0])}, torch.float64, None)
+
+
+@pytest.mark.parametrize("backend", [None, "explicit"])
+def test_a_slot_tensor_out_of_range_or_of_another_shape_is_refused_in_one_line(backend, kernel):
+    q, key, value, buffers, step, _ = _case(T=20)
+    fixed = _at_slot(step, 20, True)
+    with pytest.raises(ValueError, match=r"slot must be in \[0, T - L\] = \[0, 19\]"):
+        _run(q, key, value, buffers, {**fixed, "slot": torch.tensor([20])}, torch.float64, backend)
+    with pytest.raises(ValueError, match="slot must be an int or a \\(1,\\) int64 tensor"):
+        _run(q, key, value, buffers, {**fixed, "slot": torch.tensor([[11]])}, torch.float64, backend)

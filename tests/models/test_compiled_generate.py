@@ -100,3 +100,22 @@ def test_a_compiler_failure_is_one_line_naming_the_option():
     with pytest.raises(CompileError) as err:
         model.generate(torch.randint(0, V, (1, 4)), 3, compile="mgk_test_failing")
     assert "\n" not in str(err.value) and str(err.value).startswith("compile='mgk_test_failing': torch.compile failed")
+
+
+def test_past_the_recompilation_limit_a_generation_goes_on_eagerly_with_a_warning():
+    """Each new capacity compiles again; past torch's limit (here 2) fullgraph=True would fail hard: the step warns
+    and decodes eagerly instead, with the same tokens (a helper's report)."""
+    model = _lm("softmax", layers=1)
+    idx = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in (3, 4):
+            model.generate(idx, n, temperature=0, compile="aot_eager")
+        with pytest.warns(UserWarning, match="recompilation limit"):
+            got = model.generate(idx, 6, temperature=0, compile="aot_eager")
+    assert torch.equal(got, model.generate(idx, 6, temperature=0))
+
+
+def test_the_compile_error_lists_every_backend_it_accepts():
+    with pytest.raises(ValueError, match="aot_eager"):
+        check_compile("nope")

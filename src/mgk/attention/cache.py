@@ -237,8 +237,8 @@ class LayerCache:
         if L != 1 or valid is not None:
             raise ValueError("a cache of fixed capacity (fix_capacity) takes one real token per call, got "
                              f"{L} new tokens{' with key_padding_mask' if valid is not None else ''}")
-        if self._buffers and not torch.compiler.is_compiling() and self.length + L > self.capacity:
-            # eager calls are checked against the host count (a traced step reads none: its caller checks)
+        if self._buffers and not torch.compiler.is_compiling() and int(self._slot) + L > self.capacity:
+            # eager calls read the slot itself (a traced step reads nothing on the host: its caller checks the room)
             raise ValueError(f"this cache's fixed capacity ({self.capacity} tokens) is used up")
 
     # -- fixed capacity (a static cache, for torch.compile) --------------------------------------------------------

@@ -444,9 +444,12 @@ def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid,
     """:func:`mgk_cache_step` at a slot tensor (a cache of fixed capacity): the custom op where the kernel serves,
     else the explicit composition with the entries written by ``index_copy_`` and the whole buffers read with
     ``key_valid``."""
-    if not (isinstance(slot, Tensor) and slot.dtype == torch.int64 and slot.numel() == 1):
+    if not (isinstance(slot, Tensor) and slot.dtype == torch.int64 and tuple(slot.shape) == (1,)):
         raise ValueError(f"slot must be an int or a (1,) int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
     B, L = query.shape[0], query.shape[2]
+    if not torch.compiler.is_compiling() and not 0 <= int(slot) <= values.shape[2] - L:
+        raise ValueError(f"slot must be in [0, T - L] = [0, {values.shape[2] - L}] (the buffers' {values.shape[2]} "
+                         f"slots, L = {L}), got {int(slot)}")
     if not (isinstance(key_valid, Tensor) and key_valid.dtype == torch.bool
             and tuple(key_valid.shape) == (B, values.shape[2])):
         what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)

@@ -54,6 +54,8 @@ def _prompt_text(args) -> str:
 
 def _generate(args) -> list[str]:
     """The samples' texts (prompt and continuation); notes about the prompt go to stderr."""
+    if args.compile and args.no_cache:
+        raise SystemExit("mgk generate: --compile compiles the cached step: drop --no-cache")
     from ..models.compiled_decode import CompileError
     from ..train.distributed import check_device
     from ..train.load import load_run

@@ -8,16 +8,19 @@ tokens the generation will reach (:meth:`mgk.attention.cache.LayerCache.fix_capa
 slot held as a tensor and reads the whole capacity with the valid-slot mask, reads no host-side count, and the traced
 graph (the blocks and the output layer, :meth:`TransformerLM.log_probs_from_inputs`) serves every step. The
 embedding (its token-id check reads values) and the positions run eagerly before it; the host counts are advanced
-after it. MGK / sMGK steps run the explicit form of the fused step (its C++ kernel is not a traced operator), which
-inductor fuses on its own.
+after it. MGK / sMGK steps keep the C++ kernel as the custom op ``mgk::cache_step_at`` for caches of at least
+:data:`mgk.functional.mgk_cache.TRACED_EXPLICIT_BYTES` of keys a layer, and below that trace the step's explicit
+composition, which inductor fuses with the rest.
 
 The graph is specialised to its shapes (``dynamic=False``: symbolic sizes made the mask checks fail to trace): a new
 batch size, capacity or model compiles again, and past torch.compile's recompilation limit (8 per function by
-default, ``torch._dynamo.config.recompile_limit``) steps run eagerly with torch's warning. What it pays on CPU was
-measured, not assumed (BENCHMARKS.md, "Compiled decoding"); the first step includes the compilation, which
-``mgk bench decode --compile`` reports apart.
+default, ``torch._dynamo.config.recompile_limit``) the steps of that generation run eagerly, with a warning. What
+it pays on CPU was measured, not assumed (BENCHMARKS.md, "Compiled decoding"); the first step includes the
+compilation, which ``mgk bench decode --compile`` reports apart.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -44,7 +47,7 @@ def check_compile(compile) -> str | None:
     if isinstance(compile, str) and compile in torch.compiler.list_backends(exclude_tags=()):
         return compile
     raise ValueError(f"compile must be False, True (inductor) or a torch.compile backend name from "
-                     f"{sorted(torch.compiler.list_backends())}, got {compile!r}")
+                     f"{sorted(torch.compiler.list_backends(exclude_tags=()))}, got {compile!r}")
 
 
 def _log_probs(model, x: Tensor, cache: DecodingCache) -> Tensor:
@@ -86,9 +89,16 @@ class CompiledStep:
         except ValueError:  # our own checks, already one line
             raise
         except Exception as exc:  # the compiler's failure, many lines deep: one line naming the option
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise CompileError(f"compile={self.backend!r}: torch.compile failed ({type(exc).__name__}: {first}); "
-                               "generate with compile=False") from exc
+            if type(exc).__name__ != "FailOnRecompileLimitHit":
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                raise CompileError(f"compile={self.backend!r}: torch.compile failed ({type(exc).__name__}: "
+                                   f"{' '.join(lines[:2])}); generate with compile=False") from exc
+            # torch refused a new graph before running anything: this generation goes on eagerly
+            warnings.warn(f"compile={self.backend!r}: torch.compile's recompilation limit "
+                          f"({torch._dynamo.config.recompile_limit} shapes or models per process) is reached; "
+                          "this generation decodes eagerly", stacklevel=3)
+            self._fn = _log_probs
+            out = self._fn(self.model, x, self.cache)
         for layer in self.cache:
             layer.advance(tokens.shape[1])
         return out
