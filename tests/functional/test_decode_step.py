@@ -262,7 +262,8 @@ def _at_slot(step, T, padded):
     ones, as a cache of fixed capacity holds it)."""
     old, B = step["slot"], step["centre"].shape[0]
     valid = torch.zeros(B, T, dtype=torch.bool)
-    valid[:, :old + 1] = True if step["key_valid"] is None else step["key_valid"]
+    new = 1 if step["key_valid"] is None else step["key_valid"].shape[1] - old  # the new tokens, L
+    valid[:, :old + new] = True if step["key_valid"] is None else step["key_valid"]
     return {**step, "slot": torch.tensor([old]), "key_valid": valid}
 
 
@@ -332,3 +333,6 @@ def test_a_slot_tensor_out_of_range_or_of_another_shape_is_refused_in_one_line(b
         _run(q, key, value, buffers, {**fixed, "slot": torch.tensor([20])}, torch.float64, backend)
     with pytest.raises(ValueError, match="slot must be an int or a \\(1,\\) int64 tensor"):
         _run(q, key, value, buffers, {**fixed, "slot": torch.tensor([[11]])}, torch.float64, backend)
+    q2, key2, value2, buffers2, step2, _ = _case(T=20, L=2)
+    with pytest.raises(ValueError, match="one new token a step, got L = 2"):
+        _run(q2, key2, value2, buffers2, _at_slot(step2, 20, True), torch.float64, backend)

@@ -223,13 +223,12 @@ class LayerCache:
     def _append_fixed(self, valid: Tensor | None, L: int, entries: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`append` of a cache of fixed capacity: one real token written at the slot tensor, every buffer
         returned whole (the valid-slot mask, :meth:`attn_mask`, hides the slots not yet filled)."""
-        self.check_fixed_call(valid, L)
+        if valid is not None:
+            self.check_fixed_call(valid, L)  # the padding named (claim checks the rest)
+        buffers, slot = self.claim(L)
         for name, x in entries.items():
-            self._buffers[name].index_copy_(self.slots[name], self._slot, x.detach())
-        self._valid.index_fill_(1, self._slot, True)
-        self._slot.add_(1)
-        self._count(None, L)
-        return dict(self._buffers)
+            buffers[name].index_copy_(self.slots[name], slot, x.detach())
+        return dict(buffers)
 
     def check_fixed_call(self, valid: Tensor | None, L: int) -> None:
         """ValueError (one line) unless a call of L new tokens with padding ``valid`` (None: none) suits a cache of

@@ -250,7 +250,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         if cache.extra.get("provisional") is not False:
             raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
                              "two real tokens")
-        cache.check_fixed_call(valid, q.shape[2])
+        if valid is not None:
+            cache.check_fixed_call(valid, q.shape[2])  # the padding named (claim checks the rest)
         buffers, slot = cache.claim(q.shape[2])
         return mgk_cache_step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"],
                               key_bias=buffers["key_bias"], values=buffers["values"], slot=slot,

@@ -447,6 +447,8 @@ def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid,
     if not (isinstance(slot, Tensor) and slot.dtype == torch.int64 and tuple(slot.shape) == (1,)):
         raise ValueError(f"slot must be an int or a (1,) int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
     B, L = query.shape[0], query.shape[2]
+    if L != 1:
+        raise ValueError(f"a slot tensor takes one new token a step, got L = {L}")
     if not torch.compiler.is_compiling() and not 0 <= int(slot) <= values.shape[2] - L:
         raise ValueError(f"slot must be in [0, T - L] = [0, {values.shape[2] - L}] (the buffers' {values.shape[2]} "
                          f"slots, L = {L}), got {int(slot)}")
@@ -467,8 +469,6 @@ def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid,
             pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
     new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2, mixture=mixture,
                                            shifts=shifts)
-    if L != 1:
-        raise ValueError(f"a slot tensor takes one new token a step, got L = {L}")
     with torch.no_grad():
         keys.index_copy_(keys.dim() - 2, slot, new_keys.to(keys.dtype))
         key_bias.index_copy_(3, slot, new_bias.to(key_bias.dtype))
@@ -481,11 +481,8 @@ def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid,
 def _step_at_unserved(query, key, value, keys, key_bias, values, L, key_valid, centre, sigma2, log_pi,
                       shifts) -> str | None:
     """Why the custom op cannot serve a step at a slot tensor: :func:`_step_unserved`'s reasons, except that it runs
-    inside torch.compile too (as a traced op); the slot's range is the kernel's own check."""
-    if L > 1:
-        return "a slot tensor takes one new token a step"
-    if _mixture_flash._module is None and torch.compiler.is_compiling():
-        return "the C++ kernel is not loaded (an eager step loads it; a trace cannot build it)"
+    inside torch.compile too (as a traced op; a trace finds the kernel only if an eager call loaded it); the slot's
+    range is checked by the caller and by the kernel."""
     probe = 0  # a slot in range for the checks that need one: the op reads the real one
     return _step_unserved(query, key, value, keys, key_bias, values, probe, key_valid[:, :L], centre, sigma2, log_pi,
                           shifts, traced_ok=True)
