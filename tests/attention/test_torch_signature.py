@@ -67,6 +67,29 @@ def test_forward_signature_and_defaults_are_torchs():
             ("past_key_values", inspect.Parameter.KEYWORD_ONLY, None)], kind
 
 
+# nn.MultiheadAttention's constructor keywords with no counterpart here (learned key/value rows, a zero key row)
+_NO_COUNTERPART = {"add_bias_kv", "add_zero_attn"}
+
+
+def test_constructor_takes_torchs_keywords_for_every_kind():
+    """Every other keyword of nn.MultiheadAttention.__init__ (now with device and dtype, torch's factory keywords)
+    builds every kind's class; a keyword torch adds later fails here until it is handled."""
+    names = [n for n in inspect.signature(nn.MultiheadAttention.__init__).parameters if n != "self"]
+    assert set(names) - _NO_COUNTERPART == {"embed_dim", "num_heads", "dropout", "bias", "kdim", "vdim",
+                                             "batch_first", "device", "dtype"}
+    torch_kwargs = dict(dropout=0.0, bias=True, kdim=KDIM, vdim=VDIM, batch_first=True, device=torch.device("cpu"),
+                        dtype=torch.float64)
+    ref = nn.MultiheadAttention(E, H, **torch_kwargs)
+    for kind in KINDS:
+        m = mgk.attention.get_kind(kind).factory(E, H, **torch_kwargs, **(
+            {"max_len": 8} if "max_len" in mgk.attention.get_kind(kind).options.names() else {}))
+        assert {p.dtype for p in m.parameters()} == {p.dtype for p in ref.parameters()} == {torch.float64}, kind
+    ours = mgk.MultiheadAttention(E, H, **torch_kwargs)
+    ours.load_state_dict(ref.state_dict())
+    q, k, v = _inputs(True, True)
+    torch.testing.assert_close(ours(q, k, v)[0], ref(q, k, v)[0], **TOL)
+
+
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "length_first"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
 @pytest.mark.parametrize("masks", ["none", "bool", "float", "padding_only", "attn_only", "per_head",

@@ -37,6 +37,33 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
+def factory_kwargs(device=None, dtype=None) -> dict:
+    """``{"device": ..., "dtype": ...}`` for creating a module's parameters and buffers, as torch's modules take
+    them (``nn.MultiheadAttention(..., device=, dtype=)``); None keeps torch's default for either.
+
+    Args:
+        device: None, a ``torch.device``, or what ``torch.device`` reads ("cpu", "cuda:0", "meta", an index).
+        dtype: None or a floating-point ``torch.dtype`` (``torch.float64``, ``torch.bfloat16``, ...).
+    Returns:
+        the dict, device as a ``torch.device`` (or None).
+    Raises:
+        ValueError naming ``device`` when it is not a device, or one this machine lacks; naming ``dtype`` when it is
+        not a floating-point dtype (attention's weights are real numbers with gradients).
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating-point torch.dtype (e.g. torch.float32), got {dtype!r}")
+    if device is not None:
+        given = device
+        try:
+            device = torch.device(device)
+            torch.empty(0, device=device)  # a device this build or machine lacks fails here, not mid-construction
+        except (RuntimeError, TypeError, AssertionError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"device must be a torch.device or device name available here (e.g. 'cpu'), got "
+                             f"{given!r}: {why}") from None
+    return {"device": device, "dtype": dtype}
+
+
 class AttentionBase(nn.Module, abc.ABC):
     """Query/value/output projections, head split and mask conversion; subclasses supply keys and the core.
 
@@ -52,9 +79,13 @@ class AttentionBase(nn.Module, abc.ABC):
             ``nn.MultiheadAttention`` (whose default is False). There is no default because a module built with one
             layout and set into a torch layer of the other would attend across the batch without any error
             (torch's layers default to False, mgk's models use True).
+        device, dtype: where and in which floating dtype the parameters and buffers are created, as torch's factory
+            keywords (``nn.MultiheadAttention(..., device=, dtype=)``; "meta" builds without memory); default
+            torch's. Subclasses create their own parameters and buffers the same way (:func:`factory_kwargs`).
 
     Raises:
-        TypeError when ``batch_first`` is not given; ValueError naming the argument for bad sizes.
+        TypeError when ``batch_first`` is not given; ValueError naming the argument for bad sizes, a ``dtype`` that
+        is not floating-point or a ``device`` that is not available.
 
     ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` accept these modules as ``self_attn`` /
     ``multihead_attn``: their eval-mode fast path reads ``in_proj_bias`` and ``_qkv_same_embed_dim``, which are None
@@ -74,8 +105,9 @@ class AttentionBase(nn.Module, abc.ABC):
 
     def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, dropout: float = 0.0,
                  bias: bool = True, kdim: int | None = None, vdim: int | None = None,
-                 batch_first: bool | None = None):
+                 batch_first: bool | None = None, device=None, dtype=None):
         super().__init__()
+        factory = factory_kwargs(device, dtype)
         if batch_first is None:
             raise TypeError(f"{type(self).__name__} needs batch_first: pass {_LAYOUTS}")
         if not isinstance(batch_first, bool):
@@ -95,9 +127,9 @@ class AttentionBase(nn.Module, abc.ABC):
         self.kdim = _positive_int(kdim if kdim is not None else embed_dim, "kdim")
         self.vdim = _positive_int(vdim if vdim is not None else embed_dim, "vdim")
         width = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(self.embed_dim, width, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, self.kv_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(width, self.embed_dim, bias=bias)
+        self.q_proj = nn.Linear(self.embed_dim, width, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, self.kv_heads * self.head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(width, self.embed_dim, bias=bias, **factory)
 
     @property
     def kv_heads(self) -> int:

@@ -40,7 +40,7 @@ class GroupedQueryAttention(MultiheadAttention):
     ``nn.MultiheadAttention`` like :class:`mgk.attention.softmax.MultiheadAttention`.
 
     Args:
-        embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first: as
+        embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`mgk.attention.base.AttentionBase`; num_heads is H, the query heads.
         num_kv_heads: G, key and value heads (default None: G = H, which is multi-head softmax attention with the
             same parameter names, so a softmax layer's state dict loads as is). Query head h reads key/value

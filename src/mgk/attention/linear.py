@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ..fields import Label, spec
 from ..functional.linear import EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE, linear_attention, linear_form, mlk_attention
 from . import module_masks
-from .base import AttentionBase
+from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
 from .cache_spec import CacheSpec
 from .flops import total
@@ -109,7 +109,7 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
     """Linear attention with H heads of size D and the feature map ``elu(x) + 1`` (Katharopoulos et al. 2020).
 
     Args:
-        embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
+        embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first, device, dtype: as :class:`AttentionBase`.
         dropout: accepted so that one constructor call builds every attention kind, but unused: linear attention
             never forms attention weights, so there is nothing to drop (the output is deterministic in training).
         options: a :class:`LinearOptions` (the keyword options below, with their defaults, are its fields; give
@@ -131,7 +131,8 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         options = LinearOptions(**values) if options is None else options  # the defaults, written once there
         super().__init__(embed_dim, num_heads, **base)
         self._set_form(options)
-        self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None)
+        self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None,
+                                **factory_kwargs(base.get("device"), base.get("dtype")))
 
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key))
@@ -154,7 +155,7 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
     The key feature is ``phi~(k_j) = sum_r pi_r phi(k_jr)``; see :func:`mgk.functional.mlk_attention`.
 
     Args:
-        embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
+        embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first, device, dtype: as :class:`AttentionBase`.
         dropout: accepted but unused, as in :class:`LinearAttention`.
         options: an :class:`MLKOptions` (the keyword options below, with their defaults, are its fields; give
             either the object or the keywords).
@@ -195,7 +196,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
                    else "unknown mode")
             raise ValueError(f"MLKAttention supports only pi='learned', got pi={pi!r} ({why})")
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,
-                                   bias=self.q_proj.bias is not None)
+                                   bias=self.q_proj.bias is not None, **factory_kwargs(base.get("device"),
+                                                                                       base.get("dtype")))
         self._set_form(options, options.mix)
 
     def mixture_log_weights(self, S: int) -> Tensor:

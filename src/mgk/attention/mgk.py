@@ -23,7 +23,7 @@ from ..functional import (
     mgk_cache_step,
     mgk_responsibilities,
 )
-from .base import AttentionBase
+from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
 from .cache_spec import CacheSpec
 from .flops import total
@@ -86,7 +86,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     """Transformer-MGK attention: each head's keys are a mixture of M Gaussians (paper eq. 9-10).
 
     Args:
-        embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first: as :class:`AttentionBase`.
+        embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
+            :class:`AttentionBase`.
         options: an :class:`MGKOptions` (the keyword options below, with their defaults, are its fields; give
             either the object or the keywords).
         num_keys: M, mixture components per key (the paper uses 2).
@@ -135,22 +136,24 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         base, values = split_options(MGKOptions, kwargs)
         options = MGKOptions(**values) if options is None else options  # the defaults, written once there
         super().__init__(embed_dim, num_heads, **base)
+        factory = factory_kwargs(base.get("device"), base.get("dtype"))
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,
-                                   bias=self.q_proj.bias is not None)
-        self._set_variances(options.sigma2, self.mixture.num_keys)
+                                   bias=self.q_proj.bias is not None, **factory)
+        self._set_variances(options.sigma2, self.mixture.num_keys, **factory)
         if not torch.cuda.is_available():
             # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
             # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
             cpu_kernel_available(torch.empty(0), 0.0)
 
-    def _set_variances(self, sigma2, M: int) -> None:
-        """The variances behind :attr:`sigma2`: a (M,) float64 buffer ``sigma2`` of fixed values, or for
-        ``sigma2="learned"`` an (H, M) parameter ``log_sigma2`` (sigma^2 = exp of it: positive for every value the
-        optimiser reaches, with a gradient nowhere cut by a clamp), starting at sqrt(head_dim)."""
+    def _set_variances(self, sigma2, M: int, device=None, dtype=None) -> None:
+        """The variances behind :attr:`sigma2`: a (M,) buffer ``sigma2`` of fixed values (float64 unless ``dtype``
+        is given), or for ``sigma2="learned"`` an (H, M) parameter ``log_sigma2`` (sigma^2 = exp of it: positive for
+        every value the optimiser reaches, with a gradient nowhere cut by a clamp), starting at sqrt(head_dim)."""
         if isinstance(sigma2, str):
             if sigma2 != "learned":
                 raise ValueError(f"sigma2 must be None, a positive float, M floats or 'learned', got {sigma2!r}")
-            self.log_sigma2 = nn.Parameter(torch.full((self.num_heads, M), 0.5 * math.log(self.head_dim)))
+            self.log_sigma2 = nn.Parameter(torch.full((self.num_heads, M), 0.5 * math.log(self.head_dim),
+                                                      device=device, dtype=dtype))
             return
         if sigma2 is None:
             sigma2 = [math.sqrt(self.head_dim)] * M
@@ -161,7 +164,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         sigma2 = torch.as_tensor(sigma2, dtype=torch.float64).reshape(-1)
         if sigma2.numel() != M or not bool(torch.all(sigma2 > 0)):
             raise ValueError(f"sigma2 must be positive with one value per component ({M}), got {sigma2.tolist()}")
-        self.register_buffer("sigma2", sigma2)
+        # checked on the CPU above (a meta tensor has no values); an explicit dtype applies as Module.to(dtype) would
+        self.register_buffer("sigma2", sigma2.to(device=device, dtype=dtype or torch.float64))
 
     @property
     def sigma2(self) -> Tensor:

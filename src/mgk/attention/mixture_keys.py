@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
-from .base import AttentionBase, _positive_int
+from .base import AttentionBase, _positive_int, factory_kwargs
 from .options import Options
 
 KEY_MODES = ("separate", "shifted")
@@ -45,7 +45,7 @@ class MixtureOptions(Options):
 
 
 # The keyword arguments of AttentionBase: a module's own keywords are everything else.
-BASE_ARGUMENTS = ("head_dim", "dropout", "bias", "kdim", "vdim", "batch_first")
+BASE_ARGUMENTS = ("head_dim", "dropout", "bias", "kdim", "vdim", "batch_first", "device", "dtype")
 
 
 def split_options(cls: type, kwargs: dict) -> tuple[dict, dict]:
@@ -94,6 +94,8 @@ class MixtureKeys(nn.Module):
             form's; unlike the authors' clamp to [0, 1], exp keeps a gradient everywhere (pi may exceed 1).
         max_len: longest key sequence; required by pi="soft_e" and pi_shape="position".
         bias: whether the key projections have biases.
+        device, dtype: where and in which floating dtype the parameters and the ``pi`` buffer are created (torch's
+            factory keywords; default torch's).
 
     Raises:
         ValueError naming the option for bad values.
@@ -105,8 +107,9 @@ class MixtureKeys(nn.Module):
     component_gate: Tensor | None = None
 
     def __init__(self, kdim: int, num_heads: int, head_dim: int, options: MixtureOptions, *,
-                 keys: str = "separate", bias: bool = True):
+                 keys: str = "separate", bias: bool = True, device=None, dtype=None):
         super().__init__()
+        factory = factory_kwargs(device, dtype)
         num_keys, pi, pi_shape = options.num_keys, options.pi, options.pi_shape
         pi_norm, max_len = options.pi_norm, options.max_len
         M = self.num_keys = _positive_int(num_keys, "num_keys")
@@ -129,16 +132,16 @@ class MixtureKeys(nn.Module):
         self.num_heads, self.head_dim = num_heads, head_dim
         H, D = num_heads, head_dim
         if keys == "separate":
-            self.k_proj = nn.Linear(kdim, M * H * D, bias=bias)
+            self.k_proj = nn.Linear(kdim, M * H * D, bias=bias, **factory)
         else:
-            self.k_proj = nn.Linear(kdim, H * D, bias=bias)
-            self.key_shift = nn.Parameter(torch.randn(M - 1, H, D) * 0.5)
+            self.k_proj = nn.Linear(kdim, H * D, bias=bias, **factory)
+            self.key_shift = nn.Parameter(torch.randn(M - 1, H, D, **factory) * 0.5)
         if pi == "learned":
             shape = {"head": (H, M), "layer": (1, M)}.get(pi_shape) or (H, M, self.max_len)
             start = 0.0 if pi_norm == "softmax" else -math.log(M)  # pi = 1/M either way
-            self.pi_logits = nn.Parameter(torch.full(shape, start))
+            self.pi_logits = nn.Parameter(torch.full(shape, start, **factory))
         elif pi == "soft_e":
-            self.register_buffer("pi", torch.full((H, M, self.max_len), 1.0 / M))
+            self.register_buffer("pi", torch.full((H, M, self.max_len), 1.0 / M, **factory))
 
     def forward(self, key: Tensor) -> Tensor:
         """Project key inputs (B, S, kdim) to mixture keys (B, H, M, S, D)."""

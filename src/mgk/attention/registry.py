@@ -39,7 +39,8 @@ class AttentionKind:
     family: "softmax", "mixture" (Gaussian mixture keys) or "linear" (linear attention, with or without mixture keys).
     label: display name in tables and reports ("sMGK").
     options: the frozen dataclass of the kind's options (an :class:`~mgk.attention.options.Options` subclass).
-    factory: ``factory(embed_dim, num_heads, *, head_dim, dropout, bias, batch_first, **options) -> nn.Module``.
+    factory: ``factory(embed_dim, num_heads, *, head_dim, dropout, bias, batch_first, **options) -> nn.Module``;
+        also ``kdim``, ``vdim``, ``device`` and ``dtype`` when a caller gives them.
     flops: ``flops(options, *, heads, length, batch, embed_dim, head_dim, causal, backward, mixture_kernel) -> int``,
         FLOPs of one call (:mod:`mgk.attention.flops`).
     cache: what a decoding cache of one layer holds.
@@ -83,17 +84,20 @@ class AttentionKind:
 
     def build(self, embed_dim: int, num_heads: int, options: Options, *, head_dim: int | None = None,
               dropout: float = 0.0, bias: bool = True, batch_first: bool = True, kdim: int | None = None,
-              vdim: int | None = None) -> nn.Module:
+              vdim: int | None = None, device=None, dtype=None) -> nn.Module:
         """The module of this kind with ``options`` (an instance of :attr:`options`, checked here). ``batch_first``:
         the layout (True: (B, T, E), mgk's models; False: (T, B, E), torch's default); ``kdim`` / ``vdim``: widths
-        of the key and value inputs (default embed_dim), passed on only when given."""
+        of the key and value inputs (default embed_dim); ``device`` / ``dtype``: where and in which floating dtype
+        its parameters and buffers are created (torch's factory keywords). Those four are passed on only when
+        given; the module raises ValueError naming a bad one."""
         if not isinstance(options, self.options):
             raise ValueError(f"attention kind {self.name!r} takes {self.options.__name__}, got "
                              f"{type(options).__name__}")
         options.check(self.name)
-        widths = {k: v for k, v in (("kdim", kdim), ("vdim", vdim)) if v is not None}
+        given = {k: v for k, v in (("kdim", kdim), ("vdim", vdim), ("device", device), ("dtype", dtype))
+                 if v is not None}
         return self.factory(embed_dim, num_heads, head_dim=head_dim, dropout=dropout, bias=bias,
-                            batch_first=batch_first, **widths, **options.as_kwargs())
+                            batch_first=batch_first, **given, **options.as_kwargs())
 
 
 def register(kind: AttentionKind) -> AttentionKind:
@@ -142,7 +146,7 @@ def check_options(kind: str, options) -> None:
 
 def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int | None = None,
                     dropout: float = 0.0, bias: bool = True, batch_first: bool = True, kdim: int | None = None,
-                    vdim: int | None = None, **options) -> nn.Module:
+                    vdim: int | None = None, device=None, dtype=None, **options) -> nn.Module:
     """Build the attention module ``kind`` (:func:`attention_kinds`: "softmax", "mgk", "smgk", "linear", "mlk",
     "smlk", "gqa") with ``num_heads`` heads of ``head_dim`` (default ``embed_dim // num_heads``).
 
@@ -151,12 +155,14 @@ def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int 
     feature_map, output_scale, eps, eps_mode for linear attention (:func:`mgk.functional.linear_attention`), and
     those plus num_keys, pi, pi_shape, pi_norm, max_len and mix for MLK / sMLK; num_kv_heads for GQA / MQA; none for
     softmax.
-    ``batch_first`` (default True, mgk's models), ``kdim`` and ``vdim`` as :meth:`AttentionKind.build`.
-    Raises ValueError for an unknown kind, an option the kind does not take (naming both), or a bad value.
+    ``batch_first`` (default True, mgk's models), ``kdim``, ``vdim``, ``device`` and ``dtype`` (torch's factory
+    keywords, as ``nn.MultiheadAttention``: ``device="meta"`` builds without memory) as :meth:`AttentionKind.build`.
+    Raises ValueError for an unknown kind, an option the kind does not take (naming both), a bad value, or a
+    ``dtype`` that is not floating-point or a ``device`` not available here.
     """
     spec = get_kind(kind)
     return spec.build(embed_dim, num_heads, spec.make_options(**options), head_dim=head_dim, dropout=dropout,
-                      bias=bias, batch_first=batch_first, kdim=kdim, vdim=vdim)
+                      bias=bias, batch_first=batch_first, kdim=kdim, vdim=vdim, device=device, dtype=dtype)
 
 
 def kind_variants() -> list[tuple[str, dict]]:

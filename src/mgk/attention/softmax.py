@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from ..functional.softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference
-from .base import AttentionBase
+from .base import AttentionBase, factory_kwargs
 from .cache_spec import CacheSpec
 from .flops import total
 from .options import Options
@@ -71,7 +71,8 @@ class MultiheadAttention(AttentionBase):
 
     def __init__(self, embed_dim: int, num_heads: int, **kwargs):
         super().__init__(embed_dim, num_heads, **kwargs)
-        self.k_proj = nn.Linear(self.kdim, self.kv_heads * self.head_dim, bias=self.q_proj.bias is not None)
+        self.k_proj = nn.Linear(self.kdim, self.kv_heads * self.head_dim, bias=self.q_proj.bias is not None,
+                                **factory_kwargs(kwargs.get("device"), kwargs.get("dtype")))
 
     def _cached_core(self, q, x, v, valid, cache):
         entries = cache.append(valid, keys=self._keys(x), values=v)
