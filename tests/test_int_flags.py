@@ -66,3 +66,58 @@ def test_the_largest_seed_trains(tmp_path, th):
 def test_torch_seed_keeps_every_seed_that_fits():
     assert [torch_seed(s) for s in (0, 1, 12345, SEED_MAX)] == [0, 1, 12345, SEED_MAX]
     assert torch_seed(SEED_MAX * 7919 + 3) == (SEED_MAX * 7919 + 3) % 2 ** 64
+
+
+# Every entry point checks its own numbers: `mgk reproduce` used to pass a seed out of range on to the `mgk train`
+# command line of each run, which exited with `mgk train`'s usage block about --seed; a bench --timeout beyond what
+# a subprocess can wait ran the row, then died in a traceback; swap_attention(seed=2**64) gave torch's "Overflow
+# when unpacking long long".
+REPRODUCE = ["reproduce", "lra-softmax-family", "--scale", "smoke", "--only", "task=listops", "--only",
+             "row=softmax-8", "--dry-run"]
+
+
+@pytest.mark.parametrize("seeds", [BIG, "-1", f"0,{BIG}"])
+def test_reproduce_checks_its_seeds_itself(capsys, tmp_path, seeds):
+    text = _one_line_error(capsys, [*REPRODUCE, "--out", str(tmp_path), "--seeds", seeds])
+    assert text.startswith("mgk reproduce: argument --seeds") and f"[0, {SEED_MAX}]" in text, text
+    assert "mgk train" not in text
+
+
+@pytest.mark.parametrize("flag, value", [("--jobs", BIG), ("--threads", str(2 ** 31)), ("--threads", "-1"),
+                                         ("--analyze", BIG)])
+def test_reproduce_numeric_flags_name_themselves(capsys, tmp_path, flag, value):
+    text = _one_line_error(capsys, [*REPRODUCE, "--out", str(tmp_path), "--seeds", "0", flag, value])
+    assert text.startswith(f"mgk reproduce: argument {flag}: must be"), text
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "attention", "--timeout", "1e300", "--lengths", "16", "--kinds", "softmax:1", "--repeats", "1",
+     "--embed-dim", "8", "--head-dim", "4"],
+    ["bench", "decode", "--timeout", "3e6", "--targets", "layer", "--kinds", "softmax:1", "--contexts", "8",
+     "--batches", "1", "--steps", "1", "--embed-dim", "8", "--head-dim", "4"],
+    ["train", "--threads", str(2 ** 31), "--steps", "1"],
+])
+def test_time_and_thread_flags_beyond_what_the_system_takes_are_one_line(capsys, argv):
+    flag = next(a for a in argv if a in ("--timeout", "--threads"))
+    text = _one_line_error(capsys, argv)
+    assert f"argument {flag}: must be in" in text, text
+
+
+def test_a_bench_row_waits_at_most_what_a_subprocess_can():
+    """A cell's timeout times its kinds (--same-process) may pass the limit that --timeout itself keeps."""
+    from mgk.bench.rows import run_row
+
+    assert run_row("print('{\"ok\": 1}')", 1e300, rss=False) == {"ok": 1}
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, -1, True, 1.5])
+def test_swap_attention_checks_its_seed(seed):
+    import torch
+
+    import mgk
+
+    model = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2, batch_first=True))
+    with pytest.raises(ValueError, match=rf"^swap_attention: seed must be an integer in \[0, {SEED_MAX}\]"):
+        mgk.swap_attention(model, "mgk", seed=seed)
+    assert isinstance(model[0], torch.nn.MultiheadAttention)  # refused before anything was replaced
+    mgk.swap_attention(model, "mgk", seed=SEED_MAX)

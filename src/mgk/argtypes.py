@@ -7,7 +7,7 @@ import math
 
 from .seeds import INT64_MAX, SEED_MAX
 
-__all__ = ["number", "seed"]
+__all__ = ["THREADS_MAX", "number", "seed", "threads"]
 
 
 def _show(x) -> str:
@@ -47,3 +47,9 @@ def number(kind: type = int, low: float | None = None, high: float | None = None
 
 # A seed as torch takes it (mgk.seeds): every --seed of every command.
 seed = number(int, 0, SEED_MAX, note="(64 bits)")
+
+
+# A count of CPU threads: torch.set_num_threads (and OpenMP's OMP_NUM_THREADS) take a C int, and fail beyond it
+# with "Overflow when unpacking long".
+THREADS_MAX = 2 ** 31 - 1
+threads = number(int, 1, THREADS_MAX)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..seeds import check_seed
 from .base import AttentionBase, _positive_int
 from .registry import build_attention, check_options
 from .softmax import from_torch_state_dict
@@ -45,6 +46,7 @@ def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict) -> dic
     check_options(kind, options)
     if num_heads is not None:
         _positive_int(num_heads, "num_heads")
+    seed = check_seed(seed, "swap_attention: seed")  # torch's own error names nothing a caller can change
     return {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..argtypes import number
 from ..choices import argparse_type, unknown
 from ..seeds import INT64_MAX
+from .rows import MAX_TIMEOUT_S
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
 
@@ -109,6 +110,10 @@ def _positive(kind):
     return number(kind, 0, low_open=True)
 
 
+# --timeout of every bench: seconds a row may take, at most what a subprocess can wait (mgk.bench.rows).
+_timeout = number(float, 0, MAX_TIMEOUT_S, low_open=True, note="seconds")
+
+
 def _device(text: str) -> str:
     """--device: a torch device string that exists here."""
     from ..train.distributed import check_device
@@ -159,7 +164,7 @@ def add_parser(sub) -> None:
     a.add_argument("--rounds", type=_positive(int), default=None,
                    help="rounds of --same-process (default 5; each kind makes --repeats calls per round)")
     a.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
-    a.add_argument("--timeout", type=_positive(float), default=600.0,
+    a.add_argument("--timeout", type=_timeout, default=600.0,
                    help="seconds per row before it is reported as failed")
     a.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
     m = kinds.add_parser("model", help="training/inference tokens per second and memory of a preset's model")
@@ -172,7 +177,7 @@ def add_parser(sub) -> None:
                    help="override a preset setting, as in mgk train (repeatable), e.g. --set grad_accum=4")
     m.add_argument("--steps", type=_positive(int), default=3, help="timed steps per row (median reported)")
     m.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
-    m.add_argument("--timeout", type=_positive(float), default=3600.0,
+    m.add_argument("--timeout", type=_timeout, default=3600.0,
                    help="seconds per row before it is reported as failed")
     m.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
     _decode_parser(kinds)
@@ -210,7 +215,7 @@ def _decode_parser(kinds) -> None:
                         "capacity, as generate(..., compile=True) runs it; its compiling first step is reported "
                         "apart")
     d.add_argument("--device", type=_device, default="cpu", help="torch device to run on (default cpu)")
-    d.add_argument("--timeout", type=_positive(float), default=1200.0,
+    d.add_argument("--timeout", type=_timeout, default=1200.0,
                    help="seconds per row before it is reported as failed")
     d.add_argument("--json", type=_output_path, default=None, help="write the rows and machine facts here")
     d.add_argument("--plot", type=_png_path, default=None, metavar="PNG",

@@ -10,6 +10,9 @@ import subprocess
 import sys
 
 BUSY_LOAD = 0.5  # 1-minute load average above which the machine is called busy: other work held half a core
+# The longest wait subprocess.run takes: its poll(2) counts milliseconds in a C int, and a longer timeout is an
+# OverflowError ("timeout is too large") after the row has run (about 24.8 days).
+MAX_TIMEOUT_S = (2 ** 31 - 1) // 1000
 
 
 def failure(returncode: int, stderr: str) -> str:
@@ -41,7 +44,8 @@ def run_row(code: str, timeout: float, *, rss: bool = True) -> dict:
     False and run under the allocator's defaults, as a user's process does."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if rss else dict(os.environ)
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=min(timeout, MAX_TIMEOUT_S), env=env)  # a cell's timeout x kinds may exceed it
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout:g} s"}
     if p.returncode == 0:

@@ -1,10 +1,13 @@
 """``mgk reproduce EXPERIMENT``: a paper table as one resumable grid of ``mgk train`` runs, then its report."""
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from pathlib import Path
 
+from ..argtypes import THREADS_MAX, number
+from ..argtypes import seed as seed_type
 from ..choices import argparse_type
 from .experiments import EXPERIMENTS, get_experiment
 from .grid import ONLY_KEYS, expand, parse_data, parse_only
@@ -26,7 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--scale", default="cpu", type=argparse_type("scale", SCALES),
                    help="paper (the *-paper presets, for GPUs), cpu (reduced: minutes a run on one core; default) "
                         "or smoke (seconds a run)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default: 0,1,2)")
+    p.add_argument("--seeds", default="0,1,2", type=_seeds,
+                   help="comma-separated training seeds, each 0 to 2**64 - 1 (default: 0,1,2)")
     p.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
                    help="data of a task (repeatable); default: the scale's path under --data-root")
     p.add_argument("--data-root", default=None,
@@ -36,8 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"restrict the grid (repeatable; keys {', '.join(ONLY_KEYS)}), e.g. --only row=mgk-4,"
                         "softmax-8 --only task=listops; --only task=image adds an optional task")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--jobs", type=number(int, 1), default=1, help="runs at once (default 1)")
+    p.add_argument("--threads", type=number(int, 0, THREADS_MAX), default=1,
                    help="OMP/MKL threads of each run (default 1; 0 leaves the environment as it is)")
     p.add_argument("--executor", default="local", choices=["local", "submitit-local", "slurm"],
                    help="local: subprocesses here; submitit-local: submitit's local executor; slurm: one submitit "
@@ -47,18 +51,25 @@ def add_parser(sub) -> None:
                         "gpus_per_node, partition, account, qos, constraint, ...")
     p.add_argument("--dry-run", action="store_true", help="print the runs, their state and commands; run nothing")
     p.add_argument("--report-only", action="store_true", help="write the report from what exists; run nothing")
-    p.add_argument("--analyze", type=int, default=0, metavar="N",
+    p.add_argument("--analyze", type=number(int, 0), default=0, metavar="N",
                    help="also run `mgk analyze --compare` on each task's finished rows (one seed each) with N "
                         "examples, into <out>/analysis/<task>/, linked from REPORT.md (default 0: no analysis)")
 
 
 def _seeds(text: str) -> list[int]:
+    """argparse type of --seeds: distinct comma-separated seeds, each in the range of ``mgk train --seed`` (checked
+    here, so that a bad one is this flag's error, not the usage of the `mgk train` each run would be)."""
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,1,2") from None
     if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {text!r}: expected distinct integers, e.g. 0,1,2")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers, e.g. 0,1,2")
+    for s in seeds:
+        try:
+            seed_type(str(s))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"every seed {e}") from None
     return seeds
 
 
@@ -88,13 +99,9 @@ def run(args) -> int:
 
     try:
         exp = get_experiment(args.experiment)
-        seeds = _seeds(args.seeds)
+        seeds = args.seeds  # the numeric flags are checked by their argparse types, each naming itself
         only = parse_only(args.only)
         data = parse_data(args.data, (*exp.tasks, *exp.optional_tasks))
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-        if args.analyze < 0:
-            raise ValueError(f"--analyze must be >= 0 (examples per analysis), got {args.analyze}")
         out = Path(args.out or f"runs/reproduce/{exp.name}-{args.scale}").absolute()
         runs = expand(exp, args.scale, seeds, out, only=only, data=data, data_root=args.data_root)
         params = ex.slurm_parameters(args.slurm) if args.executor != "local" else None

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .. import config as config_mod
-from ..argtypes import number, seed
+from ..argtypes import seed, threads
 from ..attention import attention_kinds
 from ..choices import argparse_type, require
 from ..tasks import TASKS, all_presets
@@ -38,7 +38,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--seed", type=seed, default=None, help="training seed, 0 to 2**64 - 1 (default: the preset's)")
     p.add_argument("--precision", default=None, choices=["32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=number(int, 1), default=None,
+    p.add_argument("--threads", type=threads, default=None,
                    help="CPU threads of this process (torch.set_num_threads; default: 1 for models under 1M "
                         "parameters, which lose little on one thread and much when threads spin against another "
                         "busy process, else torch's, one per core or $OMP_NUM_THREADS); with several runs on one "
