@@ -137,6 +137,10 @@ class AttentionBase(nn.Module, abc.ABC):
         attention, whose module sets them before this base's constructor runs."""
         return self.num_heads
 
+    # Whether the kind's weights depend on the key position (then _core takes key_positions (B, S) int64 with a
+    # key_padding_mask): mixture kinds with per-position weights.
+    _position_weighted = False
+
     # -- hooks for subclasses -------------------------------------------------------------------------------
     @abc.abstractmethod
     def _keys(self, key: Tensor) -> Tensor:
@@ -265,6 +269,10 @@ class AttentionBase(nn.Module, abc.ABC):
                                                         self_attention)
         q, k, v = self._split(self.q_proj(query)), self._keys(key), self._values(value)
         extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
+        if key_padding_mask is not None and self._position_weighted:
+            # per-position weights are read at each row's own positions (counted from its first real key), as the
+            # decoding cache counts them: a left-padded row gives what it gives alone
+            extra["key_positions"] = module_masks.key_positions(key_padding_mask)
         out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
         if self.head_gate is not None:
             out = out * self._gate_shape(self.head_gate, B)

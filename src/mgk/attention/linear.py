@@ -212,8 +212,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
         return self._recurrent(mlk_attention, q, self._keys(x), v, valid, cache, log_pi=log_pi, mix=self.mix)
 
-    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask):
-        log_pi = self.mixture_log_weights(k.shape[3])
+    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, key_positions=None):
+        log_pi = self._log_weights_of(k.shape[3], key_positions)
         result = mlk_attention(q, k, v, log_pi=log_pi, attn_mask=mask, is_causal=is_causal, mix=self.mix,
                                return_weights=need_weights, **self._form_kwargs())
         return result if need_weights else (result, None)

@@ -82,6 +82,11 @@ class _CommitStatistics(torch.autograd.Function):
         return grad_out, None, None
 
 
+def _rows(t: Tensor | None, row: slice) -> Tensor | None:
+    """Rows ``row`` of a tensor of B rows (or broadcast over them: its one row, kept)."""
+    return t if t is None or t.shape[0] == 1 else t[row]
+
+
 class MGKAttention(MixtureKeysMixin, AttentionBase):
     """Transformer-MGK attention: each head's keys are a mixture of M Gaussians (paper eq. 9-10).
 
@@ -262,10 +267,10 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
                               centre=cache.extra["centre"], key_valid=cache.key_valid(), log_pi=log_pi,
                               **entry_options).to(v.dtype)
 
-    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None):
-        log_pi = self.mixture_log_weights(k.shape[3])
+    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
+        log_pi = self._log_weights_of(k.shape[3], key_positions)
         collect = self._collects_statistics(q)
-        if collect and bias is None and not need_weights:
+        if collect and bias is None and not need_weights and key_positions is None:
             # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
             fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
                                          is_causal=is_causal, dropout_p=self.attn_dropout, query_mask=query_mask,
@@ -278,9 +283,19 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
                                return_weights=need_weights, backend=self.backend)
         out, weights = result if need_weights else (result, None)
         if collect:
-            resp, count = mgk_responsibilities(q, k, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
-                                               is_causal=is_causal, query_mask=query_mask)
-            out = self._commit_on_backward(out, resp, count)
+            rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
+            stats = None
+            for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
+                resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=self.sigma2,
+                                                   attn_mask=_rows(mask, row), is_causal=is_causal,
+                                                   query_mask=_rows(query_mask, row))
+                if key_positions is not None:
+                    at = key_positions[row][0]
+                    resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
+                        count.new_zeros(count.shape).index_add_(1, at, count)
+                stats = (resp, count) if stats is None else (stats[0] + resp, stats[1] + count)
+            if stats is not None:
+                out = self._commit_on_backward(out, *stats)
         return out, weights
 
     # -- Soft-E: statistics in forward, committed in backward, applied by soft_e_step ---------------------------

@@ -264,6 +264,20 @@ class MixtureKeysMixin:
     pi_norm = property(lambda self: self.mixture.pi_norm)
     max_len = property(lambda self: self.mixture.max_len)
 
+    @property
+    def _position_weighted(self) -> bool:
+        """Whether the weights are per key position (AttentionBase then passes each row's key positions)."""
+        return self.mixture.position_limit() is not None
+
+    def _log_weights_of(self, S: int, key_positions: Tensor | None) -> Tensor | None:
+        """log pi of S keys broadcastable to (B, H, M, S): at ``key_positions`` (B, S) int64 (each row's own,
+        counted from its first real key) when given, else at positions 0 .. S - 1; None for Hard-E. ValueError
+        naming S and max_len when per-position weights do not cover S keys."""
+        self.mixture.check_length(S, type(self).__name__)
+        if key_positions is None:
+            return self.mixture.log_weights(S)
+        return self.mixture.log_weights_at(key_positions)
+
     def _keys(self, key: Tensor) -> Tensor:
         return self.mixture(key)
 

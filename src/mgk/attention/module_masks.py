@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..functional.masks import MaskError, causal_mask
+from .cache import token_positions
 
 
 def _split_one(mask, name: str, bias_ok: bool, owner: str, why: str):
@@ -95,3 +96,12 @@ def causal_hint(attn_mask, is_causal: bool, L: int, S: int):
     if is_causal_mask(attn_mask, L, S):
         return None, True
     return attn_mask, is_causal
+
+
+def key_positions(key_padding_mask: Tensor) -> Tensor:
+    """(B, S) int64 positions of the keys of each row, counted from its first real key (the rule of the decoding
+    cache, :func:`mgk.attention.cache.token_positions`): ``key_padding_mask`` (B, S) bool True = padding, or float
+    with -inf = padding. A padding key gets the position of the next real one (nothing attends to it)."""
+    pad = key_padding_mask if key_padding_mask.dtype == torch.bool else torch.isneginf(key_padding_mask)
+    seen = torch.zeros(pad.shape[0], dtype=torch.int64, device=pad.device)
+    return token_positions(seen, ~pad, pad.shape[1])

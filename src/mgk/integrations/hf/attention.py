@@ -2,12 +2,20 @@
 called with the model's masks, rotary embeddings and cache."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
+from ...functional.masks import causal_mask
 from .cache import mgk_layer
 
-__all__ = ["HFAttention", "key_valid"]
+try:  # transformers 5.x records output_attentions=True by hooks it installs on its own attention classes only
+    from transformers.utils.output_capturing import install_output_capuring_hook as _record_hook
+except ImportError:  # older versions read the maps from the attention's second output
+    _record_hook = None
+
+__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout"]
 
 # what the decoder layers of the supported transformers versions call the cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -40,6 +48,148 @@ def key_valid(attention_mask, L: int) -> Tensor | None:
     return None if bool(valid.all()) else valid
 
 
+class MaskLayout(NamedTuple):
+    """What the mask a transformers model passes its attention asks of one call (:func:`mask_layout`).
+
+    ``form``: "plain" (the architecture's causality and key padding only), "packed" (several sequences in a row,
+    each attending only to itself: a block-diagonal mask, which transformers builds from ``position_ids`` that restart
+    at 0) or "general" (any other mask). ``valid``: (B, S) bool, True = a real token (a key some real query may
+    attend to), or None (no padding). ``segments``: "packed" only, (B, L) int64, the sequence of each token counted
+    from 1 in its row, 0 for padding. ``mask``: "general" only, (B, 1, L, S) bool True = may attend, or float added
+    to the logits (-inf = not allowed)."""
+
+    form: str
+    valid: Tensor | None = None
+    segments: Tensor | None = None
+    mask: Tensor | None = None
+
+
+def _allowed(attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(B, L, S) bool True = may attend, and the float additive part of a float mask (None when all zero), of a
+    (B, 1, L, S) mask: bool True = may attend, or float with a large negative number (transformers' finfo.min) or
+    -inf = not allowed."""
+    m = attention_mask[:, 0]
+    if m.dtype == torch.bool:
+        return m, None
+    if not m.is_floating_point():
+        return m != 0, None
+    allowed = m > torch.finfo(m.dtype).min / 2
+    bias = torch.where(allowed, m, torch.zeros((), dtype=m.dtype, device=m.device))
+    return allowed, (bias if bool(bias.any()) else None)
+
+
+def _differs(allowed: Tensor, expected: Tensor, query_ok: Tensor) -> bool:
+    """Whether the masks differ on a real query's row (padding rows hold anything: their outputs are unused)."""
+    return bool(((allowed ^ expected) & query_ok.unsqueeze(-1)).any())
+
+
+def _segments(allowed: Tensor, query_ok: Tensor) -> Tensor:
+    """(B, L) int64: the packed sequence of each real token, counted from 1 in its row (0 for padding). A real token
+    starts a sequence when it may attend to no earlier real token."""
+    L = allowed.shape[-1]
+    earlier = torch.ones(L, L, dtype=torch.bool, device=allowed.device).tril(-1)
+    sees_earlier = (allowed & earlier & query_ok.unsqueeze(1)).any(-1)
+    start = query_ok & ~sees_earlier
+    return torch.where(query_ok, start.long().cumsum(1), 0)
+
+
+def mask_layout(attention_mask, L: int, causal: bool) -> MaskLayout:
+    """The :class:`MaskLayout` of the mask a transformers model passes its attention modules for L queries.
+
+    Args:
+        attention_mask: None (no padding: causality comes from the architecture, transformers PR #45811), a (B, S)
+            0/1 padding mask (flash attention's form), or (B, 1, L, S) bool (True = may attend) or float (0 = may
+            attend, transformers' finfo.min or -inf not; other values are added to the logits).
+        L: the number of queries (the last L of the S keys).
+        causal: whether the architecture is causal (the mask is then checked against the bottom-right causal order).
+    Returns:
+        "plain" when the mask is the causal order (when ``causal``) and key padding on every real query's row (a real
+        query is one that may attend to its own key); "packed" when it is block-diagonal (L == S, each real token
+        attending to the real tokens of its own sequence only); "general" otherwise.
+    Raises:
+        ValueError naming ``attn_implementation`` for another form (flex attention's BlockMask)."""
+    if attention_mask is None:
+        return MaskLayout("plain")
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() not in (2, 4):
+        raise ValueError(f"mgk attention takes the model's mask as a (B, S) or (B, 1, L, S) tensor, got "
+                         f"{type(attention_mask).__name__}: load the model with attn_implementation='sdpa' or "
+                         "'eager'")
+    if attention_mask.dim() == 2:
+        valid = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+        return MaskLayout("plain", None if bool(valid.all()) else valid)
+    if attention_mask.shape[1] != 1:  # a mask per head: passed on as it is
+        return MaskLayout("general", mask=attention_mask)
+    allowed, bias = _allowed(attention_mask)
+    S = allowed.shape[-1]
+    own = torch.arange(L, device=allowed.device)
+    query_ok = allowed[:, own, own + (S - L)]  # a real query may attend to its own key; a padding one to none
+    key_ok = (allowed & query_ok.unsqueeze(-1)).any(1)
+    valid = None if bool(key_ok.all()) else key_ok
+    order = causal_mask(L, S, allowed.device) if causal else torch.ones((), dtype=torch.bool, device=allowed.device)
+    if bias is not None:
+        return MaskLayout("general", valid, mask=attention_mask)
+    if not _differs(allowed, key_ok.unsqueeze(1) & order, query_ok):
+        return MaskLayout("plain", valid)
+    if L == S:
+        segments = _segments(allowed, query_ok)
+        same = segments.unsqueeze(2) == segments.unsqueeze(1)
+        if not _differs(allowed, same & query_ok.unsqueeze(1) & order, query_ok):
+            return MaskLayout("packed", None if bool(query_ok.all()) else query_ok, segments=segments)
+    return MaskLayout("general", valid, mask=allowed.unsqueeze(1))
+
+
+class _Packed(NamedTuple):
+    """Where the real tokens of a packed batch go in a batch of one sequence per row (right-padded)."""
+
+    source: Tensor  # (T,) flat index b * L + i of each real token
+    dest: Tensor  # (T,) flat index g * Lmax + p in the new batch (sequence g, position p)
+    group: Tensor  # (B, L) sequence index of each token (0 for padding; with ``real``)
+    place: Tensor  # (B, L) position of each token in its sequence
+    real: Tensor  # (B, L) bool
+    lengths: Tensor  # (N,) lengths of the N sequences
+    width: int  # Lmax
+
+
+def _unpack_plan(segments: Tensor) -> _Packed:
+    """The :class:`_Packed` plan of segments (B, L) (sequence numbers from 1 per row, 0 = padding)."""
+    B, L = segments.shape
+    real = segments > 0
+    first = segments.max(dim=1).values.cumsum(0) - segments.max(dim=1).values  # sequences before each row
+    group = torch.where(real, first.unsqueeze(1) + segments - 1, 0)
+    source = real.reshape(-1).nonzero().squeeze(1)
+    g = group.reshape(-1)[source]
+    T = g.numel()
+    idx = torch.arange(T, device=g.device)
+    starts = torch.ones(T, dtype=torch.bool, device=g.device)
+    starts[1:] = g[1:] != g[:-1]
+    place_real = idx - torch.where(starts, idx, 0).cummax(0).values
+    lengths = torch.bincount(g, minlength=int(g.max()) + 1 if T else 0)
+    width = int(lengths.max()) if T else 0
+    place = torch.zeros(B * L, dtype=torch.int64, device=g.device).index_copy(0, source, place_real).view(B, L)
+    return _Packed(source, g * width + place_real, group, place, real, lengths, width)
+
+
+def _to_sequences(t: Tensor, plan: _Packed) -> Tensor:
+    """(B, L, F) -> (N, Lmax, F): each packed sequence on its own row, zeros after its end."""
+    flat = t.reshape(-1, t.shape[-1])[plan.source]
+    out = flat.new_zeros(plan.lengths.numel() * plan.width, t.shape[-1]).index_copy(0, plan.dest, flat)
+    return out.view(plan.lengths.numel(), plan.width, t.shape[-1])
+
+
+def _from_sequences(out: Tensor, plan: _Packed, B: int, L: int) -> Tensor:
+    """(N, Lmax, F) -> (B, L, F): each real token's row back in its place, zeros at padding."""
+    flat = out.reshape(-1, out.shape[-1])[plan.dest]
+    return flat.new_zeros(B * L, out.shape[-1]).index_copy(0, plan.source, flat).view(B, L, -1)
+
+
+def _weights_back(w: Tensor, plan: _Packed) -> Tensor:
+    """Per-head maps (N, H, Lmax, Lmax) of the sequences -> (B, H, L, L) of the packed rows (0 across sequences)."""
+    gi, pi_, pj = plan.group.unsqueeze(2), plan.place.unsqueeze(2), plan.place.unsqueeze(1)
+    picked = w[gi, :, pi_, pj]  # (B, L, L, H)
+    same = (gi == plan.group.unsqueeze(1)) & plan.real.unsqueeze(2) & plan.real.unsqueeze(1)
+    return torch.where(same.unsqueeze(-1), picked, 0.0).permute(0, 3, 1, 2)
+
+
 class HFAttention(nn.Module):
     """An mgk attention module (:attr:`attn`, any registered kind) in a transformers model's attention slot.
 
@@ -49,18 +199,33 @@ class HFAttention(nn.Module):
         causal: whether the architecture is causal (Llama, GPT-2) or bidirectional (BERT). Applied on every call,
             whatever mask the model passes (None when it has no padding).
         rotary: the model's own ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=...)`` for rotary models, else
-            None. The query and every key projection (``q_proj`` and each ``k_proj`` below :attr:`attn`: MGK's M
-            components, a GQA kind's G heads) are rotated by it, head by head, as they leave the projection, so
-            the kind's own core, cache and options apply unchanged; sMGK's learned shifts apply after the rotation.
+            None. Whatever the query and every key projection return (the outermost submodules of :attr:`attn`
+            named ``q_proj`` / ``k_proj``: MGK's M components, a GQA kind's G heads, and the same modules once
+            wrapped, e.g. by peft's LoRA layers, base output and adapter part together) is rotated by it, head by
+            head, so the kind's own core, cache and options apply unchanged; sMGK's learned shifts apply after the
+            rotation.
         resid_dropout: GPT-2's dropout after the output projection (kept from the old module), else None.
 
     ``forward(hidden_states, attention_mask=None, position_embeddings=None, cache=None, ...)`` takes what the
-    model's layers pass (other keyword arguments are ignored) and returns ``(output (B, L, E), None)``; attention
-    weights are not returned. With a cache (a ``DynamicCache``; :func:`mgk.integrations.hf.mgk_layer`) the call is
-    the layer's cached decoding step: its new tokens attend to everything the layer has seen. When gradients are on
-    and the layer's cache is empty (a training forward with ``use_cache=True``, the default of many configs), the
-    output is the uncached forward's, so gradients reach every key and value, and the cache is filled without
-    gradient besides (pass ``use_cache=False`` in training to skip that).
+    model's layers pass (other keyword arguments are ignored) and returns ``(output (B, L, E), weights)``.
+
+    Masks (:func:`mask_layout`): causality and key padding go to the kind as ``key_padding_mask`` (a row's
+    per-position mixture weights then count its positions from its first real token); several sequences packed in a
+    row (a block-diagonal mask) are attended each on its own, as if alone (each kind, each prior restarting); any
+    other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
+    line).
+
+    Weights: with ``output_attentions=True`` (when the model passes it on to its attention: the Llama family and BERT;
+    transformers 5.24's GPT-2 drops it before its layers) they are the kind's per-head maps (B, H, L, S) float (the
+    linear kinds' explicit ones), recorded where transformers collects the model's; a kind that returns none, or a
+    call on a cache that already holds tokens, is a ValueError in one line. Otherwise None.
+
+    Cache: with one (a ``DynamicCache``; :func:`mgk.integrations.hf.mgk_layer`) an inference call is the layer's
+    cached decoding step: its new tokens attend to everything the layer has seen. A training call (the module in
+    training mode with gradients enabled, e.g. ``use_cache=True``, many configs' default) is the uncached forward
+    and leaves the cache untouched (nothing built that no one reads); on a cache that already holds this layer's
+    tokens it is a ValueError. With gradients on in eval mode, the first call's output is the uncached forward's
+    and the cache is filled without gradient besides. A cache takes plain masks after its first call.
     """
 
     def __init__(self, attn: nn.Module, *, layer_idx: int | None, causal: bool, rotary=None,
@@ -72,24 +237,41 @@ class HFAttention(nn.Module):
         self._rotary = rotary
         self._position: tuple[Tensor, Tensor] | None = None  # (cos, sin) of the call in progress
         self._hooks: list = []
+        self._hooked: list[nn.Module] = []  # the projections the hooks are on (re-read on each call)
         self.attn = attn
         self.set_module(attn)
+        if _record_hook is not None:  # the maps of output_attentions=True recorded as the model's own attention's
+            _record_hook(self, "attentions", 1)
 
     def set_module(self, attn: nn.Module) -> None:
-        """Make ``attn`` the mgk module (rotating its query and key projections for rotary models); ValueError
-        when a rotary model's new module has no ``k_proj``."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Make ``attn`` the mgk module (rotating what its query and key projections return, for rotary models);
+        ValueError when a rotary model's new module has no ``k_proj``."""
         self.attn = attn
-        if self._rotary is None:
-            return
-        names = [n for n, m in attn.named_modules() if isinstance(m, nn.Linear)
-                 and n.rpartition(".")[2] in ("q_proj", "k_proj")]
-        if not any(n.rpartition(".")[2] == "k_proj" for n in names):
+        self._hook_projections()
+        if self._rotary is not None and not any(n.rpartition(".")[2] == "k_proj" for n, _ in self._projections()):
             raise ValueError(f"swap_attention: {type(attn).__name__} has no key projection k_proj to apply the "
                              "model's rotary embeddings to")
-        self._hooks = [attn.get_submodule(n).register_forward_hook(self._rotate) for n in names]
+
+    def _projections(self) -> list[tuple[str, nn.Module]]:
+        """The outermost submodules of :attr:`attn` named ``q_proj`` or ``k_proj`` (a wrapper, not what it wraps)."""
+        found: list[tuple[str, nn.Module]] = []
+        for name, module in self.attn.named_modules():  # pre-order: a wrapper comes before what it holds
+            if name.rpartition(".")[2] in ("q_proj", "k_proj") and not any(name.startswith(f + ".") for f, _ in found):
+                found.append((name, module))
+        return found
+
+    def _hook_projections(self) -> None:
+        """Rotation hooks on the current projections; moved when a projection was replaced since (peft wraps
+        ``q_proj`` / ``k_proj`` after the swap: the rotation must include the adapter's part)."""
+        if self._rotary is None:
+            return
+        current = [m for _, m in self._projections()]
+        if len(current) == len(self._hooked) and all(a is b for a, b in zip(current, self._hooked)):
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooked = current
+        self._hooks = [m.register_forward_hook(self._rotate) for m in current]
 
     def _rotate(self, module: nn.Module, inputs, out: Tensor) -> Tensor | None:
         """A projection's output (B, L, n * D) rotated per D-wide head by the call's (cos, sin) (B, L, D)."""
@@ -109,27 +291,78 @@ class HFAttention(nn.Module):
         if self._rotary is not None:
             if position_embeddings is None:
                 raise ValueError("this rotary model's layer was called without position_embeddings (cos, sin)")
+            self._hook_projections()
             self._position = position_embeddings
+        want = bool(kwargs.get("output_attentions"))
         try:
-            out = self._attend(hidden_states, key_valid(attention_mask, hidden_states.shape[1]), cache)
+            layout = mask_layout(attention_mask, hidden_states.shape[1], self.is_causal)
+            out, weights = self._attend(hidden_states, layout, cache, want)
         finally:
             self._position = None
-        return self.resid_dropout(out), None
+        if want and weights is None:
+            raise ValueError(f"output_attentions: {type(self.attn).__name__} returns no attention weights; call "
+                             "without output_attentions")
+        return self.resid_dropout(out), weights
 
-    def _attend(self, x: Tensor, valid: Tensor | None, cache) -> Tensor:
-        padding = None if valid is None else ~valid
+    def _attend(self, x: Tensor, layout: MaskLayout, cache, want: bool) -> tuple[Tensor, Tensor | None]:
         if cache is None:
-            return self.attn(x, key_padding_mask=padding, is_causal=self.is_causal, need_weights=False)[0]
+            return self._uncached(x, layout, want)
+        if self.training and torch.is_grad_enabled():
+            held = _held(cache, self.layer_idx)
+            if held:
+                raise ValueError(f"a training forward (module.training with gradients enabled) attends to its own "
+                                 f"tokens only, but layer {self.layer_idx}'s cache holds {held}: decode under "
+                                 "torch.no_grad() / model.eval(), or pass no cache")
+            return self._uncached(x, layout, want)  # no decoding cache built in training: nothing would read it
         if not self.is_causal:
             raise ValueError("a decoding cache needs a causal model; this layer attends in both directions")
+        return self._cached(x, layout, cache, want)
+
+    def _uncached(self, x: Tensor, layout: MaskLayout, want: bool) -> tuple[Tensor, Tensor | None]:
+        call = dict(is_causal=self.is_causal, need_weights=want, average_attn_weights=False)
+        if layout.form == "packed":
+            return self._packed(x, layout.segments, call)
+        if layout.form == "general":
+            m = layout.mask
+            blocked = ~m if m.dtype == torch.bool else torch.where(m > torch.finfo(m.dtype).min / 2, m, float("-inf"))
+            return self.attn(x, attn_mask=blocked.expand(-1, self.attn.num_heads, -1, -1), **call)
+        padding = None if layout.valid is None else ~layout.valid
+        return self.attn(x, key_padding_mask=padding, **call)
+
+    def _packed(self, x: Tensor, segments: Tensor, call: dict) -> tuple[Tensor, Tensor | None]:
+        """Each packed sequence attended on its own: gathered into a right-padded batch of one sequence per row
+        (positions from 0 for the per-position priors, the rotary angles the model gave each token), one call."""
+        B, L = segments.shape
+        plan = _unpack_plan(segments)
+        position = self._position
+        if position is not None:
+            self._position = tuple(_to_sequences(t.expand(B, L, t.shape[-1]), plan) for t in position)
+        starts = torch.arange(plan.width, device=x.device)
+        padding = starts >= plan.lengths.unsqueeze(1)
+        try:
+            out, weights = self.attn(_to_sequences(x, plan), key_padding_mask=padding if bool(padding.any()) else None,
+                                     **call)
+        finally:
+            self._position = position
+        return _from_sequences(out, plan, B, L), None if weights is None else _weights_back(weights, plan)
+
+    def _cached(self, x: Tensor, layout: MaskLayout, cache, want: bool) -> tuple[Tensor, Tensor | None]:
+        L = x.shape[1]
         layer = mgk_layer(cache, self.layer_idx, self.attn)
+        first = layer.mgk_cache.length == 0
+        if not first and (layout.form != "plain" or want):
+            why = ("output_attentions needs maps over the whole cache, which mgk's caches do not form" if want
+                   else "after its first call a cache takes masks of causality and padding only")
+            raise ValueError(f"{why}: pass use_cache=False")
+        valid = None if layout.valid is None else layout.valid[:, -L:]
+        padding = None if valid is None or bool(valid.all()) else ~valid
         cached = dict(key_padding_mask=padding, is_causal=True, need_weights=False, past_key_values=layer.mgk_cache)
-        if torch.is_grad_enabled() and layer.mgk_cache.length == 0:
-            out = self.attn(x, key_padding_mask=padding, is_causal=True, need_weights=False)[0]
+        if first and (torch.is_grad_enabled() or want or layout.form != "plain"):
+            out = self._uncached(x, layout, want)  # exact (gradients, maps, packed sequences): the cache besides
             with torch.no_grad():
                 self.attn(x, **cached)
             return out
-        return self.attn(x, **cached)[0]
+        return self.attn(x, **cached)[0], None
 
     @property
     def rotary(self) -> bool:
@@ -138,3 +371,11 @@ class HFAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, causal={self.is_causal}, rotary={self.rotary}"
+
+
+def _held(cache, layer_idx: int | None) -> int:
+    """Tokens layer ``layer_idx`` of the transformers ``cache`` holds (0 for a slot not made yet)."""
+    layers = getattr(cache, "layers", None) or []
+    if layer_idx is None or layer_idx >= len(layers):
+        return 0
+    return int(layers[layer_idx].get_seq_length())
