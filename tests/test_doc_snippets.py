@@ -58,6 +58,8 @@ def test_the_readme_is_a_front_page_with_the_set_up_lines_the_answer_and_its_fig
                    "| **GQA-8 (kv 2)** |", "| **MGK-4** |", "](docs/kv-budget-cache.png)"]:
         assert needed in top, needed
     assert second in (ROOT / ".ci/run").read_text().splitlines()  # CI runs README's test command verbatim
+    install = re.search(r"## Install\n\n```bash\n(.*?)```", top, re.S).group(1)
+    assert install in (ROOT / "docs/getting-started.md").read_text()  # the site shows the same set-up lines
     assert (ROOT / "docs/kv-budget-cache.png").stat().st_size > 10_000
 
 
@@ -95,3 +97,17 @@ def test_the_readme_answer_table_rounds_the_figure_data():
                 f"{_round(lm['std'], 1)} | {d8['cache_bytes']} / {lm['cache_bytes']} |")
         lines = [ln.replace("**", "") for ln in text.splitlines()]
         assert f"| {shown} {want}" in lines, (name, want)
+
+
+def test_the_api_reference_covers_every_public_name_and_package():
+    import mgk
+
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs/reference").glob("*.md"))
+    documented = set(re.findall(r"^::: ([\w.]+)", pages, re.M))
+    for name in mgk.__all__:
+        assert name == "__version__" and "mgk.__version__" in pages or f"mgk.{name}" in documented or \
+            f"mgk.train.load.{name}" in documented, name  # load_run and LoadedRun are imported lazily from there
+    packages = {p.parent.name for p in (ROOT / "src/mgk").glob("*/__init__.py")} | {"retrofit"}
+    for package in packages:
+        assert any(d == f"mgk.{package}" or d.startswith(f"mgk.{package}.") for d in documented), package
+
