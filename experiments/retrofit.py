@@ -134,6 +134,42 @@ def _fmt(c: dict) -> str:
     return f"{c['mean']:.4f} ± {c['std']:.4f} ({c['n']})"
 
 
+def figure(result: dict, scratch: dict, task: str, source_steps: int, ylabel: str):
+    """The figure of retrofit.png (a matplotlib Figure): each target's metric against the continued steps, in its
+    attention kind's colour (mgk.figures, as every figure mgk draws; the two MGK targets told apart by line style
+    and marker), its from-scratch row dashed and the softmax-8 source dotted, in the same colours."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mgk.figures import series_styles, thin_tick_labels
+
+    styles = series_styles({target: flags[flags.index("--attention") + 1] for target, flags in TARGETS.items()})
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for target in TARGETS:
+        cells = [c for c in result["cells"] if c["row"] == target and c["n"]]
+        xs = [round(c["fraction"] * source_steps) for c in cells]
+        ax.errorbar(xs, [c["mean"] for c in cells], yerr=[c["std"] for c in cells], capsize=3,
+                    label=f"{target} (converted)", **styles[target])
+        sc = scratch.get(SCRATCH_ROWS[target])
+        if sc and target != "mgk-4-adjacent":
+            ax.axhline(sc["mean"], color=styles[target]["color"], linestyle="--", linewidth=1,
+                       label=f"{SCRATCH_ROWS[target]} from scratch ({source_steps} steps)")
+    src = scratch.get("softmax-8")
+    if src:
+        ax.axhline(src["mean"], color=styles["softmax-4"]["color"], linestyle=":", linewidth=1.5,
+                   label="softmax-8 (source)")
+    ax.set_xticks(sorted({round(f * source_steps) for f in FRACTIONS}))
+    ax.set_xlabel("continued steps")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"Retro-fitting softmax-8: {task}", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    thin_tick_labels(fig)
+    return fig
+
+
 def report(result: dict, scratch: dict, out: Path, task: str, source_steps: int, command: str) -> Path:
     """REPORT.md and retrofit.png in ``out``."""
     import matplotlib
@@ -161,25 +197,7 @@ def report(result: dict, scratch: dict, out: Path, task: str, source_steps: int,
         for c in comps:
             lines.append(f"| {float(frac):.0%} | {c['row']} | {c['reference']} | {c['difference']:+.4f} | "
                          f"{c['larger_std']:.4f} | {c['verdict']} |")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, target in enumerate(TARGETS):
-        cells = [c for c in result["cells"] if c["row"] == target and c["n"]]
-        xs = [round(c["fraction"] * source_steps) for c in cells]
-        color = f"C{i}"
-        ax.errorbar(xs, [c["mean"] for c in cells], yerr=[c["std"] for c in cells], marker="o", capsize=3,
-                    label=f"{target} (converted)", color=color)
-        sc = scratch.get(SCRATCH_ROWS[target])
-        if sc and target != "mgk-4-adjacent":
-            ax.axhline(sc["mean"], color=color, linestyle="--", linewidth=1,
-                       label=f"{SCRATCH_ROWS[target]} from scratch ({source_steps} steps)")
-    src = scratch.get("softmax-8")
-    if src:
-        ax.axhline(src["mean"], color="k", linestyle=":", linewidth=1, label="softmax-8 (source)")
-    ax.set_xlabel("continued steps")
-    ax.set_ylabel(f"{split} {key}")
-    ax.set_title(f"Retro-fitting softmax-8: {task}", fontsize=10)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig = figure(result, scratch, task, source_steps, f"{split} {key}")
     fig.savefig(out / "retrofit.png", dpi=120)
     plt.close(fig)
     lines += ["", "![retro-fit](retrofit.png)", ""]

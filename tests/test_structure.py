@@ -11,6 +11,7 @@ LAYERS = {
     "argtypes": 0, "atomic": 0, "choices": 0, "fields": 0, "functional": 0, "seeds": 0,  # the attention math,
     # file writer, fields, names and numbers of the command line, the range of seeds torch takes
     "attention": 1,                          # nn.Modules over the functional core
+    "figures": 1,                            # the style of every figure: a colour per kind from attention's registry
     "integrations": 1,                       # those modules inside other libraries' models (a peer of attention:
     # swap_attention hands a Hugging Face model to integrations.hf, which builds through attention's registry)
     "models": 2,                             # model families built from attention modules

@@ -78,9 +78,9 @@ def test_metric_vs_parameters_has_error_bars_of_one_std_over_seeds(tmp_path, sav
     plot_accuracy_vs_params(tmp_path / "plots", rep)
     [fig] = saved
     [ax] = fig.axes
-    [bars] = ax.containers  # one errorbar container (one task)
-    _, _, (yerr,) = bars
-    segments = {round(float(s[0][0])): (float(s[0][1]), float(s[1][1])) for s in yerr.get_segments()}
+    assert len(ax.containers) == 2  # one errorbar container per task and kind (one task, two kinds)
+    segments = {round(float(s[0][0])): (float(s[0][1]), float(s[1][1]))
+                for _, _, (yerr,) in ax.containers for s in yerr.get_segments()}
     for key, heads in (("softmax-8", 8), ("mgk-4", 4)):
         mean, sd = 100 * statistics.fmean(ACC[key]), 100 * statistics.stdev(ACC[key])
         lo, hi = segments[100 * heads]

@@ -47,3 +47,26 @@ def test_the_report_names_the_split_its_numbers_come_from(tmp_path, retrofit, sp
     assert verdicts[("mgk-4-similar", "mgk-4-adjacent")] == "within one std"
     assert verdicts[("softmax-4", "gqa-8-kv2")] == "worse"
     assert (tmp_path / "retrofit.png").stat().st_size > 0
+
+
+def test_the_figure_draws_each_target_in_its_kinds_colour(tmp_path, retrofit):
+    """The colours of mgk.figures (as every figure mgk draws): the two MGK targets share MGK's colour and differ in
+    style; the from-scratch and source lines take their kind's colour too."""
+    from matplotlib.colors import to_hex
+
+    from mgk.figures import kind_colour
+
+    values = {"gqa-8-kv2": 400.0, "mgk-4-similar": 300.0, "mgk-4-adjacent": 301.0, "softmax-4": 500.0}
+    result = retrofit.collect(tmp_path, _runs(tmp_path, retrofit, "val", "ppl", values), retrofit.FRACTIONS, "lm")
+    scratch = {row: {"mean": 350.0, "std": 1.0, "n": 3} for row in ("gqa-8-kv2", "mgk-4", "softmax-4", "softmax-8")}
+    fig = retrofit.figure(result, scratch, "lm", 100, "validation ppl")
+    [ax] = fig.axes
+    lines = {c.get_label(): c.lines[0] for c in ax.containers}
+    lines.update({ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")})
+    want = {"gqa-8-kv2 (converted)": "gqa", "mgk-4-similar (converted)": "mgk", "mgk-4-adjacent (converted)": "mgk",
+            "softmax-4 (converted)": "softmax", "mgk-4 from scratch (100 steps)": "mgk",
+            "softmax-8 (source)": "softmax"}
+    assert {label: to_hex(lines[label].get_color()) for label in want} == {
+        label: to_hex(kind_colour(kind)) for label, kind in want.items()}
+    similar, adjacent = lines["mgk-4-similar (converted)"], lines["mgk-4-adjacent (converted)"]
+    assert (similar.get_linestyle(), similar.get_marker()) != (adjacent.get_linestyle(), adjacent.get_marker())

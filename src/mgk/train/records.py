@@ -16,6 +16,7 @@ import torch
 
 from .. import __version__
 from .. import config as config_mod
+from ..figures import kind_colour, thin_tick_labels
 from . import rundir
 
 
@@ -123,7 +124,8 @@ def run_status(run_dir: Path) -> str:
 
 
 def plot_learning_curves(run_dir: Path) -> Path | None:
-    """Plot every logged train/ and val/ series against step into plots/learning_curves.png."""
+    """Plot every logged train/ and val/ series against step into plots/learning_curves.png, in the colour of the
+    run's attention kind (:mod:`mgk.figures`, as in every figure mgk draws; black when config.yaml is unreadable)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,14 +135,19 @@ def plot_learning_curves(run_dir: Path) -> Path | None:
     names = sorted({k for r in records for k in r if k.startswith(("train/", "val/")) and k != "train/lr"})
     if not names:
         return None
+    try:
+        colour = kind_colour(rundir.load_config(run_dir).attention.kind)
+    except (OSError, ValueError):
+        colour = kind_colour(None)
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.4 * len(names)), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         pts = [(r["step"], r[name]) for r in records if name in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None, color=colour)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("optimiser step")
     fig.tight_layout()
+    thin_tick_labels(fig)
     out = rundir.RunFiles(run_dir).plots / "learning_curves.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
