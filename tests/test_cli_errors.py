@@ -228,7 +228,8 @@ CASES = [
     ("reproduce", "bad-seeds", lambda c: ["reproduce", "lra-softmax-family", "--seeds", "a"], "--seeds"),
     ("reproduce", "bad-only", lambda c: ["reproduce", "lra-softmax-family", "--only", "nope=1"], "nope"),
     ("reproduce", "bad-data", lambda c: ["reproduce", "lra-softmax-family", "--data", "listops"], "listops"),
-    ("reproduce", "no-jobs", lambda c: ["reproduce", "lra-softmax-family", "--jobs", "0"], "--jobs must be >= 1"),
+    ("reproduce", "no-jobs", lambda c: ["reproduce", "lra-softmax-family", "--jobs", "0"],
+     "argument --jobs: must be >= 1"),
 ]
 
 

@@ -4,7 +4,10 @@ A file is written to a temporary name in the destination folder, flushed and fsy
 destination with ``os.replace`` (atomic on POSIX and Windows within one file system). A crash, a kill or a
 concurrent writer at any moment leaves either the previous file or the complete new one under the final name, never
 a truncated one; the temporary file is removed when the write fails. This is the write-then-rename pattern of
-POSIX ``rename(2)`` ("If newpath already exists, it will be atomically replaced").
+POSIX ``rename(2)`` ("If newpath already exists, it will be atomically replaced"). A destination that is a symbolic
+link is replaced by the file, never written through. Only a kill (SIGKILL, power loss) leaves the temporary file
+(``.NAME.XXXXXXXX.tmp``) behind: the owner of the folder removes those of its own files with
+:func:`remove_stale_temps` when it next holds the folder (``mgk train`` does, for the run directory).
 
 This module is the lowest layer of mgk: it imports nothing from the package.
 """
@@ -12,11 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator
 
-__all__ = ["atomic_write", "write_bytes_atomic", "write_text_atomic"]
+__all__ = ["atomic_write", "remove_stale_temps", "stale_temps", "write_bytes_atomic", "write_text_atomic"]
+
+# The temporary file of a write to NAME is ".NAME.<8 characters of mkstemp>.tmp", beside NAME.
+_TEMP_PREFIX, _TEMP_SUFFIX = ".", ".tmp"
+_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # tempfile's names: 8 of "abcdefghijklmnopqrstuvwxyz0123456789_"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -52,7 +60,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TEMP_PREFIX}{path.name}.", suffix=_TEMP_SUFFIX)
     try:
         text = mode == "w"
         with os.fdopen(fd, mode, encoding=(encoding or "utf-8") if text else None,
@@ -66,6 +74,38 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def stale_temps(folder: str | os.PathLike, names: Iterable[str]) -> list[Path]:
+    """The temporary files of :func:`atomic_write` in ``folder`` for the destinations ``names`` (``.NAME.XXXXXXXX.tmp``,
+    exactly this writer's naming), sorted: what a kill during a write leaves behind for good. Only a caller that
+    knows no write to ``folder`` is under way (one holding the folder's lock) may delete them. [] when ``folder``
+    does not exist."""
+    wanted = set(names)
+    try:
+        children = list(Path(folder).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for p in children:
+        n = p.name
+        if not (n.startswith(_TEMP_PREFIX) and n.endswith(_TEMP_SUFFIX)):
+            continue
+        stem, _, random = n[len(_TEMP_PREFIX):-len(_TEMP_SUFFIX)].rpartition(".")
+        if stem in wanted and _TEMP_RANDOM.fullmatch(random) and (p.is_file() or p.is_symlink()):
+            found.append(p)
+    return sorted(found)
+
+
+def remove_stale_temps(folder: str | os.PathLike, names: Iterable[str]) -> list[Path]:
+    """Delete :func:`stale_temps` ``(folder, names)`` (a link is removed, never followed) and return them; only
+    while no write to ``folder`` is under way (see there)."""
+    removed = []
+    for p in stale_temps(folder, names):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    return removed
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:

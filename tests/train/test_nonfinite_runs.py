@@ -63,7 +63,8 @@ def test_nan_weights_fail_the_run_in_one_line_and_results_say_so(tmp_path, monke
     assert res["failed"].startswith("non-finite val loss (nan)") and math.isnan(res["val"]["loss"])
     assert res["skipped_steps"] == skipped and res["best_step"] is None
     assert not _file(out, "best").exists()  # no finite validation: no best checkpoint
-    assert "non-finite val loss" in _file(out, "log").read_text().splitlines()[-1]
+    last_line = _file(out, "log").read_text().splitlines()[-1]
+    assert "non-finite val loss" in last_line and last_line.startswith("failed: ")  # never the run's path first
     # resuming it says it failed, in one line
     with pytest.raises(SystemExit, match=rf"^mgk train: {out} failed \(non-finite val loss.*--overwrite"):
         main(["train", "--resume", str(out)])

@@ -47,6 +47,7 @@ class NonFiniteResult(RuntimeError):
 
 
 def _say(run_dir: Path, message: str) -> None:
+    message = rundir.log_text(message)  # one line, whatever the paths in it hold (train.log's own rule)
     tqdm.write(message, file=sys.stderr)
     rundir.append_line(rundir.RunFiles(run_dir).log, message)
 
@@ -246,6 +247,8 @@ class Trainer:
     def _after_step(self, train: dict, bar) -> None:
         """Logging, validation and checkpoint of the step just done, each on its schedule."""
         cfg, done = self.cfg, self.state.step
+        if self.lock is not None and self.lock.previous is not None:  # the new run has started: --overwrite is done
+            rundir.discard_previous(self.lock)
         metrics = {}
         if done % cfg.log_every == 0 or done == cfg.optim.steps:
             metrics.update({f"train/{k}": v for k, v in train.items() if k != "count"})
@@ -391,8 +394,8 @@ class Trainer:
             self.log = None
             records.plot_learning_curves(self.run_dir)
             rundir.write_json(self.files.results, results)  # last: its presence means the run is finished
-            if failure is not None:
-                rundir.append_line(self.files.log, failure)
+            if failure is not None:  # a fixed word first: a line of the log never starts with a path
+                rundir.append_line(self.files.log, f"failed: {failure}")
             summary = "; ".join(f"{n}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                      for k, v in results[n].items())
                                 for n in ("val", "test") if results[n] is not None)

@@ -16,6 +16,7 @@ import torch
 
 from .. import __version__
 from .. import config as config_mod
+from ..atomic import save_figure_atomic
 from ..figures import kind_colour, thin_tick_labels
 from . import rundir
 
@@ -148,8 +149,5 @@ def plot_learning_curves(run_dir: Path) -> Path | None:
     axes[-1, 0].set_xlabel("optimiser step")
     fig.tight_layout()
     thin_tick_labels(fig)
-    out = rundir.RunFiles(run_dir).plots / "learning_curves.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    # atomically: a reader never sees half an image, and a link in its place is replaced, never written through
+    return save_figure_atomic(fig, rundir.RunFiles(run_dir).plots / "learning_curves.png", dpi=100)

@@ -17,9 +17,23 @@ Layout (the run-directory format; checkpoints themselves are :mod:`mgk.train.che
     data/            data generated for a run without --data
     plots/, analysis/  learning curves; ``mgk analyze``'s default output
     .mgk-lock        the lock of a live run
+    .mgk-run         written by ``mgk train`` when it starts a new run (mgk 0.2.0 on): the proof that the folder's
+                     run files are mgk's, without which ``--overwrite`` clears nothing
+    .mgk-previous/   the run that ``--overwrite`` set aside until the new run has taken its first step
 
 Appended files (metrics.jsonl, train.log) are not atomic: a crash can cut their last line, and readers drop a cut
 last line (:func:`read_metrics`). Everything else is replaced whole.
+
+Writing never leaves the run directory: a resumed run refuses a run file that is a symbolic link, the lock file and
+the appended logs are opened with ``O_NOFOLLOW``, atomic replacement renames over a link instead of writing through
+it, and an appended line has its control characters escaped, so that text taken from a path (a folder named with a
+line break) never starts a line of its own. The temporary files that a kill during an atomic write leaves behind
+(:func:`mgk.atomic.stale_temps`) are removed when the next run claims the directory.
+
+``--overwrite`` clears only a directory that holds the marker and nothing but run files, and not at once: the earlier
+run is moved into ``.mgk-previous/``, deleted once the new run has taken its first optimiser step
+(:func:`discard_previous`), and put back when the new run fails before that (:func:`abandon`) or was killed (the next
+:func:`claim`).
 
 The lock is ``flock(2)`` on ``.mgk-lock``: the kernel releases it when its process ends, however it ends (SIGKILL
 included), so a crashed run never leaves a stale lock. Training holds it exclusively (rank 0 only under torchrun:
@@ -31,23 +45,33 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import time
+import unicodedata
 from pathlib import Path
 
 import yaml
 
-from ..atomic import write_text_atomic
+from .. import __version__
+from ..atomic import remove_stale_temps, write_text_atomic
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["LOCK_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "RunFileError", "RunFiles", "append_line",
-           "abandon", "claim", "find_runs", "holder_pid", "load_config", "read_config", "read_json", "read_metrics",
-           "read_results", "read_run_results", "write_config", "write_json"]
+__all__ = ["LOCK_NAME", "MARKER_NAME", "PREVIOUS_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "RunFileError",
+           "RunFiles", "append_line", "abandon", "claim", "discard_previous", "find_runs", "holder_pid",
+           "load_config", "log_text", "read_config", "read_json", "read_metrics", "read_results", "read_run_results",
+           "write_config", "write_json"]
 
 LOCK_NAME = ".mgk-lock"
+MARKER_NAME = ".mgk-run"
+# Not run entries: what they hold is an earlier run's (put back or deleted whole), never the current run's.
+PREVIOUS_NAME = ".mgk-previous"
+_DISCARDED_NAME = ".mgk-discarded"  # .mgk-previous renamed before its deletion, so that a kill never half-restores it
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # absent on Windows, where creating links needs privileges
 
 
 def _entry(name: str, doc: str) -> property:
@@ -75,6 +99,7 @@ class RunFiles:
     data = _entry("data", "data generated for a run without --data")
     analysis = _entry("analysis", "`mgk analyze`'s default output folder")
     lock = _entry(LOCK_NAME, "the lock of a live run")
+    marker = _entry(MARKER_NAME, "written when `mgk train` starts a new run: the folder's run files are mgk's")
 
     def checkpoint(self, which: str) -> Path:
         """``checkpoints/<which>.pt`` for ``which`` in ("last", "best"); ValueError otherwise."""
@@ -89,7 +114,7 @@ class RunFiles:
         return self.checkpoint("last") if which == "best" and not path.is_file() else path
 
 
-# What `mgk` writes into a run directory; --overwrite clears only folders that hold nothing else.
+# What `mgk` writes into a run directory; --overwrite clears only folders that hold nothing else, marker included.
 RUN_ENTRIES = frozenset(entry.fget(RunFiles("")).name for entry in vars(RunFiles).values()
                         if isinstance(entry, property))
 
@@ -131,19 +156,22 @@ class RunDirLock:
         # existed), and whether the run directory held nothing of value when claimed (new, empty, or emptied).
         self.made: Path | None = None
         self.new_run = False
+        self.previous: Path | None = None  # the earlier run that claim(overwrite=True) set aside, until discarded
 
     def acquire(self) -> "RunDirLock":
         """Take the lock (exclusive, or shared for readers such as ``mgk eval``) without waiting; RunDirError
         naming the directory and the holder's pid when another process holds it. Returns self."""
         if fcntl is None or self._fd is not None:
             return self
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if self.path.is_symlink():  # O_NOFOLLOW below would refuse it too, in words naming no file
+            raise RunDirError(_link_message(self.path))
+        try:  # O_NOFOLLOW: the pid written below must never truncate a file outside the run directory
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
         except OSError:
             if not self.shared:
                 raise
             try:  # a read-only finished run can still be evaluated
-                fd = os.open(self.path, os.O_RDONLY)
+                fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW)
             except OSError:
                 return self  # no lock file and none can be made: nobody can be training here
         try:
@@ -178,19 +206,23 @@ class RunDirLock:
 
 
 def _entries(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME)
+    """What ``run_dir`` holds, but its lock file and an earlier run that --overwrite set aside."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_NAME, PREVIOUS_NAME, _DISCARDED_NAME))
 
 
 def claim(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
           data: str | None = None) -> RunDirLock:
     """Lock ``run_dir`` for training (creating it) and check that the run may write it; returns the held lock.
 
-    A new run needs an empty or absent directory; with ``overwrite`` a directory that holds only what
-    ``mgk train`` writes (:data:`RUN_ENTRIES`) is emptied first, unless ``data`` (the run's data folder) lies
-    inside it. A resumed run needs the directory to exist.
+    First, what a killed process left half done is settled (:func:`_settle`). A new run needs an empty or absent
+    directory; with ``overwrite``, a directory that holds mgk's marker (:data:`MARKER_NAME`) and nothing but run
+    files (:data:`RUN_ENTRIES`) has its run set aside into :data:`PREVIOUS_NAME` (deleted by
+    :func:`discard_previous` once the new run has taken a step, put back by :func:`abandon`), unless ``data`` (the
+    run's data folder) lies inside it. A new run then writes its marker. A resumed run needs the directory to exist
+    and none of its run files to be a symbolic link.
 
     Raises:
-        RunDirError: one line naming the directory and what to do instead.
+        RunDirError: one line naming the directory (or the file) and what to do instead.
     """
     run_dir = Path(run_dir)
     if resume and not run_dir.is_dir():
@@ -200,18 +232,120 @@ def claim(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool =
     lock = RunDirLock(run_dir).acquire()
     lock.made, lock.new_run = made, not resume
     try:
-        entries = [] if resume else _entries(run_dir)
-        if entries and not overwrite:
-            hint = (f"continue it with `mgk train --resume {run_dir}`, replace it with --overwrite, "
-                    if RunFiles(run_dir).config.name in entries else "")
-            raise RunDirError(f"{run_dir} is not empty ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''})"
-                              f": {hint}or choose another --out")
-        if entries:
-            _clear(run_dir, entries, data)
+        _settle(run_dir, resume=resume)
+        if resume:
+            _refuse_links(run_dir)
+        else:
+            entries = _entries(run_dir)
+            if entries and not overwrite:
+                raise RunDirError(_not_empty(run_dir, entries))
+            if entries:
+                lock.previous = _set_aside(run_dir, entries, data)
+            write_json(RunFiles(run_dir).marker, {"written_by": "mgk train", "mgk": __version__,
+                                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     except BaseException:
+        if lock.previous is not None:  # the marker could not be written: the earlier run goes back as it was
+            _restore_previous(run_dir)
         lock.release()
         raise
     return lock
+
+
+def _settle(run_dir: Path, *, resume: bool) -> None:
+    """Finish what a killed mgk process left half done (called under the lock: no live mgk process writes here). An
+    earlier run that a killed ``--overwrite`` had set aside goes back (its new run never took a step); one whose
+    deletion had begun is deleted; the temporary files of atomic writes cut short are removed, in a marked run
+    directory or one being resumed (only names :mod:`mgk.atomic` gives the temporaries of run files)."""
+    files = RunFiles(run_dir)
+    discarded = run_dir / _DISCARDED_NAME
+    if files.marker.is_file() and discarded.is_dir() and not discarded.is_symlink():
+        shutil.rmtree(discarded)
+    _restore_previous(run_dir)
+    if resume or files.marker.is_file():
+        remove_stale_temps(run_dir, RUN_ENTRIES)
+        if files.checkpoints.is_dir() and not files.checkpoints.is_symlink():
+            remove_stale_temps(files.checkpoints, (files.checkpoint("last").name, files.checkpoint("best").name))
+
+
+def _not_empty(run_dir: Path, entries: list[str]) -> str:
+    """The one line refusing a new run in a directory that holds ``entries``, with what the user may do instead:
+    --resume and --overwrite are offered for a run mgk marked as its own only."""
+    shown = [e for e in entries if e != MARKER_NAME] or entries
+    listed = ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else "")
+    if MARKER_NAME not in entries:
+        return (f"{run_dir} is not empty ({listed}) and holds no run started by `mgk train` (it has no {MARKER_NAME} "
+                "marker): choose another --out")
+    return (f"{run_dir} is not empty ({listed}): continue it with `mgk train --resume {shlex.quote(str(run_dir))}`, "
+            "replace it with --overwrite, or choose another --out")
+
+
+def _set_aside(run_dir: Path, entries: list[str], data: str | None) -> Path:
+    """Move the run in ``run_dir`` (its ``entries``) into :data:`PREVIOUS_NAME` for --overwrite, and return that
+    folder; RunDirError when the directory holds anything mgk did not write, lacks mgk's marker, or holds ``data``."""
+    foreign = [e for e in entries if e not in RUN_ENTRIES]
+    if foreign:
+        raise RunDirError(f"{run_dir} holds files `mgk train` did not write ({', '.join(foreign[:4])}); "
+                          "--overwrite clears only run directories: choose another --out")
+    if MARKER_NAME not in entries:
+        raise RunDirError(f"{run_dir} has no {MARKER_NAME}, the marker `mgk train` writes into each run it starts, so "
+                          "nothing proves that its files are a run's (a run of an earlier mgk, or a folder of yours): "
+                          "--overwrite leaves it alone; delete it yourself or choose another --out")
+    if data is not None:
+        inside = Path(os.path.abspath(data))
+        root = Path(os.path.abspath(run_dir))
+        if inside == root or root in inside.parents:
+            raise RunDirError(f"--data {data} lies inside {run_dir}: --overwrite would delete it; choose another "
+                              "--out")
+    previous = run_dir / PREVIOUS_NAME
+    previous.mkdir()
+    for name in entries:
+        os.rename(run_dir / name, previous / name)  # a rename: links move as links, nothing is followed
+    return previous
+
+
+def _restore_previous(run_dir: Path) -> bool:
+    """Put back the run that --overwrite set aside in ``run_dir``, in place of the run files of the new run (which
+    never took a step); False when nothing was set aside (a folder of that name without mgk's marker in it was not
+    set aside by mgk, which sets aside marked runs only)."""
+    previous = run_dir / PREVIOUS_NAME
+    if not previous.is_dir() or previous.is_symlink() or not (previous / MARKER_NAME).is_file():
+        return False
+    _remove(run_dir, [e for e in _entries(run_dir) if e in RUN_ENTRIES])
+    for entry in sorted(previous.iterdir()):
+        os.rename(entry, run_dir / entry.name)
+    previous.rmdir()
+    return True
+
+
+def discard_previous(lock: RunDirLock) -> None:
+    """Delete the run that ``claim(overwrite=True)`` set aside, once the new run has taken its first optimiser
+    step (before, :func:`abandon` puts it back). Nothing to do when nothing was set aside; idempotent."""
+    previous, lock.previous = lock.previous, None
+    if previous is None or not previous.is_dir():
+        return
+    discarded = previous.with_name(_DISCARDED_NAME)
+    try:
+        os.rename(previous, discarded)  # one step: from here a kill leaves nothing to put back, and claim deletes it
+    except OSError:  # a .mgk-discarded that could not be deleted before: delete the earlier run in place
+        discarded = previous
+    shutil.rmtree(discarded, ignore_errors=True)
+
+
+def _refuse_links(run_dir: Path) -> None:
+    """RunDirError naming the first run file of ``run_dir`` that is a symbolic link: writing the run (appending to
+    its logs, writing into its folders) would write wherever the link points."""
+    for name in _entries(run_dir):
+        if name in RUN_ENTRIES and (run_dir / name).is_symlink():
+            raise RunDirError(_link_message(run_dir / name))
+
+
+def _link_message(path: Path) -> str:
+    try:
+        target = f" (to {os.readlink(path)!r})"
+    except OSError:
+        target = ""
+    return (f"{path} is a symbolic link{target}: mgk writes only inside a run directory, never through a link; "
+            "replace it with a copy of what it points to")
 
 
 def _highest_missing(path: Path) -> Path | None:
@@ -227,16 +361,18 @@ def _highest_missing(path: Path) -> Path | None:
 def abandon(lock: RunDirLock) -> None:
     """Undo :func:`claim` for a new run that stopped before its first optimiser step, then release ``lock``.
 
-    What the run wrote (the entries of :data:`RUN_ENTRIES`: data it generated, config.yaml, train.log, ...) is
-    removed, so no empty run folder is left and the same command can be run again without ``--overwrite``. The
-    folders the claim created go too (the run directory and parents it made, each only while empty: a parent that
-    another process filled meanwhile stays). A directory that existed before is never removed, and files that
-    ``mgk train`` does not write are never touched; a resumed run's directory (``claim(resume=True)``) is left as
-    it is."""
+    What the run wrote (the entries of :data:`RUN_ENTRIES`: its marker, data it generated, config.yaml, train.log,
+    ...) is removed, and the run that ``--overwrite`` set aside is put back, so that no empty or half-replaced run
+    folder is left and the same command can be run again. The folders the claim created go too (the run directory
+    and parents it made, each only while empty: a parent that another process filled meanwhile stays). A directory
+    that existed before is never removed, and files that ``mgk train`` does not write are never touched; a resumed
+    run's directory (``claim(resume=True)``) is left as it is."""
     run_dir = lock.run_dir
     try:
         if lock.new_run and run_dir.is_dir():
             _remove(run_dir, [e for e in _entries(run_dir) if e in RUN_ENTRIES])
+            _restore_previous(run_dir)
+            lock.previous = None
             if lock.made is not None:
                 lock.path.unlink(missing_ok=True)
                 for folder in (run_dir, *run_dir.parents):
@@ -256,21 +392,6 @@ def _remove(run_dir: Path, names: list[str]) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-
-
-def _clear(run_dir: Path, entries: list[str], data: str | None) -> None:
-    """Empty ``run_dir`` (but its lock file) for --overwrite; refuse when it holds anything mgk did not write."""
-    foreign = [e for e in entries if e not in RUN_ENTRIES]
-    if foreign:
-        raise RunDirError(f"{run_dir} holds files `mgk train` did not write ({', '.join(foreign[:4])}); "
-                          "--overwrite clears only run directories: choose another --out")
-    if data is not None:
-        inside = Path(os.path.abspath(data))
-        root = Path(os.path.abspath(run_dir))
-        if inside == root or root in inside.parents:
-            raise RunDirError(f"--data {data} lies inside {run_dir}: --overwrite would delete it; choose another "
-                              "--out")
-    _remove(run_dir, entries)
 
 
 # --------------------------------------------------------------------------- reading and writing the files
@@ -358,11 +479,31 @@ def read_results(run_dir: str | os.PathLike) -> dict | None:
     return read_json(path) if path.exists() else None
 
 
+def log_text(text: str) -> str:
+    """``text`` made one line of a log: its control characters (line breaks, escape sequences) and Unicode line
+    separators written as Python escapes (``\\n``, ``\\x1b``, ``\\u2028``), tabs kept. Text taken from a path (a
+    folder named with a line break and a command) then never starts a line of its own, nor drives a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch == "\t" or unicodedata.category(ch) not in ("Cc", "Zl", "Zp")
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def append_line(path: str | os.PathLike, line: str) -> None:
-    """Append ``line`` and a newline to an append-only log (metrics.jsonl, train.log), flushed. A crash can cut
-    only this last line, which :func:`read_metrics` drops."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
+    """Append ``line`` (through :func:`log_text`: one line whatever it holds) and a newline to an append-only log
+    (metrics.jsonl, train.log), flushed. A crash can cut only this last line, which :func:`read_metrics` drops.
+
+    Raises:
+        RunFileError: ``path`` is a symbolic link (opened with ``O_NOFOLLOW``: a log is never written through one).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+    except OSError:
+        if Path(path).is_symlink():
+            raise RunFileError(_link_message(Path(path))) from None
+        raise
+    with open(fd, "a", encoding="utf-8") as f:
+        f.write(log_text(line) + "\n")
 
 
 def read_metrics(run_dir: str | os.PathLike, *, torn: list | None = None) -> list[dict]:
