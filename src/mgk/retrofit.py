@@ -4,21 +4,24 @@
 Everything but the attention layers (embeddings, feed-forward layers, norms, the task's head) is copied as it is;
 the two models must have the same shapes there (a run of the same task and sizes). Each attention layer of the
 source is read as a multi-head layer (:meth:`mgk.attention.AttentionBase.per_head_projections`) and converted by
-one of three rules, chosen by the shapes:
+the rules :func:`mgk.swap_attention` applies (one code path: :mod:`mgk.attention.regroup` names the rule and
+chooses the heads, :func:`mgk.attention.convert.load_conversion` loads them), with each kind's default rule:
 
-* **same heads and width**: the new kind's own conversion rule (``load_projections``, as :func:`mgk.swap_attention`
-  does): softmax -> GQA mean-pools each group's key/value heads (Ainslie et al. 2023; exact for G = H), softmax ->
-  MGK with the same heads takes the key as component 1 plus perturbed copies.
+* **same** heads and head_dim: the new kind's own conversion rule (``load_projections``): softmax -> GQA
+  mean-pools each group's key/value heads (Ainslie et al. 2023; exact for G = H), softmax -> MGK with the same heads
+  takes the key as component 1 plus perturbed copies.
 * **merge** (mgk / mlk target with ``H_source / num_keys`` heads of the source's head_dim): groups of ``num_keys``
   source heads become the key components of one head (:func:`mgk.attention.regroup.merge_heads`). Groups by
   ``pairs="similar"``: greedy matching on the mean Jensen-Shannon divergence of the heads' attention maps over
   validation examples (:mod:`mgk.analyze.similarity`), or ``"adjacent"``: heads (0, 1), (2, 3), ... (the control).
+* **pool** (gqa with fewer query heads of the source's head_dim, dividing its heads): groups of source heads, chosen
+  as for merging, mean-pooled (:func:`mgk.attention.regroup.pool_heads`), then GQA's own rule.
 * **prune** (any other target with fewer heads of the source's head_dim): the heads of largest importance
   ``E_x |dL/dxi_h|`` on validation examples (Michel et al., NeurIPS 2019; :func:`mgk.analyze.prune.importance`) are
-  kept, in their order, then the new kind's rule applies (GQA then mean-pools the kept heads).
+  kept, in their order, then the new kind's rule applies.
 
-Other shapes are refused in one line. The choices made (groups, kept heads, importances) are written to the new
-run's ``init.json``.
+Other shapes (more heads, another head_dim, mgk / mlk heads that are not source heads / num_keys) are refused in
+one line. The choices made (groups, kept heads, importances) are written to the new run's ``init.json``.
 """
 from __future__ import annotations
 
@@ -29,15 +32,15 @@ import torch
 from torch import nn
 
 from .analyze import prune
-from .analyze.similarity import greedy_groups, head_divergence
+from .analyze.similarity import head_divergence
 from .attention import AttentionBase
-from .attention.regroup import merge_heads, select_heads
+from .attention.convert import load_conversion
+from .attention.regroup import PAIRINGS, choose_rule, plan_heads
 from .train import rundir
 from .train.load import load_run
 
 __all__ = ["PAIRINGS", "InitFrom", "describe", "initialise"]
 
-PAIRINGS = ("similar", "adjacent")
 # Validation examples the pairing (JS divergence) and the importance are measured on: the first ones of the split,
 # so the choice is a function of the source run and the data alone.
 MEASURE_EXAMPLES = 256
@@ -106,56 +109,35 @@ def _copy_rest(source: nn.Module, model: nn.Module, skip: list[str], run_dir: Pa
 
 
 def _rule(old: AttentionBase, new: AttentionBase) -> str:
-    """"same", "merge" or "prune" for converting ``old`` into ``new``; ValueError in one line for other shapes."""
-    if old.num_heads == new.num_heads and old.head_dim == new.head_dim:
-        return "same"
-    mix = getattr(new, "mixture", None)
-    if new.head_dim == old.head_dim and mix is not None and mix.keys == "separate" \
-            and new.num_heads * mix.num_keys == old.num_heads:
-        return "merge"
-    if new.head_dim == old.head_dim and new.num_heads < old.num_heads and not (mix is not None and
-                                                                              mix.keys == "separate"):
-        return "prune"
-    raise ValueError(
-        f"no conversion from {type(old).__name__} x {old.num_heads} (head_dim {old.head_dim}) to "
-        f"{type(new).__name__} x {new.num_heads} (head_dim {new.head_dim}): defined for the same heads and head_dim, "
-        "mgk / mlk with source heads / num_keys heads (merging), and fewer heads of the same head_dim (pruning)")
+    """The rule converting ``old`` into ``new`` (:func:`mgk.attention.regroup.choose_rule`, each kind's default;
+    re-cutting the width into heads of another size is not one of --init-from's); ValueError in one line for other
+    shapes."""
+    try:
+        rule = choose_rule(old.num_heads, old.head_dim, new)
+        if rule == "slice":
+            raise ValueError("--init-from keeps the head size")
+    except ValueError as e:
+        raise ValueError(f"no conversion from {type(old).__name__} x {old.num_heads} (head_dim {old.head_dim}) to "
+                         f"{type(new).__name__} x {new.num_heads} (head_dim {new.head_dim}): {e}") from None
+    return rule
 
 
 def _measure(source, task, layers: list[str], rules: list[str], new: list[AttentionBase], pairs: str) -> list:
-    """Per layer: the groups to merge or the heads to keep ({} for "same"), with what they were chosen by."""
+    """Per layer: the groups to merge or pool or the heads to keep ({} for "same"), with what they were chosen by,
+    measured on the first validation examples."""
     val = task.splits.get("val")
     index = None if val is None else torch.arange(min(MEASURE_EXAMPLES, len(val)))
     pairs = pairs or "similar"
-    need_js = any(r == "merge" for r in rules) and pairs == "similar"
+    need_js = any(r in ("merge", "pool") for r in rules) and pairs == "similar"
     need_imp = any(r == "prune" for r in rules)
     if (need_js or need_imp) and val is None:
         raise ValueError("--init-from: choosing heads needs the run's validation split, and its data has none")
     old = [_attention(source)[p] for p in layers]
-    js = head_divergence(task, source, val, index) if need_js else None
+    js = head_divergence(task, source, val, index) if need_js else [None] * len(old)
     imp = prune.importance(task, source, old, val, index, prune.unit_gates(old, "head"), unit="head",
-                           batch_size=32) if need_imp else None
-    plans = []
-    for i, (rule, o, n) in enumerate(zip(rules, old, new)):
-        if rule == "merge":
-            M = n.mixture.num_keys
-            groups = (greedy_groups(js[i], M) if need_js else
-                      [list(range(g * M, (g + 1) * M)) for g in range(n.num_heads)])
-            plans.append({"groups": groups, "pairs": pairs, "by": f"{pairs} heads",
-                          **({} if js is None else {"divergence": [_group_js(js[i], g) for g in groups]})})
-        elif rule == "prune":
-            order = sorted(range(o.num_heads), key=lambda h: -float(imp[i][h]))
-            plans.append({"keep": sorted(order[:n.num_heads]), "importance": [float(v) for v in imp[i]],
-                          "by": "largest E|dL/dxi_h| (Michel et al. 2019)"})
-        else:
-            plans.append({})
-    return plans
-
-
-def _group_js(js, group: list[int]) -> float:
-    """Mean JS divergence (bits) over the pairs of heads in ``group``."""
-    pairs = [(a, b) for i, a in enumerate(group) for b in group[i + 1:]]
-    return sum(float(js[a, b]) for a, b in pairs) / len(pairs)
+                           batch_size=32) if need_imp else [None] * len(old)
+    return [plan_heads(rule, o.per_head_projections(), n.num_heads, o.head_dim, divergence=d, importance=i,
+                       pairs=pairs) for rule, o, n, d, i in zip(rules, old, new, js, imp)]
 
 
 def _load_source(init: InitFrom, device):
@@ -198,10 +180,10 @@ def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
     layers = list(new)
     copied = _copy_rest(source.model, model, layers, init.run_dir)
     rules = [_rule(old[p], new[p]) for p in layers]
-    if init.pairs is not None and "merge" not in rules:
+    if init.pairs is not None and not {"merge", "pool"} & set(rules):
         raise ValueError(f"--init-pairs {init.pairs}: this conversion merges no heads (it is by "
                          f"{', '.join(sorted(set(rules)))}); pairs apply to mgk / mlk with source heads / num_keys "
-                         "heads")
+                         "heads and to gqa with fewer heads")
     plans = _measure(source.model, task, layers, rules, [new[p] for p in layers], init.pairs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -216,28 +198,20 @@ def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
 
 
 def _convert(old: AttentionBase, new: AttentionBase, rule: str, plan: dict, path: str) -> None:
-    """Set ``new``'s projections from ``old``'s by ``rule``; ValueError naming ``path`` when one does not fit."""
+    """Set ``new``'s projections from ``old``'s by ``rule`` and ``plan`` (swap_attention's
+    :func:`mgk.attention.convert.load_conversion`); ValueError naming ``path`` when one does not fit."""
     try:
         weights = {k: v.to(new.q_proj.weight.dtype) for k, v in old.per_head_projections().items()}
     except ValueError as e:
         raise ValueError(f"--init-from: {path}: {e}") from None
-    if rule == "merge":
-        weights = merge_heads(weights, plan["groups"], old.head_dim)
-    elif rule == "prune":
-        weights = select_heads(weights, plan["keep"], old.head_dim)
-    values = new.load_projections(weights)
-    params = dict(new.named_parameters())
-    if rule == "same":  # as swap_attention: the source's own parameters of the same name and shape (mgk -> mgk
-        # keeps every key component and the learned weights, so the conversion is exact)
-        values.update({n: t.detach() for n, t in old.named_parameters()
-                       if n in params and params[n].shape == t.shape})
-    unset = [n for n in ("q_proj.weight", "v_proj.weight", "out_proj.weight") if n not in values]
+    # as swap_attention: with the same heads, the source's own parameters of the same name and shape (mgk -> mgk
+    # keeps every key component and the learned weights, so the conversion is exact)
+    own = {n: t.detach() for n, t in old.named_parameters()} if rule == "same" else None
+    done = load_conversion(new, weights, rule, plan, old.head_dim, own)
+    unset = [n for n in ("q_proj.weight", "v_proj.weight", "out_proj.weight") if n not in done]
     if unset:
         raise ValueError(f"--init-from: {path}: {unset[0]} of the source does not fit {type(new).__name__} "
-                         f"{tuple(params[unset[0]].shape)}")
-    with torch.no_grad():
-        for name, value in values.items():
-            params[name].copy_(value)
+                         f"{tuple(dict(new.named_parameters())[unset[0]].shape)}")
 
 
 def describe(record: dict) -> str:

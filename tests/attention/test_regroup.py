@@ -1,9 +1,7 @@
 """Changing the heads of a multi-head layer before conversion (mgk.attention.regroup): pruning keeps exactly the
-kept heads' outputs; merging pairs of heads into MGK components computes the mixture of the paper's eq. 9-10 with
-the group's keys as components, checked against a float64 reference written from the formula."""
+kept heads' outputs; merging pairs of heads into MGK components keeps each head's logits in its component and the
+group's value-output product, exactly where the group's queries and values allow it (float64)."""
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -39,48 +37,50 @@ def test_select_heads_is_the_layer_with_the_other_heads_switched_off(keep):
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
-def _mgk_reference(x, w, groups, sigma2):
-    """MGK output from the formula (float64): per merged head, q = mean of the group's queries, components k_r =
-    the keys of head g[r], pi_r = 1/M, A_ij proportional to sum_r pi_r exp(-|q_i - k_rj|^2 / (2 sigma2)), values the
-    mean of the group's, output projection the sum of the group's columns."""
-    def head(t, h):
-        return t[h * D:(h + 1) * D]
-
-    def proj(name, h):
-        return x @ head(w[f"{name}.weight"], h).T + head(w[f"{name}.bias"], h)
-
-    out = w["out_proj.bias"].expand(x.shape[0], E).clone()
+def _shared_within_groups(groups, seed=1):
+    """A float64 softmax layer's projections where the heads of each group share their query and value projections
+    (and biases): the case in which merging them loses nothing but the attention's own differences."""
+    w = {k: v.double().clone() for k, v in _softmax_layer(seed).per_head_projections().items()}
     for g in groups:
-        q = sum(proj("q_proj", h) for h in g) / len(g)
-        v = sum(proj("v_proj", h) for h in g) / len(g)
-        score = sum((1 / len(g)) * torch.exp(-((q[:, None, :] - proj("k_proj", h)[None]) ** 2).sum(-1)
-                                            / (2 * sigma2)) for h in g)
-        a = score / score.sum(-1, keepdim=True)
-        wo = sum(w["out_proj.weight"][:, h * D:(h + 1) * D] for h in g)
-        out = out + (a @ v) @ wo.T
-    return out
+        for h in g[1:]:
+            for name in ("q_proj.weight", "q_proj.bias", "v_proj.weight", "v_proj.bias"):
+                w[name][h * D:(h + 1) * D] = w[name][g[0] * D:(g[0] + 1) * D]
+    return w
+
+
+def _rows(t, index):
+    return t[index * D:(index + 1) * D]
 
 
 @pytest.mark.parametrize("groups", [[[0, 1], [2, 3]], [[0, 2], [3, 1]], [[1, 2], [0, 3]]])
-def test_merged_heads_compute_the_mixture_of_the_groups_keys(groups):
-    old = _softmax_layer(1)
-    w = {k: v.double() for k, v in old.per_head_projections().items()}
-    new = build_attention("mgk", E, 2, head_dim=D, batch_first=True, num_keys=2).double().eval()
-    _load(new, merge_heads(w, groups, D))
-    x = torch.randn(7, E, dtype=torch.float64)
-    got, _ = new(x[None], x[None], x[None], need_weights=False)
-    want = _mgk_reference(x, w, groups, sigma2=math.sqrt(D))
-    torch.testing.assert_close(got[0], want, atol=1e-10, rtol=1e-10)
+def test_merged_components_score_as_their_heads_and_outputs_keep_the_group_product(groups):
+    """Component r of merged head i (row block r * heads + i: component-major) gives head groups[i][r]'s logits,
+    biases included; the merged value-output product is the group's sum."""
+    w = _shared_within_groups(groups)
+    merged = merge_heads(w, groups, D)
+    x, y = torch.randn(5, E, dtype=torch.float64), torch.randn(6, E, dtype=torch.float64)
 
+    def proj(t, name, index, inputs):
+        return inputs @ _rows(t[f"{name}.weight"], index).T + _rows(t[f"{name}.bias"], index)
 
-def test_merged_key_projection_is_component_major():
-    w = _softmax_layer().per_head_projections()
-    merged = merge_heads(w, [[3, 1], [0, 2]], D)
-    k = w["k_proj.weight"].reshape(H, D, E)
-    want = torch.cat([k[3], k[0], k[1], k[2]])  # component 1 of heads 0, 1, then component 2 of heads 0, 1
-    assert torch.equal(merged["k_proj.weight"], want)
-    assert merged["q_proj.weight"].shape == (2 * D, E) and merged["out_proj.weight"].shape == (E, 2 * D)
+    for i, g in enumerate(groups):
+        for r, h in enumerate(g):
+            want = proj(w, "q_proj", h, x) @ proj(w, "k_proj", h, y).T
+            got = proj(merged, "q_proj", i, x) @ proj(merged, "k_proj", r * len(groups) + i, y).T
+            torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+        ov = sum(w["out_proj.weight"][:, h * D:(h + 1) * D] @ proj(w, "v_proj", h, y).T for h in g)
+        got = merged["out_proj.weight"][:, i * D:(i + 1) * D] @ proj(merged, "v_proj", i, y).T
+        torch.testing.assert_close(got, ov, atol=1e-9, rtol=1e-9)
     assert torch.equal(merged["out_proj.bias"], w["out_proj.bias"])
+
+
+def test_merged_keys_are_shorter_than_the_queries_by_the_shrink_factor_squared():
+    """The key-norm term of MGK, which softmax lacks, is made small without changing a logit."""
+    from mgk.attention.regroup import MERGE_KEY_SHRINK
+
+    merged = merge_heads(_shared_within_groups([[0, 1], [2, 3]]), [[0, 1], [2, 3]], D)
+    q, k = merged["q_proj.weight"].norm(), merged["k_proj.weight"].norm() / 2 ** 0.5
+    assert float(q / k) > 0.5 * MERGE_KEY_SHRINK ** 2
 
 
 @pytest.mark.parametrize("call, match", [

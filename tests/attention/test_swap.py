@@ -160,12 +160,13 @@ def test_mixture_keys_start_from_the_softmax_key_projection():
     assert torch.equal(shifted.k_proj.weight, wk) and shifted.key_shift.shape == (1, H, E // H)
 
 
-def test_other_head_counts_keep_the_matrices_and_mgk_sources_keep_their_parameters():
+def test_sliced_heads_keep_the_matrices_and_mgk_sources_keep_their_parameters():
     torch.manual_seed(6)
     old = mgk.MGKAttention(E, H, num_keys=2, batch_first=True)
     with torch.no_grad():
         old.pi_logits.normal_()
-    two = mgk.swap_attention(old, "softmax", num_heads=2)
+    two = mgk.swap_attention(old, "softmax", num_heads=2, heads="slice")
+    assert two.conversion["rule"] == "slice"
     assert two.num_heads == 2 and two.head_dim == 8 and torch.equal(two.q_proj.weight, old.q_proj.weight)
     assert torch.equal(two.k_proj.weight, old.k_proj.weight[:E])  # the first component
     hard = mgk.swap_attention(old, "mgk", pi="hard_e")
@@ -296,6 +297,6 @@ def test_bad_kind_options_and_head_counts_are_refused():
     with pytest.raises(ValueError, match="'sigma2' does not apply to attention kind 'mlk'"):
         mgk.swap_attention(old, "mlk", sigma2=1.0)
     with pytest.raises(ValueError, match="num_heads=3 does not divide the attention width 16 of MultiheadAttention"):
-        mgk.swap_attention(old, "mgk", num_heads=3)
+        mgk.swap_attention(old, "mgk", num_heads=3, heads="slice")
     with pytest.raises(ValueError, match="num_heads must be a positive int"):
         mgk.swap_attention(old, "mgk", num_heads=0)

@@ -74,7 +74,7 @@ def test_a_swapped_model_swaps_again_from_its_mgk_modules(hf_model, batch, arch)
 def test_a_second_swap_that_changes_the_rotary_width_is_refused(hf_model):
     model = mgk.swap_attention(hf_model("llama"), "mgk")
     with pytest.raises(ValueError, match="rotary"):
-        mgk.swap_attention(model, "softmax", num_heads=2)
+        mgk.swap_attention(model, "softmax", num_heads=2, heads="slice")
 
 
 def _toy_batch(arch):
@@ -140,7 +140,7 @@ def test_what_cannot_be_carried_is_refused_in_one_line(hf_model, arch, change, w
 
 def test_a_head_count_that_changes_the_rotary_width_is_refused(hf_model):
     with pytest.raises(ValueError, match="rotary") as err:
-        mgk.swap_attention(hf_model("llama"), "mgk", num_heads=2)
+        mgk.swap_attention(hf_model("llama"), "mgk", num_heads=2, heads="slice")
     assert "\n" not in str(err.value)
 
 

@@ -27,13 +27,13 @@ keep, and the curve says what removing one costs. The last component left in a h
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..attention.base import AttentionBase
+from ..attention.heads import gate_importance, gated, has_components
 from ..seeds import torch_seed
 from ..train.distributed import Dist
 from ..train.evaluate import evaluate
@@ -71,29 +71,6 @@ def attention_layers(model: nn.Module) -> list[AttentionBase]:
     return list(dict.fromkeys(m for m in model.modules() if isinstance(m, AttentionBase)))
 
 
-def has_components(layer: AttentionBase) -> bool:
-    """Whether the layer has mixture weights to gate (MGK / sMGK / MLK with learned or Soft-E weights)."""
-    mix = getattr(layer, "mixture", None)
-    return mix is not None and mix.pi_mode != "hard_e"
-
-
-@contextlib.contextmanager
-def gated(layers, heads=None, components=None):
-    """Set the head gates ``heads[i]`` ((H,) or (B, H)) and component gates ``components[i]`` ((H, M), (B, H, M)
-    or None) on ``layers[i]`` for the body of the ``with``; removed afterwards."""
-    try:
-        for i, layer in enumerate(layers):
-            layer.head_gate = None if heads is None else heads[i]
-            if has_components(layer):
-                layer.mixture.component_gate = None if components is None else components[i]
-        yield
-    finally:
-        for layer in layers:
-            layer.head_gate = None
-            if has_components(layer):
-                layer.mixture.component_gate = None
-
-
 def metric_of_task(task) -> tuple[str, bool]:
     """(the metric that selects a run's best checkpoint, whether higher is better) of ``task``."""
     name, mode = task.best_metric
@@ -128,18 +105,12 @@ def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_s
     device = next(model.parameters()).device
     totals = [None if g is None else torch.zeros(g.shape, dtype=torch.float64) for g in gates]
     for start in range(0, len(index), batch_size):
-        rows = index[start:start + batch_size]
-        batch = task.batch(dataset, rows, device)
-        per = [None if g is None else g.to(device).expand(len(rows), *g.shape).clone().requires_grad_()
-               for g in gates]
-        wrt = [p for p in per if p is not None]
-        with torch.enable_grad(), _with(layers, per, unit, components):
-            loss_sum, _ = task.loss(model, batch)
-            grads = torch.autograd.grad(loss_sum, wrt, allow_unused=True)
-        grads = iter(grads)
-        for t in totals:
-            if t is not None and (g := next(grads)) is not None:
-                t += g.detach().abs().sum(0).double().cpu()
+        batch = task.batch(dataset, index[start:start + batch_size], device)
+        sums, _ = gate_importance(layers, [None if g is None else g.to(device) for g in gates],
+                                  lambda b=batch: task.loss(model, b)[0], unit=unit, components=components)
+        for t, s in zip(totals, sums):
+            if t is not None:
+                t += s
     return [None if t is None else t / max(len(index), 1) for t in totals]
 
 

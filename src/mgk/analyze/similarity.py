@@ -1,12 +1,13 @@
 """How alike the heads of each attention layer attend: the mean Jensen-Shannon divergence between every pair of
-heads' attention rows over examples of a split (:func:`mgk.analyze.stats.js_matrix`), the measure ``mgk train
---init-from`` pairs heads by before merging them into mixture components (results/cpu/kv-budget.md)."""
+heads' attention rows over examples of a split (:func:`mgk.attention.heads.js_matrix`), the measure ``mgk train
+--init-from`` pairs heads by before merging them into mixture components (results/cpu/kv-budget.md); the grouping
+itself is :func:`mgk.attention.heads.greedy_groups`, which swap_attention shares."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from . import stats
+from ..attention.heads import greedy_groups, js_matrix
 from .analysis import _sequences
 from .weights import StopForward, WeightRecorder
 
@@ -32,33 +33,10 @@ def head_divergence(task, model: nn.Module, dataset, index: Tensor, *, batch_siz
                 pass
             for call in recorder.calls:
                 for b, n in _sequences(call, batch):
-                    m = stats.js_matrix(call.weights[b, :, :n, :n])
+                    m = js_matrix(call.weights[b, :, :n, :n])
                     sums[call.layer] = m if sums[call.layer] is None else sums[call.layer] + m
                     counts[call.layer] += 1
             recorder.clear()
     if any(c == 0 for c in counts):
         raise ValueError("head_divergence: a layer saw no sequence (no examples given?)")
     return [s / c for s, c in zip(sums, counts)]
-
-
-def greedy_groups(divergence: Tensor, size: int) -> list[list[int]]:
-    """Split the H heads of one layer into groups of ``size`` by greedy matching on ``divergence`` (H, H): the
-    pair of unmatched heads with the smallest divergence starts a group (ties: the lowest indices), then the
-    unmatched head with the smallest mean divergence to the group joins it until it has ``size`` heads. Groups are
-    returned in the order they were formed, each sorted. ValueError when ``size`` does not divide H."""
-    H = divergence.shape[0]
-    if size < 1 or H % size:
-        raise ValueError(f"greedy_groups: groups of {size} do not split {H} heads")
-    if size == 1:
-        return [[h] for h in range(H)]
-    free, groups = list(range(H)), []
-    while free:
-        pairs = [(float(divergence[a, b]), a, b) for i, a in enumerate(free) for b in free[i + 1:]]
-        _, a, b = min(pairs)
-        group = [a, b]
-        while len(group) < size:
-            rest = [h for h in free if h not in group]
-            group.append(min(rest, key=lambda h: (float(divergence[group, h].mean()), h)))
-        groups.append(sorted(group))
-        free = [h for h in free if h not in group]
-    return groups

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..attention.heads import js_divergence, js_matrix  # noqa: F401  (the measure swap_attention pairs heads by)
+
 __all__ = ["numerical_rank", "numerical_ranks", "js_divergence", "pairwise_js", "pairwise_l2", "effective_heads",
            "summary", "RANK_MODES"]
 
@@ -43,21 +45,6 @@ def numerical_ranks(maps: Tensor, tol: float = 1e-6) -> dict[str, Tensor]:
     s = torch.linalg.svdvals(maps.detach().to(torch.float64))
     cuts = {"absolute": torch.tensor(tol, dtype=torch.float64), "relative": tol * s[..., :1]}
     return {mode: (s > cuts[mode]).sum(dim=-1) for mode in RANK_MODES}
-
-
-def js_divergence(p: Tensor, q: Tensor) -> Tensor:
-    """Jensen-Shannon divergence in bits (log base 2, so it lies in [0, 1]) between distributions along the last
-    dimension: ``JS(p, q) = KL(p | m) / 2 + KL(q | m) / 2`` with ``m = (p + q) / 2`` (Lin 1991). Terms with
-    ``p = 0`` contribute 0 (the limit ``0 log 0 = 0``). p, q (..., S) broadcastable; returns (...) float64."""
-    p, q = p.detach().to(torch.float64), q.detach().to(torch.float64)
-    m = (p + q) / 2
-
-    def kl(a: Tensor) -> Tensor:
-        """KL(a || m) in bits along the last dimension (terms with a = 0 contribute 0)."""
-        ratio = torch.where(a > 0, a / torch.where(m > 0, m, torch.ones_like(m)), torch.ones_like(a))
-        return (a * torch.log2(ratio)).sum(dim=-1)
-
-    return ((kl(p) + kl(q)) / 2).clamp_min(0.0)
 
 
 def _pairs(H: int) -> tuple[Tensor, Tensor]:
@@ -114,17 +101,3 @@ def summary(values) -> dict:
         return {"n": 0}
     return {"n": int(x.numel()), "mean": float(x.mean()), "std": float(x.std()) if x.numel() > 1 else 0.0,
             "min": float(x.min()), "median": float(x.median()), "max": float(x.max())}
-
-
-def js_matrix(maps: Tensor) -> Tensor:
-    """(H, H) float64: entry (h, h') the mean over query rows of ``JS(A_h[i], A_h'[i])`` in bits (0 on the
-    diagonal); the pairwise form of :func:`pairwise_js`, whose value is the mean of this matrix's upper triangle.
-    maps (H, L, S)."""
-    H = maps.shape[0]
-    out = torch.zeros(H, H, dtype=torch.float64)
-    if H > 1:
-        i, j = _pairs(H)
-        js = js_divergence(maps[i], maps[j]).mean(dim=-1)
-        out[i, j] = js
-        out[j, i] = js
-    return out

@@ -1,8 +1,8 @@
 """Converting one attention module into another kind, weights carried over: what :func:`mgk.swap_attention` does
 at each place it replaces, and what :mod:`mgk.integrations.hf` calls for the attention modules of Hugging Face
 models. The source is read into an :class:`AttentionSource` (its configuration and its projections as a multi-head
-layer's); the new kind's own conversion rule (its module's ``load_projections``, in the kind's file) makes the new
-parameters."""
+layer's); for fewer heads a rule of :mod:`mgk.attention.regroup` merges, pools or keeps heads, then the new kind's
+own conversion rule (its module's ``load_projections``, in the kind's file) makes the new parameters."""
 from __future__ import annotations
 
 import re
@@ -13,10 +13,12 @@ from torch import Tensor, nn
 
 from ..seeds import check_seed
 from .base import AttentionBase, _positive_int
+from .heads import calibrate
 from .registry import build_attention, check_options
+from .regroup import RULES, apply_plan, choose_rule, plan_heads
 from .softmax import from_torch_state_dict
 
-__all__ = ["AttentionSource", "convert_module", "convert_source", "swap_plan"]
+__all__ = ["AttentionSource", "convert_module", "convert_source", "load_conversion", "measure", "swap_plan"]
 
 
 @dataclass
@@ -40,14 +42,36 @@ class AttentionSource:
     trainable: bool = True  # whether any of the old module's parameters required grad (a frozen layer stays frozen)
 
 
-def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict) -> dict:
-    """What every replacement of one swap_attention call is built from (kind, heads, seed, options, and the memo of
-    modules already replaced); ValueError naming a bad option or ``num_heads``."""
+def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, head_dim: int | None = None,
+              heads: str | None = None, calibration=None, loss_fn=None) -> dict:
+    """What every replacement of one swap_attention call is built from (kind, heads, head size, the rule for fewer
+    heads, seed, options, the measures of a calibration batch (:func:`measure`) and the memo of modules already
+    replaced); ValueError naming a bad option, ``num_heads``, ``head_dim``, ``heads``, or a ``calibration`` /
+    ``loss_fn`` no rule would use."""
     check_options(kind, options)
-    if num_heads is not None:
-        _positive_int(num_heads, "num_heads")
+    for value, name in ((num_heads, "num_heads"), (head_dim, "head_dim")):
+        if value is not None:
+            _positive_int(value, name)
+    if heads is not None and heads not in RULES:
+        raise ValueError(f"heads must be one of {', '.join(RULES)}, got {heads!r}")
+    if loss_fn is not None and calibration is None:
+        raise ValueError("loss_fn= ranks heads on the calibration= batch: give calibration= too")
+    if calibration is not None and (heads == "slice" or (num_heads is None and head_dim is None)):
+        raise ValueError("calibration= chooses which heads to merge, pool or keep when num_heads is fewer than the "
+                         "model's; this call keeps every head (give num_heads, or drop calibration)")
+    if loss_fn is not None and heads in ("merge", "pool"):
+        raise ValueError(f"loss_fn= ranks heads for heads='prune'; heads={heads!r} groups them by their attention "
+                         "maps on calibration= alone")
     seed = check_seed(seed, "swap_attention: seed")  # torch's own error names nothing a caller can change
-    return {"kind": kind, "num_heads": num_heads, "seed": seed, "options": options, "memo": {}}
+    return {"kind": kind, "num_heads": num_heads, "head_dim": head_dim, "heads": heads, "seed": seed,
+            "options": options, "memo": {}, "measured": {}}
+
+
+def measure(build: dict, model: nn.Module, calibration, loss_fn=None) -> None:
+    """Measure the heads of ``model``'s mgk attention modules on the ``calibration`` batch
+    (:func:`mgk.attention.heads.calibrate`) into ``build``, by module path: their maps' divergence unless the rule is
+    "prune", their importance when ``loss_fn`` is given."""
+    build["measured"] = calibrate(model, calibration, loss_fn, maps=build["heads"] != "prune")
 
 
 def convert_module(old: nn.Module, path: str, build: dict) -> AttentionBase:
@@ -58,28 +82,58 @@ def convert_module(old: nn.Module, path: str, build: dict) -> AttentionBase:
 
 def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBase:
     """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
-    :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`)."""
-    width = src.num_heads * src.head_dim
+    :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`). Its
+    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.attention.regroup.plan_heads`)."""
     heads = build["num_heads"] or src.num_heads
-    if width % heads:
-        raise ValueError(f"swap_attention: num_heads={heads} does not divide the attention width {width} of {path}")
+    head_dim = _head_dim(src, heads, build, path)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(build["seed"])
-        new = build_attention(build["kind"], src.embed_dim, heads, head_dim=width // heads, dropout=src.dropout,
+        new = build_attention(build["kind"], src.embed_dim, heads, head_dim=head_dim, dropout=src.dropout,
                               bias=src.bias, batch_first=src.batch_first, kdim=src.kdim, vdim=src.vdim,
                               **build["options"])
-        weights = new.load_projections(src.weights)  # the new kind's conversion rule, in its own file
-    shapes = {n: p.shape for n, p in new.named_parameters()}
-    weights.update({n: t for n, t in src.parameters.items() if n in shapes and shapes[n] == t.shape})
+        try:
+            rule = choose_rule(src.num_heads, src.head_dim, new, build["heads"])
+        except ValueError as e:
+            raise ValueError(f"swap_attention: {path}: {e}") from None
+        measured = build["measured"].get(path, {})
+        plan = plan_heads(rule, src.weights, heads, src.head_dim, divergence=measured.get("divergence"),
+                          importance=measured.get("importance"))
+        # the source's own parameters of the same name and shape (mgk -> mgk keeps every key component and the
+        # learned weights) only where its heads are the new ones: a merge or pruning re-orders them
+        own = src.parameters if rule in ("same", "slice") else {}
+        load_conversion(new, src.weights, rule, plan, src.head_dim, own)  # the kind's rule, in its own file
     new.to(src.device)
     if new.q_proj.weight.dtype != src.dtype:
         new.to(src.dtype)
+    new.conversion = {"rule": rule, "source_heads": src.num_heads, "source_head_dim": src.head_dim, **plan}
+    return new.requires_grad_(src.trainable).train(src.training)
+
+
+def _head_dim(src: AttentionSource, heads: int, build: dict, path: str) -> int:
+    """The new head size: ``build``'s, else the width re-cut for heads="slice", else the source's."""
+    width = src.num_heads * src.head_dim
+    if build["head_dim"] is not None:
+        return build["head_dim"]
+    if build["heads"] != "slice":
+        return src.head_dim
+    if width % heads:
+        raise ValueError(f"swap_attention: num_heads={heads} does not divide the attention width {width} of {path}")
+    return width // heads
+
+
+def load_conversion(new: AttentionBase, weights: dict[str, Tensor], rule: str, plan: dict, head_dim: int,
+                    own: dict[str, Tensor] | None = None) -> set[str]:
+    """Set ``new``'s parameters from a source layer's per-head projections ``weights`` (heads of ``head_dim``) by
+    ``rule`` and ``plan`` (:func:`mgk.attention.regroup.plan_heads`), then the new kind's ``load_projections``;
+    ``own``: source parameters copied where ``new`` has one of the same name and shape. Returns the names set."""
+    values = new.load_projections(apply_plan(weights, plan, rule, head_dim))
     params = dict(new.named_parameters())
+    values.update({n: t for n, t in (own or {}).items() if n in params and params[n].shape == t.shape})
     with torch.no_grad():
-        for name, value in weights.items():
+        for name, value in values.items():
             if value is not None:
                 params[name].copy_(value)
-    return new.requires_grad_(src.trainable).train(src.training)
+    return {n for n, v in values.items() if v is not None}
 
 
 # The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot

@@ -1,18 +1,44 @@
 """Replace the attention modules of an existing model (``torch.nn.MultiheadAttention`` or mgk's own) by an mgk
-attention kind, carrying over the layout, the sizes and the weights."""
+attention kind, carrying over the layout, the sizes and the weights.
+
+Fewer heads (``num_heads`` below the old module's) keep each head's size, as the paper's MGK-4 against softmax-8
+(0.625x the attention weights at one head_dim), and are converted by a named rule (:mod:`mgk.attention.regroup`,
+the code path of ``mgk train --init-from`` too):
+
+* "merge" (default for mgk, mlk with ``num_heads * num_keys`` = the old heads): groups of ``num_keys`` old heads
+  become the key components of one head: query and value projections the group's mean, output columns its sum, key
+  component r the r-th head's key, pi uniform.
+* "pool" (default for gqa): groups of old heads mean-pooled in every projection (Ainslie et al. 2023 pool the
+  key/value heads so), output columns summed; then GQA's own key/value pooling.
+* "prune" (default for softmax, linear, smgk, smlk; any kind when named): the most important heads kept, in their
+  order, the others dropped (exact for softmax: the old layer with those heads switched off).
+* "slice": the projections kept whole and re-cut into ``num_heads`` heads of width / ``num_heads`` (the behaviour
+  before head sizes were kept; the function changes, exact only with the old heads). Also what ``head_dim`` with
+  ``num_heads * head_dim`` = the old width gives.
+
+Groups are of similar heads (greedy matching; adjacent heads merged worse in the retro-fit of
+results/cpu/kv-budget.md). Without data, similarity is the cosine of the heads' bilinear forms ``W_q,h^T W_k,h``
+(two heads with proportional forms give the same attention map up to a temperature on every input; comparing query
+or key projections alone would separate heads that differ by a rotation inside the head, which changes no logit),
+and importance the norm ``|W_o,h W_v,h|_F`` of what a head can write (:mod:`mgk.attention.heads`). With a
+``calibration`` batch, similarity is the mean Jensen-Shannon divergence of the heads' attention maps and, with a
+``loss_fn``, importance is Michel et al.'s ``E_x |dL(x)/dxi_h|``: the measures ``--init-from`` takes on validation
+examples.
+"""
 from __future__ import annotations
 
 from torch import nn
 
 from .base import AttentionBase
-from .convert import convert_module, swap_plan
+from .convert import convert_module, measure, swap_plan
 from .mixture_keys import KEY_SPREAD
 
 __all__ = ["swap_attention", "KEY_SPREAD"]
 
 
-def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None = None, seed: int = 0,
-                   **options) -> nn.Module:
+def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None = None,
+                   head_dim: int | None = None, heads: str | None = None, calibration=None, loss_fn=None,
+                   seed: int = 0, **options) -> nn.Module:
     """Replace every ``nn.MultiheadAttention`` and every mgk attention module in ``model`` (in place) by the
     attention ``kind`` of :func:`mgk.build_attention` ("softmax", "mgk", "smgk", "linear", "mlk", "smlk", "gqa").
 
@@ -22,12 +48,22 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
             transformers model (Llama family, GPT-2, BERT) is handed to :func:`mgk.integrations.hf.swap_attention`
             (extra ``hf``; docs/hf.md), which reads its attention modules and converts them by the rules below.
         kind: the new attention kind.
-        num_heads: H of the new modules; default each old module's own. The attention width H * D stays the old
-            one (E for ``nn.MultiheadAttention``), so D becomes width / H.
+        num_heads: H of the new modules; default each old module's own. Each head keeps its size (head_dim D)
+            unless ``head_dim`` is given: fewer heads make a narrower attention (the paper's MGK-4 against
+            softmax-8, and the only choice a rotary model allows), converted by the rule ``heads``.
+        head_dim: D of the new modules; default the old one's. With ``num_heads * head_dim`` = the old width the
+            projections are re-cut into heads of another size ("slice"); other widths are refused.
+        heads: the rule for fewer heads of the same size (module docstring): "merge", "pool", "prune" or "slice";
+            default "merge" for mgk / mlk (``num_heads * num_keys`` = the old heads), "pool" for gqa, "prune" for
+            the other kinds. Heads are chosen from the weights, or on ``calibration``.
+        calibration: a batch to choose heads on (a Tensor, a tuple of positional or a dict of keyword inputs of
+            ``model``), run in eval mode after torch / Hugging Face attention became mgk softmax (the same function).
+        loss_fn: with ``calibration``, ``loss_fn(model output)`` -> a scalar loss over the batch (summed or
+            averaged), whose per-example gradients rank heads for "prune" (e.g. ``lambda out: out.loss``).
         seed: seeds every random number the new modules draw (the global RNG is left as it was).
         options: the kind's own options, as :func:`mgk.build_attention` (num_keys, pi, sigma2, ...).
 
-    Carried over from each old module: embed_dim, num_heads (unless given), head_dim, dropout, bias, batch_first,
+    Carried over from each old module: embed_dim, num_heads and head_dim (unless given), dropout, bias, batch_first,
     kdim / vdim, device, dtype, train/eval mode, and whether it is frozen (a module none of whose parameters requires
     grad gives a new module none of whose parameters does; forward hooks on the old module are not carried).
     Weights, with the old key projection K (for an mgk mixture source: its first component):
@@ -52,8 +88,8 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     ``nn.TransformerEncoder``'s nested-tensor fast path (``enable_nested_tensor``) is switched off: it needs
     ``nn.MultiheadAttention``'s packed weights. The layers' own fast path declines by itself.
 
-    A different ``num_heads`` keeps the projection matrices whole: each new head reads another slice of the same
-    width, so the function changes (it is exact only with the original heads).
+    Each new module's attribute ``conversion`` records ``{"rule", "source_heads", "source_head_dim", "groups" or
+    "keep", "by": what chose them, the measures}``.
 
     Returns:
         ``model`` (the new module when ``model`` itself is an attention module).
@@ -61,25 +97,47 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         ValueError in one line naming the module's path for what cannot be carried: ``nn.MultiheadAttention`` with
         ``add_bias_kv=True`` or ``add_zero_attn=True``, a subclass of it with its own ``forward`` or its own
         parameters or buffers, an ``out_proj`` that is not an ``nn.Linear`` (a parametrized projection is carried as
-        its effective weight), a ``num_heads`` that does not divide the width, an mgk module without a key
-        projection; for an unknown kind or an option it does not take; when ``model`` holds
-        no attention module.
+        its effective weight), an mgk module without a key projection, more heads of one size, a head size keeping
+        neither the old one nor the width, a ``heads`` rule that does not fit (or none for mgk / mlk heads that
+        cannot merge); an unknown kind or option; ``calibration`` where no head is chosen, ``loss_fn`` without it;
+        when ``model`` holds no attention module.
     """
-    if _from_transformers(model):
-        # imported here so that mgk never imports transformers unless it is given a transformers model
+    conversion = dict(head_dim=head_dim, heads=heads, calibration=calibration, loss_fn=loss_fn)
+    if _from_transformers(model):  # the import inside: mgk never imports transformers unless given its model
         from ..integrations import hf
-        return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **options)
-    build = swap_plan(kind, num_heads, seed, options)
+        return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **conversion, **options)
+    build = swap_plan(kind, num_heads, seed, options, **conversion)
+    if calibration is not None:
+        model = _measured(model, build, calibration, loss_fn)
     if _is_attention(model):
         return _replacement(model, type(model).__name__, build)
     if not _swap_children(model, build):
         raise ValueError(f"swap_attention: {type(model).__name__} holds no nn.MultiheadAttention or mgk attention "
                          "module")
+    _no_nested_tensors(model)
+    return model
+
+
+def _no_nested_tensors(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder):
             # Its eval-mode nested-tensor path (enable_nested_tensor, decided at construction) reads the packed
             # weights of nn.MultiheadAttention and feeds nested tensors to the layers: neither exists here.
             module.use_nested_tensor = False
+
+
+def _measured(model: nn.Module, build: dict, calibration, loss_fn) -> nn.Module:
+    """``model`` with its ``nn.MultiheadAttention`` modules as mgk softmax modules of the same heads (exactly the
+    same function: head gates and per-head maps are mgk's), its heads measured on ``calibration`` into ``build``."""
+    exact = swap_plan("softmax", None, build["seed"], {})
+    if isinstance(model, nn.MultiheadAttention):
+        model = _replacement(model, type(model).__name__, exact)
+    else:
+        _swap_children(model, exact, only=nn.MultiheadAttention)
+        _no_nested_tensors(model)
+    measure(build, model, calibration, loss_fn)
+    if _is_attention(model) and "" in build["measured"]:
+        build["measured"][type(model).__name__] = build["measured"].pop("")
     return model
 
 
@@ -93,12 +151,13 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, (nn.MultiheadAttention, AttentionBase))
 
 
-def _swap_children(model: nn.Module, build: dict) -> int:
-    """Replace the attention modules below ``model``; returns how many places were replaced. Every place is visited,
-    also a module held twice by one parent (``named_children`` lists it once, so its second name kept the old
-    module); attention modules nested inside another are left to their owner."""
+def _swap_children(model: nn.Module, build: dict, only: type = nn.Module) -> int:
+    """Replace the attention modules below ``model`` (those of type ``only``); returns how many places were replaced.
+    Every place is visited, also a module held twice by one parent (``named_children`` lists it once, so its second
+    name kept the old module); attention modules nested inside another are left to their owner."""
     places = [(path, m) for path, m in model.named_modules(remove_duplicate=False) if path and _is_attention(m)]
-    places = [(path, m) for path, m in places if not any(path.startswith(f"{p}.") for p, _ in places)]
+    places = [(path, m) for path, m in places if not any(path.startswith(f"{p}.") for p, _ in places)
+              and isinstance(m, only)]
     for path, old in places:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, _replacement(old, path, build))

@@ -9,7 +9,7 @@ from packaging.version import Version
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ...attention.convert import AttentionSource, convert_module, convert_source, swap_plan
+from ...attention.convert import AttentionSource, convert_module, convert_source, measure, swap_plan
 from .attention import HFAttention
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
 
@@ -22,14 +22,16 @@ SUPPORTED = {"llama": ("llama", "LlamaAttention"), "mistral": ("llama", "Mistral
 _SUPPORTED_TEXT = "llama, mistral, qwen2 (Llama family), gpt2, bert"
 
 
-def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int | None = None, seed: int = 0,
-                   **options) -> PreTrainedModel:
+def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int | None = None,
+                   head_dim: int | None = None, heads: str | None = None, calibration=None, loss_fn=None,
+                   seed: int = 0, **options) -> PreTrainedModel:
     """Replace, in place, every self-attention module of the transformers ``model`` (model types of
     :data:`SUPPORTED`) by an :class:`~mgk.integrations.hf.HFAttention` holding attention ``kind`` (any registered
     kind, with its ``options``), as :func:`mgk.swap_attention` does for torch models (which calls this).
 
-    Carried over: the width, heads (unless ``num_heads``), head_dim, attention dropout, device, dtype, train/eval
-    mode and the weights by :func:`mgk.swap_attention`'s rules (softmax exact), read as:
+    Carried over: the width, heads (unless ``num_heads``), head_dim (unless ``head_dim``; fewer heads keep it, by
+    the rule ``heads``), attention dropout, device, dtype, train/eval mode and the weights by
+    :func:`mgk.swap_attention`'s rules (softmax exact; ``calibration`` / ``loss_fn`` as there), read as:
 
     * Llama family: ``q/k/v_proj``, ``o_proj`` -> ``out_proj``. Grouped keys and values (num_key_value_heads <
       num_attention_heads) are repeated to every query head, as the model's attention repeats them, so softmax
@@ -48,13 +50,18 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
 
     Raises:
         ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
-        cross-attention, a sliding window, BERT as a decoder, a ``num_heads`` that changes a rotary model's
-        head_dim; an unknown kind or option (as :func:`mgk.swap_attention`). ImportError for transformers outside
+        cross-attention, a sliding window, BERT as a decoder, a ``head_dim`` (or heads="slice") that changes a rotary
+        model's; an unknown kind or option (as :func:`mgk.swap_attention`). ImportError for transformers outside
         :data:`TRANSFORMERS_RANGE`.
     """
     _check_version()
     layout, attention_class = _family(model)
-    build = swap_plan(kind, num_heads, seed, options)
+    build = swap_plan(kind, num_heads, seed, options, head_dim=head_dim, heads=heads, calibration=calibration,
+                      loss_fn=loss_fn)
+    if calibration is not None:  # heads are measured in mgk's modules: first the same function as softmax ones
+        if not any(isinstance(m, HFAttention) for m in model.modules()):
+            swap_attention(model, "softmax", seed=seed)
+        measure(build, model, calibration, loss_fn)
     # a BertAttention swapped before keeps its class (its .self is the HFAttention, met on its own)
     places = [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
               or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
@@ -74,8 +81,8 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
 def _check_rotary_width(head_dim: int, rotary_dim: int, path: str, build: dict) -> None:
     if head_dim != rotary_dim:
         raise ValueError(f"swap_attention: num_heads={build['num_heads']} gives head_dim {head_dim} in {path}, but "
-                         f"the model's rotary embeddings are {rotary_dim} wide: keep num_heads a divisor that leaves "
-                         f"head_dim {rotary_dim} (the default)")
+                         f"the model's rotary embeddings are {rotary_dim} wide: leave head_dim at its default, the "
+                         f"model's {rotary_dim} (not heads='slice')")
 
 
 def _check_version() -> None:
