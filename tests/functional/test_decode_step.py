@@ -336,3 +336,26 @@ def test_a_slot_tensor_out_of_range_or_of_another_shape_is_refused_in_one_line(b
     q2, key2, value2, buffers2, step2, _ = _case(T=20, L=2)
     with pytest.raises(ValueError, match="one new token a step, got L = 2"):
         _run(q2, key2, value2, buffers2, _at_slot(step2, 20, True), torch.float64, backend)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "explicit"])
+@pytest.mark.parametrize("shifted", [False, True])
+def test_no_new_token_gives_an_empty_output_and_leaves_the_buffers(backend, shifted, kernel):
+    """An empty chunk (L = 0) of a chunked prefill: a (B, H, 0, Dv) output from the step and from the cached
+    attention on every backend (the explicit form concatenated no chunk: a ValueError from torch.cat), nothing
+    written."""
+    from mgk.functional import mgk_attention_cached
+
+    q, key, value, buffers, step, _ = _case(shifted=shifted, T=20)
+    empty = q[:, :, :0], key[..., :0, :], value[:, :, :0]
+    bufs = {n: b.clone() for n, b in buffers.items()}
+    out = mgk_cache_step(*empty, **bufs, **{**step, "key_valid": step["key_valid"][:, :step["slot"]]},
+                         backend=backend)
+    assert out.shape == (2, 3, 0, 5)
+    for name, buf in bufs.items():
+        torch.testing.assert_close(buf, buffers[name], atol=0, rtol=0, msg=name)
+    S = step["slot"]
+    cached = mgk_attention_cached(q[:, :, :0], bufs["keys"][..., :S, :], bufs["key_bias"][..., :S],
+                                  bufs["values"][:, :, :S], centre=step["centre"], sigma2=step["sigma2"],
+                                  shifts=step.get("shifts"), backend=backend)
+    assert cached.shape == (2, 3, 0, 5) and cached.dtype == q.dtype

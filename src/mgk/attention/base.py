@@ -308,8 +308,12 @@ class AttentionBase(nn.Module, abc.ABC):
                              "the input or a parameter requires grad); decode under torch.no_grad() or "
                              "torch.inference_mode(), or call without past_key_values (the uncached forward gives "
                              "exact gradients)")
-        cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B, x.device,
-                   self)
+        if L > 0 or cache.seen is not None:  # an empty first chunk leaves a new cache unbound
+            cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B,
+                       x.device, self)
+        if L == 0:  # an empty chunk (of a chunked prefill) adds nothing and attends to nothing, whatever the kind
+            width = self.num_heads * self.head_dim
+            return self._outputs(self.out_proj(x.new_zeros(B, 0, width)), None, batched, True)
         q, v = self._split(self.q_proj(x)), self._values(x)
         out = self._cached_core(q, x, v, valid, cache)
         if self.head_gate is not None:  # decoding sees the same gated heads as the full forward

@@ -37,6 +37,14 @@ changes a tensor's shape, so ``torch.compile`` traces it once for every step (``
 (:meth:`LayerCache.advance`). The price is gpt-fast's: a step reads the slots not yet filled as well, so the
 capacity is sized to the tokens that will come (``generate`` fixes it at the prompt plus ``max_new_tokens``).
 
+A cache never loses a token it accepted: resizing a cache of fixed capacity whose steps :meth:`LayerCache.advance`
+has not yet counted is refused in one line. An empty chunk (a (B, 0, E) call of a chunked prefill) returns (B, 0, E)
+and leaves the cache as it was. A model cast between two calls of one cache (``model.double()``,
+``.to(torch.bfloat16)``) casts the cache to the dtype its entries are made in then (:meth:`LayerCache.cast`), for
+every kind. A cache is saved as plain tensors and ints (:meth:`LayerCache.state_dict` / ``load_state_dict``, and
+:class:`DecodingCache`'s, for ``torch.save`` and ``torch.load(..., weights_only=True)``: a prompt's cache kept on
+disk); the object itself refers to its layer and is not pickled (a TypeError in one line says so).
+
 Caches hold detached tensors and are for inference only: a cached call while autograd would record a graph
 through the layer (gradients enabled, and the input or a parameter requires grad) is a ValueError naming
 ``past_key_values`` (:meth:`mgk.attention.base.AttentionBase.forward`); decode under ``torch.no_grad()`` or
@@ -44,6 +52,7 @@ through the layer (gradients enabled, and the input or a parameter requires grad
 """
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -73,7 +82,39 @@ def check_capacity(capacity, *, optional: bool = True) -> None:
         raise ValueError(f"capacity must be {'None or ' if optional else ''}a positive int, got {capacity!r}")
 
 
-class LayerCache:
+class _SavedByStateDict:
+    """Pickling refused in one line (``torch.save(cache)`` met the weak reference to the layer deep in the pickler):
+    a cache is saved as its :meth:`state_dict`. Copies (``copy.copy``, ``copy.deepcopy``) still work, the layer's
+    weak reference shared."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a {type(self).__name__} is not pickled (it refers to its layer): torch.save its "
+                        "state_dict() (tensors and ints, read back by torch.load(..., weights_only=True)) and restore "
+                        "it with load_state_dict() on a new cache of the same layers")
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))  # weakref.ref is copied as itself
+        return new
+
+
+def _plain(value, name: str):
+    """A value of :meth:`LayerCache.state_dict`'s bookkeeping as what ``torch.load(weights_only=True)`` reads back
+    (a tensor cloned); TypeError naming it otherwise."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"the cache's {name} holds a {type(value).__name__}, which state_dict() cannot save")
+
+
+class LayerCache(_SavedByStateDict):
     """One layer's decoding state for a batch of B rows: every kind's layer fills this one class.
 
     Args:
@@ -135,7 +176,9 @@ class LayerCache:
             raise ValueError(f"past_key_values lives on {self.seen.device} but this call's inputs are on "
                              f"{torch.device(device)}: a cache stays on the device it was filled on (start a new one "
                              "after moving the model)")
-        if module is not None and self._module is not None and self._module() is not module:
+        if module is not None and self._module is None:  # a loaded cache (load_state_dict): its first layer
+            self._module = weakref.ref(module)
+        if module is not None and self._module() is not module:
             raise ValueError(f"past_key_values was filled by another {owner[0]} layer (of the same sizes): a cache "
                              "serves the one layer that filled it; give each layer its own (DecodingCache holds one "
                              "per layer)")
@@ -164,6 +207,7 @@ class LayerCache:
         if not self.slots:
             return
         if self._buffers:
+            self._check_counted("reserve")
             self._grow(capacity)
         elif self.capacity is None or capacity > self.capacity:
             self.capacity = capacity
@@ -203,6 +247,10 @@ class LayerCache:
             raise ValueError(f"this {self.layout or 'layer'} cache has no slots for {sorted(unknown)}; it stores "
                              f"{sorted(self.slots) or 'a recurrent state only'}")
         L = next(iter(entries.values())).shape[self.slots[next(iter(entries))]]
+        if self._buffers:  # a model cast between calls (.double(), .to(torch.bfloat16)): the cache follows it
+            for name, x in entries.items():
+                if self._buffers[name].dtype != x.dtype:
+                    self._buffers[name] = self._buffers[name].to(x.dtype)
         if self._slot is not None:
             return self._append_fixed(valid, L, entries)
         if not self._buffers:
@@ -255,11 +303,27 @@ class LayerCache:
         check_capacity(capacity, optional=False)
         if self.seen is None:
             raise ValueError("fix_capacity() needs a cache that has had its first call (the prefill)")
+        self._check_counted("fix_capacity")
         if capacity < self.length:
             raise ValueError(f"capacity must hold the {self.length} tokens this cache has seen, got {capacity}")
         if self._buffers:  # new buffers of exactly that size, zero past the tokens seen: a step reads every slot
             self._resize(capacity)
         self._slot = torch.full((1,), self.length, dtype=torch.int64, device=self.seen.device)
+
+    def _check_counted(self, method: str) -> None:
+        """ValueError (one line) when a cache of fixed capacity holds more tokens than :meth:`advance` has counted
+        (eager steps without it): moving its buffers copies the counted slots only and restarts the slot there,
+        which would drop the tokens past them silently."""
+        if self._slot is None or not self._buffers:
+            return
+        held = int(self._slot)
+        if held > self.length:
+            raise ValueError(f"{method}(): this cache of fixed capacity holds {held} tokens but advance() has "
+                             f"counted {self.length}; call advance() after each step (advance({held - self.length}) "
+                             "now) before resizing it")
+        if held < self.length:
+            raise ValueError(f"{method}(): advance() has counted {self.length} tokens but this cache of fixed "
+                             f"capacity holds {held}; advance() counts the tokens its steps took, no more")
 
     def room(self) -> int | None:
         """Slots left in a cache of fixed capacity (None for a growing cache, or one without slots)."""
@@ -276,16 +340,17 @@ class LayerCache:
         self._max_seen += L
         self.length += L
 
-    def claim(self, L: int) -> tuple[dict[str, Tensor], int]:
-        """Room for L new real tokens (no padding) whose entries the caller writes itself, in place: the slots are
-        marked real and counted. Returns ``(buffers, slot)``: every buffer at its whole capacity and the first new
-        slot (the static-cache form of :func:`mgk.functional.mgk_cache_step`); once the capacity is fixed, the slot
-        as a (1,) int64 tensor and L must be 1. Call after a first :meth:`append`
+    def claim(self, L: int, valid: Tensor | None = None) -> tuple[dict[str, Tensor], int]:
+        """Room for L new tokens whose entries the caller writes itself, in place: the slots are marked real where
+        ``valid`` (B, L) bool is True (None: every one) and the real ones counted; the caller writes finite entries
+        at padded slots (never attended). Returns ``(buffers, slot)``: every buffer at its whole capacity and the
+        first new slot (the static-cache form of :func:`mgk.functional.mgk_cache_step`); once the capacity is
+        fixed, the slot as a (1,) int64 tensor, L must be 1 and ``valid`` None. Call after a first :meth:`append`
         (which allocates the buffers); ValueError otherwise."""
         if not self._buffers:
             raise ValueError("claim() needs the buffers of a first append() (the prefill)")
         if self._slot is not None:  # the slot as a tensor (taken before it moves on), for a traced step
-            self.check_fixed_call(None, L)
+            self.check_fixed_call(valid, L)
             slot = self._slot.clone()
             self._valid.index_fill_(1, self._slot, True)
             self._slot.add_(L)
@@ -293,8 +358,9 @@ class LayerCache:
             return self._buffers, slot
         self._grow(self.length + L)
         slot = self.length
-        self._valid[:, slot:slot + L] = True
-        self._count(None, L)
+        self._valid[:, slot:slot + L] = True if valid is None else valid
+        self._padded = self._padded or valid is not None
+        self._count(valid, L)
         return self._buffers, slot
 
     def entries(self) -> dict[str, Tensor]:
@@ -314,6 +380,21 @@ class LayerCache:
             new = x.detach().to(buf.dtype).movedim(dim, 1)[:, 0]
             keep = rows.view(-1, *([1] * (old.dim() - 1)))
             moved[index, slot] = torch.where(keep, new, old)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Convert every floating tensor the cache holds (slot buffers, recurrent state, the kind's bookkeeping in
+        :attr:`extra`) to ``dtype``, in place of the old ones: a model cast between two calls of one cache
+        (``model.double()``, ``.to(torch.bfloat16)``) goes on as a cache filled in the new dtype would (each kind
+        calls it with the dtype its entries are made in). Integer and bool tensors are kept."""
+        def stale(t) -> bool:
+            return isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype
+
+        for held in (self._buffers, self.extra):  # written only where a dtype differs (a traced step: nothing)
+            for name, t in list(held.items()):
+                if stale(t):
+                    held[name] = t.to(dtype)
+        if self.state is not None and (stale(self.state.kv) or stale(self.state.k_sum)):
+            self.state = LinearAttentionState(self.state.kv.to(dtype), self.state.k_sum.to(dtype), self.state.length)
 
     @property
     def padded(self) -> bool:
@@ -341,6 +422,80 @@ class LayerCache:
         self.state = LinearAttentionState(state.kv.detach(), state.k_sum.detach(), state.length)
         self._count(valid, L)
 
+    # -- saving (prompt caching to disk) ----------------------------------------------------------------------------
+    def _held(self) -> int:
+        """Slots holding tokens: the slot tensor's value once the capacity is fixed (the host count may lag it until
+        :meth:`advance`), else :attr:`length`."""
+        return int(self._slot) if self._slot is not None and self._buffers else self.length
+
+    def state_dict(self) -> dict:
+        """Everything this cache holds, as plain tensors, ints, bools, strings and None in dicts and tuples, so that
+        ``torch.save(cache.state_dict(), f)`` and ``torch.load(f, weights_only=True)`` keep a prompt's cache on disk
+        (the cache object itself is not pickled: it refers to its layer). Slot buffers are saved over the slots
+        that hold tokens (copies, not the whole allocation; the capacity is recorded), with the valid-slot mask,
+        the per-row counts, a fixed capacity's slot, the recurrent state and the kind's bookkeeping (MGK's centre).
+        Restore with :meth:`load_state_dict` on a new cache of the same layer (``layer.new_cache()``).
+
+        Returns:
+            dict; its tensors are detached copies on the cache's device.
+        """
+        held = self._held()
+        buffers = {name: buf.narrow(self.slots[name], 0, held).clone() for name, buf in self._buffers.items()}
+        state = None if self.state is None else {
+            "kv": self.state.kv.clone(), "k_sum": self.state.k_sum.clone(),
+            "length": None if self.state.length is None else self.state.length.clone()}
+        return {
+            "layout": self.layout, "slots": dict(self.slots), "capacity": self.capacity, "length": self.length,
+            "max_seen": self._max_seen, "padded": self._padded, "owner": self._owner,
+            "seen": _plain(self.seen, "seen"), "valid": None if self._valid is None else self._valid[:, :held].clone(),
+            "slot": _plain(self._slot, "slot"), "buffers": buffers, "state": state,
+            "extra": {name: _plain(value, f"extra[{name!r}]") for name, value in self.extra.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict` into this cache, which must be new (no call yet) and of the same layout
+        (``layer.new_cache()`` of the layer that filled it, or one of the same class and sizes: a loaded cache
+        serves the first layer it is called by). Its tensors stay on the device they were loaded on
+        (``torch.load(..., map_location=...)``), which the next call must match.
+
+        Raises:
+            ValueError naming ``state_dict`` when it is not a cache's state dict, is of another layout, or this
+            cache has had a call.
+        """
+        keys = {"layout", "slots", "capacity", "length", "max_seen", "padded", "owner", "seen", "valid", "slot",
+                "buffers", "state", "extra"}
+        if not isinstance(state_dict, dict) or set(state_dict) != keys:
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"state_dict must be a LayerCache.state_dict() with keys {sorted(keys)}, got {got}")
+        if state_dict["layout"] != self.layout or dict(state_dict["slots"]) != self.slots:
+            raise ValueError(f"state_dict holds a {state_dict['layout'] or 'layer'} cache with slots "
+                             f"{state_dict['slots']}; this is a {self.layout or 'layer'} cache with slots {self.slots}")
+        if self.seen is not None:
+            raise ValueError("state_dict is loaded into a new cache (new_cache()); this one has had a call")
+        self._restore(state_dict)
+
+    def _restore(self, sd: dict) -> None:
+        """:meth:`load_state_dict` after its checks: buffers made at the saved capacity, the held slots copied."""
+        self.capacity, self.length, self._max_seen = sd["capacity"], sd["length"], sd["max_seen"]
+        self._padded, self.seen, self._slot = sd["padded"], sd["seen"], sd["slot"]
+        self._owner = None if sd["owner"] is None else tuple(sd["owner"])
+        self._module = None
+        self.extra = dict(sd["extra"])
+        self.state = None if sd["state"] is None else LinearAttentionState(
+            sd["state"]["kv"], sd["state"]["k_sum"], sd["state"]["length"])
+        self._buffers, self._valid = {}, None
+        if not sd["buffers"]:
+            return
+        for name, held in sd["buffers"].items():
+            dim = self.slots[name]
+            shape = list(held.shape)
+            shape[dim] = self.capacity
+            self._buffers[name] = held.new_zeros(shape)
+            self._buffers[name].narrow(dim, 0, held.shape[dim]).copy_(held)
+        valid = sd["valid"]
+        self._valid = valid.new_zeros(valid.shape[0], self.capacity)
+        self._valid[:, :valid.shape[1]] = valid
+
     # -- sizes -----------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of what attention reads: every entry over the slots in use (the tokens seen, padding included) and
@@ -359,9 +514,10 @@ class LayerCache:
         return sum(t.numel() * t.element_size() for t in self.extra.values() if isinstance(t, Tensor))
 
 
-class DecodingCache:
+class DecodingCache(_SavedByStateDict):
     """The caches of a model's attention layers, one per layer, each with its own length and per-row counts
-    (``model(..., past_key_values=cache)``; :meth:`mgk.models.TransformerLM.new_cache` makes one)."""
+    (``model(..., past_key_values=cache)``; :meth:`mgk.models.TransformerLM.new_cache` makes one). Saved as its
+    :meth:`state_dict`, not pickled."""
 
     def __init__(self, layers):
         self.layers = list(layers)
@@ -388,3 +544,18 @@ class DecodingCache:
     def nbytes(self) -> int:
         """Bytes attention reads, summed over the layers."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def state_dict(self) -> dict:
+        """``{"layers": [each layer's LayerCache.state_dict()]}``: plain tensors and ints, for ``torch.save`` and
+        ``torch.load(..., weights_only=True)`` (a prompt's cache kept on disk)."""
+        return {"layers": [layer.state_dict() for layer in self.layers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict` into this new cache of the same model (``model.new_cache()``). ValueError
+        naming ``state_dict`` for another number of layers, or as :meth:`LayerCache.load_state_dict`."""
+        layers = state_dict.get("layers") if isinstance(state_dict, dict) else None
+        if not isinstance(layers, (list, tuple)) or len(layers) != len(self.layers):
+            got = len(layers) if isinstance(layers, (list, tuple)) else type(state_dict).__name__
+            raise ValueError(f"state_dict must be a DecodingCache.state_dict() of {len(self.layers)} layers, got {got}")
+        for layer, sd in zip(self.layers, layers):
+            layer.load_state_dict(sd)

@@ -222,16 +222,13 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
                              shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
+        # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
+        cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
         if cache.fixed:
             return self._fixed_step(q, base, v, valid, cache, log_pi, entry_options)
-        if valid is None and cache.extra.get("provisional") is False:
-            # the steady state (a fixed centre, no padding among the new tokens): one fused write-and-attend call
-            buffers, slot = cache.claim(L)
-            return mgk_cache_step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"],
-                                  values=buffers["values"], slot=slot, centre=cache.extra["centre"],
-                                  key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi,
-                                  **entry_options).to(v.dtype)
         centre = _CachedCentre(cache)
+        if centre.settled_for(valid):
+            return self._fused_step(q, base, v, valid, cache, log_pi, entry_options)
         first = centre.centre is None
         before = cache.seen
         centre.update(q, valid, entry_options)
@@ -250,6 +247,22 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"],
                                     centre=centre.centre, attn_mask=cache.attn_mask(), is_causal=True,
                                     dropout_p=self.attn_dropout, **entry_options).to(v.dtype)
+
+    def _fused_step(self, q, base, v, valid, cache: LayerCache, log_pi, entry_options):
+        """The steady state (no row's centre can change in this call, :meth:`_CachedCentre.settled_for`): one fused
+        write-and-attend call (:func:`mgk.functional.mgk_cache_step`), padding among the new tokens included. A
+        padded token's entries are made from a zero key and value: finite (its inputs may be anything, NaN
+        included, and a masked slot must hold finite numbers) and never attended (the valid-slot mask)."""
+        if valid is not None:
+            B, L = valid.shape
+            zero = torch.zeros((), dtype=v.dtype, device=v.device)
+            base = torch.where(valid.view(B, *[1] * (base.dim() - 3), L, 1), base, zero.to(base.dtype))
+            v = torch.where(valid.view(B, 1, L, 1), v, zero)
+        buffers, slot = cache.claim(q.shape[2], valid)
+        return mgk_cache_step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"],
+                              values=buffers["values"], slot=slot, centre=cache.extra["centre"],
+                              key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi,
+                              **entry_options).to(v.dtype)
 
     def _fixed_step(self, q, base, v, valid, cache: LayerCache, log_pi, entry_options):
         """A step over a cache of fixed capacity (:meth:`LayerCache.fix_capacity`): the fused step at the slot
@@ -388,6 +401,18 @@ class _CachedCentre:
     def centre(self) -> Tensor | None:
         """(B, H, D) the centre of every row, None before the first call."""
         return self.state.get("centre")
+
+    def settled_for(self, valid: Tensor | None) -> bool:
+        """Whether a call whose new tokens are ``valid`` (B, L) bool (None: all real) leaves every centre and kept
+        key as they are, so that it may take the fused step: every row has seen two real tokens, or the rows that
+        have not (an empty slot of a batch, a row of one token) get only padding now. A provisional row thus costs
+        the batch nothing until its own tokens come."""
+        provisional = self.state.get("provisional")
+        if provisional is False:
+            return True
+        if self.centre is None or valid is None:  # the first call; or every provisional row gets a real token
+            return False
+        return not bool(((self.cache.seen < 2) & valid.any(dim=1)).any())
 
     def update(self, q: Tensor, valid: Tensor | None, entry_options: dict) -> None:
         """Take the centre after this call's queries q (B, H, L, D) and, for rows whose centre changed, remake the

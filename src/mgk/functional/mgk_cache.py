@@ -285,6 +285,8 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
             terms = None if rowbias is None else rowbias[..., a:b]
             out = _attend(_scores(q[:, :, a:b], kc, kb, scale, terms), v, rows, mixture, dropout_p)
             outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
+    if not outs:  # no new query (an empty chunk): nothing to attend from
+        return query.new_zeros(B, H, 0, value.shape[-1], dtype=out_dtype)
     return torch.cat(outs, dim=2).to(out_dtype)
 
 
