@@ -156,8 +156,12 @@ def test_mgk_itself_never_imports_transformers():
 
 
 def test_a_transformers_outside_the_supported_range_is_refused_in_one_line(hf_model, monkeypatch):
-    """4.55 has no per-layer cache slots (Cache.layers), which mgk's cache layers take."""
-    monkeypatch.setattr(transformers, "__version__", "4.55.4")
+    """4.55 has no per-layer cache slots (Cache.layers), which mgk's cache layers take. The version is set on the
+    module the integration reads: transformers replaces its own module in sys.modules when a model class is first
+    imported (processing_utils' direct_transformers_import), which registering mgk's Auto classes does."""
+    from mgk.integrations.hf import swap
+
+    monkeypatch.setattr(swap.transformers, "__version__", "4.55.4")
     with pytest.raises(ImportError, match=r"transformers>=4\.56,<6") as err:
         mgk.swap_attention(hf_model("gpt2"), "mgk")
     assert "\n" not in str(err.value)

@@ -23,8 +23,11 @@ except ImportError as err:
                       ) from err
 
 from .attention import HFAttention, key_valid
+from .auto import MODEL_TYPES, register
 from .cache import MGKCacheLayer, mgk_layer
 from .swap import SUPPORTED, swap_attention
 
-__all__ = ["HFAttention", "MGKCacheLayer", "REQUIREMENT", "SUPPORTED", "TRANSFORMERS_RANGE", "key_valid",
-           "mgk_layer", "swap_attention"]
+register()  # the Auto classes load the mgk model types from here on (see .auto)
+
+__all__ = ["HFAttention", "MGKCacheLayer", "MODEL_TYPES", "REQUIREMENT", "SUPPORTED", "TRANSFORMERS_RANGE",
+           "key_valid", "mgk_layer", "swap_attention"]

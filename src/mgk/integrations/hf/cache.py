@@ -9,6 +9,8 @@ are mgk's and nothing else (no key/value copy in HF's layout).
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
@@ -16,8 +18,10 @@ from ...attention.cache import LayerCache
 
 __all__ = ["MGKCacheLayer", "mgk_layer"]
 
-_UNSUPPORTED = ("mgk's decoding caches cannot be reordered, cropped or repeated (beam search, assisted or "
-                "contrastive decoding): use num_beams=1 without an assistant, or use_cache=False")
+
+def _unsupported(method: str) -> str:
+    return (f"{method}: mgk's decoding caches cannot be reordered, cropped, repeated or selected (beam search, "
+            "assisted or contrastive decoding): use num_beams=1 without an assistant, or use_cache=False")
 
 
 class MGKCacheLayer(CacheLayerMixin):
@@ -25,16 +29,29 @@ class MGKCacheLayer(CacheLayerMixin):
     mgk module's ``forward(..., past_key_values=...)``).
 
     ``keys`` / ``values`` stay None: what is stored is :attr:`mgk_cache`'s (e.g. MGK's (B, H, M, T, D) keys in
-    ``mgk_cache._buffers``); :meth:`nbytes` is its size, ``B * CacheSpec.cache_bytes`` of the kind. Beam search,
-    cropping and batch repeats raise NotImplementedError naming what to use instead."""
+    ``mgk_cache._buffers``); :meth:`nbytes` is its size, ``B * CacheSpec.cache_bytes`` of the kind.
+
+    What transformers calls on a cache layer (directly or through ``DynamicCache``'s method of the same name):
+    ``get_seq_length``, ``get_mask_sizes``, ``get_max_length``, ``lazy_initialization`` (nothing to do),
+    ``prefetch`` (nothing was offloaded) and ``reset`` (an empty cache of the same kind, which the next call
+    fills) work. ``reorder_cache``, ``crop``, ``batch_repeat_interleave``, ``batch_select_indices`` (beam search,
+    assisted and contrastive decoding) and ``offload`` raise NotImplementedError in one line naming the method and
+    what to use instead; ``update`` (transformers' key/value write) raises RuntimeError.
+
+    Args:
+        layer_cache: the layer's empty or filled mgk cache.
+        new_cache: what makes an empty one of the same kind (the layer's ``new_cache``; held weakly, as the
+            mgk cache holds its layer); default one with ``layer_cache``'s slots and layout.
+    """
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, layer_cache: LayerCache):
+    def __init__(self, layer_cache: LayerCache, new_cache=None):
         super().__init__()
         self.mgk_cache = layer_cache
+        self._new_cache = None if new_cache is None else weakref.WeakMethod(new_cache)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         """Nothing to allocate ahead: mgk's cache allocates at its first call."""
@@ -60,30 +77,34 @@ class MGKCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        """Empty the cache (a new mgk cache of the same kind)."""
-        self.mgk_cache = type(self.mgk_cache)()
+        """Empty the cache: a new mgk cache of the same kind (its layer's ``new_cache()``; the same slots and layout
+        when the layer is gone), filled by the next call as at the start."""
+        factory = None if self._new_cache is None else self._new_cache()
+        old = self.mgk_cache
+        self.mgk_cache = factory() if factory is not None else LayerCache(old.slots, layout=old.layout)
 
     def offload(self):
-        """Kept on its device (mgk's caches are not offloaded)."""
+        raise NotImplementedError("offload: mgk's decoding caches stay on their device; use a DynamicCache "
+                                  "without offloading (cache_implementation='dynamic')")
 
     def prefetch(self):
-        """Nothing was offloaded."""
+        """Nothing to do: mgk's caches are never offloaded."""
 
     def nbytes(self) -> int:
         """Bytes attention reads from this layer's cache (:meth:`mgk.attention.cache.LayerCache.nbytes`)."""
         return self.mgk_cache.nbytes()
 
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError(_UNSUPPORTED)
+        raise NotImplementedError(_unsupported("reorder_cache"))
 
     def crop(self, max_length) -> None:
-        raise NotImplementedError(_UNSUPPORTED)
+        raise NotImplementedError(_unsupported("crop"))
 
     def batch_repeat_interleave(self, repeats) -> None:
-        raise NotImplementedError(_UNSUPPORTED)
+        raise NotImplementedError(_unsupported("batch_repeat_interleave"))
 
     def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError(_UNSUPPORTED)
+        raise NotImplementedError(_unsupported("batch_select_indices"))
 
 
 def mgk_layer(cache, layer_idx: int, module: nn.Module) -> MGKCacheLayer:
@@ -95,6 +116,9 @@ def mgk_layer(cache, layer_idx: int, module: nn.Module) -> MGKCacheLayer:
     if not isinstance(layers, list):
         raise ValueError(f"past_key_values must be a transformers Cache with per-layer slots (DynamicCache, "
                          f"generate's default), got {type(cache).__name__}")
+    if getattr(cache, "offloading", False):
+        raise ValueError(f"past_key_values is an offloading {type(cache).__name__}: mgk attention layers keep their "
+                         "own cache on their device; pass a DynamicCache without offloading (generate's default)")
     while len(layers) <= layer_idx:
         layers.append(DynamicLayer())
     layer = layers[layer_idx]
@@ -104,5 +128,5 @@ def mgk_layer(cache, layer_idx: int, module: nn.Module) -> MGKCacheLayer:
         raise ValueError(f"past_key_values layer {layer_idx} is a {type(layer).__name__} of {type(cache).__name__}"
                          f"{' holding HF keys' if type(layer) is DynamicLayer else ''}: mgk attention layers keep "
                          "their own cache; pass a new DynamicCache (generate's default) or none")
-    layers[layer_idx] = MGKCacheLayer(module.new_cache())
+    layers[layer_idx] = MGKCacheLayer(module.new_cache(), module.new_cache)
     return layers[layer_idx]

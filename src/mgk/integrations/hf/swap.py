@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import transformers
 from packaging.version import Version
 from torch import Tensor, nn
@@ -11,9 +12,10 @@ from transformers import PreTrainedModel
 
 from ...attention.convert import AttentionSource, convert_module, convert_source, measure, swap_plan
 from .attention import HFAttention
+from .auto import RECORD, adopt, base_model_type, record_of
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
 
-__all__ = ["SUPPORTED", "swap_attention"]
+__all__ = ["SUPPORTED", "swap_attention", "swap_from_config"]
 
 # model_type -> (layout, attention class): Llama, Mistral and Qwen2 share Llama's q/k/v/o projections and rotary
 SUPPORTED = {"llama": ("llama", "LlamaAttention"), "mistral": ("llama", "MistralAttention"),
@@ -45,8 +47,13 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
 
     A model scale other than 1 / sqrt(head_dim) (GPT-2's ``scale_attn_by_inverse_layer_idx`` or
     ``scale_attn_weights=False``) is folded into the query projection. A model swapped before is swapped again
-    from its mgk modules (mgk -> mgk rules). ``model.config`` is not changed: to reload a saved swapped model,
-    build it, swap it with the same arguments, then load its state dict.
+    from its mgk modules (mgk -> mgk rules).
+
+    The model and its config become mgk's classes (:mod:`mgk.integrations.hf.auto`: ``LlamaForCausalLM`` ->
+    ``MGKLlamaForCausalLM``, ``LlamaConfig`` -> ``MGKLlamaConfig`` of model_type ``"mgk_llama"``), and the config
+    records the swap (``config.mgk_attention``: kind, num_heads, head_dim, seed, options), so ``save_pretrained``
+    then ``transformers.AutoModelForCausalLM.from_pretrained`` (after ``import mgk.integrations.hf``) gives this
+    model back.
 
     Raises:
         ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
@@ -75,7 +82,27 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
             old.set_module(new)
         else:
             _replace(model, path, old, layout, build)
+    attn = next(m for m in model.modules() if isinstance(m, HFAttention)).attn
+    adopt(model, {"kind": kind, "num_heads": attn.num_heads, "head_dim": attn.head_dim, "seed": seed,
+                  "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}})
     return model
+
+
+def swap_from_config(model: PreTrainedModel) -> None:
+    """Swap the freshly built ``model`` (an mgk class of :mod:`mgk.integrations.hf.auto`) as its config's
+    ``mgk_attention`` record says: what those classes' ``__init__`` calls, before ``from_pretrained`` loads the
+    weights. ValueError in one line when the record is missing or the swap it names gives another head_dim than
+    the one recorded (an mgk version whose rules changed)."""
+    record = record_of(model.config)
+    # a head whose __init__ builds its base model through AutoModel.from_config (transformers 5's generic
+    # classifiers) gets an mgk base model already swapped from this config: swapping it again would convert it
+    if not any(isinstance(m, HFAttention) for m in model.modules()):
+        swap_attention(model, record["kind"], num_heads=record.get("num_heads"), head_dim=record.get("head_dim"),
+                       seed=record.get("seed", 0), **record.get("options", {}))
+    built = next(m for m in model.modules() if isinstance(m, HFAttention)).attn.head_dim
+    if record.get("head_dim") not in (None, built):
+        raise ValueError(f"{type(model).__name__}: config.{RECORD} records head_dim {record['head_dim']}, but its "
+                         f"swap builds head_dim {built}: the folder was saved by another mgk version")
 
 
 def _check_rotary_width(head_dim: int, rotary_dim: int, path: str, build: dict) -> None:
@@ -99,7 +126,7 @@ def _family(model) -> tuple[str, str]:
         raise ValueError(f"swap_attention: {name} is a transformers class but not a PreTrainedModel: pass the model "
                          "(e.g. LlamaForCausalLM)")
     config = model.config
-    model_type = getattr(config, "model_type", None)
+    model_type = base_model_type(getattr(config, "model_type", None))
     if model_type not in SUPPORTED:
         raise ValueError(f"swap_attention: {name} (model_type {model_type!r}) is not supported; supported model "
                          f"types: {_SUPPORTED_TEXT}")
@@ -152,13 +179,19 @@ def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num
     if factor != 1.0:
         projections["q_proj"] = {k: None if v is None else v * factor for k, v in projections["q_proj"].items()}
     bias = any(p["bias"] is not None for p in projections.values())
+    first = next(old.parameters())
+    if first.device.type == "meta":
+        # a model being built by from_pretrained (on the meta device): only the shapes matter, the weights are
+        # loaded over the new modules' after; the conversion rules read values (e.g. std), so give them zeros
+        projections = {n: {k: None if t is None else torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+                           for k, t in p.items()}
+                       for n, p in projections.items()}
     weights = {}
     for name, p in projections.items():
         weights[f"{name}.weight"] = p["weight"]
         if bias:
             zero = p["weight"].new_zeros(p["weight"].shape[0])
             weights[f"{name}.bias"] = p["bias"] if p["bias"] is not None else zero
-    first = next(old.parameters())
     return AttentionSource(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim, dropout=float(dropout),
                            bias=bias, batch_first=True, kdim=embed_dim, vdim=embed_dim, weights=weights, parameters={},
                            device=first.device, dtype=first.dtype, training=old.training,

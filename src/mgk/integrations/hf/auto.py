@@ -1,0 +1,130 @@
+"""Config and model classes of swapped Hugging Face models, registered with transformers' Auto classes, so that
+``save_pretrained`` / ``from_pretrained`` / ``pipeline`` give the swapped model back without ``trust_remote_code``.
+
+Per supported architecture (``llama``, ``mistral``, ``qwen2``, ``gpt2``, ``bert``) there is a config subclass with
+its own ``model_type`` (``"mgk_" + model_type``: ``MGKLlamaConfig``, ...) and, per head the architecture has
+(base model, causal LM, masked LM, sequence / token classification, question answering), a model subclass
+(``MGKLlamaForCausalLM``, ``MGKGPT2LMHeadModel``, ``MGKBertForMaskedLM``, ...) whose ``__init__`` builds the
+base model and swaps its attention as the config's :data:`RECORD` attribute says. :func:`mgk.swap_attention` turns
+a model (and its config) into these classes (:func:`adopt`), so ``save_pretrained`` writes the mgk model type; a
+folder of that type loads only where this module was imported (``import mgk.integrations.hf``): transformers alone
+refuses it with its "does not recognize this architecture" error naming the model type.
+"""
+from __future__ import annotations
+
+import transformers
+from transformers import PreTrainedModel
+
+try:  # transformers 5.x: what output_attentions / output_hidden_states record, per model class (by its name)
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+except ImportError:  # 4.x reads the attention modules' outputs
+    _CAN_RECORD_REGISTRY = None
+
+__all__ = ["MODEL_TYPES", "RECORD", "adopt", "base_model_type", "mgk_class", "record_of", "register"]
+
+RECORD = "mgk_attention"  # the config attribute: {"kind", "num_heads", "head_dim", "seed", "options"}
+
+# model_type -> the prefix of its transformers classes
+_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT2", "bert": "Bert"}
+# Auto class -> the suffix of an architecture's class for it (GPT-2's causal LM has its own name)
+_HEADS = {"AutoModel": "Model", "AutoModelForCausalLM": "ForCausalLM", "AutoModelForMaskedLM": "ForMaskedLM",
+          "AutoModelForSequenceClassification": "ForSequenceClassification",
+          "AutoModelForTokenClassification": "ForTokenClassification",
+          "AutoModelForQuestionAnswering": "ForQuestionAnswering"}
+_RENAMED = {"GPT2ForCausalLM": "GPT2LMHeadModel"}
+
+MODEL_TYPES = {t: f"mgk_{t}" for t in _PREFIX}  # base model_type -> the mgk one
+_BASE_TYPE = {v: k for k, v in MODEL_TYPES.items()}
+_CONFIGS: dict[str, type] = {}  # mgk model_type -> config class
+_MODELS: dict[type, type] = {}  # transformers model class -> its mgk subclass
+
+
+def base_model_type(model_type: str | None) -> str | None:
+    """The transformers model_type an mgk one (``"mgk_llama"``) was made from; any other is returned as it is."""
+    return _BASE_TYPE.get(model_type, model_type)
+
+
+def mgk_class(cls: type) -> type | None:
+    """The mgk subclass of the transformers model class ``cls`` (``cls`` itself when it is one), or None."""
+    return cls if cls in _MODELS.values() else _MODELS.get(cls)
+
+
+def record_of(config) -> dict:
+    """The swap recorded in ``config`` (its :data:`RECORD` attribute, written by :func:`mgk.swap_attention`).
+
+    Raises:
+        ValueError in one line when it is missing or has no ``kind`` (a config of an mgk model type made by hand
+        without it, or a plain model's config).
+    """
+    record = getattr(config, RECORD, None)
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        raise ValueError(f"{type(config).__name__}.{RECORD} must be a dict naming the attention kind (written by "
+                         f"mgk.swap_attention, e.g. {{'kind': 'mgk', 'options': {{'num_keys': 2}}}}), got {record!r}")
+    return record
+
+
+def adopt(model: PreTrainedModel, record: dict) -> None:
+    """Make the swapped ``model`` one of this module's classes: its config an mgk config holding ``record`` (so
+    ``save_pretrained`` writes the mgk model type and the swap), and every transformers model in it (the model and
+    its base model) the mgk subclass of its class, where there is one (a class without one keeps its class; its
+    saved folder still loads through the Auto classes as the head they map the mgk model type to)."""
+    config = model.config
+    config.__class__ = _CONFIGS[MODEL_TYPES[base_model_type(config.model_type)]]
+    setattr(config, RECORD, record)
+    for module in model.modules():
+        new = mgk_class(type(module)) if isinstance(module, PreTrainedModel) else None
+        if new is not None and type(module) is not new:
+            module.__class__ = new
+            if _CAN_RECORD_REGISTRY is not None:  # as PreTrainedModel.__init__ enters each model it builds
+                _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+
+
+def _config_class(model_type: str, base: type) -> type:
+    name = f"MGK{base.__name__}"
+    return type(name, (base,), {
+        "model_type": MODEL_TYPES[model_type], "__module__": __name__, "__qualname__": name,
+        "__doc__": f"{base.__name__} of a model whose attention :func:`mgk.swap_attention` replaced; the swap (kind, "
+                   f"num_heads, head_dim, seed, options) is its ``{RECORD}`` attribute (a dict)."})
+
+
+def _model_class(base: type, config_class: type) -> type:
+    name = f"MGK{base.__name__}"
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        from .swap import swap_from_config  # swap adopts models into these classes: imported at call time
+
+        swap_from_config(self)
+
+    return type(name, (base,), {
+        "config_class": config_class, "__init__": __init__, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"{base.__name__} with the attention its config's ``{RECORD}`` names, swapped in by "
+                   f":func:`mgk.swap_attention` when it is built (``from_pretrained`` then loads the mgk weights)."})
+
+
+def register() -> None:
+    """Make the config and model classes of every supported architecture (module attributes of this module) and
+    register them with transformers' AutoConfig and Auto model classes; called once, by ``mgk.integrations.hf``'s
+    import, after its other modules (reading a model class makes transformers re-execute its own ``__init__`` and
+    put a new ``transformers`` module in ``sys.modules``, so mgk's modules bind the one imported first)."""
+    if _CONFIGS:
+        return
+    for model_type, prefix in _PREFIX.items():
+        base_config = getattr(transformers, f"{prefix}Config")
+        config_class = _config_class(model_type, base_config)
+        _CONFIGS[config_class.model_type] = config_class
+        globals()[config_class.__name__] = config_class
+        __all__.append(config_class.__name__)
+        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        for auto_name, suffix in _HEADS.items():
+            class_name = _RENAMED.get(prefix + suffix, prefix + suffix)
+            base = getattr(transformers, class_name, None)
+            auto = getattr(transformers, auto_name, None)
+            if base is None or auto is None:
+                continue
+            model_class = _model_class(base, config_class)
+            _MODELS[base] = model_class
+            globals()[model_class.__name__] = model_class
+            __all__.append(model_class.__name__)
+            auto.register(config_class, model_class, exist_ok=True)
+
