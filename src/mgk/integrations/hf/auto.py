@@ -15,11 +15,6 @@ from __future__ import annotations
 import transformers
 from transformers import PreTrainedModel
 
-try:  # transformers 5.x: what output_attentions / output_hidden_states record, per model class (by its name)
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-except ImportError:  # 4.x reads the attention modules' outputs
-    _CAN_RECORD_REGISTRY = None
-
 __all__ = ["MODEL_TYPES", "RECORD", "adopt", "base_model_type", "mgk_class", "record_of", "register"]
 
 RECORD = "mgk_attention"  # the config attribute: {"kind", "num_heads", "head_dim", "seed", "options"}
@@ -65,18 +60,19 @@ def record_of(config) -> dict:
 
 def adopt(model: PreTrainedModel, record: dict) -> None:
     """Make the swapped ``model`` one of this module's classes: its config an mgk config holding ``record`` (so
-    ``save_pretrained`` writes the mgk model type and the swap), and every transformers model in it (the model and
-    its base model) the mgk subclass of its class, where there is one (a class without one keeps its class; its
-    saved folder still loads through the Auto classes as the head they map the mgk model type to)."""
+    ``save_pretrained`` writes the mgk model type and the swap), and every model with a head in it (a causal or
+    masked LM, a classifier, ...) the mgk subclass of its class, where there is one. A base model (``LlamaModel``)
+    and a class without an mgk subclass keep their class; their saved folder loads through the Auto classes all
+    the same (as the mgk class those map the mgk model type to)."""
     config = model.config
     config.__class__ = _CONFIGS[MODEL_TYPES[base_model_type(config.model_type)]]
     setattr(config, RECORD, record)
     for module in model.modules():
         new = mgk_class(type(module)) if isinstance(module, PreTrainedModel) else None
-        if new is not None and type(module) is not new:
+        # a base model (LlamaModel, ...: its own base_model) keeps its class: transformers 5 finds what its
+        # forward records for output_attentions / output_hidden_states by the class it was built as
+        if new is not None and type(module) is not new and module.base_model is not module:
             module.__class__ = new
-            if _CAN_RECORD_REGISTRY is not None:  # as PreTrainedModel.__init__ enters each model it builds
-                _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def _config_class(model_type: str, base: type) -> type:
