@@ -23,11 +23,12 @@ it against :meth:`LayerCache.nbytes`, measured from the buffers.
 
 Slots are shared by the rows of a batch: call t writes the same columns for every row. Per row, a cache counts the
 real tokens it has seen (:attr:`LayerCache.seen`): padding (``key_padding_mask`` of the new tokens, e.g. the left
-padding of prompts of different lengths) is stored as zeros, never attended, and not counted, so positions (of
-per-position mixture weights, and of the LM's sinusoids) continue from each row's own prompt and a left-padded row
-decodes as that row alone. Key/value buffers are allocated for a capacity (:meth:`LayerCache.reserve`, or the first
-call's length) and grown geometrically; a step reads only the slots in use (gpt-fast#233 read empty slots). Each
-layer has its own cache and counts (flash-linear-attention#747 counted the length once for all layers).
+padding of prompts of different lengths) is stored as zeros (by MGK's fused step, as the finite entries of a zero
+key), never attended, and not counted, so positions (of per-position mixture weights, and of the LM's sinusoids)
+continue from each row's own prompt and a left-padded row decodes as that row alone. Key/value buffers are
+allocated for a capacity (:meth:`LayerCache.reserve`, or the first call's length) and grown geometrically; a step
+reads only the slots in use (gpt-fast#233 read empty slots). Each layer has its own cache and counts
+(flash-linear-attention#747 counted the length once for all layers).
 
 A cache can be fixed at a capacity (:meth:`LayerCache.fix_capacity`, gpt-fast's static cache): its buffers then never
 grow, a call adds one real token at a time at a slot held as a tensor, and attention reads the whole capacity with
