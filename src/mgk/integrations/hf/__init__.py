@@ -10,7 +10,13 @@ Needs the optional extra ``hf`` (``pip install -e ".[hf]"``, transformers :data:
 Each attention module is replaced by :class:`HFAttention`, which holds the mgk module of the kind (built through
 :func:`mgk.build_attention`, weights carried by :func:`mgk.swap_attention`'s rules) and keeps the model's rotary
 embeddings, padding mask and causality; during generation each layer's cache is mgk's own
-(:class:`MGKCacheLayer`). See docs/hf.md.
+(:class:`MGKCacheLayer`).
+
+Importing this package registers mgk's config and model classes with transformers' Auto classes
+(:mod:`mgk.integrations.hf.auto`): a swapped model saved with ``save_pretrained`` loads back with
+``transformers.AutoModelForCausalLM.from_pretrained(path)`` (or ``pipeline``) in any process that ran
+``import mgk.integrations.hf``. LoRA adapters: :func:`lora_target_modules`, :func:`convert_lora_adapter`.
+See docs/hf.md.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ except ImportError as err:
     raise ImportError(f"mgk.integrations.hf needs Hugging Face transformers: pip install -e '.[hf]' ({REQUIREMENT})"
                       ) from err
 
+from .adapters import convert_lora_adapter, lora_target_modules
 from .attention import HFAttention, key_valid
 from .auto import MODEL_TYPES, register
 from .cache import MGKCacheLayer, mgk_layer
@@ -30,4 +37,4 @@ from .swap import SUPPORTED, swap_attention
 register()  # the Auto classes load the mgk model types from here on (see .auto)
 
 __all__ = ["HFAttention", "MGKCacheLayer", "MODEL_TYPES", "REQUIREMENT", "SUPPORTED", "TRANSFORMERS_RANGE",
-           "key_valid", "mgk_layer", "swap_attention"]
+           "convert_lora_adapter", "key_valid", "lora_target_modules", "mgk_layer", "swap_attention"]
