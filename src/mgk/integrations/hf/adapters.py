@@ -16,6 +16,7 @@ from pathlib import Path
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from ...atomic import write_bytes_atomic, write_text_atomic
 from .attention import HFAttention
 from .auto import base_model_type
 
@@ -64,7 +65,7 @@ def convert_lora_adapter(adapter_dir, model: PreTrainedModel, out_dir) -> Path:
         counterpart has another shape (a kind that does not keep it: MGK's and MLK's M key components, GQA's
         fewer key/value heads, fewer heads): drop it from ``target_modules`` and train that adapter anew.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     if not any(isinstance(m, HFAttention) for m in model.modules()):
         raise ValueError(f"convert_lora_adapter: {type(model).__name__} holds no mgk attention: call "
@@ -88,8 +89,8 @@ def convert_lora_adapter(adapter_dir, model: PreTrainedModel, out_dir) -> Path:
             out[f"{_PREFIX}{real}.lora_B.weight"] = b.contiguous()
     config.update(target_modules=sorted({k[len(_PREFIX):].rsplit(".", 2)[0] for k in out}), fan_in_fan_out=False)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(out, str(out_dir / "adapter_model.safetensors"))
+    write_text_atomic(out_dir / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
+    write_bytes_atomic(out_dir / "adapter_model.safetensors", save(out))
     return out_dir
 
 
