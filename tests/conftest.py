@@ -169,3 +169,15 @@ def run_v0_1_0(tmp_path):
     out = tmp_path / "run_v0_1_0"
     shutil.copytree(FIXTURES / "run_v0_1_0", out)
     return out, json.loads((FIXTURES / "run_v0_1_0.expected.json").read_text())
+
+
+@pytest.fixture
+def saved(monkeypatch):
+    """The figures that plot functions save (``Figure.savefig``), kept open so a test can read their artists."""
+    import matplotlib.figure
+    figures = []
+    real = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
+                                                                                  real(fig, *a, **k))[1])
+    monkeypatch.setattr("matplotlib.pyplot.close", lambda *a: None)
+    return figures

@@ -6,7 +6,6 @@ import itertools
 
 import matplotlib.colors
 import matplotlib.figure
-import pytest
 
 import mgk
 from mgk.analyze import plots as analyze_plots
@@ -21,16 +20,6 @@ ROWS = [("softmax", 8, 1, 355.9, 264190, 2.0e8, 1024), ("softmax", 4, 1, 362.2, 
         ("gqa", 8, 1, 355.6, 148610, 1.4e8, 128), ("mgk", 4, 2, 353.5, 165410, 1.3e8, 800),
         ("smgk", 4, 2, 352.1, 132640, 1.1e8, 544), ("mgk", 2, 4, 356.0, 140000, 1.2e8, 900)]
 
-
-@pytest.fixture
-def saved(monkeypatch):
-    """The figures that the plot functions save (Figure.savefig, and mgk analyze's _save), kept open."""
-    figures = []
-    real = matplotlib.figure.Figure.savefig
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
-                                                                                  real(fig, *a, **k))[1])
-    monkeypatch.setattr("matplotlib.pyplot.close", lambda *a: None)
-    return figures
 
 
 def _report():

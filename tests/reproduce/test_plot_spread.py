@@ -4,7 +4,6 @@ points. Run directories are written by hand (no training)."""
 import json
 import statistics
 
-import matplotlib.figure
 import numpy as np
 import pytest
 import yaml
@@ -32,16 +31,6 @@ def _fake_run(run, acc):
                                      + json.dumps({"step": 6, "val/acc": acc}) + "\n")
     record_path(d).write_text(json.dumps({"key": run.key, "status": "done"}))
 
-
-@pytest.fixture
-def saved(monkeypatch):
-    """The figures the plots save, kept open for inspection."""
-    figures = []
-    real = matplotlib.figure.Figure.savefig
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
-                                                                                  real(fig, *a, **k))[1])
-    monkeypatch.setattr("matplotlib.pyplot.close", lambda *a: None)
-    return figures
 
 
 def _runs(tmp_path):
