@@ -98,6 +98,13 @@ def causal_hint(attn_mask, is_causal: bool, L: int, S: int):
     return attn_mask, is_causal
 
 
+def shifts_positions(key_padding_mask: Tensor) -> bool:
+    """Whether some row of ``key_padding_mask`` (B, S) (bool True = padding, or float with -inf = padding) has a
+    padding key before a real one, so that :func:`key_positions` differs from 0..S-1 at a real key."""
+    pad = key_padding_mask if key_padding_mask.dtype == torch.bool else torch.isneginf(key_padding_mask)
+    return bool((pad[:, :-1] & ~pad[:, 1:]).any())
+
+
 def key_positions(key_padding_mask: Tensor) -> Tensor:
     """(B, S) int64 positions of the keys of each row, counted from its first real key (the rule of the decoding
     cache, :func:`mgk.attention.cache.token_positions`): ``key_padding_mask`` (B, S) bool True = padding, or float
