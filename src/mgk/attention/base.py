@@ -269,10 +269,11 @@ class AttentionBase(nn.Module, abc.ABC):
                                                         self_attention)
         q, k, v = self._split(self.q_proj(query)), self._keys(key), self._values(value)
         extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
-        if key_padding_mask is not None and self._position_weighted and module_masks.shifts_positions(key_padding_mask):
+        if key_padding_mask is not None and self._position_weighted and (
+                torch.compiler.is_compiling() or module_masks.shifts_positions(key_padding_mask)):
             # per-position weights are read at each row's own positions (counted from its first real key), as the
-            # decoding cache counts them: a left-padded row gives what it gives alone (right padding shifts
-            # nothing, so it keeps the default positions and the fused Soft-E path)
+            # decoding cache counts them: a left-padded row gives what it gives alone (eagerly, right padding
+            # shifts nothing, so it keeps the default positions and the fused Soft-E path; a trace cannot ask)
             extra["key_positions"] = module_masks.key_positions(key_padding_mask)
         out, weights = self._core(q, k, v, mask, is_causal, need_weights, query_mask, **extra)
         if self.head_gate is not None:
