@@ -388,6 +388,7 @@ class LayerCache(_SavedByStateDict):
         (``model.double()``, ``.to(torch.bfloat16)``) goes on as a cache filled in the new dtype would (each kind
         calls it with the dtype its entries are made in). Integer and bool tensors are kept."""
         def stale(t) -> bool:
+            """Whether ``t`` is a floating tensor of another dtype than ``dtype`` (one to convert)."""
             return isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype
 
         for held in (self._buffers, self.extra):  # written only where a dtype differs (a traced step: nothing)

@@ -167,6 +167,7 @@ def gate_importance(layers: Sequence[AttentionBase], gates, loss: Callable[[], T
     calls: list[list[Tensor]] = [[] for _ in layers]
 
     def hook(i):
+        """The forward pre-hook of layer ``i`` (below)."""
         def set_gate(module, args, kwargs):
             """Forward pre-hook: layer i's gates for this call, one row per example, as a leaf that needs grad."""
             query = _query(module, args, kwargs)
@@ -224,6 +225,7 @@ def _maps(layers: Sequence[AttentionBase]):
         return tuple(args[:4]), kwargs
 
     def keep(i):
+        """The forward hook of layer ``i`` (below)."""
         def hook(module, args, kwargs, output):
             """Forward hook: add the JS matrix of every sequence of this call's (B, H, L, S) weights."""
             if kwargs.get("past_key_values") is not None:

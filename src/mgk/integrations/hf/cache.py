@@ -57,6 +57,7 @@ class MGKCacheLayer(CacheLayerMixin):
         """Nothing to allocate ahead: mgk's cache allocates at its first call."""
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """RuntimeError: an mgk layer fills :attr:`mgk_cache` through its own forward, never HF keys/values."""
         raise RuntimeError("an mgk attention layer writes its cache through its own forward; this layer's slot holds "
                            "mgk's cache, not HF keys and values")
 
@@ -71,6 +72,7 @@ class MGKCacheLayer(CacheLayerMixin):
         return self.mgk_cache.length + L, 0
 
     def get_max_length(self) -> int:
+        """-1: mgk's caches grow without a maximum length."""
         return -1
 
     def get_max_cache_shape(self) -> int:  # the name in transformers before 5.x
