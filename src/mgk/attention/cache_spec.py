@@ -18,6 +18,7 @@ heads and M = 2 ``H (3 D + 2) b``, i.e. ``0.75 + M / (4 D)`` of it; sMGK ``H (2 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = ["CacheSpec"]
 
@@ -26,15 +27,16 @@ __all__ = ["CacheSpec"]
 class CacheSpec:
     """A layer's decoding cache per head.
 
-    ``keys_per_token``: key vectors stored per token: an int, or the name of the kind's option that gives the count
-    (``"num_keys"``). ``values_per_token``: value vectors per token. ``scalars_per_token``: single numbers per token
-    (an int or an option's name). ``recurrent``: a fixed state of D * Dv + D numbers instead (then nothing is stored
-    per token). ``heads``: the name of the option that gives the number of cached heads (None: every head; so too
-    when that option is None)."""
+    ``keys_per_token``: key vectors stored per token: an int, the name of the kind's option that gives the count
+    (``"num_keys"``), or a function ``options -> int`` for a count that depends on more than one option (a kind whose
+    key mode decides whether it stores M keys or one). ``values_per_token``: value vectors per token.
+    ``scalars_per_token``: single numbers per token (an int, an option's name or such a function). ``recurrent``: a
+    fixed state of D * Dv + D numbers instead (then nothing is stored per token). ``heads``: the name of the option
+    that gives the number of cached heads (None: every head; so too when that option is None)."""
 
-    keys_per_token: int | str = 1
+    keys_per_token: int | str | Callable[..., int] = 1
     values_per_token: int = 1
-    scalars_per_token: int | str = 0
+    scalars_per_token: int | str | Callable[..., int] = 0
     recurrent: bool = False
     heads: str | None = None
 
@@ -50,7 +52,10 @@ class CacheSpec:
             return 0, 0, 0
 
         def count(n):
-            """A count given as a number, or as the name of the option that holds it."""
+            """A count given as a number, as the name of the option that holds it, or as a function of the
+            options."""
+            if callable(n):
+                return n(options)
             return getattr(options, n) if isinstance(n, str) else n
 
         return count(self.keys_per_token), self.values_per_token, count(self.scalars_per_token)
