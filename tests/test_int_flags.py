@@ -1,4 +1,4 @@
-"""Integers the commands pass to torch (issue 30 #9): a seed beyond what torch takes, or any size or count beyond a
+"""Integers the commands pass to torch: a seed beyond what torch takes, or any size or count beyond a
 64-bit integer, is refused in one line naming the flag or field and its range, never torch's "Overflow when
 unpacking long long". A seed anywhere in the range trains (derived seeds are reduced mod 2^64: mgk.seeds)."""
 import pytest

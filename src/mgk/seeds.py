@@ -1,7 +1,7 @@
 """The range of a seed, and the one reduction of derived seeds to what torch takes.
 
 ``torch.manual_seed`` and ``torch.Generator.manual_seed`` take an integer in [-2^63, 2^64 - 1] and fail beyond it
-with "Overflow when unpacking long long", which names nothing a user can change (issue 30 #9). Every seed a user
+with "Overflow when unpacking long long", which names nothing a user can change. Every seed a user
 gives (``--seed``, ``--set seed=``) is therefore an integer in [0, :data:`SEED_MAX`], and every seed derived from it
 (``seed * 7919 + rank``, ``seed * 1_000_003 + epoch``, ...) goes to torch through :func:`torch_seed`. A library
 function that takes a seed checks it with :func:`check_seed`.

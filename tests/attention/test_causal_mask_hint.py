@@ -1,7 +1,7 @@
 """torch's Transformer layers hand their attention the causal mask itself, as a float (L, L) mask of 0 / -inf, with
 ``is_causal=True`` (``nn.TransformerEncoderLayer`` detects it; a decoder layer passes ``tgt_is_causal``) or without
 it. Every kind takes that exact mask as ``is_causal=True`` with no explicit mask, so MGK and softmax keep their
-causal kernels (issue 30, #8: they had left them for the explicit mask, 1.8-3.1x slower at L = 1024), and the
+causal kernels (they had left them for the explicit mask, 1.8-3.1x slower at L = 1024), and the
 outputs are those of the explicit mask. Any other mask still reaches the core as a mask."""
 import pytest
 import torch

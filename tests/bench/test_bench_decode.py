@@ -137,7 +137,7 @@ def position_run(tmp_path_factory):
 
 
 def test_a_run_too_short_for_the_rows_is_refused_in_one_line_before_running(position_run, monkeypatch, one_thread):
-    """Every row failed on its own, with its message cut at 80 characters in the table (issue 30 #9)."""
+    """Every row failed on its own, with its message cut at 80 characters in the table."""
     from mgk.bench import decode
 
     monkeypatch.setattr(decode, "run_row", lambda *a, **k: pytest.fail("a row ran"))

@@ -364,7 +364,7 @@ def _within_the_documented_limit(name, ref, got, position, radius):
 
 @pytest.mark.parametrize("together", [True, False], ids=["together", "apart"])
 def test_one_far_token_anywhere_keeps_1e4_but_at_the_centres_row_under_causality(backend, together):
-    """One token whose query and keys lie up to 1000 away, at each position 0..L-1 (issue 30, #5): every row within
+    """One token whose query and keys lie up to 1000 away, at each position 0..L-1: every row within
     1e-4 of float64 (measured: 5e-6; the explicit path had 3.5e-4 on the far token's own row, from the |q|^2 term
     it formed), except when it is the token of the causal centre's row (position 1: its query is the centre), where
     every row is off by up to 3 eps R^2 / (2 sigma^2), the documented limit (measured 1.6e-2 at R = 1000,

@@ -1,4 +1,4 @@
-"""Swapped Hugging Face models stay causal and generate (issue 32): a future token never changes earlier logits
+"""Swapped Hugging Face models stay causal and generate: a future token never changes earlier logits
 (transformers PR #45811: a custom attention without a mask function silently got no causal mask); generate's
 cached greedy output equals the uncached one for every kind, left-padded; the cache holds mgk's tensors, of the
 registry's size."""

@@ -1,4 +1,4 @@
-"""`mgk reproduce` keys a run by the config it trains with, not by its arguments (issue 30 #4): after a preset or a
+"""`mgk reproduce` keys a run by the config it trains with, not by its arguments: after a preset or a
 default changes, the arguments are the same but the config is not, so a "finished" run of the old config must not
 count as the new one's, and its directory is named in one line."""
 import json

@@ -1,5 +1,5 @@
-"""`mgk train --init-from`: a trained softmax-8 run converted to another kind or number of heads (issue 31,
-results/cpu/kv-budget.md "Retro-fitting"). The conversion to GQA with G = H is exact (its first validation is the
+"""`mgk train --init-from`: a trained softmax-8 run converted to another kind or number of heads
+(results/cpu/kv-budget.md, "Retro-fitting"). The conversion to GQA with G = H is exact (its first validation is the
 source's); a conversion to MGK-4 carries what was learned (after the same steps it is far better than a fresh
 MGK-4 of the same seed); everything outside attention is copied; bad inputs end in one line."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Resuming with another schedule (more steps, another peak lr or warm-up): the resumed run's schedule sets the lr
-from its first resumed step (issue 30 #3: after a finished linear or cosine decay the first resumed step ran at the
+from its first resumed step (after a finished linear or cosine decay the first resumed step ran at the
 old schedule's lr, 0). OneCycleLR's phases are fixed when it is built, so any change to them is refused in one line.
 Resuming with nothing changed stays bitwise exact (tests/train/test_resume_exact.py)."""
 import pytest

@@ -26,7 +26,7 @@ def test_resume_of_a_0_1_0_run_continues_as_0_1_0_did(run_v0_1_0, th):
     main(["train", "--resume", str(run_dir), "--steps", "6", "--device", "cpu"])
     losses = dict(th.series(run_dir, "train/loss"))
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    # As 0.1.0 continued with the resumed schedule's lr from the first resumed step (issue 30 #3; see
+    # As 0.1.0 continued with the resumed schedule's lr from the first resumed step (see
     # resume_steps_6_made_with), to float32 rounding: MGK now centres queries and keys before the scores (translation
     # invariance), which changes the last bits; a wrong optimizer state or schedule would change far more.
     want = expected["resume_steps_6_train_loss"]

@@ -89,7 +89,7 @@ def test_cli_errors_are_one_line_and_name_the_cause(tmp_path, th, capsys):
 
 
 def test_threads_sets_the_runs_cpu_threads_and_refuses_zero_in_one_line(tmp_path, th):
-    """`--threads` is the documented way to size a run's thread pool (issue 30 #8); env.json records it."""
+    """`--threads` is the documented way to size a run's thread pool; env.json records it."""
     import subprocess as _subprocess
 
     out = tmp_path / "run"

@@ -305,7 +305,7 @@ class AttentionBase(nn.Module, abc.ABC):
             valid = ~key_padding_mask
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             # Caches hold detached entries, so a graph through them would give partial gradients (and a backward
-            # through later steps met entries rewritten in place): decoding is inference only (issue 30).
+            # through later steps met entries rewritten in place): decoding is inference only.
             raise ValueError("past_key_values is for inference: this call would record gradients (grad enabled and "
                              "the input or a parameter requires grad); decode under torch.no_grad() or "
                              "torch.inference_mode(), or call without past_key_values (the uncached forward gives "

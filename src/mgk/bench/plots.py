@@ -1,5 +1,5 @@
 """The figure of `mgk bench decode --plot`: milliseconds per generated token against the context length, one line
-per attention kind, one panel per (target, batch) (issue 34; llama-bench and gpt-fast report the same per depth)."""
+per attention kind, one panel per (target, batch) (llama-bench and gpt-fast report the same per depth)."""
 from __future__ import annotations
 
 from pathlib import Path

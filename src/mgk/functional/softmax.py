@@ -218,7 +218,7 @@ def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_
         causal = is_causal and L > 1
         if grouped and L == 1 and (mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1)) and dropout_p == 0:
             # One new token: the H / G query heads of a group read the same keys, so they are G heads of H / G
-            # queries each (the cache is read once per group, never expanded to H heads: issue 34).
+            # queries each (the cache is read once per group, never expanded to H heads).
             G = k.shape[1]
             out = _grouped_step(q.view(B, G, H // G, D), k, v, mask, scale)
             return out.view(B, H, 1, v.shape[-1]).to(query.dtype)

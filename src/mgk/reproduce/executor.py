@@ -74,7 +74,7 @@ _SET_BY_THE_RUN = ("vocab_size", "num_classes", "data_as_given", "progress")
 def stale_run_dirs(run: Run) -> list[str]:
     """One line for each other directory of ``run``'s task, row and seed (``seed<k>-*`` beside ``run.run_dir``)
     that holds results or a checkpoint: it was made with another config than ``run`` resolves to now, so it is not
-    counted as finished (issue 30 #4). The line names the fields that differ (none: the same fields under an older
+    counted as finished. The line names the fields that differ (none: the same fields under an older
     mgk's key, or another evaluation)."""
     parent = run.run_dir.parent
     if not parent.is_dir():

@@ -3,7 +3,7 @@
 Each run has the exact ``mgk train`` argument list, and for language modelling the ``mgk eval`` one. Its key is a
 hash of the config it trains with, as ``mgk train`` resolves those arguments
 (:func:`mgk.train.arguments.train_config`: the preset's values and the defaults included, so an edited preset or
-default gives a new key; issue 30 #4), and of the ``mgk eval`` arguments; its directory is
+default gives a new key), and of the ``mgk eval`` arguments; its directory is
 ``<out>/runs/<task>/<row>/seed<k>-<key>``: a changed setting gets a new directory, so a finished run is never
 overwritten nor counted for another config.
 """

@@ -73,7 +73,7 @@ def resume_scheduler(scheduler, state: dict, *, saved: dict, now: dict) -> None:
     ``saved`` and ``now`` are the flat configs (``mgk.config.flat``) of the checkpoint and of the resumed run.
     LambdaLR (every schedule but "onecycle") computes an lr only when stepped: the restored optimiser holds the lr
     the old schedule gave the next step (0 after a finished linear or cosine decay), so the lr of that step is set
-    again from the new schedule, its peak ``lr`` (the new base) and its steps and warm-up (issue 30 #3). With
+    again from the new schedule, its peak ``lr`` (the new base) and its steps and warm-up. With
     nothing changed this is the same float (``base_lr * lambda(step)``, as ``LambdaLR.get_lr``), so resuming stays
     bitwise exact. OneCycleLR's phases, peak and momentum cycle are fixed when it is built: ValueError naming the
     field when ``schedule``, ``lr``, ``warmup_steps`` or ``steps`` changed and either side is "onecycle"."""
