@@ -8,6 +8,7 @@ are ignored: torchrun forwards a Ctrl-C that its workers already received.
 """
 from __future__ import annotations
 
+import abc
 import signal
 import threading
 
@@ -44,7 +45,7 @@ class SignalStop(BaseException):
         self.signum = signum
 
 
-class SignalHandlers:
+class SignalHandlers(abc.ABC):
     """Context manager that installs ``self._handle(signum, frame)`` for SIGINT and SIGTERM on entry and restores
     the previous handlers on exit. Installs nothing outside the main thread (Python allows handlers only there).
     Subclasses define ``_handle``."""
@@ -63,8 +64,9 @@ class SignalHandlers:
             signal.signal(s, handler)
         self._previous.clear()
 
+    @abc.abstractmethod
     def _handle(self, signum, frame) -> None:
-        raise NotImplementedError
+        """What a signal does while the handlers are installed (the subclass's policy)."""
 
 
 class StopSignals(SignalHandlers):
