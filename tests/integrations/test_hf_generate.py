@@ -118,13 +118,6 @@ def test_a_cache_already_holding_hf_keys_is_refused_in_one_line(hf_model, batch)
     assert "\n" not in str(err.value)
 
 
-def test_beam_search_says_what_to_use_instead(hf_model, batch):
-    model = mgk.swap_attention(hf_model("gpt2"), "mgk")
-    ids, mask = batch
-    with pytest.raises(NotImplementedError, match="num_beams=1"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, pad_token_id=0)
-
-
 @dataclasses.dataclass(frozen=True)
 class _GroupOptions(MGKOptions):
     """One option more than MGK's, as a kind registered after the paper's six would have (e.g. gqa's

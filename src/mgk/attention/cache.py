@@ -46,6 +46,14 @@ every kind. A cache is saved as plain tensors and ints (:meth:`LayerCache.state_
 :class:`DecodingCache`'s, for ``torch.save`` and ``torch.load(..., weights_only=True)``: a prompt's cache kept on
 disk); the object itself refers to its layer and is not pickled (a TypeError in one line says so).
 
+Rows and lengths (beam search, assisted decoding; :mod:`mgk.integrations.hf.cache` calls them): every kind's cache
+reorders, selects and repeats its rows (:meth:`LayerCache.reorder`, :meth:`~LayerCache.select`,
+:meth:`~LayerCache.repeat_interleave`), every per-row tensor moving with its row; the kinds' bookkeeping in
+:attr:`LayerCache.extra` keeps that working by contract: each of its tensors has the B rows as dim 0 (checked at
+each move). A cache of per-token entries drops its last tokens (:meth:`LayerCache.crop`, a fixed capacity's slot
+moving back with them) and asks its layer to put the kind's bookkeeping in line (a ``cache_cropped(cache)`` method:
+MGK's centre); a recurrent state has no tokens to drop and refuses in one line.
+
 Caches hold detached tensors and are for inference only: a cached call while autograd would record a graph
 through the layer (gradients enabled, and the input or a parameter requires grad) is a ValueError naming
 ``past_key_values`` (:meth:`mgk.attention.base.AttentionBase.forward`); decode under ``torch.no_grad()`` or
@@ -515,6 +523,128 @@ class LayerCache(_SavedByStateDict):
         """Bytes of the kind's bookkeeping tensors (:attr:`extra`: MGK's centre and kept keys)."""
         return sum(t.numel() * t.element_size() for t in self.extra.values() if isinstance(t, Tensor))
 
+    # -- rows and lengths (beam search, assisted decoding) ---------------------------------------------------------
+    def select(self, index: Tensor) -> None:
+        """Keep the rows ``index`` of the batch, in that order: row i of the cache becomes row ``index[i]`` of the old
+        one (beam search's ``beam_idx``; a row may come several times or not at all, and B' may differ from B).
+        Every per-row tensor moves with its row: the slot buffers (dim 0), the valid-slot mask, :attr:`seen`, the
+        recurrent state, and every tensor of :attr:`extra` (the contract of the kinds' bookkeeping: rows as dim 0).
+        Before the first call there is nothing to move. A fixed capacity's slot is the same for every row and
+        stays; the host bound of ``seen.max()`` stays a bound.
+
+        Args:
+            index: (B',) integer tensor (int64 as beam search gives it), values in [0, B), on any device.
+        Raises:
+            ValueError naming ``index`` for another type, dtype, rank, an empty index or a row out of range;
+            ValueError naming ``extra`` for a bookkeeping tensor without the B rows as dim 0 (a kind's bug).
+        """
+        self._move_rows(self._check_rows(index))
+
+    def reorder(self, index: Tensor) -> None:
+        """:meth:`select` keeping the number of rows (``index`` (B,): beam search's ``beam_idx``, repeats allowed).
+        ValueError naming ``index`` for another length, or as :meth:`select`."""
+        self._move_rows(self._check_rows(index, same_size=True))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place, each copy next to its row (``torch.repeat_interleave`` on the
+        batch: B rows become B * repeats). ValueError naming ``repeats`` unless it is a positive int."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        if self.seen is not None:
+            rows = torch.arange(self.batch_size, device=self.seen.device).repeat_interleave(repeats)
+            self._move_rows(self._check_rows(rows))
+
+    def _check_rows(self, index, *, same_size: bool = False) -> Tensor | None:
+        """``index`` as int64 on the cache's device (None before the first call), checked (:meth:`select`)."""
+        if (not isinstance(index, Tensor) or index.dim() != 1 or index.numel() == 0 or index.dtype == torch.bool
+                or index.is_floating_point() or index.is_complex()):
+            got = (tuple(index.shape), index.dtype) if isinstance(index, Tensor) else type(index).__name__
+            raise ValueError(f"index must be a non-empty 1-D integer tensor of rows (B',), got {got}")
+        B = self.batch_size
+        if B is None:
+            return None
+        if same_size and index.shape[0] != B:
+            raise ValueError(f"index must have one entry per row ({B}) to reorder, got {index.shape[0]}; select() "
+                             "changes the number of rows")
+        index = index.to(device=self.seen.device, dtype=torch.int64)
+        lo, hi = torch.aminmax(index)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= B:
+            raise ValueError(f"index must hold rows in [0, {B}), got values from {lo} to {hi}")
+        bad = sorted(name for name, t in self.extra.items() if isinstance(t, Tensor) and (t.dim() == 0
+                                                                                          or t.shape[0] != B))
+        if bad:
+            raise ValueError(f"extra holds {bad} without the batch's {B} rows as dim 0: a kind's bookkeeping tensors "
+                             "are per row (LayerCache.extra)")
+        return index
+
+    def _move_rows(self, index: Tensor | None) -> None:
+        """Every per-row tensor taken at the rows ``index`` (checked; None: nothing held yet)."""
+        if index is None:
+            return
+
+        def rows(t):
+            """``t``'s rows ``index`` (a new tensor: one filled under inference mode stays usable)."""
+            return None if t is None else t.index_select(0, index)
+
+        self.seen, self._valid = rows(self.seen), rows(self._valid)
+        self._buffers = {name: rows(buf) for name, buf in self._buffers.items()}
+        if self.state is not None:
+            self.state = LinearAttentionState(rows(self.state.kv), rows(self.state.k_sum), rows(self.state.length))
+        self.extra = {name: rows(t) if isinstance(t, Tensor) else t for name, t in self.extra.items()}
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens (slots) and forget the rest; a negative ``length`` drops that many from
+        the end (as transformers' ``crop``). The counts follow the valid-slot mask (:attr:`seen`, the host bound
+        exact again, :attr:`padded`), the dropped slots are zeroed (a fixed capacity's slot moves back to the first
+        of them, the capacity kept), and the kind puts its bookkeeping in line: the cache calls its layer's
+        ``cache_cropped(cache)`` when the layer has one (MGK's centre,
+        :meth:`mgk.attention.mgk.MGKAttention.cache_cropped`). Keeping every token changes nothing, for every kind.
+
+        Raises:
+            ValueError naming the cache's layout for a recurrent state (linear attention, MLK: no per-token entries
+            to drop); ValueError naming ``length`` unless it is an int within the tokens held; ValueError for a
+            cache of fixed capacity whose steps :meth:`advance` has not counted, or one whose kind keeps
+            bookkeeping while its layer is unknown (a loaded cache before its first call).
+        """
+        keep = self._check_crop(length)
+        if keep == self.length:
+            return
+        held = self.length
+        for name, buf in self._buffers.items():
+            buf.narrow(self.slots[name], keep, held - keep).zero_()
+        self._valid[:, keep:held] = False
+        valid = self._valid[:, :keep]
+        self.length, self.seen = keep, valid.sum(dim=1)
+        self._max_seen = int(self.seen.max()) if self.seen.numel() else 0
+        self._padded = self._padded and not bool(valid.all())
+        if self._slot is not None:
+            self._slot.fill_(keep)
+        module = None if self._module is None else self._module()
+        hook = getattr(module, "cache_cropped", None)
+        if hook is not None:
+            hook(self)
+
+    def _check_crop(self, length) -> int:
+        """The tokens :meth:`crop` keeps, checked (nothing changed)."""
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise ValueError(f"length must be an int (negative: tokens to drop from the end), got {length!r}")
+        held = self.length
+        keep = held + length if length < 0 else length
+        if keep == held:
+            return keep
+        if not self.slots:
+            raise ValueError(f"a {self.layout or 'recurrent'} cache holds a recurrent state of fixed size, not "
+                             "per-token entries, so it cannot be cropped (crop)")
+        if not 0 <= keep <= held:
+            raise ValueError(f"length must keep between 0 and the {held} tokens this cache holds (negative: drop "
+                             f"that many from the end), got {length}")
+        self._check_counted("crop")
+        if self.extra and (self._module is None or self._module() is None):
+            raise ValueError("crop(): this cache's bookkeeping (extra) is its layer's to crop, and the layer is not "
+                             "known (a loaded cache before its first call, or the layer is gone)")
+        return keep
+
 
 class DecodingCache(_SavedByStateDict):
     """The caches of a model's attention layers, one per layer, each with its own length and per-row counts
@@ -542,6 +672,31 @@ class DecodingCache(_SavedByStateDict):
         """:meth:`LayerCache.reserve` on every layer."""
         for layer in self.layers:
             layer.reserve(capacity)
+
+    def select(self, index: Tensor) -> None:
+        """:meth:`LayerCache.select` on every layer (every layer checked before any moves)."""
+        rows = [layer._check_rows(index) for layer in self.layers]
+        for layer, index in zip(self.layers, rows):
+            layer._move_rows(index)
+
+    def reorder(self, index: Tensor) -> None:
+        """:meth:`LayerCache.reorder` on every layer (beam search's ``beam_idx``; every layer checked first)."""
+        rows = [layer._check_rows(index, same_size=True) for layer in self.layers]
+        for layer, index in zip(self.layers, rows):
+            layer._move_rows(index)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """:meth:`LayerCache.repeat_interleave` on every layer."""
+        for layer in self.layers:
+            layer.repeat_interleave(repeats)
+
+    def crop(self, length: int) -> None:
+        """:meth:`LayerCache.crop` on every layer; a layer that refuses (a recurrent state) refuses before any
+        layer is cropped."""
+        for layer in self.layers:
+            layer._check_crop(length)
+        for layer in self.layers:
+            layer.crop(length)
 
     def nbytes(self) -> int:
         """Bytes attention reads, summed over the layers."""

@@ -204,6 +204,11 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         one is refused by the other."""
         return f"{type(self).__name__} ({self.keys} keys)"
 
+    def cache_cropped(self, cache: LayerCache) -> None:
+        """The centre protocol after :meth:`LayerCache.crop` cut this layer's ``cache`` (which calls it):
+        :meth:`_CachedCentre.cropped`."""
+        _CachedCentre(cache).cropped()
+
     def _cached_core(self, q, x, v, valid, cache: LayerCache):
         """Prefill: the uncached attention with its causal centre, which the cache keeps; then steps over the
         cache's entries (:mod:`mgk.functional.mgk_cache`). Per-position weights are read at each row's positions.
@@ -429,6 +434,31 @@ class _CachedCentre:
             keys, key_bias = mgk_cache_entries(self.state["raw_key"], centre=centre,
                                                log_pi=self.state.get("raw_log_pi"), **entry_options)
             self.cache.write_slot(rows, self.state["raw_slot"], keys=keys, key_bias=key_bias)
+
+    def cropped(self) -> None:
+        """Put the protocol in line with a cache just cropped (its counts already cut).
+
+        Any fixed centre is exact (it only conditions the floats), so every row keeps its centre and entries; what
+        must stay consistent is which rows are provisional, each holding the raw key of its one real token. A row
+        left with no real token becomes provisional with nothing kept (its next tokens choose its centre, as a new
+        row's). A row left with one real token whose raw key is not kept (it had two or more) cannot be provisional,
+        and a cache of fixed capacity steps with a settled centre only: then the protocol is settled as it stands
+        (every centre fixed, nothing kept), exactly as if the centre had been chosen so. Re-feeding the cropped
+        tokens thus rebuilds the uncropped entries."""
+        if self.centre is None:
+            return
+        seen, state = self.cache.seen, self.state
+        kept = state.get("raw_has")
+        kept = None if kept is None else kept & (seen == 1)  # a kept token cropped away leaves its row empty
+        lone = (seen == 1) if kept is None else (seen == 1) & ~kept
+        if self.cache.fixed or bool(lone.any()):
+            for name in ("raw_key", "raw_log_pi", "raw_slot", "raw_has"):
+                state.pop(name, None)
+            state["provisional"] = False
+        elif bool((seen < 2).any()):
+            state["provisional"] = True
+            if kept is not None:
+                state["raw_has"] = kept
 
     def keep(self, before: Tensor, slot: int, base: Tensor, log_pi: Tensor | None, valid: Tensor | None) -> None:
         """After this call's entries were appended at slots ``slot`` on: keep the raw key (and log prior) of every

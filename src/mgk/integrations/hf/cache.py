@@ -6,6 +6,12 @@ token, sMGK one key, linear attention and MLK a fixed-size state) in its own :cl
 so :func:`mgk_layer` puts an :class:`MGKCacheLayer` holding that cache in the layer's slot of the model's cache on the
 layer's first cached call. The HF cache's length and mask sizes are then read from mgk's cache; the tensors stored
 are mgk's and nothing else (no key/value copy in HF's layout).
+
+Beam search (``num_beams > 1``: ``reorder_cache`` after every step), ``batch_select_indices`` /
+``batch_repeat_interleave`` and assisted decoding (``crop`` of the rejected draft tokens) work for every kind: each
+moves or cuts mgk's cache (:meth:`mgk.attention.cache.LayerCache.reorder` and the rest). A recurrent state (linear
+attention, MLK) has no tokens to drop: its layer says ``is_croppable`` False, which assisted decoding checks.
+Offloading is refused.
 """
 from __future__ import annotations
 
@@ -19,11 +25,6 @@ from ...attention.cache import LayerCache
 __all__ = ["MGKCacheLayer", "mgk_layer"]
 
 
-def _unsupported(method: str) -> str:
-    return (f"{method}: mgk's decoding caches cannot be reordered, cropped, repeated or selected (beam search, "
-            "assisted or contrastive decoding): use num_beams=1 without an assistant, or use_cache=False")
-
-
 class MGKCacheLayer(CacheLayerMixin):
     """One layer's slot in a transformers ``Cache``, holding that layer's mgk cache (:attr:`mgk_cache`, filled by the
     mgk module's ``forward(..., past_key_values=...)``).
@@ -34,9 +35,11 @@ class MGKCacheLayer(CacheLayerMixin):
     What transformers calls on a cache layer (directly or through ``DynamicCache``'s method of the same name):
     ``get_seq_length``, ``get_mask_sizes``, ``get_max_length``, ``lazy_initialization`` (nothing to do),
     ``prefetch`` (nothing was offloaded) and ``reset`` (an empty cache of the same kind, which the next call
-    fills) work. ``reorder_cache``, ``crop``, ``batch_repeat_interleave``, ``batch_select_indices`` (beam search,
-    assisted and contrastive decoding) and ``offload`` raise NotImplementedError in one line naming the method and
-    what to use instead; ``update`` (transformers' key/value write) raises RuntimeError.
+    fills) work, and so do the row and length methods of beam search and assisted decoding, on mgk's cache
+    (:mod:`mgk.attention.cache`, "Rows and lengths"): ``reorder_cache``, ``batch_select_indices``,
+    ``batch_repeat_interleave`` and ``crop`` (refused in one line by a recurrent state, whose
+    :attr:`is_croppable` is False). ``offload`` raises NotImplementedError in one line naming what to use instead;
+    ``update`` (transformers' key/value write) raises RuntimeError.
 
     Args:
         layer_cache: the layer's empty or filled mgk cache.
@@ -46,7 +49,6 @@ class MGKCacheLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
 
     def __init__(self, layer_cache: LayerCache, new_cache=None):
         super().__init__()
@@ -96,17 +98,35 @@ class MGKCacheLayer(CacheLayerMixin):
         """Bytes attention reads from this layer's cache (:meth:`mgk.attention.cache.LayerCache.nbytes`)."""
         return self.mgk_cache.nbytes()
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can drop tokens (what assisted decoding asks after the prefill): a cache of per-token
+        entries can; a recurrent state (linear attention, MLK) cannot."""
+        return bool(self.mgk_cache.slots)
+
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError(_unsupported("reorder_cache"))
-
-    def crop(self, max_length) -> None:
-        raise NotImplementedError(_unsupported("crop"))
-
-    def batch_repeat_interleave(self, repeats) -> None:
-        raise NotImplementedError(_unsupported("batch_repeat_interleave"))
+        """Beam search: row i becomes row ``beam_idx[i]`` (a (B,) int64 tensor, repeats allowed;
+        :meth:`mgk.attention.cache.LayerCache.reorder`). ValueError naming ``index`` for bad rows."""
+        self.mgk_cache.reorder(beam_idx)
 
     def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError(_unsupported("batch_select_indices"))
+        """Keep the rows ``indices`` ((B',) integer tensor; :meth:`mgk.attention.cache.LayerCache.select`)."""
+        self.mgk_cache.select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times, each copy next to its row
+        (:meth:`mgk.attention.cache.LayerCache.repeat_interleave`)."""
+        self.mgk_cache.repeat_interleave(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers 5.x passes a negative count, and 0 for
+        nothing); a positive value is the length to keep (the older ``crop(max_length)``; one beyond the tokens held
+        keeps them all). :meth:`mgk.attention.cache.LayerCache.crop`: ValueError in one line for a recurrent state
+        (linear attention, MLK; :attr:`is_croppable` False) when tokens would be dropped."""
+        if isinstance(tokens_to_remove, int) and not isinstance(tokens_to_remove, bool) and tokens_to_remove >= 0:
+            if tokens_to_remove == 0 or tokens_to_remove >= self.mgk_cache.length:
+                return
+        self.mgk_cache.crop(tokens_to_remove)
 
 
 def mgk_layer(cache, layer_idx: int, module: nn.Module) -> MGKCacheLayer:
