@@ -256,7 +256,8 @@ def test_gated_heads_and_components_decode_as_the_gated_forward(kind, options):
     m.head_gate = torch.tensor([1.0, 0.0])
     mixture = getattr(m, "mixture", None)
     if mixture is not None and getattr(m, "pi_mode", "learned") != "hard_e":
-        mixture.component_gate = torch.tensor([[1.0, 0.0], [0.5, 1.0]])
+        # one row per head of the mixture (gmgk: per key group, whose components its query heads share)
+        mixture.component_gate = torch.tensor([[1.0, 0.0], [0.5, 1.0]])[:mixture.num_heads]
     torch.manual_seed(1)
     x = torch.randn(2, 5 + sum(STEPS), E)
     outs, _ = _decode(m, x, 5)

@@ -30,11 +30,11 @@ from mgk.tasks.lra_table import setting
 
 
 def test_the_papers_six_kinds_in_order_then_the_baselines_added_since():
-    assert attention_kinds() == ("softmax", "mgk", "smgk", "linear", "mlk", "smlk", "gqa")
+    assert attention_kinds() == ("softmax", "mgk", "smgk", "linear", "mlk", "smlk", "gqa", "gmgk")
     assert [get_kind(k).family for k in attention_kinds()] == ["softmax", "mixture", "mixture", "linear", "linear",
-                                                               "linear", "softmax"]
+                                                               "linear", "softmax", "mixture"]
     assert [get_kind(k).label for k in attention_kinds()] == ["softmax", "MGK", "sMGK", "linear", "MLK", "sMLK",
-                                                              "GQA"]
+                                                              "GQA", "gMGK"]
 
 
 def test_registering_a_name_twice_is_an_error_naming_it():

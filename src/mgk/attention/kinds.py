@@ -7,3 +7,4 @@ from . import softmax  # noqa: F401  softmax
 from . import mgk  # noqa: F401  mgk, smgk
 from . import linear  # noqa: F401  linear, mlk, smlk
 from . import gqa  # noqa: F401  gqa (grouped-query and multi-query attention)
+from . import gmgk  # noqa: F401  gmgk (grouped mixture keys: MGK keys shared by groups of query heads)
