@@ -1,10 +1,10 @@
 """Every kind's decoding cache moves, repeats and drops rows and drops tokens (beam search, assisted decoding): a cache
 reordered by a permutation, by rows chosen with repeats (more rows than before), or repeated, then stepped, equals
 the cache built from the reordered inputs, for every registered kind and variant (kinds registered later included);
-cropping a cache of per-token entries then re-feeding the tokens it dropped rebuilds the uncropped cache, MGK's
-provisional centres included (a row cut back below two real tokens); a recurrent state refuses to crop in one line;
-caches of fixed capacity reorder and crop; a model's DecodingCache does it for every layer; bad arguments are refused
-in one line naming them."""
+a cache of per-token entries cropped, then fed the tokens it dropped or others in their place, steps as the cache of
+the kept tokens and the new ones, MGK's provisional centres included (a row cut back below two real tokens); a
+recurrent state refuses to crop in one line; caches of fixed capacity reorder and crop; a model's DecodingCache does
+it for every layer; bad arguments are refused in one line naming them."""
 from __future__ import annotations
 
 import copy
@@ -112,33 +112,40 @@ CUTS = {  # (tokens held when cropped, crop's argument)
     "drop_last_two": (9, -2),
     "provisional_row_kept": (6, -1),  # MGK: row 2 keeps its one real token and its raw key
     "row_back_to_one_token": (9, 4),  # rows 0 and 1 keep 4 and 1 real tokens, row 2 none
+    # MGK: row 2 provisional (its raw key kept) while row 1 falls back to one real token, whose raw key is not kept
+    "row_back_to_one_token_beside_a_provisional_row": (6, 4),
     "every_row_emptied": (9, 0),
 }
+# the dropped tokens fed again ("same"), or others in their place (assisted decoding's rejected drafts replaced)
+CROPS = {f"{cut}-{tokens}": (*CUTS[cut], tokens) for cut in CUTS for tokens in ("same", "other")}
 
 
-@pytest.mark.parametrize("kind,options,cut", _grid([c for c in CASES if c[0] in SLOTTED], CUTS,
-                                                   ("row_back_to_one_token",)))
-def test_cropping_then_refeeding_the_dropped_tokens_rebuilds_the_uncropped_cache(kind, options, cut):
+@pytest.mark.parametrize("kind,options,crop", _grid([c for c in CASES if c[0] in SLOTTED], CROPS,
+                                                    ("row_back_to_one_token_beside_a_provisional_row-other",)))
+def test_a_cropped_cache_steps_as_the_cache_of_the_kept_tokens_and_the_new_ones(kind, options, crop):
+    """Crop, feed the tokens from the cut to where the cache was (in one call), then the remaining steps: the outputs
+    are those of a cache that only ever saw the kept tokens and the new ones."""
     m = _module(kind, options)
     x, pad = _inputs()
-    held, length = CUTS[cut]
+    held, length, tokens = CROPS[crop]
     keep = held + length if length < 0 else length
-    whole = m.new_cache()
-    _feed(m, whole, x, pad, CHUNKS)
+    new = x.clone()
+    if tokens == "other":
+        new[:, keep:] = torch.randn(3, T - keep, E, generator=torch.Generator().manual_seed(4))
+        new[pad] = float("nan")
     cache = m.new_cache()
     _feed(m, cache, x, pad, [c for c in CHUNKS if c[1] <= held])
     cache.crop(length)
     assert cache.length == keep and cache.seen.tolist() == (~pad[:, :keep]).sum(dim=1).tolist()
     assert int(cache.key_valid()[:, keep:].sum()) == 0
-    if keep:
-        _call(m, cache, x, pad, keep, held)  # the dropped tokens again, in one call
-    else:
-        _call(m, cache, x, pad, 0, 5)  # from empty: the prefill again, then the steps
-        _feed(m, cache, x, pad, [c for c in CHUNKS[1:] if c[1] <= held])
-    _feed(m, cache, x, pad, [c for c in CHUNKS if c[0] >= held])
-    _same_cache(cache, whole)
-    torch.testing.assert_close(_call(m, cache, x, pad, 9, 10), _call(m, whole, x, pad, 9, 10), atol=1e-5,
-                               rtol=1e-5)
+    got = [_call(m, cache, new, pad, keep, held)] + _feed(m, cache, new, pad, [c for c in CHUNKS if c[0] >= held])
+    got.append(_call(m, cache, new, pad, 9, 10))
+    fresh = m.new_cache()
+    want = torch.cat(_feed(m, fresh, new, pad, CHUNKS + ((9, 10),)), dim=1)[:, keep:]
+    real = ~pad[:, keep:]
+    torch.testing.assert_close(torch.cat(got, dim=1)[real], want[real], atol=1e-5, rtol=1e-5)
+    assert cache.length == fresh.length and torch.equal(cache.seen, fresh.seen)
+    assert torch.equal(cache.key_valid(), fresh.key_valid())
 
 
 @pytest.mark.parametrize("kind", RECURRENT)
