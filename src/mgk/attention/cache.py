@@ -139,6 +139,8 @@ class LayerCache(_SavedByStateDict):
         seen: (B,) int64, real tokens per row (None before the first call).
         state: the fixed recurrent state (:class:`mgk.functional.LinearAttentionState`) of linear / MLK, or None.
         extra: the kind's own bookkeeping (MGK's centre, :mod:`mgk.attention.mgk`); not counted in :meth:`nbytes`.
+            Each of its tensors has the B rows as dim 0 (:meth:`select` moves them with their rows); what a
+            :meth:`crop` changes in it is the layer's ``cache_cropped(cache)``.
     Raises:
         ValueError naming ``capacity`` unless it is None or a positive int.
     """
