@@ -21,7 +21,8 @@ def test_heads_rows_run_on_their_own_tasks():
     rows = {r.key: r for r in exp.rows}
     d_rows = {f"softmax-{h}" for h in (1, 2, 4, 8)} | {f"{k}-{h}" for k in ("mgk", "smgk") for h in (1, 2, 4)}
     gqa = {f"gqa-8-kv{g}" for g in (4, 2, 1)}  # the baselines of results/cpu/kv-budget.md
-    assert {k for k, r in rows.items() if r.runs_on("dretrieval-d8")} == d_rows | {"mgk-1-m4"} | gqa
+    gmgk = {"gmgk-8-kv2-shifted", "gmgk-8-kv1"}  # results/cpu/mixture-keys-at-gqa-cache.md
+    assert {k for k, r in rows.items() if r.runs_on("dretrieval-d8")} == d_rows | {"mgk-1-m4"} | gqa | gmgk
     assert {k for k, r in rows.items() if r.runs_on("mqar-n8")} == (
         {f"linear-{h}" for h in (1, 2, 4, 8)} | {f"mlk-{h}" for h in (1, 2, 4)})
     assert rows["mgk-4"].keys_per_head == 2 and rows["mgk-1-m4"].keys_per_head == 4
@@ -32,6 +33,9 @@ def test_heads_rows_run_on_their_own_tasks():
     assert ("mgk-4", "gqa-8-kv2") in exp.comparisons and ("smgk-4", "gqa-8-kv4") in exp.comparisons
     assert rows["gqa-8-kv2"].label == "GQA x 8 (kv 2)" and rows["gqa-8-kv1"].label == "MQA x 8"
     assert rows["gqa-8-kv2"].options.num_kv_heads == 2 and rows["gqa-8-kv2"].keys_per_head == 1
+    shifted, grouped = rows["gmgk-8-kv2-shifted"].options, rows["gmgk-8-kv1"].options
+    assert (shifted.num_kv_heads, shifted.keys, grouped.num_kv_heads, grouped.keys) == (2, "shifted", 1, "separate")
+    assert ("gmgk-8-kv2-shifted", "gqa-8-kv2") in exp.comparisons and ("gmgk-8-kv1", "gqa-8-kv2") in exp.comparisons
 
 
 def test_kv_budget_rows_and_their_costs():
@@ -42,7 +46,7 @@ def test_kv_budget_rows_and_their_costs():
 
     exp = get_experiment("kv-budget")
     assert [r.key for r in exp.rows] == ["softmax-8", "softmax-4", "gqa-8-kv4", "gqa-8-kv2", "gqa-8-kv1", "mgk-4",
-                                         "smgk-4"]
+                                         "smgk-4", "gmgk-8-kv2-shifted", "gmgk-8-kv1"]
     assert exp.metric == "ppl" and exp.tasks == ("lm",) and ("mgk-4", "gqa-8-kv2") in exp.comparisons
     cache = {}
     for row in exp.rows:
@@ -52,6 +56,8 @@ def test_kv_budget_rows_and_their_costs():
     D = 16  # lm-small's head_dim
     assert cache["softmax-8"] == 2 * 8 * D * 4 and cache["gqa-8-kv2"] == cache["softmax-8"] // 4
     assert cache["mgk-4"] == 4 * (2 * D + D + 2) * 4 and cache["gqa-8-kv1"] == cache["softmax-8"] // 8
+    # results/cpu/mixture-keys-at-gqa-cache.md: GQA-8 (kv 2)'s cache plus M scalars per key, and less than it
+    assert cache["gmgk-8-kv2-shifted"] == 2 * (2 * D + 2) * 4 == 272 and cache["gmgk-8-kv1"] == (3 * D + 2) * 4 == 200
 
 
 def test_heads_grid_commands(tmp_path):

@@ -150,6 +150,14 @@ def _gqa_rows(tasks: tuple = ()) -> list:
     return [Row(f"gqa-8-kv{g}", "gqa", 8, overrides=(f"num_kv_heads={g}",), tasks=tasks) for g in (4, 2, 1)]
 
 
+def _gmgk_rows(tasks: tuple = ()) -> list:
+    """Grouped mixture keys at GQA's cache (results/cpu/mixture-keys-at-gqa-cache.md, pre-registered): 8 query heads
+    sharing 2 key groups of shifted keys (GQA-8 (kv 2)'s cache plus M scalars per key) and sharing 1 group of M = 2
+    separate keys (less cache than GQA-8 (kv 2))."""
+    return [Row("gmgk-8-kv2-shifted", "gmgk", 8, overrides=("num_kv_heads=2", "keys=shifted"), tasks=tasks),
+            Row("gmgk-8-kv1", "gmgk", 8, overrides=("num_kv_heads=1",), tasks=tasks)]
+
+
 def _heads_rows() -> tuple:
     """Softmax h in {1, 2, 4, 8}, MGK and sMGK h in {1, 2, 4} with M = 2, MGK M = 4 at h = 1, GQA-8 with 4, 2
     and 1 key/value heads on D-retrieval; linear
@@ -158,6 +166,7 @@ def _heads_rows() -> tuple:
     rows += [Row(f"{kind}-{h}", kind, h, tasks=_D_TASKS) for kind in ("mgk", "smgk") for h in (4, 2, 1)]
     rows.append(Row("mgk-1-m4", "mgk", 1, overrides=("num_keys=4",), tasks=_D_TASKS))
     rows += _gqa_rows(_D_TASKS)
+    rows += _gmgk_rows(_D_TASKS)
     rows += [Row(f"linear-{h}", "linear", h, tasks=_MQAR_TASKS) for h in (8, 4, 2, 1)]
     rows += [Row(f"mlk-{h}", "mlk", h, tasks=_MQAR_TASKS) for h in (4, 2, 1)]
     return tuple(rows)
@@ -170,6 +179,13 @@ _KV_BUDGET_COMPARISONS = (
     ("gqa-8-kv2", "softmax-8"), ("gqa-8-kv1", "gqa-8-kv2"), ("gqa-8-kv4", "softmax-4"),
 )
 
+# results/cpu/mixture-keys-at-gqa-cache.md, pre-registered: grouped mixture keys against GQA-8 (kv 2) at its cache
+# (shifted, two groups) and below it (separate, one group); then the reference pairs.
+_GMGK_COMPARISONS = (
+    ("gmgk-8-kv2-shifted", "gqa-8-kv2"), ("gmgk-8-kv1", "gqa-8-kv2"),
+    ("gmgk-8-kv1", "gqa-8-kv1"), ("gmgk-8-kv2-shifted", "mgk-4"),
+)
+
 # (row, reference): M keys per head against M times the heads (equal h * M), the preconditions (does the task
 # separate k heads from 2k?) and, on MQAR, equal state size (MLK-k against linear-k).
 HEADS_COMPARISONS = (
@@ -180,14 +196,14 @@ HEADS_COMPARISONS = (
     ("linear-8", "linear-4"),
     ("mlk-4", "linear-4"), ("mlk-4", "linear-8"), ("mlk-2", "linear-4"), ("mlk-1", "linear-2"),
     ("mlk-2", "linear-2"), ("mlk-1", "linear-1"),
-    *_KV_BUDGET_COMPARISONS,
+    *_KV_BUDGET_COMPARISONS, *_GMGK_COMPARISONS,
 )
 
 # The kv-budget experiment on WikiText-103 (results/cpu/kv-budget.md): quality against attention parameters and
 # cache bytes, softmax and GQA against MGK-4 and sMGK-4.
 _KV_BUDGET = (
     Row("softmax-8", "softmax", 8), Row("softmax-4", "softmax", 4), *_gqa_rows(),
-    Row("mgk-4", "mgk", 4), Row("smgk-4", "smgk", 4),
+    Row("mgk-4", "mgk", 4), Row("smgk-4", "smgk", 4), *_gmgk_rows(),
 )
 
 _LRA_TASKS = ("listops", "text", "retrieval")
@@ -206,7 +222,8 @@ EXPERIMENTS = {e.name: e for e in (
                (*_D_TASKS, *_MQAR_TASKS), (), _heads_rows(), comparisons=HEADS_COMPARISONS),
     Experiment("kv-budget", "WikiText-103 perplexity of MGK against GQA / MQA at equal parameters and cache",
                ("lm",), (), _KV_BUDGET, metric="ppl",
-               comparisons=(*_KV_BUDGET_COMPARISONS, ("mgk-4", "softmax-8"), ("softmax-8", "softmax-4"))),
+               comparisons=(*_KV_BUDGET_COMPARISONS, ("mgk-4", "softmax-8"), ("softmax-8", "softmax-4"),
+                            *_GMGK_COMPARISONS)),
 )}
 
 
