@@ -229,3 +229,94 @@ def test_cached_decoding_equals_the_uncached_forward(keys, G):
     with torch.no_grad():
         want = m(x, need_weights=False, is_causal=True, key_padding_mask=pad)[0]
     torch.testing.assert_close(got[~pad], want[~pad], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keys", ["separate", "shifted"])
+def test_compiled_forward_and_traced_decoding_step_equal_eager(keys):
+    torch._dynamo.reset()
+    m = _randomise(build_attention("gmgk", E, 4, head_dim=D, num_kv_heads=2, keys=keys)).eval()
+    x = torch.randn(2, 9, E)
+    pad = _padded(2, 9)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for kwargs in ({"is_causal": True}, {"key_padding_mask": pad}):
+            torch.testing.assert_close(compiled(x, need_weights=False, **kwargs)[0],
+                                       m(x, need_weights=False, **kwargs)[0], atol=1e-5, rtol=1e-5)
+    # one-token steps over a cache of fixed capacity, traced once (generate(compile=True)'s step)
+    step = torch.compile(lambda token, cache: m(token, past_key_values=cache, is_causal=True, need_weights=False)[0],
+                         backend="aot_eager", fullgraph=True, dynamic=False)
+    cache = m.new_cache()
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        outs = [m(x[:, :4], past_key_values=cache, is_causal=True, need_weights=False)[0]]
+        cache.fix_capacity(9)
+        for t in range(4, 9):
+            outs.append(step(x[:, t:t + 1], cache))
+            cache.advance(1)
+        want = m(x, need_weights=False, is_causal=True)[0]
+    torch.testing.assert_close(torch.cat(outs, dim=1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_swap_from_torch_pools_each_groups_keys_and_values():
+    """nn.TransformerEncoderLayer (4 heads) -> gmgk with 2 groups: queries and outputs copied, each group's value
+    projection and first key component the mean of its two heads' (Ainslie et al.), pi uniform."""
+    import mgk
+
+    torch.manual_seed(4)
+    layer = torch.nn.TransformerEncoderLayer(E, 4, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    w = layer.self_attn.in_proj_weight.detach().clone()
+    mgk.swap_attention(layer, "gmgk", num_kv_heads=2)
+    new = layer.self_attn
+    assert new.num_kv_heads == 2 and new.keys == "separate"
+
+    def pooled(t):
+        return t.reshape(2, 2, D, E).mean(dim=1).reshape(2 * D, E)
+
+    torch.testing.assert_close(new.q_proj.weight, w[:E])
+    torch.testing.assert_close(new.k_proj.weight[:2 * D], pooled(w[E:2 * E]))
+    torch.testing.assert_close(new.v_proj.weight, pooled(w[2 * E:]))
+    with torch.no_grad():
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+        out = layer(torch.randn(2, 5, E), src_mask=causal, is_causal=True)
+    assert out.shape == (2, 5, E) and out.isfinite().all()
+
+
+@pytest.mark.parametrize("keys", ["separate", "shifted"])
+def test_swap_from_gqa_keeps_its_grouped_keys_and_values_exactly(keys):
+    """A GQA layer's key/value heads are copies per group, so the mean of each group is the GQA head itself: the
+    converted first key component (the one key of shifted keys) and the values equal the source's."""
+    import mgk
+
+    torch.manual_seed(5)
+    source = build_attention("gqa", E, 4, head_dim=D, num_kv_heads=2).eval()
+    new = mgk.swap_attention(source, "gmgk", num_kv_heads=2, keys=keys)
+    assert new.conversion["rule"] == "same"
+    torch.testing.assert_close(new.k_proj.weight[:2 * D], source.k_proj.weight)
+    torch.testing.assert_close(new.k_proj.bias[:2 * D], source.k_proj.bias)
+    for name in ("q_proj", "v_proj", "out_proj"):
+        torch.testing.assert_close(getattr(new, name).weight, getattr(source, name).weight)
+    torch.testing.assert_close(torch.softmax(new.pi_logits, dim=1), torch.full((2, 2), 0.5))
+    # and back: gmgk reads as the multi-head layer it computes (each group's first key repeated), so -> gqa is exact
+    back = mgk.swap_attention(new, "gqa", num_kv_heads=2)
+    torch.testing.assert_close(back.k_proj.weight, source.k_proj.weight)
+    torch.testing.assert_close(back.v_proj.weight, source.v_proj.weight)
+
+
+def test_swap_merging_heads_into_components_pools_each_component_over_the_group():
+    """8 heads -> 4 heads of 2 components (the merge rule), in 2 groups: each component's key projection is the
+    mean over the group's heads of the merged one (component-major rows)."""
+    import mgk
+    from mgk.attention.regroup import merge_heads
+
+    torch.manual_seed(6)
+    layer = torch.nn.TransformerEncoderLayer(2 * E, 8, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    attn = layer.self_attn
+    w, b = attn.in_proj_weight.detach().clone(), attn.in_proj_bias.detach().clone()
+    mgk.swap_attention(layer, "gmgk", num_heads=4, num_kv_heads=2)
+    new = layer.self_attn
+    assert new.conversion["rule"] == "merge"
+    source = {f"{p}.{n}": t[i * 2 * E:(i + 1) * 2 * E] for i, p in enumerate(("q_proj", "k_proj", "v_proj"))
+              for n, t in (("weight", w), ("bias", b))}
+    source.update({"out_proj.weight": attn.out_proj.weight.detach(), "out_proj.bias": attn.out_proj.bias.detach()})
+    merged = merge_heads(source, new.conversion["groups"], D)
+    want = merged["k_proj.weight"].reshape(2, 2, 2, D, 2 * E).mean(dim=2).reshape(2 * 2 * D, 2 * E)
+    torch.testing.assert_close(new.k_proj.weight, want)
