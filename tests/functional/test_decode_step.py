@@ -1,8 +1,9 @@
-"""The fused decoding step (mgk_cache_step, csrc/mixture_decode.cpp ``decode_step``): the new tokens' entries
-written into a static cache and attended in one call, against the float64 formula (reference.py) of the uncached
-keys, and its kernel against its own explicit form (the composition it replaces): every buffer slot equal, the
-slots outside the new ones untouched, padding in the cache, sMGK, Hard-E, unequal per-head variances, per-token
-priors, vector tails, up to 16 new queries and the thread pool; then the inputs it must refuse in one line (issue 34).
+"""The decoding step (mgk_cache_step): the new tokens' entries, made by the one formula, written into a static
+cache and attended (by the C++ kernel, csrc/mixture_decode.cpp, or the GEMMs), against the float64 formula
+(reference.py) of the uncached keys, and its kernel against its own explicit form (the composition it replaces):
+every buffer slot equal, the slots outside the new ones untouched, padding in the cache, sMGK, Hard-E, unequal
+per-head variances, per-token priors, vector tails, up to 16 new queries and the thread pool; then the inputs it
+must refuse in one line (issue 34).
 """
 from __future__ import annotations
 
@@ -289,9 +290,9 @@ def test_a_slot_tensor_writes_and_attends_as_the_int_slot(backend, shifted, mixt
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
 def test_a_traced_step_at_a_slot_tensor_keeps_the_kernel_as_one_op(compile_backend, small_bytes, op, kernel,
                                                                     monkeypatch):
-    """Under torch.compile the kernel runs as the custom op mgk::cache_step_at (its buffers mutated in place) for
-    caches of at least TRACED_EXPLICIT_BYTES of keys, the explicit composition below: the output and buffers equal
-    eager's either way, and the traced graph holds the op exactly when it should."""
+    """Under torch.compile the kernel runs as the custom op mgk::cache_step_at (writing the entries made before it
+    in the graph) for caches of at least TRACED_EXPLICIT_BYTES of keys, the explicit composition below: the output
+    and buffers equal eager's either way, and the traced graph holds the op exactly when it should."""
     from mgk.functional import mgk_cache as module
 
     monkeypatch.setattr(module, "TRACED_EXPLICIT_BYTES", small_bytes)

@@ -149,13 +149,14 @@ def key_bias(k: Tensor, s2: Tensor, log_pi: Tensor | None = None, *, shifts: Ten
     unshifted key (B, H, S, D), for which the bias holds the part of ``|k_j - mu_r|^2`` that depends on the key,
     ``|k_j|^2 - 2 k_j . mu_r`` (the ``|mu_r|^2`` term is per component and goes with the query's terms).
     s2: (H', M) variances. log_pi: broadcastable to (B, H, M, S), or None for no prior (Hard-E)."""
+    inv = per_component(s2, 1).reciprocal()
     if shifts is None:
-        squared = (k * k).sum(-1)
+        squared = torch.linalg.vecdot(k, k)
     else:
         mu = shifts.to(k.dtype).transpose(0, 1)  # (H, M, D)
-        squared = (k * k).sum(-1).unsqueeze(2) - 2.0 * (mu @ k.transpose(-1, -2))
-    bias = -squared * (0.5 / per_component(s2, 1))
-    return bias if log_pi is None else bias + log_pi
+        squared = torch.sub(torch.linalg.vecdot(k, k).unsqueeze(2), mu @ k.transpose(-1, -2), alpha=2.0)
+    # few operators: a decoding step makes its entries with this at every token, where each call's overhead counts
+    return squared * (inv * -0.5) if log_pi is None else torch.addcmul(log_pi, squared, inv, value=-0.5)
 
 
 def row_bias(q: Tensor, s2: Tensor) -> Tensor:
@@ -165,7 +166,7 @@ def row_bias(q: Tensor, s2: Tensor) -> Tensor:
 
 def scaled_keys(k: Tensor, s2: Tensor) -> Tensor:
     """``k_jr / sigma_r^2`` for k (B, H, M, S, D) and s2 (H', M)."""
-    return k * (1.0 / per_component(s2, 1, 1))
+    return k * per_component(s2, 1, 1).reciprocal()
 
 
 def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:

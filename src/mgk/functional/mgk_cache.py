@@ -22,8 +22,6 @@ Hard-E (mixture="max") takes the best component instead of the log-sum-exp and s
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -88,11 +86,21 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     with torch.no_grad(), full_precision(key.device):
         c = check_centre(centre, B, H, D, dt, key.device)
         s2 = mixture_terms.variances(sigma2, H, M, D, dt, key.device)
-        k = key.detach().to(dt) - (c.unsqueeze(2) if shifted else c[:, :, None, None])
         prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
-        if shifted:
-            return k, key_bias(k, s2, prior, shifts=shifts.detach().to(dt))
-        return mixture_terms.scaled_keys(k, s2), key_bias(k, s2, prior)
+        return _entries(key.detach().to(dt), c, s2, prior, shifts)
+
+
+def _entries(key: Tensor, c: Tensor, s2: Tensor, prior: Tensor | None, shifts: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The entries' formula, the one place a cache's keys and ``b_jr`` are made (:func:`mgk_cache_entries` after its
+    checks, and every step, whose kernel only reads them): key (B, H, M, L, D), or sMGK's (B, H, L, D), centred on c
+    (B, H, D), then :func:`._mixture_terms.scaled_keys` and :func:`._mixture_terms.key_bias` with variances s2
+    (H', M) and log prior ``prior`` (None: Hard-E). Operands in one dtype; the caller holds no_grad."""
+    B, H, D = c.shape
+    if shifts is not None:
+        k = key - c.view(B, H, 1, D)
+        return k, key_bias(k, s2, prior, shifts=shifts.detach())
+    k = key - c.view(B, H, 1, 1, D)
+    return mixture_terms.scaled_keys(k, s2), key_bias(k, s2, prior)
 
 
 def mgk_cache_centre(query: Tensor, centre: Tensor | None, *, key_valid: Tensor,
@@ -261,33 +269,42 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size, backend=backend,
                     backends=DECODE_BACKENDS)
     B, H, L, S, M, D, shifts, mask = _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask)
-    out_dtype = query.dtype
     dt = compute_dtype(query, keys, value)
     with full_precision(query.device):
         c = check_centre(centre, B, H, D, dt, query.device)
         s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
-        q = query.to(dt) - c.unsqueeze(2)
-        kc, kb, v = keys.to(dt), key_bias.to(dt), value.to(dt)
-        scale, rowbias = _query_terms(q, s2, shifts)
-        # the kernel has no backward: any operand in a graph (sigma2 and shifts reach it through scale and rowbias)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, kc, kb, v, scale, rowbias))
-        kernel_unserved = _mixture_decode.unserved(q, v, mask, dropout_p, needs_grad)
-        name = pick(backend, DECODE_BACKENDS, lambda b, _: kernel_unserved if b == "kernel" else None)
-        if name == "kernel":
-            out = _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
-                                                 is_causal=is_causal, hard=mixture == "max")
-            return out.to(out_dtype)
-        mask, empty = _inert(mask, kb, mixture, is_causal, L, S)
-        outs = []
-        for a, b in _chunks(L, chunk_size):
-            rows = _rows(mask, a, b)
-            terms = None if rowbias is None else rowbias[..., a:b]
-            out = _attend(_scores(q[:, :, a:b], kc, kb, scale, terms), v, rows, mixture, dropout_p)
-            outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
+        out = _cached_output(query.to(dt) - c.unsqueeze(2), keys.to(dt), key_bias.to(dt), value.to(dt), s2, shifts,
+                             mask, mixture, is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size,
+                             backend=backend)
+    return out.to(query.dtype)
+
+
+def _cached_output(q, kc, kb, v, s2, shifts, mask, mixture, *, is_causal: bool, dropout_p: float = 0.0,
+                   chunk_size: int = 512, backend: str | None = None) -> Tensor:
+    """:func:`mgk_attention_cached` after its checks: centred queries q (B, H, L, D) over cached entries kc, kb and
+    values v (one compute dtype) with variances s2 (H', M); the C++ kernel where it serves, else the explicit GEMMs.
+    Returns (B, H, L, Dv) in q's dtype."""
+    B, H, L, _ = q.shape
+    S = kb.shape[-1]
+    scale, rowbias = _query_terms(q, s2, shifts)
+    # the kernel has no backward: any operand in a graph (sigma2 and shifts reach it through scale and rowbias)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, kc, kb, v, scale, rowbias))
+    kernel_unserved = _mixture_decode.unserved(q, v, mask, dropout_p, needs_grad)
+    name = pick(backend, DECODE_BACKENDS, lambda b, _: kernel_unserved if b == "kernel" else None)
+    if name == "kernel":
+        return _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
+                                              is_causal=is_causal, hard=mixture == "max")
+    mask, empty = _inert(mask, kb, mixture, is_causal, L, S)
+    outs = []
+    for a, b in _chunks(L, chunk_size):
+        rows = _rows(mask, a, b)
+        terms = None if rowbias is None else rowbias[..., a:b]
+        out = _attend(_scores(q[:, :, a:b], kc, kb, scale, terms), v, rows, mixture, dropout_p)
+        outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
     if not outs:  # no new query (an empty chunk): nothing to attend from
-        return query.new_zeros(B, H, 0, value.shape[-1], dtype=out_dtype)
-    return torch.cat(outs, dim=2).to(out_dtype)
+        return q.new_zeros(B, H, 0, v.shape[-1])
+    return torch.cat(outs, dim=2)
 
 
 def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
@@ -297,12 +314,13 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
     """A whole decoding step over a preallocated (static) cache: the L new tokens' entries written into the cache's
     buffers at slots ``[slot, slot + L)``, then the new queries attended over slots ``[0, slot + L)`` causally.
 
-    The reference is the composition it replaces, which the "explicit" backend runs:
-    ``mgk_cache_entries(key, ...)`` copied into the buffers, then :func:`mgk_attention_cached` over the filled
-    slots. The "kernel" backend (our C++ CPU kernel, ``csrc/mixture_decode.cpp``) does both in one call: one
-    pass per (row, head) that computes the entries, writes them and reads the cache in place, with no other
-    PyTorch operator (a step of separate operators costs about thirty small calls per layer, which at batch 1 and
-    short contexts cost more than the attention itself: issue 34).
+    It is the composition ``mgk_cache_entries(key, ...)`` copied into the buffers, then :func:`mgk_attention_cached`
+    over the filled slots, with the checks and the shared terms (centre, variances, prior) made once. The entries
+    always come from the one formula (:func:`._mixture_terms.key_bias`, in PyTorch); the backend chooses who writes
+    them and attends: "kernel" (our C++ CPU kernel, ``csrc/mixture_decode.cpp``: one call that copies them into the
+    buffers, makes the query's own terms and reads the cache in place, saving a step's small PyTorch calls, which
+    at batch 1 cost more than the attention itself) or "explicit" (``copy_``, or ``index_copy_`` at a slot tensor,
+    then GEMMs).
 
     Args:
         query: (B, H, L, D) the new queries (uncentred).
@@ -310,7 +328,7 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
             (B, H, L, D) (sMGK).
         value: (B, H, L, Dv) the new values.
         keys, key_bias, values: the cache's buffers, (B, H, M, T, D) (or (B, H, T, D) with shifts),
-            (B, H, M, T) and (B, H, T, Dv), of one dtype, with T >= slot + L; written in place at the new slots.
+            (B, H, M, T) and (B, H, T, Dv), with T >= slot + L; written in place at the new slots.
         slot: the first slot of the new tokens (the slots before it hold earlier entries made with ``centre``); or
             a (1,) int64 tensor holding it (a cache of fixed capacity,
             :meth:`mgk.attention.cache.LayerCache.fix_capacity`, whose step torch.compile traces): then
@@ -327,31 +345,86 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
     Returns:
         (B, H, L, Dv) in the buffers' dtype; equals :func:`mgk_attention_cached` after the composition above.
     Raises:
-        ValueError naming the argument for wrong shapes, dtypes, slots or options; BackendError (a ValueError)
-        naming why a backend asked for cannot serve.
+        ValueError naming the argument for wrong shapes, dtypes, slots or options (before anything is written);
+        BackendError (a ValueError) naming why a backend asked for cannot serve.
     """
     check_mixture_args(mixture, log_pi)
     if backend is not None and backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be None or one of {DECODE_BACKENDS}, got {backend!r}")
+    M = _check_step_call(query, key, value, keys, key_bias, values, shifts)
+    B, L, T = query.shape[0], query.shape[2], values.shape[2]
+    at_slot = isinstance(slot, Tensor)
+    S, mask = _check_slot_args(slot, key_valid, B, L, T)
+    dt = compute_dtype(query, key, value, keys)
+    with full_precision(query.device):
+        c, s2, prior = _step_terms(query, M, centre, log_pi, sigma2, mixture, dt)
+        kernel = _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, backend, at_slot)
+        with torch.no_grad():  # the entries hold no graph (a cache is for inference)
+            new_keys, new_bias = _entries(_as(key, dt), c, s2, prior, shifts)
+        if kernel:
+            args = _kernel_args(query, new_keys, new_bias, value, keys, key_bias, values, c, s2, shifts, key_valid)
+            if at_slot:
+                return _step_at_op(*args, slot, mixture == "max")
+            try:
+                return _mixture_flash._module.decode_step(*args, slot, mixture == "max")
+            except (RuntimeError, TypeError) as exc:  # the kernel's own bounds checks, in one line
+                raise ValueError(str(exc).splitlines()[0]) from None
+        _write(new_keys, new_bias, value, keys, key_bias, values, slot)
+        out = _cached_output(_as(query, dt) - c.view(B, c.shape[1], 1, c.shape[2]), _as(keys.narrow(-2, 0, S), dt),
+                             _as(key_bias.narrow(-1, 0, S), dt), _as(values.narrow(2, 0, S), dt), s2, shifts, mask,
+                             mixture, is_causal=True, backend="explicit")
+    return _as(out, keys.dtype)
+
+
+@torch.no_grad()
+def _write(new_keys, new_bias, value, keys, key_bias, values, slot) -> None:
+    """The explicit step's writes: the new entries and values into the buffers at ``slot`` (an int: ``copy_`` into
+    the slots from it; a (1,) slot tensor: ``index_copy_``, which a traced step keeps in its graph)."""
     if isinstance(slot, Tensor):
-        return _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
-                        mixture, backend)
-    if backend != "explicit":
-        why = _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, centre, sigma2, log_pi,
-                             shifts)
-        if why is None:
-            return _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2,
-                                shifts, mixture)
-        if backend is not None:
-            pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
-    return _explicit_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
-                          mixture)
+        keys.index_copy_(keys.dim() - 2, slot, _as(new_keys, keys.dtype))
+        key_bias.index_copy_(3, slot, _as(new_bias, key_bias.dtype))
+        values.index_copy_(2, slot, _as(value, values.dtype))
+        return
+    L = value.shape[2]
+    keys.narrow(-2, slot, L).copy_(new_keys)
+    key_bias.narrow(-1, slot, L).copy_(new_bias)
+    values.narrow(2, slot, L).copy_(value)
 
 
-def _explicit_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
-                   mixture):
-    """:func:`mgk_cache_step`'s explicit composition: the checks, the entries' formula, a copy into the buffers and
-    the cached step."""
+def _check_slot_args(slot, key_valid, B: int, L: int, T: int) -> tuple[int, Tensor | None]:
+    """The slot and key_valid of a step (ValueError naming them); returns the slots the step reads, S, and the
+    key-padding mask (B, 1, 1, S) or None: ``[0, slot + L)`` for an int slot, every slot for a slot tensor."""
+    if isinstance(slot, Tensor):
+        _check_slot_tensor(slot, L, T, key_valid, B)
+        return T, key_valid[:, None, None, :]
+    _check_slot(slot, L, T)
+    S = slot + L
+    if key_valid is not None and (not isinstance(key_valid, Tensor) or key_valid.dtype != torch.bool
+                                  or tuple(key_valid.shape) != (B, S)):
+        what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
+        raise ValueError(f"key_valid must be a bool tensor (B, slot + L) = ({B}, {S}), got {what}")
+    return S, None if key_valid is None else key_valid[:, None, None, :]
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in ``dtype`` (itself when it is already: a step skips the call, whose overhead counts at every token)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
+def _step_terms(query, M: int, centre, log_pi, sigma2, mixture, dt):
+    """The checked terms a step shares between its entries and its attention: the centre (B, H, D), the variances
+    (H', M) and the new tokens' log prior (None for Hard-E), in ``dt``."""
+    B, H, L, D = query.shape
+    c = check_centre(centre, B, H, D, dt, query.device)
+    s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
+    check_log_pi(log_pi, (B, H, M, L), "(B, H, M, L)")
+    prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, query.device)
+    return c, s2, prior
+
+
+def _check_step_call(query, key, value, keys, key_bias, values, shifts) -> int:
+    """:func:`mgk_cache_step`'s operands: ranks, sizes against each other, the shifts, buffers that own their memory
+    (written in place). ValueError naming the argument; returns M."""
     shifted = shifts is not None
     check_tensor(query, "query", 4, "(B, H, L, D)")
     check_tensor(key, "key", 4 if shifted else 5, "(B, H, L, D) with shifts" if shifted else "(B, H, M, L, D)")
@@ -360,28 +433,12 @@ def _explicit_step(query, key, value, keys, key_bias, values, slot, centre, key_
     check_tensor(key_bias, "key_bias", 4, "(B, H, M, T)")
     check_tensor(values, "values", 4, "(B, H, T, Dv)")
     M = _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
-    L, T = query.shape[2], values.shape[2]
-    _check_slot(slot, L, T)
-    S = slot + L
-    check_shifts(shifts, M, query.shape[1], query.shape[3])  # before anything is written
+    check_shifts(shifts, M, query.shape[1], query.shape[3])
     for name, buf in (("keys", keys), ("key_bias", key_bias), ("values", values)):
         if any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
             raise ValueError(f"{name} must be a buffer that owns its memory (written in place), not an expanded "
                              f"view (stride 0 in {tuple(buf.stride())})")
-    if key_valid is not None and (not isinstance(key_valid, Tensor) or key_valid.dtype != torch.bool
-                                  or tuple(key_valid.shape) != (query.shape[0], S)):
-        what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
-        raise ValueError(f"key_valid must be a bool tensor (B, slot + L) = ({query.shape[0]}, {S}), got {what}")
-    mask = None if key_valid is None else key_valid[:, None, None, :]
-    new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2, mixture=mixture,
-                                           shifts=shifts)
-    with torch.no_grad():
-        keys.narrow(-2, slot, L).copy_(new_keys)
-        key_bias.narrow(-1, slot, L).copy_(new_bias)
-        values.narrow(2, slot, L).copy_(value.detach())
-    return mgk_attention_cached(query, keys.narrow(-2, 0, S), key_bias.narrow(-1, 0, S), values.narrow(2, 0, S),
-                                centre=centre, sigma2=sigma2, shifts=shifts, mixture=mixture, attn_mask=mask,
-                                is_causal=True, backend="explicit").to(keys.dtype)
+    return M
 
 
 def _check_slot(slot, L: int, T: int) -> None:
@@ -390,104 +447,20 @@ def _check_slot(slot, L: int, T: int) -> None:
                          f"new tokens, got {slot!r}")
 
 
-def _kernel_step(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts,
-                 mixture):
-    """:func:`mgk_cache_step` through the C++ kernel, which checks every size and value itself (few Python calls:
-    at batch 1 a step's Python overhead is the cost to cut)."""
-    args = _kernel_args(query, key, value, keys, key_bias, values, centre, key_valid, log_pi, sigma2, shifts, mixture)
-    try:
-        return _mixture_flash._module.decode_step(*args[:-1], slot, args[-1])
-    except (RuntimeError, TypeError) as exc:  # the kernel's own checks (TypeError: a non-tensor), in one line
-        raise ValueError(str(exc).splitlines()[0]) from None
-
-
-def _kernel_args(query, key, value, keys, key_bias, values, centre, key_valid, log_pi, sigma2, shifts, mixture):
-    """The C++ ``decode_step``'s arguments but the slot (which goes before the last, ``hard``)."""
-    B, H, L, D = query.shape
-    M, dt = key_bias.shape[2], keys.dtype
-    shifted = shifts is not None
-    if isinstance(sigma2, Tensor):
-        inv = torch.reciprocal(sigma2.detach().to(dt)).contiguous()
-    else:  # None or a number whose inverse _step_unserved found representable in dt
-        inv = torch.full((1,), 1.0 / (math.sqrt(D) if sigma2 is None else sigma2), dtype=dt)
-    lp = query.new_empty(0)
-    if log_pi is not None:
-        check_log_pi(log_pi, (B, H, M, L), "(B, H, M, L)")
-        lp = mixture_terms.log_prior(log_pi.detach(), M, dt, query.device).expand(B, H, M, L)
-    mu = query.new_empty(0) if not shifted else shifts.detach().to(dt).contiguous()
-    valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else \
-        key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
-    # the |q|^2 row term is passed whenever M > 1: exact either way (it cancels when the variances are equal), and
-    # cheaper than reading the variances back to decide
-    return (query.contiguous(), key.unsqueeze(2) if shifted else key, value, centre.detach().to(dt).contiguous(),
-            inv, lp, mu, M > 1, keys.unsqueeze(2) if shifted else keys, key_bias, values, valid, mixture == "max")
-
-
-# The kernel's step at a slot held in a tensor, as a custom op that mutates the cache's buffers: torch.compile keeps
-# it in its graph as one opaque call (the bare C++ function cannot be traced), and the slot is read on the host
-# inside it, so the traced step reads no host count and attends to the slots in use only.
-@torch.library.custom_op("mgk::cache_step_at", mutates_args=("keys", "key_bias", "values"), device_types="cpu")
-def _step_at_op(query: Tensor, key: Tensor, value: Tensor, centre: Tensor, inv: Tensor, log_prior: Tensor,
-                shifts: Tensor, qnorm: bool, keys: Tensor, key_bias: Tensor, values: Tensor, valid: Tensor,
-                slot: Tensor, hard: bool) -> Tensor:
-    t = int(slot.reshape(-1)[0])
-    used = valid if valid.numel() == 0 else valid[:, :t + query.shape[2]]
-    return _mixture_flash._module.decode_step(query, key, value, centre, inv, log_prior, shifts, qnorm, keys,
-                                              key_bias, values, used, t, hard)
-
-
-@_step_at_op.register_fake
-def _(query, key, value, centre, inv, log_prior, shifts, qnorm, keys, key_bias, values, valid, slot, hard):
-    return query.new_empty((query.shape[0], query.shape[1], query.shape[2], values.shape[-1]))
-
-
-def _step_at(query, key, value, keys, key_bias, values, slot, centre, key_valid, log_pi, sigma2, shifts, mixture,
-             backend):
-    """:func:`mgk_cache_step` at a slot tensor (a cache of fixed capacity): the custom op where the kernel serves,
-    else the explicit composition with the entries written by ``index_copy_`` and the whole buffers read with
-    ``key_valid``."""
-    if not (isinstance(slot, Tensor) and slot.dtype == torch.int64 and tuple(slot.shape) == (1,)):
+def _check_slot_tensor(slot: Tensor, L: int, T: int, key_valid, B: int) -> None:
+    """A slot tensor's rules (a cache of fixed capacity): (1,) int64, one new token, in range (read on the host
+    outside a trace), key_valid (B, T) over every slot."""
+    if not (slot.dtype == torch.int64 and tuple(slot.shape) == (1,)):
         raise ValueError(f"slot must be an int or a (1,) int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
-    B, L = query.shape[0], query.shape[2]
     if L != 1:
         raise ValueError(f"a slot tensor takes one new token a step, got L = {L}")
-    if not torch.compiler.is_compiling() and not 0 <= int(slot) <= values.shape[2] - L:
-        raise ValueError(f"slot must be in [0, T - L] = [0, {values.shape[2] - L}] (the buffers' {values.shape[2]} "
-                         f"slots, L = {L}), got {int(slot)}")
-    if not (isinstance(key_valid, Tensor) and key_valid.dtype == torch.bool
-            and tuple(key_valid.shape) == (B, values.shape[2])):
+    if not torch.compiler.is_compiling() and not 0 <= int(slot) <= T - L:
+        raise ValueError(f"slot must be in [0, T - L] = [0, {T - L}] (the buffers' {T} slots, L = {L}), got "
+                         f"{int(slot)}")
+    if not (isinstance(key_valid, Tensor) and key_valid.dtype == torch.bool and tuple(key_valid.shape) == (B, T)):
         what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
-        raise ValueError(f"key_valid must be a bool tensor (B, T) = ({B}, {values.shape[2]}) over every slot when "
-                         f"slot is a tensor, got {what}")
-    small = keys.numel() * keys.element_size() < TRACED_EXPLICIT_BYTES and torch.compiler.is_compiling()
-    if backend == "kernel" or (backend is None and not small):
-        why = _step_at_unserved(query, key, value, keys, key_bias, values, L, key_valid, centre, sigma2, log_pi,
-                                shifts)
-        if why is None:
-            args = _kernel_args(query, key, value, keys, key_bias, values, centre, key_valid, log_pi, sigma2,
-                                shifts, mixture)
-            return _step_at_op(*args[:-1], slot, args[-1])
-        if backend is not None:
-            pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
-    new_keys, new_bias = mgk_cache_entries(key, centre=centre, log_pi=log_pi, sigma2=sigma2, mixture=mixture,
-                                           shifts=shifts)
-    with torch.no_grad():
-        keys.index_copy_(keys.dim() - 2, slot, new_keys.to(keys.dtype))
-        key_bias.index_copy_(3, slot, new_bias.to(key_bias.dtype))
-        values.index_copy_(2, slot, value.detach().to(values.dtype))
-    return mgk_attention_cached(query, keys, key_bias, values, centre=centre, sigma2=sigma2, shifts=shifts,
-                                mixture=mixture, attn_mask=key_valid[:, None, None, :], is_causal=True,
-                                backend="explicit").to(keys.dtype)
-
-
-def _step_at_unserved(query, key, value, keys, key_bias, values, L, key_valid, centre, sigma2, log_pi,
-                      shifts) -> str | None:
-    """Why the custom op cannot serve a step at a slot tensor: :func:`_step_unserved`'s reasons, except that it runs
-    inside torch.compile too (as a traced op; a trace finds the kernel only if an eager call loaded it); the slot's
-    range is checked by the caller and by the kernel."""
-    probe = 0  # a slot in range for the checks that need one: the op reads the real one
-    return _step_unserved(query, key, value, keys, key_bias, values, probe, key_valid[:, :L], centre, sigma2, log_pi,
-                          shifts, traced_ok=True)
+        raise ValueError(f"key_valid must be a bool tensor (B, T) = ({B}, {T}) over every slot when slot is a "
+                         f"tensor, got {what}")
 
 
 def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) -> int:
@@ -512,49 +485,56 @@ def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) 
     return M
 
 
-def _step_unserved(query, key, value, keys, key_bias, values, slot, key_valid, centre, sigma2, log_pi,
-                   shifts, traced_ok: bool = False) -> str | None:
-    """Why the fused kernel cannot serve (None when it can): the reasons of :func:`._mixture_decode.unserved` (CPU
-    float32 / float64, at most a few queries, no gradient wanted, outside torch.compile / torch.func / dispatch
-    modes, built), one dtype for every operand (the buffers' own), last dimensions contiguous, buffers that own
-    their memory. Any argument of an unusual form (a non-tensor, another rank, a broadcast centre, an integer
-    tensor, a slot out of range, a variance whose inverse the dtype cannot hold) is left to the explicit form,
-    which takes it or names it: the kernel serves the common case only, and answers in a few comparisons."""
-    operands = (query, key, value, keys, key_bias, values)
-    if not all(isinstance(t, Tensor) for t in operands):
-        return "an operand is not a tensor"
+def _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, backend, at_slot: bool) -> bool:
+    """Whether the C++ step serves (it writes the new entries and attends in one call): not for backend="explicit";
+    BackendError naming why for backend="kernel" where it cannot. Its rules: :func:`._mixture_decode.unserved`'s,
+    one dtype for every operand (the buffers' own, read and written in place, uncast), no operand in an autograd
+    graph, and inside torch.compile, at a slot tensor (where it runs as the custom op :func:`_step_at_op`), caches of
+    at least :data:`TRACED_EXPLICIT_BYTES` of keys unless asked for: below that the explicit composition fuses with
+    the rest of the graph."""
+    if backend == "explicit":
+        return False
+    dt = keys.dtype
+    if not all(t.dtype is dt for t in (query, key, value, key_bias, values)):
+        why = f"the kernel takes one dtype: the buffers are {dt}, the new tokens' tensors must be too"
+    elif at_slot and backend is None and torch.compiler.is_compiling() \
+            and keys.numel() * keys.element_size() < TRACED_EXPLICIT_BYTES:
+        return False
+    else:
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, s2, shifts))
+        why = _mixture_decode.unserved(query, values, mask, 0.0, needs_grad, traced_ok=at_slot)
+    if why is not None and backend is not None:
+        pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
+    return why is None
+
+
+def _kernel_args(query, new_keys, new_bias, value, keys, key_bias, values, c, s2, shifts, key_valid) -> tuple:
+    """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by :func:`_entries`), the
+    centre and inverse variances for the query's own terms, the buffers. The |q|^2 row term is asked for whenever
+    M > 1: exact either way (it cancels when the variances are equal), and cheaper than reading the variances."""
     shifted = shifts is not None
-    if (query.dim(), key.dim(), value.dim(), keys.dim(), key_bias.dim(), values.dim()) != (
-            4, 4 if shifted else 5, 4, 4 if shifted else 5, 4, 4):
-        return "an operand has another rank"
-    B, H, L, D = query.shape
-    M, dt = key_bias.shape[2], keys.dtype
-    if type(slot) is not int or slot < 0 or slot + L > values.shape[2]:
-        return "slot is not an int in range"
-    if key_valid is not None and not (isinstance(key_valid, Tensor) and key_valid.dtype is torch.bool
-                                      and tuple(key_valid.shape) == (B, slot + L)):
-        return "key_valid is not a bool (B, slot + L) tensor"
-    if not (isinstance(centre, Tensor) and centre.is_floating_point() and tuple(centre.shape) == (B, H, D)):
-        return "centre is not a floating (B, H, D) tensor"
-    if shifted and not (isinstance(shifts, Tensor) and shifts.is_floating_point()
-                        and tuple(shifts.shape) == (M, H, D)):
-        return "shifts is not a floating (M, H, D) tensor"
-    if log_pi is not None and not (isinstance(log_pi, Tensor) and log_pi.is_floating_point() and log_pi.dim() <= 4):
-        return "log_pi is not a floating tensor of at most 4 dims"
-    if isinstance(sigma2, Tensor):
-        if not sigma2.is_floating_point() or sigma2.dim() > 2:
-            return "sigma2 is not a floating tensor of at most 2 dims"
-    elif sigma2 is not None:
-        if type(sigma2) not in (int, float) or not 0 < sigma2 < 2 ** 1023 or not math.isfinite(sigma2) \
-                or not 0.0 < 1.0 / sigma2 < torch.finfo(dt).max:
-            return "sigma2 is not a positive number whose inverse the dtype holds"
-    if not (query.dtype is dt and key.dtype is dt and value.dtype is dt and key_bias.dtype is dt
-            and values.dtype is dt):
-        return f"the kernel takes one dtype: the buffers are {dt}, the new tokens' tensors must be too"
-    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in operands[1:]):
-        return "an operand is not contiguous in its last dimension"
-    if any(st == 0 and n > 1 for buf in operands[3:] for st, n in zip(buf.stride(), buf.shape)):
-        return "a buffer is an expanded view"
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    # the rest is the decoding kernel's own rule (device, dtype, size, gradient, tracing; builds it on first use)
-    return _mixture_decode.unserved(query, value, None, 0.0, needs_grad, traced_ok=traced_ok)
+    M = key_bias.shape[2]
+    valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else \
+        key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
+    return (query.contiguous(), new_keys.unsqueeze(2) if shifted else new_keys, new_bias, value, c.contiguous(),
+            s2.reciprocal().contiguous(), query.new_empty(0) if not shifted else shifts.detach().contiguous(), M > 1,
+            keys.unsqueeze(2) if shifted else keys, key_bias, values, valid)
+
+
+# The C++ step at a slot held in a tensor, as a custom op that mutates the cache's buffers: torch.compile keeps it in
+# its graph as one opaque call (the bare C++ function cannot be traced), and the slot is read on the host inside it,
+# so the traced step reads no host count and attends to the slots in use only.
+@torch.library.custom_op("mgk::cache_step_at", mutates_args=("keys", "key_bias", "values"), device_types="cpu")
+def _step_at_op(query: Tensor, key: Tensor, bias: Tensor, value: Tensor, centre: Tensor, inv: Tensor,
+                shifts: Tensor, qnorm: bool, keys: Tensor, key_bias: Tensor, values: Tensor, valid: Tensor,
+                slot: Tensor, hard: bool) -> Tensor:
+    t = int(slot.reshape(-1)[0])
+    used = valid if valid.numel() == 0 else valid[:, :t + query.shape[2]]
+    return _mixture_flash._module.decode_step(query, key, bias, value, centre, inv, shifts, qnorm, keys, key_bias,
+                                              values, used, t, hard)
+
+
+@_step_at_op.register_fake
+def _(query, key, bias, value, centre, inv, shifts, qnorm, keys, key_bias, values, valid, slot, hard):
+    return query.new_empty((query.shape[0], query.shape[1], query.shape[2], values.shape[-1]))

@@ -6,10 +6,12 @@
 //
 // where the cache holds either M keys per position (MGK: k_j[r] = k~_jr / sigma_r^2, scale 1) or one (sMGK:
 // k_j[r] = k~_j for every r, scale 1 / sigma_r^2 and the shifts folded into rowbias), and bias_jr the per-key
-// scalars of mgk/functional/mgk_cache.py. The output is out_l = sum_j A_lj v_j / sum_j A_lj with
-// A_lj = sum_r exp(s_lrj - m_l) (mixture "sum", paper eq. 9) or exp(max_r s_lrj - m_l) (Hard-E), m_l the largest
-// score of row l. Masked keys (valid_bj false, or j > l + S - L under causal masking, aligned bottom-right) score
-// -inf; a row with no visible key is 0.
+// scalars. No kernel here computes a per-key term: the entries (keys and bias_jr) are made in PyTorch by the one
+// formula (mgk/functional/_mixture_terms.py, through mgk_cache.py), and the step below only copies the new ones
+// into the cache's buffers before it attends. The output is
+// out_l = sum_j A_lj v_j / sum_j A_lj with A_lj = sum_r exp(s_lrj - m_l) (mixture "sum", paper eq. 9) or
+// exp(max_r s_lrj - m_l) (Hard-E), m_l the largest score of row l. Masked keys (valid_bj false, or j > l + S - L
+// under causal masking, aligned bottom-right) score -inf; a row with no visible key is 0.
 //
 // Why a kernel of its own: a decoding step is memory-bound (each cached number is read once per step), and the
 // GEMM form (one score GEMM over M * S keys, bias add, softmax, value GEMM) makes several passes over the
@@ -24,7 +26,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -289,28 +290,27 @@ torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The whole step in one call: the L new tokens' entries computed and written into the cache's buffers at slots
-// [t, t + L), then the L new queries attended over slots [0, t + L). Per slice (b, h), with c the centre, k the
-// raw key projection of a new token (M components for MGK, the one unshifted key for sMGK) and 1/s_r the inverse
-// variance of component r (mgk/functional/mgk_cache.py, mgk_cache_entries and _query_terms):
+// The whole step in one call: the L new tokens' entries written into the cache's buffers at slots [t, t + L), then
+// the L new queries attended over slots [0, t + L). The entries (MGK: keys[r] = (k_r - c) / s_r; sMGK: keys =
+// k - c; and every bias_r) are made by the caller, in PyTorch, by the one formula (mgk_cache.py's _entries through
+// _mixture_terms.key_bias): this kernel copies them and never computes a per-key term. Per slice (b, h) it makes
+// the query's own terms, with c the centre and 1/s_r the inverse variance of component r (mgk_cache.py,
+// _query_terms):
 //
-//   MGK:  keys[r] = (k_r - c) / s_r        bias[r] = log pi_r - |k_r - c|^2 / (2 s_r)
-//   sMGK: keys    = k - c                  bias[r] = log pi_r - (|k - c|^2 - 2 (k - c) . mu_r) / (2 s_r)
 //   queries q~ = q - c; row term[r] = -(q~ . mu_r) / s_r - |mu_r|^2 / (2 s_r)   (sMGK)
 //                                      - |q~|^2 / (2 s_r)                         (when the variances differ)
 //
-// (Hard-E: no log pi.) Writing and reading in the same call saves the separate passes of the entries' formula,
-// the copy into the buffers and the query terms: about thirty small PyTorch calls per layer and step.
+// Writing and reading in the same call saves the copies into the buffers and the query terms' small PyTorch calls
+// (at batch 1 a step's per-call overhead is the cost to cut).
 namespace {
 
 template <typename T>
 struct Write {
-  const T* k; int64_t k_b, k_h, k_r, k_l;  // (B, H, Mk, L, D) raw keys, last dim contiguous
+  const T* k; int64_t k_b, k_h, k_r, k_l;  // (B, H, Mk, L, D) new key entries, last dim contiguous
+  const T* bn; int64_t bn_b, bn_h, bn_r;  // (B, H, M, L) new bias entries, last dim contiguous
   const T* vn; int64_t vn_b, vn_h, vn_l;  // (B, H, L, Dv) new values, last dim contiguous
   const T* c;  // (B, H, D) contiguous centre
   const T* inv; int64_t inv_h, inv_r;  // inverse variances at h * inv_h + r * inv_r (0 where shared)
-  T prior0;  // log pi when no log_pi is given: -log M (uniform), 0 for Hard-E
-  const T* lp; int64_t lp_b, lp_h, lp_r, lp_l;  // log pi (B, H, M, L) strided (0 for broadcast), or nullptr
   const T* mu;  // (M, H, D) contiguous shifts, or nullptr (MGK)
   bool qnorm;
   T* kb; int64_t kb_b, kb_h, kb_r, kb_j;  // key buffer (B, H, Mk, T, D)
@@ -326,30 +326,13 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
   const T* invh = w.inv + h * w.inv_h;
   auto inv = [&](int64_t r) { return invh[r * w.inv_r]; };
   for (int64_t l = 0; l < L; ++l) {
-    // the new token's entries
-    for (int64_t r = 0; r < p.Mk; ++r) {
+    for (int64_t r = 0; r < p.Mk; ++r) {  // the new token's entries, copied
       const T* k = w.k + b * w.k_b + h * w.k_h + r * w.k_r + l * w.k_l;
       T* dst = w.kb + b * w.kb_b + h * w.kb_h + r * w.kb_r + (w.t + l) * w.kb_j;
-      const T scale = w.mu ? T(1) : inv(r);
-      T norm = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        const T x = k[d] - c[d];
-        norm += x * x;
-        dst[d] = x * scale;
-      }
-      if (!w.mu) {
-        const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r * w.lp_r + l * w.lp_l] : w.prior0;
-        w.bb[b * w.bb_b + h * w.bb_h + r * w.bb_r + w.t + l] = prior - norm * inv(r) * T(0.5);
-      } else {
-        for (int64_t r2 = 0; r2 < M; ++r2) {
-          const T* mu = w.mu + (r2 * p.H + h) * D;
-          T cross = 0;
-          for (int64_t d = 0; d < D; ++d) cross += dst[d] * mu[d];
-          const T prior = w.lp ? w.lp[b * w.lp_b + h * w.lp_h + r2 * w.lp_r + l * w.lp_l] : w.prior0;
-          w.bb[b * w.bb_b + h * w.bb_h + r2 * w.bb_r + w.t + l] = prior - (norm - T(2) * cross) * inv(r2) * T(0.5);
-        }
-      }
+      for (int64_t d = 0; d < D; ++d) dst[d] = k[d];
     }
+    for (int64_t r = 0; r < M; ++r)
+      w.bb[b * w.bb_b + h * w.bb_h + r * w.bb_r + w.t + l] = w.bn[b * w.bn_b + h * w.bn_h + r * w.bn_r + l];
     const T* vn = w.vn + b * w.vn_b + h * w.vn_h + l * w.vn_l;
     T* vd = w.vb + b * w.vb_b + h * w.vb_h + (w.t + l) * w.vb_j;
     for (int64_t d = 0; d < p.Dv; ++d) vd[d] = vn[d];
@@ -378,99 +361,65 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
   }
 }
 
-// "what: a_name has a but b_name has b", the message of the Python checks (mgk/functional/_checks.py check_same).
-void same(int64_t a, int64_t b, const char* a_name, const char* b_name, const char* what) {
-  TORCH_CHECK(a == b, what, ": ", a_name, " has ", a, " but ", b_name, " has ", b);
-}
-
-void rank(const torch::Tensor& t, const char* name, int64_t dim, const char* layout) {
-  TORCH_CHECK(t.dim() == dim, name, " must have shape ", layout, " (", dim, " dims), got ", t.sizes());
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
-}
-
 }  // namespace
 
-// q (B, H, L, D) contiguous, uncentred; key_new (B, H, Mk, L, D) raw keys and value_new (B, H, L, Dv) (last dims
-// contiguous); centre (B, H, D) contiguous; inv_s2 the inverse variances, one value, (M,), (1, M) or (H, M),
-// contiguous, positive and finite; log_pi broadcastable to (B, H, M, L) (expanded: strides 0 where broadcast) or
-// empty (uniform; nothing for Hard-E); shifts (M, H, D) contiguous or empty (MGK); the cache's buffers keys
-// (B, H, Mk, T, D), bias (B, H, M, T), values (B, H, T, Dv) (last dims contiguous) with room for slots [t, t + L);
-// valid (B, t + L) bool or empty. -> (B, H, L, Dv). A wrong operand is an error naming it (a ValueError in Python).
-torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor value_new,
-                                  torch::Tensor centre, torch::Tensor inv_s2, torch::Tensor log_pi,
+// q (B, H, L, D) contiguous, uncentred; key_new (B, H, Mk, L, D) and bias_new (B, H, M, L) the new tokens' entries
+// (mgk_cache.py's _entries) and value_new (B, H, L, Dv), last dims contiguous; centre (B, H, D) contiguous; inv_s2
+// the inverse variances, one value, (M,) or (H, M), contiguous; shifts (M, H, D) contiguous or empty (MGK); the
+// cache's buffers keys (B, H, Mk, T, D), bias (B, H, M, T), values (B, H, T, Dv) (last dims contiguous) with room
+// for slots [t, t + L); valid (B, t + L) bool or empty; one dtype. The caller (mgk_cache_step) has checked every
+// operand and names a wrong one; the checks here only keep the kernel's memory accesses in bounds.
+// -> (B, H, L, Dv).
+torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor bias_new,
+                                  torch::Tensor value_new, torch::Tensor centre, torch::Tensor inv_s2,
                                   torch::Tensor shifts, bool qnorm, torch::Tensor keys_buf, torch::Tensor bias_buf,
                                   torch::Tensor values_buf, torch::Tensor valid, int64_t t, bool hard) {
-  const bool shifted = shifts.numel() > 0, has_lp = log_pi.numel() > 0, has_valid = valid.numel() > 0;
-  rank(q, "query", 4, "(B, H, L, D)");
-  TORCH_CHECK(q.is_contiguous(), "query must be contiguous");
-  rank(key_new, "key", 5, shifted ? "(B, H, L, D) with shifts" : "(B, H, M, L, D)");
-  rank(value_new, "value", 4, "(B, H, L, Dv)");
-  rank(keys_buf, "keys", 5, shifted ? "(B, H, T, D) with shifts" : "(B, H, M, T, D)");
-  rank(bias_buf, "key_bias", 4, "(B, H, M, T)");
-  rank(values_buf, "values", 4, "(B, H, T, Dv)");
+  const bool shifted = shifts.numel() > 0, has_valid = valid.numel() > 0;
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "query must be a contiguous (B, H, L, D) tensor");
+  check_rows(key_new, "key", 5);
+  check_rows(bias_new, "key_bias entries", 4);
+  check_rows(value_new, "value", 4);
+  check_rows(keys_buf, "keys", 5);
+  check_rows(bias_buf, "key_bias", 4);
+  check_rows(values_buf, "values", 4);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t M = bias_buf.size(2), Mk = keys_buf.size(2), cap = keys_buf.size(3), Dv = values_buf.size(3);
-  const std::pair<const char*, const torch::Tensor*> operands[] = {
-      {"key", &key_new}, {"value", &value_new}, {"keys", &keys_buf}, {"key_bias", &bias_buf},
-      {"values", &values_buf}};
-  for (const auto& [name, x] : operands) {
-    same(B, x->size(0), "query", name, "batch size");
-    same(H, x->size(1), "query", name, "number of heads");
-    TORCH_CHECK(x->scalar_type() == q.scalar_type(), name, " has dtype ", x->scalar_type(), " but query has ",
-                q.scalar_type());
-  }
-  same(L, key_new.size(3), "query", "key", "new tokens L");
-  same(L, value_new.size(2), "query", "value", "new tokens L");
-  same(D, key_new.size(4), "query", "key", "head_dim");
-  same(D, keys_buf.size(4), "query", "keys", "head_dim");
-  same(value_new.size(3), Dv, "value", "values", "value size Dv");
-  same(cap, bias_buf.size(3), "keys", "key_bias", "slots T");
-  same(cap, values_buf.size(2), "keys", "values", "slots T");
-  if (!shifted) {
-    same(key_new.size(2), M, "key", "key_bias", "mixture components M");
-    same(Mk, M, "keys", "key_bias", "mixture components M");
-  }
-  TORCH_CHECK(M >= 1, "key_bias must hold at least one mixture component (M >= 1), got M = 0");
+  for (const auto* x : {&key_new, &bias_new, &value_new, &keys_buf, &bias_buf, &values_buf})
+    TORCH_CHECK(x->size(0) == B && x->size(1) == H && x->scalar_type() == q.scalar_type(),
+                "every operand of the step must have query's batch size, heads and dtype");
+  TORCH_CHECK(key_new.size(2) == Mk && key_new.size(3) == L && key_new.size(4) == D && keys_buf.size(4) == D &&
+              bias_new.size(2) == M && bias_new.size(3) == L && value_new.size(2) == L &&
+              value_new.size(3) == Dv && bias_buf.size(3) == cap && values_buf.size(2) == cap &&
+              (Mk == M || Mk == 1) && M >= 1, "the step's operands do not match each other");
   const int64_t S = t + L;
-  TORCH_CHECK(t >= 0 && S <= cap, "slot must be an int with 0 <= slot and slot + L <= T (the buffers' ", cap,
-              " slots) for L = ", L, " new tokens, got ", t);
+  TORCH_CHECK(t >= 0 && S <= cap, "slot must be in [0, T - L] = [0, ", cap - L, "], got ", t);
   TORCH_CHECK(centre.dim() == 3 && centre.size(0) == B && centre.size(1) == H && centre.size(2) == D &&
               centre.is_contiguous() && centre.scalar_type() == q.scalar_type(),
-              "centre must be a contiguous (B, H, D) = (", B, ", ", H, ", ", D, ") tensor of query's dtype, got ",
-              centre.sizes());
+              "centre must be a contiguous (B, H, D) tensor of query's dtype");
   const int64_t nv = inv_s2.numel();
   const bool per_head = inv_s2.dim() == 2 && inv_s2.size(0) == H && inv_s2.size(1) == M && H > 1;
   TORCH_CHECK(inv_s2.is_contiguous() && inv_s2.scalar_type() == q.scalar_type() &&
               (nv == 1 || (nv == M && inv_s2.size(-1) == M) || per_head),
-              "sigma2 must be None, a positive float or a floating tensor of one value, shape (M,) = (", M,
-              ",) or (H, M) = (", H, ", ", M, "); got ", inv_s2.sizes());
+              "the inverse variances must be one value, (M,) or (H, M)");
   if (shifted)
     TORCH_CHECK(shifts.is_contiguous() && shifts.dim() == 3 && shifts.size(0) == M && shifts.size(1) == H &&
                 shifts.size(2) == D && shifts.scalar_type() == q.scalar_type(),
-                "shifts must be a floating tensor (M, H, D) = (", M, ", ", H, ", ", D,
-                ") of the components' offsets mu_r (sMGK's k_r = k - mu_r), got ", shifts.sizes());
-  if (has_lp)
-    TORCH_CHECK(log_pi.dim() == 4 && log_pi.size(0) == B && log_pi.size(1) == H && log_pi.size(2) == M &&
-                log_pi.size(3) == L && log_pi.scalar_type() == q.scalar_type(),
-                "log_pi must broadcast to (B, H, M, L) = (", B, ", ", H, ", ", M, ", ", L, "), got ", log_pi.sizes());
+                "shifts must be a contiguous (M, H, D) tensor of query's dtype");
   if (has_valid) {
     check_rows(valid, "key_valid", 2);
     TORCH_CHECK(valid.scalar_type() == at::kBool && valid.size(0) == B && valid.size(1) == S,
-                "key_valid must be a bool tensor (B, slot + L) = (", B, ", ", S, ")");
+                "key_valid must be a bool tensor (B, slot + L)");
   }
   auto out = torch::empty({B, H, L, Dv}, q.options());
   if (B * H * L == 0) return out;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_decode_step", [&] {
     using T = scalar_t;
     const T* inv = inv_s2.data_ptr<T>();
-    for (int64_t i = 0; i < nv; ++i)
-      TORCH_CHECK(inv[i] > T(0) && std::isfinite(inv[i]),
-                  "sigma2 must be positive and finite; got a variance whose inverse is ", static_cast<double>(inv[i]));
     auto kb = keys_buf.narrow(3, 0, S), bb = bias_buf.narrow(3, 0, S), vb = values_buf.narrow(2, 0, S);
     Step<T> p{B, H, L, S, D, Dv, M, Mk,
               q.data_ptr<T>(),
               kb.data_ptr<T>(), kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
-              nullptr,  // MGK's keys are scaled when written; sMGK's scale comes below
+              nullptr,  // MGK's keys are scaled when made; sMGK's scale comes below
               bb.data_ptr<T>(), bb.stride(0), bb.stride(1), bb.stride(2),
               nullptr,
               vb.data_ptr<T>(), vb.stride(0), vb.stride(1), vb.stride(2),
@@ -486,12 +435,9 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
       p.scale = scale.data();
     }
     Write<T> w{key_new.data_ptr<T>(), key_new.stride(0), key_new.stride(1), key_new.stride(2), key_new.stride(3),
+               bias_new.data_ptr<T>(), bias_new.stride(0), bias_new.stride(1), bias_new.stride(2),
                value_new.data_ptr<T>(), value_new.stride(0), value_new.stride(1), value_new.stride(2),
                centre.data_ptr<T>(), inv, per_head ? M : 0, nv == 1 ? 0 : 1,
-               hard ? T(0) : -static_cast<T>(std::log(static_cast<double>(M))),
-               has_lp ? log_pi.data_ptr<T>() : nullptr,
-               has_lp ? log_pi.stride(0) : 0, has_lp ? log_pi.stride(1) : 0, has_lp ? log_pi.stride(2) : 0,
-               has_lp ? log_pi.stride(3) : 0,
                shifted ? shifts.data_ptr<T>() : nullptr, qnorm,
                kb.data_ptr<T>(), kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
                bb.data_ptr<T>(), bb.stride(0), bb.stride(1), bb.stride(2),

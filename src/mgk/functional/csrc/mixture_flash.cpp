@@ -838,8 +838,8 @@ torch::Tensor mixture_dropout_mask(int64_t BH, int64_t L, int64_t S, double drop
 torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor scale, torch::Tensor bias,
                              torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard);
 
-torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor value_new,
-                                  torch::Tensor centre, torch::Tensor inv_s2, torch::Tensor log_pi,
+torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor bias_new,
+                                  torch::Tensor value_new, torch::Tensor centre, torch::Tensor inv_s2,
                                   torch::Tensor shifts, bool qnorm, torch::Tensor keys_buf, torch::Tensor bias_buf,
                                   torch::Tensor values_buf, torch::Tensor valid, int64_t t, bool hard);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -848,5 +848,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &mixture_flash_backward, "MGK mixture flash backward (CPU)");
   m.def("responsibilities", &mixture_responsibilities, "Soft-E E-step statistics (CPU)");
   m.def("decode", &mixture_decode, "MGK decoding step over a cache read in place (CPU)");
-  m.def("decode_step", &mixture_decode_step, "MGK decoding step: write the new entries, then attend (CPU)");
+  m.def("decode_step", &mixture_decode_step, "MGK decoding step: write the given new entries, then attend (CPU)");
 }
