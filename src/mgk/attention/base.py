@@ -157,6 +157,12 @@ class AttentionBase(nn.Module, abc.ABC):
         without a decoding cache (a subclass outside mgk) raises ValueError."""
         raise ValueError(f"{type(self).__name__} has no decoding cache: call it without past_key_values")
 
+    def cache_ready_to_fix(self, cache: LayerCache) -> bool:
+        """Whether ``cache`` (this layer's) may now be fixed at a capacity (:meth:`LayerCache.fix_capacity`, the
+        static cache a compiled step runs over): once it has had its first call (the prefill). A kind whose state
+        settles later overrides it (MGK: once its centre is settled)."""
+        return cache.seen is not None
+
     def _values(self, value: Tensor) -> Tensor:
         """Project value inputs (B, S, vdim) to (B, H', S, Dv), H' = :attr:`kv_heads`."""
         return self._split(self.v_proj(value), self.kv_heads)

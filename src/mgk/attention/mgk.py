@@ -204,6 +204,11 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         one is refused by the other."""
         return f"{type(self).__name__} ({self.keys} keys)"
 
+    def cache_ready_to_fix(self, cache: LayerCache) -> bool:
+        """MGK's cache may be fixed once its centre is settled: every row has seen two real tokens
+        (:class:`_CachedCentre`; a step over a fixed capacity cannot remake a provisional row's entries)."""
+        return cache.extra.get("provisional") is False
+
     def cache_cropped(self, cache: LayerCache) -> None:
         """The centre protocol after :meth:`LayerCache.crop` cut this layer's ``cache`` (which calls it):
         :meth:`_CachedCentre.cropped`."""

@@ -59,19 +59,23 @@ class CompiledStep:
 
     Args:
         model: a :class:`~mgk.models.TransformerLM` in eval mode.
-        cache: its :class:`~mgk.attention.cache.DecodingCache` after the prefill; every layer must hold a settled
-            state (each row has seen two real tokens: MGK's centre is then fixed).
+        cache: its :class:`~mgk.attention.cache.DecodingCache` after the prefill; every layer's kind must let its
+            cache be fixed (its module's ``cache_ready_to_fix``: MGK once each row has seen two real tokens).
         capacity: the tokens every layer's cache will reach (the tokens seen plus the steps to come).
         backend: a torch.compile backend (:func:`check_compile`).
     Calling it with the new tokens (B, 1) int64 returns their next-token log-probabilities (B, V), equal to
     ``model.next_log_probs(tokens, past_key_values=cache)`` up to the compiler's rounding.
     Raises:
-        ValueError naming ``capacity`` when it cannot hold the tokens seen, and in a call when the capacity is used
-        up; :class:`CompileError` (a RuntimeError) in one line when torch.compile fails (e.g. inductor finds no
-        C++ compiler).
+        ValueError naming ``capacity`` when it cannot hold the tokens seen, naming ``cache`` when a layer's kind does
+        not let it be fixed yet, and in a call when the capacity is used up; :class:`CompileError` (a RuntimeError)
+        in one line when torch.compile fails (e.g. inductor finds no C++ compiler).
     """
 
     def __init__(self, model, cache: DecodingCache, capacity: int, backend: str = "inductor"):
+        for i, (block, layer) in enumerate(zip(model.blocks, cache)):
+            if not block.attn.cache_ready_to_fix(layer):
+                raise ValueError(f"cache: layer {i}'s {type(block.attn).__name__} does not let its cache be fixed yet "
+                                 "(cache_ready_to_fix: MGK needs every row to have seen two real tokens)")
         for layer in cache:
             layer.fix_capacity(capacity)
         self.model, self.cache, self.backend = model, cache, backend

@@ -53,6 +53,12 @@ def _check_decodable(model, T: int, max_new_tokens: int, use_cache: bool) -> Non
                          "pass use_cache=False (mgk generate: --no-cache)")
 
 
+def _ready_to_fix(model, cache) -> bool:
+    """Whether every layer's kind lets its cache be fixed now for the compiled step (its module's
+    ``cache_ready_to_fix``: after the prefill; MGK once its centre is settled)."""
+    return all(block.attn.cache_ready_to_fix(layer) for block, layer in zip(model.blocks, cache))
+
+
 def _continue(model, out: Tensor, pad: Tensor | None, cache, use_cache: bool) -> Tensor:
     """Log-probabilities of the token after ``out`` (B, T'): one step through ``cache`` with the last token, or
     (``use_cache=False``) the whole sequence recomputed."""
@@ -81,9 +87,10 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
         eos: a token id that ends a row: once drawn, the row's later tokens are ``eos`` as well, and generation
             stops when every row has ended.
         use_cache: decode through the model's cache (default); False recomputes the whole sequence at every step.
-        compile: True (inductor) or a torch.compile backend name: once every row has seen two real tokens, each
-            step runs one compiled graph over caches fixed at the tokens the generation will reach
-            (:mod:`mgk.models.compiled_decode`; the first compiled step includes the compilation, seconds to a
+        compile: True (inductor) or a torch.compile backend name: once every layer's kind lets its cache be fixed
+            (``cache_ready_to_fix``: after the prefill; MGK once every row has seen two real tokens, its centre
+            then settled), each step runs one compiled graph over caches fixed at the tokens the generation will
+            reach (:mod:`mgk.models.compiled_decode`; the first compiled step includes the compilation, seconds to a
             minute). The tokens equal eager decoding's up to the compiler's rounding (greedy: token for token in the
             tests). False (default): eager.
     Returns:
@@ -127,7 +134,7 @@ def generate(model, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, 
             out = torch.cat([out, token.unsqueeze(1)], dim=1)
             if step == max_new_tokens - 1 or (eos is not None and bool(done.all())):
                 break
-            if backend is not None and compiled is None and int(cache.seen.min()) >= 2:
+            if backend is not None and compiled is None and _ready_to_fix(model, cache):
                 # the calls left: this one and one per token after it but the last (which is not fed back)
                 compiled = CompiledStep(model, cache, cache[0].length + max_new_tokens - 1 - step, backend)
             log_probs = compiled(out[:, -1:]) if compiled is not None else _continue(model, out, pad, cache, use_cache)
