@@ -7,6 +7,10 @@ real tokens only (padding cut away). The model runs in ``dtype`` (float64 by def
 orders of magnitude below the rank threshold; on a 1000 x 1000 map of rank about 90, float32 gives the same rank).
 Examples go through the model ``batch_size`` at a time and are reduced to statistics at once, so memory stays
 bounded by one batch's weights.
+
+Every statistic is per query head: a layer whose keys have fewer heads (GQA's G key/value heads, gmgk's G groups of
+mixture keys; ``kv_heads`` in analysis.json) has H maps, and its mixture weights and shares are read per query head
+from the keys of its group (:func:`mgk.analyze.mixture.per_query_head`).
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ class _Layer:
         """This layer's entry of analysis.json: rank, redundancy and mixture summaries over what was added."""
         rel_rank = [r / n for r, n in zip(self.ranks[settings.rank_mode], self.lengths)]
         out = {"layer": index, "module": self.name, "kind": type(self.module).__name__,
-               "num_heads": self.module.num_heads, "causal": self.causal,
+               "num_heads": self.module.num_heads, "kv_heads": _kv_heads(self.module), "causal": self.causal,
                "rank": {m: stats.summary(self.ranks[m]) for m in stats.RANK_MODES},
                "rank_over_length": stats.summary(rel_rank),
                "ranks": {m: self.ranks[m] for m in stats.RANK_MODES}, "lengths": self.lengths,
@@ -101,6 +105,11 @@ class _Layer:
         if has_mixture(self.module):
             out["mixture"] = _mixture_result(self.module, self.sums, self.pairs, self.longest)
         return out
+
+
+def _kv_heads(module) -> int:
+    """The heads of the layer's keys: H, or G for kinds whose G key heads (groups) serve H / G query heads each."""
+    return getattr(module, "kv_heads", module.num_heads)
 
 
 def _mixture_result(module, sums, pairs, longest: int) -> dict:

@@ -38,9 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--prune", action="store_true",
                    help="instead: head importance (Michel et al. 2019: |dL/d gate| per head, and per mixture "
-                        "component for MGK/MLK) on the validation split, iterative pruning of the least important "
-                        "10%% (importance recomputed), a random-order baseline and the one-head ablation, scored on "
-                        "the test split; writes prune.json, prune.md, prune_head.png (prune_component.png)")
+                        "component for MGK/MLK, per key group's component for gMGK) on the validation split, "
+                        "iterative pruning of the least important 10%% (importance recomputed), a random-order "
+                        "baseline and the one-head ablation, scored on the test split; writes prune.json, "
+                        "prune.md, prune_head.png (prune_component.png)")
     p.add_argument("--prune-random", type=int, default=5, help="random pruning orders of the baseline (default 5)")
     p.add_argument("--prune-examples", type=int, default=0,
                    help="examples of each split the pruning reads (default 0: all)")

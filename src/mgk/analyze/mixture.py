@@ -10,6 +10,11 @@
   only pi >= 0). MLK with ``mix="keys"`` mixes the keys before the feature map (``phi(sum_r pi_r k_r)``), so its
   weight has no per-component parts: it has no shares (None).
 Queries and keys are the module's own projections of the recorded layer input.
+
+Kinds whose keys have fewer heads than their queries (gmgk's G key groups, as GQA's G key/value heads; the module's
+``kv_heads``) are read per query head: query head h reads key head h // (H / G), so its keys and a group's pi are
+repeated for the H / G query heads of the group (:func:`per_query_head`), and every statistic is (H, ...) as for
+MGK. pi is then reported for each query head, equal within a group.
 """
 from __future__ import annotations
 
@@ -19,12 +24,23 @@ from torch import Tensor
 from ..attention import MGKAttention, MLKAttention
 from ..functional import causal_mask, gaussian_log_kernel, mgk_responsibilities
 
-__all__ = ["has_mixture", "mixture_weights", "component_sums"]
+__all__ = ["has_mixture", "per_query_head", "mixture_weights", "component_sums"]
 
 
 def has_mixture(module) -> bool:
     """Whether ``module`` has mixture components (MGK or MLK attention)."""
     return isinstance(module, (MGKAttention, MLKAttention))
+
+
+def per_query_head(module, t: Tensor, dim: int = 1) -> Tensor:
+    """``t`` with its dimension ``dim`` of the module's ``kv_heads`` key heads (G) repeated for the H / G query heads
+    each one serves (query head h reads key head h // (H / G), as GQA and gmgk do); returned as it is when that
+    dimension already has H entries, or 1 (one set broadcast over the heads)."""
+    H = module.num_heads
+    G = getattr(module, "kv_heads", H)
+    if G == H or t.shape[dim] != G:
+        return t
+    return t.repeat_interleave(H // G, dim=dim)
 
 
 def mixture_weights(module, length: int) -> Tensor | None:
@@ -33,8 +49,8 @@ def mixture_weights(module, length: int) -> Tensor | None:
     weights (``pi_norm="none"``) are reported as they are, ``exp`` of the free log-weights. None for Hard-E."""
     if getattr(module, "pi_mode", None) == "hard_e":
         return None
-    if isinstance(module, MGKAttention) and module.pi_mode == "soft_e":
-        return module.pi[:, :, :length].detach().to(torch.float64).cpu()
+    if isinstance(module, MGKAttention) and module.pi_mode == "soft_e":  # the buffer (G, M, max_len) of the keys
+        return per_query_head(module, module.pi[:, :, :length], dim=0).detach().to(torch.float64).cpu()
     pi = module.mixture_log_weights(length).detach().to(torch.float64).exp()[0]  # (H or 1, M, 1 or length)
     return pi.expand(module.num_heads, -1, -1).cpu()  # pi_shape="layer": one set, shared by every head
 
@@ -48,13 +64,14 @@ def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor] 
         x: the layer input of one sequence cut to its real tokens, (1, n, E).
         is_causal: whether the layer attends causally (pairs with j > i are not valid).
     Returns:
-        ``(sums (H, M), pairs (H,))`` float64: dividing gives each head's share of each component; None for MLK
-        with ``mix="keys"`` (no per-component parts).
+        ``(sums (H, M), pairs (H,))`` float64, H the query heads (keys shared by a group of them read per query
+        head): dividing gives each head's share of each component; None for MLK with ``mix="keys"`` (no
+        per-component parts).
     """
     if isinstance(module, MLKAttention) and module.mix == "keys":
         return None
     q = module._split(module.q_proj(x))  # (1, H, n, D): the module's own projections, no second implementation
-    k = module._keys(x)  # (1, H, M, n, D)
+    k = per_query_head(module, module._keys(x))  # (1, H, M, n, D): each query head's keys
     n = x.shape[1]
     valid = causal_mask(n, n, x.device) if is_causal else torch.ones(n, n, dtype=torch.bool, device=x.device)
     if isinstance(module, MLKAttention):

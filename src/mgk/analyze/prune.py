@@ -18,6 +18,13 @@ the modules' own forward, not a copy of the attention.
 A head whose every component is pruned has every key masked, so a zero output: pruning components all the way is
 also pruning heads. Softmax and linear attention have heads only.
 
+Keys shared by groups of query heads (gmgk: H query heads, G key groups, each group's mixture keys and pi read by
+its H / G query heads): a component is a group's, so the component gates are (G, M), the mixture's own shape, and
+gating a component off removes it from the keys of every query head of the group. Its derivative is then the sum
+over the group's heads of theirs (chain rule, per example before the absolute value): the importance of a group's
+component is summed over the group's heads. The last component of a group removes the whole group when pruned, so
+it takes the summed importance of the group's heads. Head gates stay per query head (H,), whatever the keys.
+
 Components of one head: attention normalised over the keys does not change when every pi_{h,r} of a head is scaled
 by one factor, so the derivatives of a head's component gates sum to zero; with M = 2 the two are opposite and the
 two components have the same importance, exactly. Component importance then ranks heads, and within a head the tie
@@ -78,13 +85,14 @@ def metric_of_task(task) -> tuple[str, bool]:
 
 
 def unit_gates(layers, unit: str) -> list[Tensor | None]:
-    """All-ones gates of ``unit`` per layer: "head" (H,), or "component" (H, M), None for a layer without
-    mixture weights. ValueError when no layer has such units."""
+    """All-ones gates of ``unit`` per layer: "head" (H,) of the query heads, or "component" (H', M) of the mixture
+    keys' heads (H' = H, or G for keys shared by G groups of query heads: gmgk), None for a layer without mixture
+    weights. ValueError when no layer has such units."""
     if unit == "head":
         return [torch.ones(m.num_heads) for m in layers]
     if unit != "component":
         raise ValueError(f"unit must be 'head' or 'component', got {unit!r}")
-    gates = [torch.ones(m.num_heads, m.mixture.num_keys) if has_components(m) else None for m in layers]
+    gates = [torch.ones(m.mixture.num_heads, m.mixture.num_keys) if has_components(m) else None for m in layers]
     if all(g is None for g in gates):
         raise ValueError("the model has no mixture components to prune (softmax and linear attention have heads "
                          "only; Hard-E has no mixture weights)")
@@ -98,7 +106,8 @@ def _with(layers, gates, unit: str, components=None):
 def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_size: int,
                components=None) -> list[Tensor | None]:
     """Per layer, ``E_x |dL(x) / dxi|`` over the examples ``index`` of ``dataset`` for the gates of ``unit``
-    ("head": (H,), "component": (H, M); None for a layer without them) at their current values ``gates``; not
+    ("head": (H,), "component": (H', M) as :func:`unit_gates`; None for a layer without them) at their current
+    values ``gates``; not
     normalised. ``components``: component gates held fixed while head gates are differentiated. Model in eval
     mode; the parameters' ``.grad`` are not touched. float64 per layer."""
     model.eval()
@@ -116,9 +125,10 @@ def importance(task, model, layers, dataset, index, gates, *, unit: str, batch_s
 
 def component_importance(task, model, layers, dataset, index, gates, *, batch_size: int) -> list[Tensor | None]:
     """:func:`importance` of the component gates ``gates``, where the last component left in a head takes the
-    importance of that head's output gate (at the same component gates). With the weights renormalised over the
-    components a head's only component has pi = 1 whatever its gate, so its derivative is 0, yet removing it removes
-    the head: without this, pruning by importance would take a head's last component next, every time."""
+    importance of that head's output gate (at the same component gates); in a key group shared by several query
+    heads (gmgk) the summed importance of the group's heads. With the weights renormalised over the components a
+    head's only component has pi = 1 whatever its gate, so its derivative is 0, yet removing it removes the head
+    (the group's heads): without this, pruning by importance would take a head's last component next, every time."""
     scores = importance(task, model, layers, dataset, index, gates, unit="component", batch_size=batch_size)
     last = [None if g is None else ((g > 0).sum(-1) == 1) for g in gates]
     if not any(m is not None and bool(m.any()) for m in last):
@@ -127,7 +137,8 @@ def component_importance(task, model, layers, dataset, index, gates, *, batch_si
     heads = importance(task, model, layers, dataset, index, unit_gates(layers, "head"), unit="head",
                        batch_size=batch_size, components=[None if g is None else g.to(device) for g in gates])
     for s, g, m, h in zip(scores, gates, last, heads):
-        if m is not None:
+        if m is not None:  # (H,) query heads -> the gates' rows: consecutive H / G heads form a group
+            h = h.reshape(g.shape[0], -1).sum(dim=1)
             s[:] = torch.where(m.unsqueeze(-1) & (g > 0), h.unsqueeze(-1), s)
     return scores
 

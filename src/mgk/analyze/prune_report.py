@@ -17,6 +17,11 @@ from .report import write_json
 
 __all__ = ["prune_run", "prune_dirs"]
 
+GROUPED_NOTE = ("Grouped mixture keys (gMGK): a component belongs to a key group `g` shared by H / G query heads; "
+                "gating it off removes it from every head of the group, so its importance is summed over the "
+                "group's heads (the last component of a group takes the summed importance of the group's heads, "
+                "since removing it removes the group). Heads are query heads.")
+
 
 def _splits(run, settings) -> tuple:
     splits = run.task.splits
@@ -40,7 +45,8 @@ def prune_run(run, settings: prune.PruneSettings) -> dict:
     data, ev_name = _splits(run, settings)
     metric, higher = prune.metric_of_task(task)
     out = {"run_dir": str(run.run_dir), "task": task.name, "attention": run.cfg.attention.kind,
-           "num_heads": run.cfg.attention.num_heads, "metric": metric, "higher_is_better": higher,
+           "num_heads": run.cfg.attention.num_heads, "kv_heads": [m.kv_heads for m in layers],  # per layer
+           "metric": metric, "higher_is_better": higher,
            "importance_split": "val", "importance_examples": len(data[1]), "eval_split": ev_name,
            "eval_examples": len(data[3]), "checkpoint": str(run.checkpoint), "step": run.step,
            "settings": vars(settings).copy(), "units": {}}
@@ -60,20 +66,25 @@ def prune_run(run, settings: prune.PruneSettings) -> dict:
     return out
 
 
-def _unit_name(unit: str, layer: int, idx: list) -> str:
-    return f"L{layer} h{idx[0]}" + (f" r{idx[1]}" if unit == "component" else "")
+def _unit_name(unit: str, layer: int, idx: list, grouped: bool = False) -> str:
+    """"L0 h1" (a head), "L0 h1 r0" (a head's component), "L0 g1 r0" (a key group's component: gmgk)."""
+    if unit != "component":
+        return f"L{layer} h{idx[0]}"
+    return f"L{layer} {'g' if grouped else 'h'}{idx[0]} r{idx[1]}"
 
 
 def _ablation_rows(label: str, r: dict, unit: str) -> list[str]:
     u = r["units"][unit]
     imp = u["importance"]
+    kv = r.get("kv_heads")  # absent from results written before grouped keys
     rows = []
     for a in u["ablation"]["units"]:
         layer, idx = a["layer"], a["index"]
+        grouped = kv is not None and kv[layer] != r["num_heads"]
         score = imp[layer]
         for i in idx:
             score = score[i]
-        rows.append(f"| {label} | {_unit_name(unit, layer, idx)} | {score:.3f} | {a['metric']:.4f} | "
+        rows.append(f"| {label} | {_unit_name(unit, layer, idx, grouped)} | {score:.3f} | {a['metric']:.4f} | "
                     f"{a['delta']:+.4f} |")
     return rows
 
@@ -112,6 +123,9 @@ def write_outputs(results: dict, out: Path, left_out=()) -> dict:
              f"units at a time (at least one), importance recomputed after each step; metric `{first['metric']}` "
              f"on the first {first['eval_examples']} examples of the `{first['eval_split']}` split. Random order: "
              f"{first['settings']['random_orders']} random orders (mean ± sample std).", ""]
+    if any(unit == "component" and any(k != r["num_heads"] for k in r.get("kv_heads", ()))
+           for r in results.values() for unit in r["units"]):
+        lines += [GROUPED_NOTE, ""]
     lines += [f"- left out, failed: {line}" for line in left_out]
     for unit in ("head", "component"):
         have = [(lab, r) for lab, r in results.items() if unit in r["units"]]

@@ -114,12 +114,14 @@ def _mixture_rows(results: dict) -> list[str]:
                 rows = ["| run | layer | head | pi per component (per head, or mean ± std over key positions) "
                         "| share of attention |",
                         "|---|---|---|---|---|"]
-            for h in range(layer["num_heads"]):
+            H, G = layer["num_heads"], layer.get("kv_heads", layer["num_heads"])
+            for h in range(H):
+                head = h if G == H else f"{h} (group {h // (H // G)})"  # a group's pi is its query heads'
                 pi = ("unused (Hard-E)" if mix["pi"] is None else
                       ", ".join(f"{c['mean']:.3f}" if c["n"] == 1 else _fmt(c) for c in mix["pi"][h]))
                 share = (", ".join(f"{v:.3f}" for v in mix["shares"][h]) if "shares" in mix else
                          mix.get("share_kind", "-"))
-                rows.append(f"| {lab} | {layer['layer']} | {h} | {pi} | {share} |")
+                rows.append(f"| {lab} | {layer['layer']} | {head} | {pi} | {share} |")
     return rows
 
 
