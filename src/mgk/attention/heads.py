@@ -129,8 +129,9 @@ def has_components(layer: AttentionBase) -> bool:
 
 @contextlib.contextmanager
 def gated(layers, heads=None, components=None):
-    """Set the head gates ``heads[i]`` ((H,) or (B, H)) and component gates ``components[i]`` ((H, M), (B, H, M)
-    or None) on ``layers[i]`` for the body of the ``with``; removed afterwards."""
+    """Set the head gates ``heads[i]`` ((H,) or (B, H), per query head) and component gates ``components[i]``
+    ((H, M), (B, H, M) over the mixture's own heads, the G key groups of gmgk; or None) on ``layers[i]`` for the body
+    of the ``with``; removed afterwards."""
     try:
         for i, layer in enumerate(layers):
             layer.head_gate = None if heads is None else heads[i]

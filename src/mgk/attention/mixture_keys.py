@@ -102,8 +102,8 @@ class MixtureKeys(nn.Module):
     """
 
     # Multiplies the mixture weights pi_{h,r} (renormalised over r): (H, M) for every example or (B, H, M) per
-    # example, None = no gate; the component form of Michel et al.'s head gate (2019, eq. 2). Set by
-    # mgk.analyze.prune; 0 switches a component off exactly.
+    # example, H being this mixture's own heads (the key groups G of gmgk), None = no gate; the component form of
+    # Michel et al.'s head gate (2019, eq. 2). Set by mgk.analyze.prune; 0 switches a component off exactly.
     component_gate: Tensor | None = None
 
     def __init__(self, kdim: int, num_heads: int, head_dim: int, options: MixtureOptions, *,
