@@ -32,9 +32,9 @@ from .adapters import convert_lora_adapter, lora_target_modules
 from .attention import HFAttention, key_valid
 from .auto import MODEL_TYPES, register
 from .cache import MGKCacheLayer, mgk_layer
-from .swap import SUPPORTED, swap_attention
+from .swap import SUPPORTED, swap_attention, swap_from_config
 
-register()  # the Auto classes load the mgk model types from here on (see .auto)
+register(swap_from_config)  # the Auto classes load the mgk model types from here on (see .auto)
 
 __all__ = ["HFAttention", "MGKCacheLayer", "MODEL_TYPES", "REQUIREMENT", "SUPPORTED", "TRANSFORMERS_RANGE",
            "convert_lora_adapter", "key_valid", "lora_target_modules", "mgk_layer", "swap_attention"]

@@ -12,6 +12,8 @@ refuses it with its "does not recognize this architecture" error naming the mode
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import transformers
 from transformers import PreTrainedModel
 
@@ -32,6 +34,9 @@ MODEL_TYPES = {t: f"mgk_{t}" for t in _PREFIX}  # base model_type -> the mgk one
 _BASE_TYPE = {v: k for k, v in MODEL_TYPES.items()}
 _CONFIGS: dict[str, type] = {}  # mgk model_type -> config class
 _MODELS: dict[type, type] = {}  # transformers model class -> its mgk subclass
+# what swaps a freshly built model as its config records (swap.swap_from_config), handed to register: the swap
+# itself adopts models into these classes, so this module takes it as an argument instead of importing it
+_BUILD: list[Callable[[PreTrainedModel], None]] = []
 
 
 def base_model_type(model_type: str | None) -> str | None:
@@ -88,9 +93,7 @@ def _model_class(base: type, config_class: type) -> type:
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
-        from .swap import swap_from_config  # swap adopts models into these classes: imported at call time
-
-        swap_from_config(self)
+        _BUILD[0](self)
 
     return type(name, (base,), {
         "config_class": config_class, "__init__": __init__, "__module__": __name__, "__qualname__": name,
@@ -98,13 +101,17 @@ def _model_class(base: type, config_class: type) -> type:
                    f":func:`mgk.swap_attention` when it is built (``from_pretrained`` then loads the mgk weights)."})
 
 
-def register() -> None:
+def register(build: Callable[[PreTrainedModel], None]) -> None:
     """Make the config and model classes of every supported architecture (module attributes of this module) and
     register them with transformers' AutoConfig and Auto model classes; called once, by ``mgk.integrations.hf``'s
     import, after its other modules (reading a model class makes transformers re-execute its own ``__init__`` and
-    put a new ``transformers`` module in ``sys.modules``, so mgk's modules bind the one imported first)."""
+    put a new ``transformers`` module in ``sys.modules``, so mgk's modules bind the one imported first).
+
+    ``build(model)`` swaps a model of these classes as its config's :data:`RECORD` says, when it is built
+    (:func:`mgk.integrations.hf.swap.swap_from_config`)."""
     if _CONFIGS:
         return
+    _BUILD[:] = [build]
     for model_type, prefix in _PREFIX.items():
         base_config = getattr(transformers, f"{prefix}Config")
         config_class = _config_class(model_type, base_config)
