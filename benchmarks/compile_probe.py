@@ -1,4 +1,4 @@
-"""Would a compiled decoding step pay on CPU? (issue 34, "a compiled decode path where it helps")
+"""Would a compiled decoding step pay on CPU? (the question behind the compiled decode path: where does it help?)
 
 A stand-alone probe, not part of the package: a decoder of lm-small's sizes (d_model 128, 8 heads of 16, ffn 512,
 pre-norm, a plain output layer over ``--vocab`` words) with softmax-8 attention, decoding greedily at batch

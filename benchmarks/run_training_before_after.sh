@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34, training at 256 tokens: the layer before (BEFORE=<export of the previous commit>) and after, with one
+# Training at 256 tokens: the layer before (BEFORE=<export of the previous commit>) and after, with one
 # harness (benchmarks/paired_layer.py), twice; `mgk bench attention --same-process` at the two shapes; the
 # wt103-paper whole-model step. Quiet machine (nothing else running), 2 threads.
 set -euo pipefail

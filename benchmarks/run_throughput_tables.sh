@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 12's "Must show" tables (CPU, float32): whole-model training/inference throughput and memory side by side,
+# The throughput and memory tables of BENCHMARKS.md (CPU, float32): whole-model training/inference throughput and
+# memory side by side,
 # and the attention-layer ratios at N=4096 (forward + backward). Run from the repository root on a quiet machine:
-#   benchmarks/run_issue12.sh            # the real settings (tens of minutes)
-#   QUICK=1 benchmarks/run_issue12.sh    # tiny settings: checks that every command runs (not for numbers)
+#   benchmarks/run_throughput_tables.sh            # the real settings (tens of minutes)
+#   QUICK=1 benchmarks/run_throughput_tables.sh    # tiny settings: checks that every command runs (not for numbers)
 set -euo pipefail
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"

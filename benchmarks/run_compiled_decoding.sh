@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34, compiled decoding: every kind's step eager and through torch.compile (`mgk bench decode --compile`,
+# Compiled decoding: every kind's step eager and through torch.compile (`mgk bench decode --compile`,
 # kinds alternating round by round in one process per cell), whole models at batch 1 with WikiText-103's vocabulary
 # and with 32,000 words, then one layer and lm-small at batches 1 and 8; the tables of BENCHMARKS.md come from
 # benchmarks/compiled_decode_table.py. Quiet machine (nothing else running), 2 threads.
