@@ -1,6 +1,7 @@
 """The per-key bias ``b_jr = log pi_jr - |k~_jr|^2 / (2 sigma_r^2)`` and the scaled keys exist once
-(``_mixture_terms.key_bias`` / ``scaled_keys``): every decoding step writes what they make, whichever backend
-writes and attends (the C++ step copies the entries it is given and computes none itself)."""
+(``_mixture_terms.key_bias_inv`` / ``scaled_keys_inv``, which ``key_bias`` / ``scaled_keys`` call): every decoding
+step writes what they make, whichever backend writes and attends (the C++ step copies the entries it is given and
+computes none itself)."""
 from __future__ import annotations
 
 import pytest
@@ -28,9 +29,9 @@ def test_a_step_writes_the_entries_the_one_formula_makes(backend, shifted, mixtu
     old = step["slot"]
     want_keys, want_bias = module.mgk_cache_entries(key, centre=step["centre"], log_pi=step["log_pi"],
                                                     sigma2=step["sigma2"], mixture=mixture, shifts=step["shifts"])
-    bias_of, scaled_of = module.key_bias, module.mixture_terms.scaled_keys
-    monkeypatch.setattr(module, "key_bias", lambda *a, **k: bias_of(*a, **k) + 0.25)
-    monkeypatch.setattr(module.mixture_terms, "scaled_keys", lambda *a, **k: scaled_of(*a, **k) * 2.0)
+    bias_of, scaled_of = module.mixture_terms.key_bias_inv, module.mixture_terms.scaled_keys_inv
+    monkeypatch.setattr(module.mixture_terms, "key_bias_inv", lambda *a, **k: bias_of(*a, **k) + 0.25)
+    monkeypatch.setattr(module.mixture_terms, "scaled_keys_inv", lambda *a, **k: scaled_of(*a, **k) * 2.0)
     bufs = {n: b.clone() for n, b in buffers.items()}
     args = _at_slot(step, T, True) if at_slot else step
     mgk_cache_step(q, key, value, **bufs, **args, backend=backend)

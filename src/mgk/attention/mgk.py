@@ -20,9 +20,9 @@ from ..functional import (
     mgk_attention_soft_e,
     mgk_cache_centre,
     mgk_cache_entries,
-    mgk_cache_step,
     mgk_responsibilities,
 )
+from ..functional.mgk_cache import mgk_step_terms, step_terms_for
 from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
 from .cache_spec import CacheSpec
@@ -223,22 +223,17 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         by_position = self.mixture.position_limit() is not None
         if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        if not by_position:
-            log_pi = self.mixture.log_weights(1)
-        elif valid is None and not cache.padded and not cache.fixed:  # every row has seen cache.length: one slice
-            log_pi = self.mixture.log_weights(L, start=cache.length)
-        else:
-            log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
-        entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
-                             shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
         # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
         cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
         if cache.fixed:
-            return self._fixed_step(q, base, v, valid, cache, log_pi, entry_options)
+            return self._fixed_step(q, base, v, valid, cache, by_position)
         centre = _CachedCentre(cache)
         if centre.settled_for(valid):
-            return self._fused_step(q, base, v, valid, cache, log_pi, entry_options)
+            return self._fused_step(q, base, v, valid, cache, by_position)
+        log_pi = self._decode_log_pi(cache, valid, L, by_position)
+        entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
+                             shifts=self.mixture.shifts() if self.keys == "shifted" else None)
         first = centre.centre is None
         before = cache.seen
         centre.update(q, valid, entry_options)
@@ -258,37 +253,67 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
                                     centre=centre.centre, attn_mask=cache.attn_mask(), is_causal=True,
                                     dropout_p=self.attn_dropout, **entry_options).to(v.dtype)
 
-    def _fused_step(self, q, base, v, valid, cache: LayerCache, log_pi, entry_options):
+    def _decode_log_pi(self, cache: LayerCache, valid, L: int, by_position: bool) -> Tensor | None:
+        """log pi of this call's L new tokens, broadcastable to (B, H, M, L) (None for Hard-E): per-position weights
+        at each row's positions, else the one prior of every token."""
+        if not by_position:
+            return self.mixture.log_weights(1)
+        if valid is None and not cache.padded and not cache.fixed:  # every row has seen cache.length: one slice
+            return self.mixture.log_weights(L, start=cache.length)
+        return self.mixture.log_weights_at(cache.positions(valid, L))
+
+    def _decode_terms(self, cache: LayerCache, q: Tensor, by_position: bool):
+        """The steps' terms (:func:`mgk.functional.mgk_cache.mgk_step_terms`: variances, shifts and, unless the
+        weights are per position, the prior), kept by the cache while the tensors they come from stay the same
+        (:func:`mgk.functional.mgk_cache.step_terms_for`): a step then makes none of them."""
+        shifted, hard = self.keys == "shifted", self.pi_mode == "hard_e"
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        mixture = self.mixture
+        watch = (dtype, self.keys, self.pi_mode, by_position, self._parameters.get("log_sigma2"),
+                 self._buffers.get("sigma2"), mixture._parameters.get("key_shift") if shifted else None)
+        if not (hard or by_position):
+            watch += (mixture.pi_norm, mixture._parameters.get("pi_logits"), mixture.component_gate)
+
+        def make():
+            log_pi = None if hard or by_position else mixture.log_weights(1)
+            return mgk_step_terms(self.num_heads, mixture.num_keys, self.head_dim, sigma2=self.sigma2,
+                                  shifts=mixture.shifts() if shifted else None, log_pi=log_pi,
+                                  mixture="max" if hard else "sum", dtype=dtype, device=q.device)
+        return step_terms_for(cache, watch, make)
+
+    def _fused_step(self, q, base, v, valid, cache: LayerCache, by_position: bool):
         """The steady state (no row's centre can change in this call, :meth:`_CachedCentre.settled_for`): one fused
-        write-and-attend call (:func:`mgk.functional.mgk_cache_step`), padding among the new tokens included. A
-        padded token's entries are made from a zero key and value: finite (its inputs may be anything, NaN
-        included, and a masked slot must hold finite numbers) and never attended (the valid-slot mask)."""
+        write-and-attend call (:meth:`mgk.functional.mgk_cache.MGKStepTerms.step`), padding among the new tokens
+        included. A padded token's entries are made from a zero key and value: finite (its inputs may be anything,
+        NaN included, and a masked slot must hold finite numbers) and never attended (the valid-slot mask)."""
+        terms = self._decode_terms(cache, q, by_position)
+        log_pi = self._decode_log_pi(cache, valid, q.shape[2], True) if by_position else None
         if valid is not None:
             B, L = valid.shape
             zero = torch.zeros((), dtype=v.dtype, device=v.device)
             base = torch.where(valid.view(B, *[1] * (base.dim() - 3), L, 1), base, zero.to(base.dtype))
             v = torch.where(valid.view(B, 1, L, 1), v, zero)
         buffers, slot = cache.claim(q.shape[2], valid)
-        return mgk_cache_step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"],
-                              values=buffers["values"], slot=slot, centre=cache.extra["centre"],
-                              key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi,
-                              **entry_options).to(v.dtype)
+        return terms.step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"], values=buffers["values"],
+                          slot=slot, centre=cache.extra["centre"],
+                          key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi).to(v.dtype)
 
-    def _fixed_step(self, q, base, v, valid, cache: LayerCache, log_pi, entry_options):
+    def _fixed_step(self, q, base, v, valid, cache: LayerCache, by_position: bool):
         """A step over a cache of fixed capacity (:meth:`LayerCache.fix_capacity`): the fused step at the slot
-        tensor (:func:`mgk.functional.mgk_cache_step`; under torch.compile the C++ kernel as a custom op, else the
-        explicit composition over the whole capacity with the valid-slot mask). The centre must be settled (every
-        row has seen two real tokens)."""
+        tensor (:meth:`mgk.functional.mgk_cache.MGKStepTerms.step`; under torch.compile the C++ kernel as a custom
+        op, else the explicit composition over the whole capacity with the valid-slot mask). The centre must be
+        settled (every row has seen two real tokens)."""
         if cache.extra.get("provisional") is not False:
             raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
                              "two real tokens")
         if valid is not None:
             cache.check_fixed_call(valid, q.shape[2])  # the padding named (claim checks the rest)
+        terms = self._decode_terms(cache, q, by_position)
+        log_pi = self._decode_log_pi(cache, valid, q.shape[2], True) if by_position else None
         buffers, slot = cache.claim(q.shape[2])
-        return mgk_cache_step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"],
-                              key_bias=buffers["key_bias"], values=buffers["values"], slot=slot,
-                              centre=cache.extra["centre"], key_valid=cache.key_valid(), log_pi=log_pi,
-                              **entry_options).to(v.dtype)
+        return terms.step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"], key_bias=buffers["key_bias"],
+                          values=buffers["values"], slot=slot, centre=cache.extra["centre"],
+                          key_valid=cache.key_valid(), log_pi=log_pi).to(v.dtype)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
         log_pi = self._log_weights_of(k.shape[3], key_positions)

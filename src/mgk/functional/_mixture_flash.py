@@ -346,9 +346,15 @@ def _eager_ok() -> bool:
     """Whether the bare C++ functions may stand in for the custom op: not while torch.compile traces, under a
     torch.func transform, forward-mode AD or a dispatch mode (FlopCounterMode, FakeTensorMode), all of which must
     see the op itself."""
-    if _module is None or torch.compiler.is_compiling():
+    return _module is not None and plain_eager()
+
+
+def plain_eager() -> bool:
+    """Whether plain eager PyTorch runs: not while torch.compile traces, nor under a torch.func transform,
+    forward-mode AD or a dispatch mode (FlopCounterMode, FakeTensorMode), whose tensors are not the ones they wrap."""
+    if torch.compiler.is_compiling():
         return False
-    try:  # torch internals: a torch without them takes the custom op (slower per call, same results)
+    try:  # torch internals: a torch without them answers False (the callers then take their general path)
         return (_forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
                 and torch._C._len_torch_dispatch_stack() == 0)
     except AttributeError:

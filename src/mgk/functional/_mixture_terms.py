@@ -20,8 +20,8 @@ from ._checks import check_qkv
 from ._dispatch import is_transformed
 
 __all__ = ["MIXTURES", "check_components", "check_mixture", "check_mixture_args", "check_shifts",
-           "gaussian_log_kernel", "key_bias", "log_prior", "needs_qnorm", "per_component", "row_bias",
-           "scaled_keys", "variances"]
+           "gaussian_log_kernel", "key_bias", "key_bias_inv", "log_prior", "needs_qnorm", "per_component", "row_bias",
+           "scaled_keys", "scaled_keys_inv", "variances"]
 
 MIXTURES = ("sum", "max")
 
@@ -149,13 +149,19 @@ def key_bias(k: Tensor, s2: Tensor, log_pi: Tensor | None = None, *, shifts: Ten
     unshifted key (B, H, S, D), for which the bias holds the part of ``|k_j - mu_r|^2`` that depends on the key,
     ``|k_j|^2 - 2 k_j . mu_r`` (the ``|mu_r|^2`` term is per component and goes with the query's terms).
     s2: (H', M) variances. log_pi: broadcastable to (B, H, M, S), or None for no prior (Hard-E)."""
-    inv = per_component(s2, 1).reciprocal()
-    if shifts is None:
+    mu = None if shifts is None else shifts.to(k.dtype).transpose(0, 1)  # (H, M, D)
+    return key_bias_inv(k, per_component(s2, 1).reciprocal(), log_pi, mu)
+
+
+def key_bias_inv(k: Tensor, inv: Tensor, log_pi: Tensor | None = None, mu: Tensor | None = None) -> Tensor:
+    """:func:`key_bias` from its terms made ahead: ``inv`` (1, H', M, 1) the inverse variances
+    (``per_component(s2, 1).reciprocal()``) and ``mu`` (H, M, D) sMGK's shifts per head, or None. A decoding step
+    makes them once per cache and this at every token, where each operator's overhead counts: few of them."""
+    if mu is None:
         squared = torch.linalg.vecdot(k, k)
-    else:
-        mu = shifts.to(k.dtype).transpose(0, 1)  # (H, M, D)
-        squared = torch.sub(torch.linalg.vecdot(k, k).unsqueeze(2), mu @ k.transpose(-1, -2), alpha=2.0)
-    # few operators: a decoding step makes its entries with this at every token, where each call's overhead counts
+    else:  # |k|^2 - 2 k . mu_r as k . (k - 2 mu_r): two operators (a batched matmul per head costs several)
+        kr = k.unsqueeze(2)  # (B, H, 1, S, D)
+        squared = torch.linalg.vecdot(kr, torch.sub(kr, mu.unsqueeze(2), alpha=2.0))
     return squared * (inv * -0.5) if log_pi is None else torch.addcmul(log_pi, squared, inv, value=-0.5)
 
 
@@ -166,7 +172,12 @@ def row_bias(q: Tensor, s2: Tensor) -> Tensor:
 
 def scaled_keys(k: Tensor, s2: Tensor) -> Tensor:
     """``k_jr / sigma_r^2`` for k (B, H, M, S, D) and s2 (H', M)."""
-    return k * per_component(s2, 1, 1).reciprocal()
+    return scaled_keys_inv(k, per_component(s2, 1, 1).reciprocal())
+
+
+def scaled_keys_inv(k: Tensor, inv: Tensor) -> Tensor:
+    """:func:`scaled_keys` from the inverse variances made ahead, ``inv`` (1, H', M, 1, 1)."""
+    return k * inv
 
 
 def gaussian_log_kernel(q: Tensor, k: Tensor, sigma2: Tensor) -> Tensor:

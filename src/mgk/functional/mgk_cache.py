@@ -22,9 +22,12 @@ Hard-E (mixture="max") takes the best component instead of the log-sum-exp and s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _mixture_decode, _mixture_flash
 from . import _mixture_terms as mixture_terms
@@ -38,12 +41,12 @@ from ._mixture_terms import (
     check_log_pi,
     check_mixture_args,
     check_shifts,
-    key_bias,
     needs_qnorm,
     row_bias,
 )
 
-__all__ = ["DECODE_BACKENDS", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries", "mgk_cache_step"]
+__all__ = ["DECODE_BACKENDS", "MGKStepTerms", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries",
+           "mgk_cache_step", "mgk_step_terms", "step_terms_for"]
 
 DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
 # Below this many bytes of cached keys a traced step at a slot tensor takes the explicit composition, which inductor
@@ -85,22 +88,23 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
     dt = compute_dtype(key)
     with torch.no_grad(), full_precision(key.device):
         c = check_centre(centre, B, H, D, dt, key.device)
-        s2 = mixture_terms.variances(sigma2, H, M, D, dt, key.device)
+        terms = mgk_step_terms(H, M, D, sigma2=sigma2, shifts=shifts, mixture=mixture, dtype=dt, device=key.device)
         prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
-        return _entries(key.detach().to(dt), c, s2, prior, shifts)
+        return _entries(key.detach().to(dt), c, terms, prior)
 
 
-def _entries(key: Tensor, c: Tensor, s2: Tensor, prior: Tensor | None, shifts: Tensor | None) -> tuple[Tensor, Tensor]:
+def _entries(key: Tensor, c: Tensor, terms: MGKStepTerms, prior: Tensor | None) -> tuple[Tensor, Tensor]:
     """The entries' formula, the one place a cache's keys and ``b_jr`` are made (:func:`mgk_cache_entries` after its
     checks, and every step, whose kernel only reads them): key (B, H, M, L, D), or sMGK's (B, H, L, D), centred on c
-    (B, H, D), then :func:`._mixture_terms.scaled_keys` and :func:`._mixture_terms.key_bias` with variances s2
-    (H', M) and log prior ``prior`` (None: Hard-E). Operands in one dtype; the caller holds no_grad."""
+    (B, H, D), then :func:`._mixture_terms.scaled_keys_inv` and :func:`._mixture_terms.key_bias_inv` with the
+    terms' inverse variances (and shifts) and log prior ``prior`` (None: Hard-E). Operands in the terms' dtype; the
+    caller holds no_grad. Few operators (four for MGK, five for sMGK): a step runs this at every token."""
     B, H, D = c.shape
-    if shifts is not None:
+    if terms.mu is not None:
         k = key - c.view(B, H, 1, D)
-        return k, key_bias(k, s2, prior, shifts=shifts.detach())
+        return k, mixture_terms.key_bias_inv(k, terms.inv, prior, terms.mu)
     k = key - c.view(B, H, 1, 1, D)
-    return mixture_terms.scaled_keys(k, s2), key_bias(k, s2, prior)
+    return mixture_terms.scaled_keys_inv(k, terms.inv_keys), mixture_terms.key_bias_inv(k, terms.inv, prior)
 
 
 def mgk_cache_centre(query: Tensor, centre: Tensor | None, *, key_valid: Tensor,
@@ -349,31 +353,246 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         BackendError (a ValueError) naming why a backend asked for cannot serve.
     """
     check_mixture_args(mixture, log_pi)
+    _check_backend(backend)
+    if _usual(query, key, value, keys, key_bias, values):  # the rest is checked by the step against the terms
+        M, dt = key_bias.shape[2], keys.dtype
+    else:
+        M, dt = _check_step_call(query, key, value, keys, key_bias, values, shifts), compute_dtype(query, key, value,
+                                                                                                     keys)
+    H, D = query.shape[1], query.shape[3]
+    # kept per key buffer (a decoding session) while sigma2 and shifts stay the same: a step then makes no terms
+    terms = step_terms_for(keys, (dt, query.device, mixture, H, M, D, sigma2, shifts), lambda: mgk_step_terms(
+        H, M, D, sigma2=sigma2, shifts=shifts, mixture=mixture, dtype=dt, device=query.device))
+    return terms.step(query, key, value, keys=keys, key_bias=key_bias, values=values, slot=slot, centre=centre,
+                      key_valid=key_valid, log_pi=log_pi, backend=backend)
+
+
+def _usual(query, key, value, keys, key_bias, values) -> bool:
+    """Whether a step's operands are tensors of one compute dtype, with the ranks :meth:`MGKStepTerms.step` checks
+    in a few comparisons (its :meth:`MGKStepTerms._fits`, or else the full checks); M >= 1."""
+    dt = keys.dtype if type(keys) is Tensor else None
+    return (dt in (torch.float32, torch.float64) and type(query) is Tensor and type(key) is Tensor
+            and type(value) is Tensor and type(key_bias) is Tensor and type(values) is Tensor
+            and query.dtype is dt and key.dtype is dt and value.dtype is dt and query.dim() == 4
+            and key_bias.dim() == 4 and key_bias.shape[2] >= 1)
+
+
+def _check_backend(backend) -> None:
     if backend is not None and backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be None or one of {DECODE_BACKENDS}, got {backend!r}")
-    M = _check_step_call(query, key, value, keys, key_bias, values, shifts)
-    B, L, T = query.shape[0], query.shape[2], values.shape[2]
-    at_slot = isinstance(slot, Tensor)
-    S, mask = _check_slot_args(slot, key_valid, B, L, T)
-    dt = compute_dtype(query, key, value, keys)
-    with full_precision(query.device):
-        c, s2, prior = _step_terms(query, M, centre, log_pi, sigma2, mixture, dt)
-        kernel = _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, backend, at_slot)
-        with torch.no_grad():  # the entries hold no graph (a cache is for inference)
-            new_keys, new_bias = _entries(_as(key, dt), c, s2, prior, shifts)
-        if kernel:
-            args = _kernel_args(query, new_keys, new_bias, value, keys, key_bias, values, c, s2, shifts, key_valid)
-            if at_slot:
-                return _step_at_op(*args, slot, mixture == "max")
-            try:
-                return _mixture_flash._module.decode_step(*args, slot, mixture == "max")
-            except (RuntimeError, TypeError) as exc:  # the kernel's own bounds checks, in one line
-                raise ValueError(str(exc).splitlines()[0]) from None
-        _write(new_keys, new_bias, value, keys, key_bias, values, slot)
-        out = _cached_output(_as(query, dt) - c.view(B, c.shape[1], 1, c.shape[2]), _as(keys.narrow(-2, 0, S), dt),
-                             _as(key_bias.narrow(-1, 0, S), dt), _as(values.narrow(2, 0, S), dt), s2, shifts, mask,
-                             mixture, is_causal=True, backend="explicit")
-    return _as(out, keys.dtype)
+
+
+class MGKStepTerms:
+    """What every decoding step of one layer needs besides its tokens, made once (:func:`mgk_step_terms`): the
+    variances and their inverses, sMGK's shifts in the forms the entries and the C++ step read, the log prior of a
+    new token when it does not depend on its position, in one compute dtype on one device.
+
+    A step's own work is then its tokens' only (:meth:`step`: the entries of the new tokens, the writes, the
+    attention): remaking these terms and re-checking the layer's parameters at every token cost about as much as a
+    small step itself (2-core CPU, one layer at batch 1: 30 us of a 90 us step). A layer keeps one per cache while
+    its parameters stay the same (:func:`step_terms_for`). Attributes are read-only by contract.
+
+    Attributes:
+        dtype, device: of every tensor here and of the steps' compute.
+        heads, components, head_dim: H, M and D.
+        mixture: "sum" or "max" (Hard-E).
+        s2: (H', M) the variances (as :func:`mgk.functional.mgk_attention` reads ``sigma2``; H' = 1 or H).
+        shifts: (M, H, D) sMGK's offsets as given (gradient kept), or None for separate keys.
+        prior: (B', H, M, 1) log pi of every new token (B' = 1 or B), or None for Hard-E.
+        inv, inv_keys: 1 / s2 as (1, H', M, 1) and (1, H', M, 1, 1); mu: shifts as (H, M, D) (the entries' operands).
+    """
+
+    __slots__ = ("dtype", "device", "heads", "components", "head_dim", "mixture", "s2", "shifts", "prior", "inv",
+                 "inv_keys", "mu", "_inv_flat", "_shifts_flat", "_empty", "_no_valid")
+
+    def __init__(self, s2: Tensor, shifts: Tensor | None, prior: Tensor | None, mixture: str, heads: int,
+                 head_dim: int):
+        self.dtype, self.device, self.mixture = s2.dtype, s2.device, mixture
+        self.heads, self.components, self.head_dim = heads, s2.shape[-1], head_dim
+        self.s2, self.shifts, self.prior = s2, shifts, prior
+        self.inv = mixture_terms.per_component(s2, 1).reciprocal().detach()
+        self.inv_keys = self.inv.unsqueeze(-1)
+        self._inv_flat = self.inv.reshape(s2.shape).contiguous()  # the C++ step's (H', M)
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._no_valid = torch.empty(0, dtype=torch.bool, device=self.device)
+        self._shifts_flat = None if shifts is None else shifts.detach().to(self.dtype).contiguous()
+        self.mu = None if shifts is None else self._shifts_flat.transpose(0, 1)
+
+    def step(self, query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
+             slot: int | Tensor, centre: Tensor, key_valid: Tensor | None = None, log_pi: Tensor | None = None,
+             backend: str | None = None) -> Tensor:
+        """:func:`mgk_cache_step` with these terms: its arguments but ``sigma2``, ``shifts`` and ``mixture``, which
+        the terms hold; ``log_pi`` (broadcastable to (B, H, M, L)), when given, is the new tokens' log prior in
+        place of :attr:`prior` (per-position weights). The operands are checked in a few comparisons when they
+        have the usual form (one dtype, the terms', buffers that own their memory), else by the full checks.
+
+        Returns:
+            (B, H, L, Dv) in the buffers' dtype.
+        Raises:
+            ValueError naming the argument as :func:`mgk_cache_step` (``terms`` when the operands' heads, head_dim,
+            components or compute dtype are not the terms'); BackendError naming why a backend asked for cannot
+            serve.
+        """
+        _check_backend(backend)
+        if log_pi is not None:
+            check_mixture_args(self.mixture, log_pi)
+        if not self._fits(query, key, value, keys, key_bias, values):
+            self._check_operands(query, key, value, keys, key_bias, values)
+        B, L, T = query.shape[0], query.shape[2], values.shape[2]
+        at_slot = isinstance(slot, Tensor)
+        S, mask = _check_slot_args(slot, key_valid, B, L, T)
+        c = self._centre(centre, B)
+        prior = self._prior(log_pi, B, L)
+        with full_precision(query.device):
+            kernel = _step_kernel(query, key, value, keys, key_bias, values, mask, self.s2, self.shifts, backend,
+                                  at_slot)
+            if torch.is_grad_enabled():
+                with torch.no_grad():  # the entries hold no graph (a cache is for inference)
+                    new_keys, new_bias = _entries(_as(key.detach(), self.dtype), c, self, prior)
+            else:
+                new_keys, new_bias = _entries(_as(key, self.dtype), c, self, prior)
+            if kernel:
+                args = self._kernel_args(query, new_keys, new_bias, value, keys, key_bias, values, c, key_valid)
+                if at_slot:
+                    return _step_at_op(*args, slot, self.mixture == "max")
+                try:
+                    return _mixture_flash._module.decode_step(*args, slot, self.mixture == "max")
+                except (RuntimeError, TypeError) as exc:  # the kernel's own bounds checks, in one line
+                    raise ValueError(str(exc).splitlines()[0]) from None
+            _write(new_keys, new_bias, value, keys, key_bias, values, slot)
+            dt, H, D = self.dtype, self.heads, self.head_dim
+            out = _cached_output(_as(query, dt) - c.view(B, H, 1, D), _as(keys.narrow(-2, 0, S), dt),
+                                 _as(key_bias.narrow(-1, 0, S), dt), _as(values.narrow(2, 0, S), dt), self.s2,
+                                 self.shifts, mask, self.mixture, is_causal=True, backend="explicit")
+        return _as(out, keys.dtype)
+
+    def _fits(self, query, key, value, keys, key_bias, values) -> bool:
+        """Whether the operands have the usual form, in a few comparisons: tensors of the terms' dtype and sizes,
+        contiguous buffers (which own their memory). Anything else goes to :meth:`_check_operands`."""
+        dt = self.dtype
+        if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor and type(keys) is Tensor
+                and type(key_bias) is Tensor and type(values) is Tensor):
+            return False
+        if not (query.dtype is dt and key.dtype is dt and value.dtype is dt and keys.dtype is dt
+                and key_bias.dtype is dt and values.dtype is dt and query.dim() == 4 and values.dim() == 4):
+            return False
+        B, H, L, D = query.shape
+        M, T, Dv = self.components, values.shape[2], values.shape[3]
+        shifted = self.mu is not None
+        return (H == self.heads and D == self.head_dim and value.shape == (B, H, L, Dv)
+                and key.shape == ((B, H, L, D) if shifted else (B, H, M, L, D))
+                and keys.shape == ((B, H, T, D) if shifted else (B, H, M, T, D)) and key_bias.shape == (B, H, M, T)
+                and keys.is_contiguous() and key_bias.is_contiguous() and values.is_contiguous())
+
+    def _check_operands(self, query, key, value, keys, key_bias, values) -> None:
+        """The full checks of a step's operands (ValueError naming the argument), then their fit to the terms
+        (ValueError naming ``terms``)."""
+        M = _check_step_call(query, key, value, keys, key_bias, values, self.shifts)
+        got = (query.shape[1], M, query.shape[3], compute_dtype(query, key, value, keys))
+        want = (self.heads, self.components, self.head_dim, self.dtype)
+        if got != want:
+            raise ValueError(f"terms were made for (heads, components, head_dim, dtype) = {want}; this step's "
+                             f"operands have {got}")
+
+    def _centre(self, centre, B: int) -> Tensor:
+        """The centre as the step reads it, (B, H, D) contiguous in the terms' dtype (a cache's own, as it is)."""
+        if type(centre) is Tensor and centre.dtype is self.dtype and centre.shape == (B, self.heads, self.head_dim) \
+                and not centre.requires_grad and centre.is_contiguous():
+            return centre
+        return check_centre(centre, B, self.heads, self.head_dim, self.dtype, self.device).contiguous()
+
+    def _prior(self, log_pi, B: int, L: int) -> Tensor | None:
+        """The new tokens' log prior: the call's ``log_pi`` (checked against (B, H, M, L)), else :attr:`prior`,
+        whose batch must be 1 or B."""
+        shape = (B, self.heads, self.components, L)
+        if log_pi is not None:
+            if type(log_pi) is Tensor and log_pi.dtype is self.dtype and log_pi.dim() == 4 and all(
+                    a in (1, b) for a, b in zip(log_pi.shape, shape)):  # a layer's own prior: as it is
+                return log_pi
+            check_log_pi(log_pi, shape, "(B, H, M, L)")
+            return mixture_terms.log_prior(log_pi, self.components, self.dtype, self.device)
+        if self.prior is not None and self.prior.shape[0] not in (1, B):
+            raise ValueError(f"terms hold a log prior for a batch of {self.prior.shape[0]}; this step has B = {B}")
+        return self.prior
+
+    def _kernel_args(self, query, new_keys, new_bias, value, keys, key_bias, values, c, key_valid) -> tuple:
+        """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by :func:`_entries`),
+        the centre and inverse variances for the query's own terms, the buffers. The |q|^2 row term is asked for
+        whenever M > 1: exact either way (it cancels when the variances are equal), and cheaper than reading the
+        variances."""
+        valid = self._no_valid if key_valid is None else \
+            key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
+        q = query if query.is_contiguous() else query.contiguous()
+        if self.mu is None:
+            return (q, new_keys, new_bias, value, c, self._inv_flat, self._empty, self.components > 1, keys, key_bias,
+                    values, valid)
+        return (q, new_keys.unsqueeze(2), new_bias, value, c, self._inv_flat, self._shifts_flat, self.components > 1,
+                keys.unsqueeze(2), key_bias, values, valid)
+
+
+def mgk_step_terms(num_heads: int, num_keys: int, head_dim: int, *, sigma2: float | Tensor | None = None,
+                   shifts: Tensor | None = None, log_pi: Tensor | None = None, mixture: str = "sum",
+                   dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> MGKStepTerms:
+    """The :class:`MGKStepTerms` of a layer, checked once, for :meth:`MGKStepTerms.step`.
+
+    Args:
+        num_heads, num_keys, head_dim: H, M and D.
+        sigma2, shifts, mixture: as :func:`mgk_cache_step` (shifts (M, H, D) or None).
+        log_pi: the log prior of every new token, broadcastable to (B, H, M, 1) (position-independent weights), or
+            None (uniform; None for "max").
+        dtype: the steps' compute dtype, float32 or float64. device: default the CPU.
+    Returns:
+        MGKStepTerms (gradients through ``sigma2`` and ``shifts`` kept, as :func:`mgk_cache_step` keeps them).
+    Raises:
+        ValueError naming the argument.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64 (a step's compute dtype), got {dtype}")
+    check_components(num_keys, "num_keys")
+    check_mixture_args(mixture, log_pi)
+    shifts = check_shifts(shifts, num_keys, num_heads, head_dim)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if log_pi is not None:
+        B = log_pi.shape[0] if isinstance(log_pi, Tensor) and log_pi.dim() == 4 else 1
+        check_log_pi(log_pi, (B, num_heads, num_keys, 1), "(B, H, M, 1)")
+    s2 = mixture_terms.variances(sigma2, num_heads, num_keys, head_dim, dtype, device)
+    prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, num_keys, dtype, device)
+    return MGKStepTerms(s2, shifts, prior, mixture, num_heads, head_dim)
+
+
+# Step terms per decoding session: per cache for a layer, per key buffer for mgk_cache_step (a new cache or buffer
+# starts anew; a deleted one takes its terms along). Keyed by identity (a tensor's == is elementwise).
+_TERMS_OF = WeakIdKeyDictionary()
+
+
+def step_terms_for(owner, watch: tuple, make: Callable[[], MGKStepTerms]) -> MGKStepTerms:
+    """The :class:`MGKStepTerms` kept for ``owner`` (a decoding cache, or a cache's key buffer) when ``watch`` is as
+    it was when they were made, else ``make()``'s, kept in their place.
+
+    ``watch`` lists what the terms are made from: tensors (the layer's parameters and buffers: the same objects at
+    the same version, so that a parameter replaced, moved, cast, or changed in place by an optimiser or
+    ``load_state_dict`` makes them anew) and plain values compared by equality (dtype, options, numbers). Kept
+    tensors stay alive with the terms, so a new tensor never takes a kept one's address. Changes the version counter
+    does not see (writes through ``.data``) are not seen: a cache is one decoding session. Nothing is kept inside
+    torch.compile, torch.func transforms, forward-mode AD or dispatch modes (their tensors are not plain), for
+    inference tensors (whose in-place changes are not counted), nor while a watched tensor would record a gradient
+    (the terms would hold a graph that the next step's backward could not reuse)."""
+    if not _mixture_flash.plain_eager():
+        return make()
+    grad, versions = torch.is_grad_enabled(), []
+    for t in watch:
+        if isinstance(t, Tensor):
+            if t.is_inference() or (grad and t.requires_grad):
+                return make()
+            versions.append(t._version)
+    kept = _TERMS_OF.get(owner)
+    if kept is not None and kept[1] == versions and len(kept[0]) == len(watch) and all(
+            a is b or not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
+            for a, b in zip(kept[0], watch)):
+        return kept[2]
+    terms = make()
+    _TERMS_OF[owner] = (watch, versions, terms)
+    return terms
 
 
 @torch.no_grad()
@@ -409,17 +628,6 @@ def _check_slot_args(slot, key_valid, B: int, L: int, T: int) -> tuple[int, Tens
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     """t in ``dtype`` (itself when it is already: a step skips the call, whose overhead counts at every token)."""
     return t if t.dtype is dtype else t.to(dtype)
-
-
-def _step_terms(query, M: int, centre, log_pi, sigma2, mixture, dt):
-    """The checked terms a step shares between its entries and its attention: the centre (B, H, D), the variances
-    (H', M) and the new tokens' log prior (None for Hard-E), in ``dt``."""
-    B, H, L, D = query.shape
-    c = check_centre(centre, B, H, D, dt, query.device)
-    s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
-    check_log_pi(log_pi, (B, H, M, L), "(B, H, M, L)")
-    prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, query.device)
-    return c, s2, prior
 
 
 def _check_step_call(query, key, value, keys, key_bias, values, shifts) -> int:
@@ -507,19 +715,6 @@ def _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, ba
     if why is not None and backend is not None:
         pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
     return why is None
-
-
-def _kernel_args(query, new_keys, new_bias, value, keys, key_bias, values, c, s2, shifts, key_valid) -> tuple:
-    """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by :func:`_entries`), the
-    centre and inverse variances for the query's own terms, the buffers. The |q|^2 row term is asked for whenever
-    M > 1: exact either way (it cancels when the variances are equal), and cheaper than reading the variances."""
-    shifted = shifts is not None
-    M = key_bias.shape[2]
-    valid = query.new_empty(0, dtype=torch.bool) if key_valid is None else \
-        key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
-    return (query.contiguous(), new_keys.unsqueeze(2) if shifted else new_keys, new_bias, value, c.contiguous(),
-            s2.reciprocal().contiguous(), query.new_empty(0) if not shifted else shifts.detach().contiguous(), M > 1,
-            keys.unsqueeze(2) if shifted else keys, key_bias, values, valid)
 
 
 # The C++ step at a slot held in a tensor, as a custom op that mutates the cache's buffers: torch.compile keeps it in
