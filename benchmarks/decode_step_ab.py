@@ -3,7 +3,7 @@ take turns block by block (so that a busy machine's drift falls on both alike), 
 each and their ratio (current / base).
 
 Measurements per shape (``--what``): ``fn``, the functional :func:`mgk.functional.mgk_cache_step` at a fixed slot (the
-steady state at S cached tokens: the arguments as ``MGKAttention._fused_step`` passes them), and ``layer``, one
+steady state at S cached tokens: the arguments a layer's fused step passes), and ``layer``, one
 ``MGKAttention`` layer's forward of one new token through its cache (prefilled with S tokens, a fresh cache per
 block so that S grows by one block only), and ``compiled``, that layer's step through torch.compile over the cache
 fixed at its capacity (as ``generate(compile=True)``; compiled once per worker, S grows over the blocks).

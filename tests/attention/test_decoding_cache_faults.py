@@ -10,10 +10,10 @@ import io
 import pytest
 import torch
 
-import mgk.attention.mgk as mgk_module
 from attention.conftest import E, build_kind
 from mgk.attention.cache import DecodingCache
 from mgk.attention.registry import get_kind, kind_variants, variant_name
+from mgk.functional.mgk_cache import MGKDecodeState
 
 VARIANTS = [*kind_variants(), ("mgk", {"pi_shape": "position"})]
 IDS = [variant_name(k, v) for k, v in VARIANTS]
@@ -230,8 +230,8 @@ def test_a_provisional_row_fed_padding_keeps_the_batch_on_the_fused_step(kind, m
     pad[2, :9] = True  # an empty slot until step 9
     x[pad] = float("nan")
     slow = []
-    update = mgk_module._CachedCentre.update
-    monkeypatch.setattr(mgk_module._CachedCentre, "update", lambda self, *a: slow.append(1) or update(self, *a))
+    update = MGKDecodeState.update
+    monkeypatch.setattr(MGKDecodeState, "update", lambda self, *a: slow.append(1) or update(self, *a))
     cache = m.new_cache()
     outs = []
     with torch.no_grad():

@@ -9,8 +9,10 @@ import copy
 import pytest
 import torch
 
+from mgk import build_attention
 from mgk.attention.mgk import MGKAttention
 from mgk.functional import _mixture_terms
+from mgk.functional.mgk_cache import MGKDecodeState
 
 E, H = 16, 2  # head_dim 8, M = 2: tiny
 
@@ -105,3 +107,21 @@ def test_a_model_cast_between_steps_takes_terms_of_the_new_dtype():
         got, want = _step(layer, x.double(), cache), _step(layer, x.double(), fresh)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["mgk", "smgk", "gmgk"])
+def test_every_mgk_kind_keeps_its_centre_in_one_state(kind, monkeypatch):
+    """MGK, sMGK and grouped MGK take and keep their causal centres through the one decoding state
+    (:class:`mgk.functional.mgk_cache.MGKDecodeState`): a prefill of one token and a step both go through its
+    ``update``, and the centre it keeps is the cache's."""
+    calls = []
+    update = MGKDecodeState.update
+    monkeypatch.setattr(MGKDecodeState, "update", lambda self, *a: calls.append(1) or update(self, *a))
+    torch.manual_seed(0)
+    layer = build_attention(kind, E, H, head_dim=8, batch_first=True).eval()
+    cache = layer.new_cache(8)
+    with torch.no_grad():
+        _step(layer, torch.randn(2, 1, E), cache)
+        _step(layer, torch.randn(2, 1, E), cache)
+    assert len(calls) == 2 and MGKDecodeState(cache).centre is cache.extra["centre"]
+    assert layer.cache_ready_to_fix(cache) == MGKDecodeState(cache).ready_to_fix

@@ -27,12 +27,13 @@ from torch import Tensor, nn
 
 from ..fields import Label, spec
 from ..functional import mgk_attention_cached, mgk_cache_entries
+from ..functional.mgk_cache import MGKDecodeState
 from .base import AttentionBase, _positive_int, factory_kwargs
 from .cache import LayerCache
 from .cache_spec import CacheSpec
 from .flops import total
 from .gqa import GQAOptions, GroupedQueryAttention
-from .mgk import MGKAttention, MGKOptions, _CachedCentre, mixture_flops
+from .mgk import MGKAttention, MGKOptions, mixture_flops
 from .mixture_keys import KEY_MODES, MixtureKeys, split_options
 from .registry import AttentionKind, option_labels, register
 
@@ -160,8 +161,8 @@ class GroupedMGKAttention(MGKAttention):
         at each row's positions) appended to the cache (or written at its slot once its capacity is fixed), then
         each group's H / G query heads folded into its query axis and attended over the group's entries
         (:func:`mgk.functional.mgk_attention_cached`). The centre per (row, group) follows MGK's causal protocol
-        (:class:`mgk.attention.mgk._CachedCentre`) on the mean of the group's queries: the scores depend on q - k
-        only, so one centre per group is exact for all its heads, and one among their queries keeps the expanded
+        (:class:`mgk.functional.mgk_cache.MGKDecodeState`) on the mean of the group's queries: the scores depend on
+        q - k only, so one centre per group is exact for all its heads, and one among their queries keeps the expanded
         distances well conditioned (:mod:`mgk.functional._centre`). No Soft-E statistics."""
         L = x.shape[1]
         if self.mixture.position_limit() is not None and not torch.compiler.is_compiling():
@@ -172,7 +173,7 @@ class GroupedMGKAttention(MGKAttention):
         # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
         cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
         base = self.mixture.project(x)  # (B, G, M, L, D), or the one unshifted key (B, G, L, D)
-        centre, before, slot = _CachedCentre(cache), cache.seen, cache.length
+        centre, before, slot = MGKDecodeState(cache), cache.seen, cache.length
         if not cache.fixed:  # a fixed cache keeps its centre: entries made with any one centre are exact
             centre.update(q.unflatten(1, (self.kv_heads, self._repeat)).mean(dim=2), valid, entry)
         keys, key_bias = mgk_cache_entries(base, centre=centre.centre, log_pi=log_pi, **entry)

@@ -1,6 +1,6 @@
 """The kinds "mgk" and "smgk": multi-head attention with a mixture of Gaussian keys (Nguyen et al., ICML 2022,
-Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (with its causal-centre protocol, in one place)
-and registration."""
+Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (its causal-centre protocol and the choice of
+each cached call's path live in :class:`mgk.functional.mgk_cache.MGKDecodeState`) and registration."""
 from __future__ import annotations
 
 import math
@@ -16,13 +16,10 @@ from ..functional import (
     cpu_kernel_available,
     is_transformed,
     mgk_attention,
-    mgk_attention_cached,
     mgk_attention_soft_e,
-    mgk_cache_centre,
-    mgk_cache_entries,
     mgk_responsibilities,
 )
-from ..functional.mgk_cache import mgk_step_terms, step_terms_for
+from ..functional.mgk_cache import MGKDecodeState, mgk_step_terms, step_terms_for
 from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
 from .cache_spec import CacheSpec
@@ -206,19 +203,19 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
 
     def cache_ready_to_fix(self, cache: LayerCache) -> bool:
         """MGK's cache may be fixed once its centre is settled: every row has seen two real tokens
-        (:class:`_CachedCentre`; a step over a fixed capacity cannot remake a provisional row's entries)."""
-        return cache.extra.get("provisional") is False
+        (:attr:`mgk.functional.mgk_cache.MGKDecodeState.ready_to_fix`)."""
+        return MGKDecodeState(cache).ready_to_fix
 
     def cache_cropped(self, cache: LayerCache) -> None:
         """The centre protocol after :meth:`LayerCache.crop` cut this layer's ``cache`` (which calls it):
-        :meth:`_CachedCentre.cropped`."""
-        _CachedCentre(cache).cropped()
+        :meth:`mgk.functional.mgk_cache.MGKDecodeState.cropped`."""
+        MGKDecodeState(cache).cropped()
 
     def _cached_core(self, q, x, v, valid, cache: LayerCache):
         """Prefill: the uncached attention with its causal centre, which the cache keeps; then steps over the
-        cache's entries (:mod:`mgk.functional.mgk_cache`). Per-position weights are read at each row's positions.
-        A row's centre stays provisional until it has seen two real tokens (:class:`_CachedCentre`). No Soft-E
-        statistics."""
+        cache's entries: :meth:`mgk.functional.mgk_cache.MGKDecodeState.forward`, the one home of the centre
+        protocol and of the choice between the first call, the protocol's calls, the fused and the fixed-capacity
+        step. Per-position weights are read at each row's positions. No Soft-E statistics."""
         L = x.shape[1]
         by_position = self.mixture.position_limit() is not None
         if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
@@ -226,32 +223,23 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
         # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
         cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        if cache.fixed:
-            return self._fixed_step(q, base, v, valid, cache, by_position)
-        centre = _CachedCentre(cache)
-        if centre.settled_for(valid):
-            return self._fused_step(q, base, v, valid, cache, by_position)
-        log_pi = self._decode_log_pi(cache, valid, L, by_position)
-        entry_options = dict(sigma2=self.sigma2, mixture="max" if self.pi_mode == "hard_e" else "sum",
-                             shifts=self.mixture.shifts() if self.keys == "shifted" else None)
-        first = centre.centre is None
-        before = cache.seen
-        centre.update(q, valid, entry_options)
-        if first:
-            k = base if entry_options["shifts"] is None else self.mixture.shift(base)
-            mask = None if valid is None else valid[:, None, None, :]
-            out = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=entry_options["mixture"],
-                                attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
-                                centre=centre.centre)
-        keys, key_bias = mgk_cache_entries(base, centre=centre.centre, log_pi=log_pi, **entry_options)
-        slot = cache.length
-        entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
-        centre.keep(before, slot, base, log_pi, valid)
-        if first:
-            return out
-        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"],
-                                    centre=centre.centre, attn_mask=cache.attn_mask(), is_causal=True,
-                                    dropout_p=self.attn_dropout, **entry_options).to(v.dtype)
+
+        mixture = "max" if self.pi_mode == "hard_e" else "sum"
+
+        def options() -> dict:
+            return dict(sigma2=self.sigma2, mixture=mixture,
+                        shifts=self.mixture.shifts() if self.keys == "shifted" else None)
+
+        def prefill(log_pi, mask, centre):
+            k = base if self.keys != "shifted" else self.mixture.shift(base)
+            return mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture,
+                                 attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
+                                 centre=centre)
+
+        return MGKDecodeState(cache).forward(
+            q, base, v, valid, terms=lambda: self._decode_terms(cache, q, by_position),
+            log_pi=lambda: self._decode_log_pi(cache, valid, L, by_position), per_position=by_position,
+            options=options, prefill=prefill, dropout_p=self.attn_dropout)
 
     def _decode_log_pi(self, cache: LayerCache, valid, L: int, by_position: bool) -> Tensor | None:
         """log pi of this call's L new tokens, broadcastable to (B, H, M, L) (None for Hard-E): per-position weights
@@ -280,40 +268,6 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
                                   shifts=mixture.shifts() if shifted else None, log_pi=log_pi,
                                   mixture="max" if hard else "sum", dtype=dtype, device=q.device)
         return step_terms_for(cache, watch, make)
-
-    def _fused_step(self, q, base, v, valid, cache: LayerCache, by_position: bool):
-        """The steady state (no row's centre can change in this call, :meth:`_CachedCentre.settled_for`): one fused
-        write-and-attend call (:meth:`mgk.functional.mgk_cache.MGKStepTerms.step`), padding among the new tokens
-        included. A padded token's entries are made from a zero key and value: finite (its inputs may be anything,
-        NaN included, and a masked slot must hold finite numbers) and never attended (the valid-slot mask)."""
-        terms = self._decode_terms(cache, q, by_position)
-        log_pi = self._decode_log_pi(cache, valid, q.shape[2], True) if by_position else None
-        if valid is not None:
-            B, L = valid.shape
-            zero = torch.zeros((), dtype=v.dtype, device=v.device)
-            base = torch.where(valid.view(B, *[1] * (base.dim() - 3), L, 1), base, zero.to(base.dtype))
-            v = torch.where(valid.view(B, 1, L, 1), v, zero)
-        buffers, slot = cache.claim(q.shape[2], valid)
-        return terms.step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"], values=buffers["values"],
-                          slot=slot, centre=cache.extra["centre"],
-                          key_valid=cache.key_valid() if cache.padded else None, log_pi=log_pi).to(v.dtype)
-
-    def _fixed_step(self, q, base, v, valid, cache: LayerCache, by_position: bool):
-        """A step over a cache of fixed capacity (:meth:`LayerCache.fix_capacity`): the fused step at the slot
-        tensor (:meth:`mgk.functional.mgk_cache.MGKStepTerms.step`; under torch.compile the C++ kernel as a custom
-        op, else the explicit composition over the whole capacity with the valid-slot mask). The centre must be
-        settled (every row has seen two real tokens)."""
-        if cache.extra.get("provisional") is not False:
-            raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
-                             "two real tokens")
-        if valid is not None:
-            cache.check_fixed_call(valid, q.shape[2])  # the padding named (claim checks the rest)
-        terms = self._decode_terms(cache, q, by_position)
-        log_pi = self._decode_log_pi(cache, valid, q.shape[2], True) if by_position else None
-        buffers, slot = cache.claim(q.shape[2])
-        return terms.step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"], key_bias=buffers["key_bias"],
-                          values=buffers["values"], slot=slot, centre=cache.extra["centre"],
-                          key_valid=cache.key_valid(), log_pi=log_pi).to(v.dtype)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
         log_pi = self._log_weights_of(k.shape[3], key_positions)
@@ -417,111 +371,6 @@ def soft_e_step(model: nn.Module) -> int:
         module._apply_statistics(acc)
         acc.zero_()
     return len(modules)
-
-
-class _CachedCentre:
-    """MGK's causal centre in a decoding cache: the one place its protocol lives (state in ``cache.extra``).
-
-    The scores depend on q - k only, and every fast path subtracts one centre per (row, head) first
-    (:mod:`mgk.functional._centre`). Under causality the centre is the query of the first token that sees two keys
-    (:func:`mgk.functional.mgk_cache_centre`), so a row's centre is provisional until it has seen two real tokens,
-    and a new centre must remake the entries already cached for that row: at most one real token, whose uncentred
-    key and log prior are kept (one slot per row, ``(B, H, M, 1, D)``, whatever the number of steps; never the
-    keys of a row that stays empty). Once every row has seen two real tokens nothing is kept."""
-
-    def __init__(self, cache: LayerCache):
-        self.cache, self.state = cache, cache.extra
-
-    @property
-    def centre(self) -> Tensor | None:
-        """(B, H, D) the centre of every row, None before the first call."""
-        return self.state.get("centre")
-
-    def settled_for(self, valid: Tensor | None) -> bool:
-        """Whether a call whose new tokens are ``valid`` (B, L) bool (None: all real) leaves every centre and kept
-        key as they are, so that it may take the fused step: every row has seen two real tokens, or the rows that
-        have not (an empty slot of a batch, a row of one token) get only padding now. A provisional row thus costs
-        the batch nothing until its own tokens come."""
-        provisional = self.state.get("provisional")
-        if provisional is False:
-            return True
-        if self.centre is None or valid is None:  # the first call; or every provisional row gets a real token
-            return False
-        return not bool(((self.cache.seen < 2) & valid.any(dim=1)).any())
-
-    def update(self, q: Tensor, valid: Tensor | None, entry_options: dict) -> None:
-        """Take the centre after this call's queries q (B, H, L, D) and, for rows whose centre changed, remake the
-        entry of the one real token they had cached."""
-        if not self.state.setdefault("provisional", True):
-            return
-        first = self.centre is None
-        centre, changed = mgk_cache_centre(q, self.centre, key_valid=self.cache.key_valid(), valid=valid)
-        self.state["centre"] = centre
-        if first or "raw_key" not in self.state:
-            return
-        rows = changed & self.state["raw_has"]
-        if bool(rows.any()):
-            keys, key_bias = mgk_cache_entries(self.state["raw_key"], centre=centre,
-                                               log_pi=self.state.get("raw_log_pi"), **entry_options)
-            self.cache.write_slot(rows, self.state["raw_slot"], keys=keys, key_bias=key_bias)
-
-    def cropped(self) -> None:
-        """Put the protocol in line with a cache just cropped (its counts already cut).
-
-        Any fixed centre is exact (it only conditions the floats), so every row keeps its centre and entries; what
-        must stay consistent is which rows are provisional, each holding the raw key of its one real token. A row
-        left with no real token becomes provisional with nothing kept (its next tokens choose its centre, as a new
-        row's). A row left with one real token whose raw key is not kept (it had two or more) cannot be provisional,
-        and a cache of fixed capacity steps with a settled centre only: then the protocol is settled as it stands
-        (every centre fixed, nothing kept), exactly as if the centre had been chosen so. Re-feeding the cropped
-        tokens thus rebuilds the uncropped entries."""
-        if self.centre is None:
-            return
-        seen, state = self.cache.seen, self.state
-        kept = state.get("raw_has")
-        kept = None if kept is None else kept & (seen == 1)  # a kept token cropped away leaves its row empty
-        lone = (seen == 1) if kept is None else (seen == 1) & ~kept
-        if self.cache.fixed or bool(lone.any()):
-            for name in ("raw_key", "raw_log_pi", "raw_slot", "raw_has"):
-                state.pop(name, None)
-            state["provisional"] = False
-        elif bool((seen < 2).any()):
-            state["provisional"] = True
-            if kept is not None:
-                state["raw_has"] = kept
-
-    def keep(self, before: Tensor, slot: int, base: Tensor, log_pi: Tensor | None, valid: Tensor | None) -> None:
-        """After this call's entries were appended at slots ``slot`` on: keep the raw key (and log prior) of every
-        row whose first real token came in this call and that has seen one real token only; forget everything once
-        no row is provisional."""
-        if not self.state.get("provisional", True):
-            return
-        seen = self.cache.seen
-        if not bool((seen < 2).any()):
-            for name in ("raw_key", "raw_log_pi", "raw_slot", "raw_has"):
-                self.state.pop(name, None)
-            self.state["provisional"] = False
-            return
-        B, L = base.shape[0], base.shape[-2]
-        dim = base.dim() - 2  # the slot dimension of the raw keys
-        index = torch.arange(B, device=base.device)
-        pos = torch.zeros(B, dtype=torch.int64, device=base.device) if valid is None else \
-            valid.to(torch.int64).argmax(dim=1)  # the first real token of the call
-        new = (before == 0) & (seen == 1)
-        key = base.detach().movedim(dim, 1)[index, pos].unsqueeze(dim)
-        prior = None if log_pi is None else \
-            log_pi.detach().expand(B, base.shape[1], -1, L).movedim(3, 1)[index, pos].unsqueeze(3)
-        if "raw_key" not in self.state:
-            self.state.update(raw_key=torch.zeros_like(key), raw_slot=torch.zeros_like(pos),
-                              raw_has=torch.zeros_like(new))
-            if prior is not None:
-                self.state["raw_log_pi"] = torch.zeros_like(prior)
-        state = self.state
-        state["raw_key"] = torch.where(new.view(-1, *[1] * (key.dim() - 1)), key, state["raw_key"])
-        if prior is not None:
-            state["raw_log_pi"] = torch.where(new.view(-1, 1, 1, 1), prior, state["raw_log_pi"])
-        state["raw_slot"] = torch.where(new, slot + pos, state["raw_slot"])
-        state["raw_has"] = (state["raw_has"] | new) & (seen < 2)
 
 
 def mixture_flops(options, *, separate: bool, heads: int, length: int, batch: int, embed_dim: int, head_dim: int,

@@ -45,8 +45,8 @@ from ._mixture_terms import (
     row_bias,
 )
 
-__all__ = ["DECODE_BACKENDS", "MGKStepTerms", "mgk_attention_cached", "mgk_cache_centre", "mgk_cache_entries",
-           "mgk_cache_step", "mgk_step_terms", "step_terms_for"]
+__all__ = ["DECODE_BACKENDS", "MGKDecodeState", "MGKStepTerms", "mgk_attention_cached", "mgk_cache_centre",
+           "mgk_cache_entries", "mgk_cache_step", "mgk_step_terms", "step_terms_for"]
 
 DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
 # Below this many bytes of cached keys a traced step at a slot tensor takes the explicit composition, which inductor
@@ -715,6 +715,199 @@ def _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, ba
     if why is not None and backend is not None:
         pick(backend, DECODE_BACKENDS, lambda b, _: why)  # BackendError naming why
     return why is None
+
+
+class MGKDecodeState:
+    """MGK's decoding state over one layer's cache, and the choice of each call's path: the one home of the causal
+    centre protocol (state in ``cache.extra``, which the cache saves, moves with :meth:`select` and crops through
+    the layer's ``cache_cropped``).
+
+    ``cache`` is duck-typed (:class:`mgk.attention.cache.LayerCache`): ``extra``, ``seen``, ``length``, ``fixed``,
+    ``padded``, ``key_valid()``, ``attn_mask()``, ``append``, ``claim``, ``write_slot``, ``check_fixed_call``.
+
+    The scores depend on q - k only, and every fast path subtracts one centre per (row, head) first
+    (:mod:`._centre`). Under causality the centre is the query of the first token that sees two keys
+    (:func:`mgk_cache_centre`), so a row's centre is provisional until it has seen two real tokens, and a new
+    centre must remake the entries already cached for that row: at most one real token, whose uncentred key and log
+    prior are kept (one slot per row, ``(B, H, M, 1, D)``, whatever the number of steps; never the keys of a row
+    that stays empty). Once every row has seen two real tokens nothing is kept, and :attr:`ready_to_fix`."""
+
+    _KEPT = ("raw_key", "raw_log_pi", "raw_slot", "raw_has")
+
+    def __init__(self, cache):
+        self.cache, self.state = cache, cache.extra
+
+    @property
+    def centre(self) -> Tensor | None:
+        """(B, H, D) the centre of every row, None before the first call."""
+        return self.state.get("centre")
+
+    @property
+    def ready_to_fix(self) -> bool:
+        """Whether every centre is settled, so the cache may take a fixed capacity (a step over one cannot remake a
+        provisional row's entries)."""
+        return self.state.get("provisional") is False
+
+    def forward(self, q: Tensor, base: Tensor, v: Tensor, valid: Tensor | None, *,
+                terms: Callable[[], MGKStepTerms], log_pi: Callable[[], Tensor | None], per_position: bool,
+                options: Callable[[], dict], prefill: Callable[..., Tensor], dropout_p: float) -> Tensor:
+        """One cached call of an MGK layer: the fixed-capacity step, the fused step (every centre this call could
+        change is settled, :meth:`settled_for`), or the centre protocol's path (the first call's uncached attention,
+        or entries appended and attended explicitly).
+
+        Args:
+            q: (B, H, L, D) queries; base: the new keys (B, H, M, L, D), or sMGK's unshifted (B, H, L, D); v
+                (B, H, L, Dv); valid: (B, L) bool, True = a real token, or None.
+            terms: the layer's step terms (:func:`step_terms_for`); log_pi: this call's log prior, broadcastable to
+                (B, H, M, L), None for Hard-E (called before any slot is claimed); per_position: whether it
+                depends on the position (else the terms hold it); options: ``sigma2``, ``mixture``, ``shifts`` for
+                :func:`mgk_cache_entries`; prefill(log_pi, attn_mask, centre): the first call's uncached attention;
+                dropout_p: the explicit path's.
+        Returns:
+            (B, H, L, Dv) in v's dtype.
+        Raises:
+            ValueError for a fixed capacity before the centre is settled, or as the steps raise.
+        """
+        if self.cache.fixed:
+            return self._fixed_step(q, base, v, valid, terms(), log_pi() if per_position else None)
+        if self.settled_for(valid):
+            return self._fused_step(q, base, v, valid, terms(), log_pi() if per_position else None)
+        return self._protocol_step(q, base, v, valid, log_pi(), options(), prefill, dropout_p)
+
+    def _fused_step(self, q, base, v, valid, terms: MGKStepTerms, log_pi):
+        """The steady state: one fused write-and-attend call (:meth:`MGKStepTerms.step`), padding among the new
+        tokens included. A padded token's entries are made from a zero key and value: finite (its inputs may be
+        anything, NaN included, and a masked slot must hold finite numbers) and never attended (the valid-slot
+        mask)."""
+        cache = self.cache
+        if valid is not None:
+            B, L = valid.shape
+            zero = torch.zeros((), dtype=v.dtype, device=v.device)
+            base = torch.where(valid.view(B, *[1] * (base.dim() - 3), L, 1), base, zero.to(base.dtype))
+            v = torch.where(valid.view(B, 1, L, 1), v, zero)
+        buffers, slot = cache.claim(q.shape[2], valid)
+        return terms.step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"], values=buffers["values"],
+                          slot=slot, centre=self.centre, key_valid=cache.key_valid() if cache.padded else None,
+                          log_pi=log_pi).to(v.dtype)
+
+    def _fixed_step(self, q, base, v, valid, terms: MGKStepTerms, log_pi):
+        """A step over a cache of fixed capacity: the fused step at the slot tensor (under torch.compile the C++
+        kernel as a custom op, else the explicit composition over the whole capacity with the valid-slot mask)."""
+        cache = self.cache
+        if not self.ready_to_fix:
+            raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
+                             "two real tokens")
+        if valid is not None:
+            cache.check_fixed_call(valid, q.shape[2])  # the padding named (claim checks the rest)
+        buffers, slot = cache.claim(q.shape[2])
+        return terms.step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"], key_bias=buffers["key_bias"],
+                          values=buffers["values"], slot=slot, centre=self.centre, key_valid=cache.key_valid(),
+                          log_pi=log_pi).to(v.dtype)
+
+    def _protocol_step(self, q, base, v, valid, log_pi, options: dict, prefill, dropout_p: float):
+        """A call that may change a centre: take it (:meth:`update`), then the first call's uncached attention, or
+        the new entries appended and attended; keep what a provisional row needs (:meth:`keep`)."""
+        cache = self.cache
+        first, before = self.centre is None, cache.seen
+        self.update(q, valid, options)
+        if first:
+            out = prefill(log_pi, None if valid is None else valid[:, None, None, :], self.centre)
+        keys, key_bias = mgk_cache_entries(base, centre=self.centre, log_pi=log_pi, **options)
+        slot = cache.length
+        entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
+        self.keep(before, slot, base, log_pi, valid)
+        if first:
+            return out
+        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"], centre=self.centre,
+                                    attn_mask=cache.attn_mask(), is_causal=True, dropout_p=dropout_p,
+                                    **options).to(v.dtype)
+
+    def settled_for(self, valid: Tensor | None) -> bool:
+        """Whether a call whose new tokens are ``valid`` (B, L) bool (None: all real) leaves every centre and kept
+        key as they are, so that it may take the fused step: every row has seen two real tokens, or the rows that
+        have not (an empty slot of a batch, a row of one token) get only padding now. A provisional row thus costs
+        the batch nothing until its own tokens come."""
+        provisional = self.state.get("provisional")
+        if provisional is False:
+            return True
+        if self.centre is None or valid is None:  # the first call; or every provisional row gets a real token
+            return False
+        return not bool(((self.cache.seen < 2) & valid.any(dim=1)).any())
+
+    def update(self, q: Tensor, valid: Tensor | None, entry_options: dict) -> None:
+        """Take the centre after this call's queries q (B, H, L, D) and, for rows whose centre changed, remake the
+        entry of the one real token they had cached (``entry_options``: :func:`mgk_cache_entries`' sigma2, mixture,
+        shifts)."""
+        if not self.state.setdefault("provisional", True):
+            return
+        first = self.centre is None
+        centre, changed = mgk_cache_centre(q, self.centre, key_valid=self.cache.key_valid(), valid=valid)
+        self.state["centre"] = centre
+        if first or "raw_key" not in self.state:
+            return
+        rows = changed & self.state["raw_has"]
+        if bool(rows.any()):
+            keys, key_bias = mgk_cache_entries(self.state["raw_key"], centre=centre,
+                                               log_pi=self.state.get("raw_log_pi"), **entry_options)
+            self.cache.write_slot(rows, self.state["raw_slot"], keys=keys, key_bias=key_bias)
+
+    def cropped(self) -> None:
+        """Put the protocol in line with a cache just cropped (its counts already cut).
+
+        Any fixed centre is exact (it only conditions the floats), so every row keeps its centre and entries; what
+        must stay consistent is which rows are provisional, each holding the raw key of its one real token. A row
+        left with no real token becomes provisional with nothing kept (its next tokens choose its centre, as a new
+        row's). A row left with one real token whose raw key is not kept (it had two or more) cannot be provisional,
+        and a cache of fixed capacity steps with a settled centre only: then the protocol is settled as it stands
+        (every centre fixed, nothing kept), exactly as if the centre had been chosen so. Re-feeding the cropped
+        tokens thus rebuilds the uncropped entries."""
+        if self.centre is None:
+            return
+        seen, state = self.cache.seen, self.state
+        kept = state.get("raw_has")
+        kept = None if kept is None else kept & (seen == 1)  # a kept token cropped away leaves its row empty
+        lone = (seen == 1) if kept is None else (seen == 1) & ~kept
+        if self.cache.fixed or bool(lone.any()):
+            for name in self._KEPT:
+                state.pop(name, None)
+            state["provisional"] = False
+        elif bool((seen < 2).any()):
+            state["provisional"] = True
+            if kept is not None:
+                state["raw_has"] = kept
+
+    def keep(self, before: Tensor, slot: int, base: Tensor, log_pi: Tensor | None, valid: Tensor | None) -> None:
+        """After this call's entries were appended at slots ``slot`` on (``before``: the rows' real tokens before
+        the call): keep the raw key (and log prior) of every row whose first real token came in this call and that
+        has seen one real token only; forget everything once no row is provisional."""
+        if not self.state.get("provisional", True):
+            return
+        seen = self.cache.seen
+        if not bool((seen < 2).any()):
+            for name in self._KEPT:
+                self.state.pop(name, None)
+            self.state["provisional"] = False
+            return
+        B, L = base.shape[0], base.shape[-2]
+        dim = base.dim() - 2  # the slot dimension of the raw keys
+        index = torch.arange(B, device=base.device)
+        pos = torch.zeros(B, dtype=torch.int64, device=base.device) if valid is None else \
+            valid.to(torch.int64).argmax(dim=1)  # the first real token of the call
+        new = (before == 0) & (seen == 1)
+        key = base.detach().movedim(dim, 1)[index, pos].unsqueeze(dim)
+        prior = None if log_pi is None else \
+            log_pi.detach().expand(B, base.shape[1], -1, L).movedim(3, 1)[index, pos].unsqueeze(3)
+        if "raw_key" not in self.state:
+            self.state.update(raw_key=torch.zeros_like(key), raw_slot=torch.zeros_like(pos),
+                              raw_has=torch.zeros_like(new))
+            if prior is not None:
+                self.state["raw_log_pi"] = torch.zeros_like(prior)
+        state = self.state
+        state["raw_key"] = torch.where(new.view(-1, *[1] * (key.dim() - 1)), key, state["raw_key"])
+        if prior is not None:
+            state["raw_log_pi"] = torch.where(new.view(-1, 1, 1, 1), prior, state["raw_log_pi"])
+        state["raw_slot"] = torch.where(new, slot + pos, state["raw_slot"])
+        state["raw_has"] = (state["raw_has"] | new) & (seen < 2)
 
 
 # The C++ step at a slot held in a tensor, as a custom op that mutates the cache's buffers: torch.compile keeps it in
