@@ -68,15 +68,17 @@ def _figure_rows():
         return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
-def test_the_figure_data_are_the_numbers_of_kv_budget_md():
-    results = (ROOT / "results/cpu/kv-budget.md").read_text()
+def test_the_figure_data_are_the_numbers_of_the_results_files():
+    # kv-budget.md's rows, and the grouped mixture keys of mixture-keys-at-gqa-cache.md
+    results = "\n".join((ROOT / f"results/cpu/{name}.md").read_text()
+                        for name in ("kv-budget", "mixture-keys-at-gqa-cache"))
     rows = _figure_rows()
     assert {r["task"] for r in rows} == {"dretrieval-d8", "lm-small"}
     for r in rows:
         # the results table's row: the name (bold or not), then mean ± std, n, ..., cache bytes
         row = re.search(rf"^\| \**{re.escape(r['row'])}\** \| \**{re.escape(r['mean'])} ± {re.escape(r['std'])}\**"
                         rf" \|.*\| \**{r['cache_bytes']}\** \|", results, re.M)
-        assert row, f"{r['task']} {r['row']}: {r['mean']} ± {r['std']}, {r['cache_bytes']} B not in kv-budget.md"
+        assert row, f"{r['task']} {r['row']}: {r['mean']} ± {r['std']}, {r['cache_bytes']} B not in the results files"
 
 
 def _round(number: str, places: int) -> str:

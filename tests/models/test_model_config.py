@@ -40,7 +40,7 @@ def test_attention_options_only_for_kinds_that_take_them():
     assert "sigma2" not in encoder_config(run_config(attention="mlk")).attention.options.as_kwargs()
     options = {name for name, path in flat_keys().items() if path.startswith("attention.options.")}
     assert options == {"num_keys", "pi", "pi_shape", "sigma2", "pi_norm", "normalize", "feature_map",
-                       "output_scale", "attn_eps", "eps_mode", "mix", "num_kv_heads"}
+                       "output_scale", "attn_eps", "eps_mode", "mix", "num_kv_heads", "keys"}
 
 
 def test_lm_config_covers_a_segment_and_keeps_cutoffs():
