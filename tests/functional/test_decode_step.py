@@ -3,7 +3,7 @@ cache and attended (by the C++ kernel, csrc/mixture_decode.cpp, or the GEMMs), a
 (reference.py) of the uncached keys, and its kernel against its own explicit form (the composition it replaces):
 every buffer slot equal, the slots outside the new ones untouched, padding in the cache, sMGK, Hard-E, unequal
 per-head variances, per-token priors, vector tails, up to 16 new queries and the thread pool; then the inputs it
-must refuse in one line (issue 34).
+must refuse in one line.
 """
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
 @pytest.mark.parametrize("kind,options", CASES, ids=[variant_name(k, v) for k, v in CASES])
 def test_the_cache_grows_as_tokens_come_not_to_max_new_tokens(kind, options, monkeypatch):
     """generate allocated T + max_new_tokens slots a layer up front: an eos at the first step with max_new_tokens
-    =300000 held GBs at paper size (issue 30 #8). The bytes allocated must follow the tokens made."""
+    =300000 held GBs at paper size. The bytes allocated must follow the tokens made."""
     model = _lm(kind, options, max_len=100_000)
     idx = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(3))
     eos = int(model.generate(idx[:1], 1, temperature=0)[0, -1])
