@@ -317,8 +317,7 @@ class AttentionBase(nn.Module, abc.ABC):
                              "torch.inference_mode(), or call without past_key_values (the uncached forward gives "
                              "exact gradients)")
         if L > 0 or cache.seen is not None:  # an empty first chunk leaves a new cache unbound
-            cache.bind((type(self).__name__, self.num_heads, self.head_dim, getattr(self, "keys", None)), B,
-                       x.device, self)
+            cache.bind(self._cache_owner(), B, x.device, self)
         if L == 0:  # an empty chunk (of a chunked prefill) adds nothing and attends to nothing, whatever the kind
             width = self.num_heads * self.head_dim
             return self._outputs(self.out_proj(x.new_zeros(B, 0, width)), None, batched, True)
@@ -328,6 +327,14 @@ class AttentionBase(nn.Module, abc.ABC):
             out = out * self._gate_shape(self.head_gate, B)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))
         return self._outputs(out, None, batched, True)
+
+    def _cache_owner(self) -> tuple:
+        """What a cache filled by this layer is checked against (:meth:`mgk.attention.cache.LayerCache.bind`, also
+        after ``load_state_dict``): the class and every size that shapes its entries (a cache of 2 key/value heads
+        read by a layer of 1 would attend over the wrong heads silently)."""
+        sizes = {"num_heads": self.num_heads, "head_dim": self.head_dim, "kv_heads": self.kv_heads,
+                 "keys": getattr(self, "keys", None), "num_keys": getattr(self, "num_keys", None)}
+        return (type(self).__name__, *(f"{k}={v}" for k, v in sizes.items() if v is not None))
 
     def _gate_shape(self, gate: Tensor, B: int) -> Tensor:
         """:attr:`head_gate` (H,) or (B, H) as (B or 1, H, 1, 1); ValueError naming it for another shape."""

@@ -179,8 +179,9 @@ class LayerCache(_SavedByStateDict):
             return
         if owner != self._owner:
             raise ValueError(f"past_key_values holds the cache of another layer ({self._owner[0]} with "
-                             f"{self._owner[1:]}), not of this {owner[0]} with {owner[1:]}: give each layer its own "
-                             "cache (DecodingCache holds one per layer)")
+                             f"{', '.join(map(str, self._owner[1:]))}), not of this {owner[0]} with "
+                             f"{', '.join(map(str, owner[1:]))}: give each layer its own cache (DecodingCache holds "
+                             "one per layer)")
         if B != self.batch_size:
             raise ValueError(f"past_key_values was filled for a batch of {self.batch_size} rows; this call has {B}")
         if torch.device(device) != self.seen.device:
