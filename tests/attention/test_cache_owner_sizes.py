@@ -20,17 +20,23 @@ PAIRS = [  # (kind, options of the layer that filled the cache, options of the l
 ]
 
 
-@pytest.mark.parametrize("kind, filled, loading", PAIRS, ids=[f"{k}-{a}-{b}" for k, a, b in PAIRS])
-def test_a_cache_of_other_sizes_is_refused_at_its_first_call(kind, filled, loading):
+def _filled_and_loaded(a, b):
+    """(a's cache after a 4-token prompt, a new cache of b holding its state dict, a next token's input)."""
     torch.manual_seed(0)
-    a = mgk.build_attention(kind, E, H, **filled).eval()
-    b = mgk.build_attention(kind, E, H, **loading).eval()
     x, y = torch.randn(2, 4, E), torch.randn(2, 1, E)
     with torch.no_grad():
         cache = a.new_cache()
         a(x, past_key_values=cache, is_causal=True, need_weights=False)
-        other = b.new_cache()
-        other.load_state_dict(cache.state_dict())
+    other = b.new_cache()
+    other.load_state_dict(cache.state_dict())
+    return cache, other, y
+
+
+@pytest.mark.parametrize("kind, filled, loading", PAIRS, ids=[f"{k}-{a}-{b}" for k, a, b in PAIRS])
+def test_a_cache_of_other_sizes_is_refused_at_its_first_call(kind, filled, loading):
+    a, b = mgk.build_attention(kind, E, H, **filled).eval(), mgk.build_attention(kind, E, H, **loading).eval()
+    cache, other, y = _filled_and_loaded(a, b)
+    with torch.no_grad():
         with pytest.raises(ValueError, match="past_key_values holds the cache of another layer") as err:
             b(y, past_key_values=other, is_causal=True, need_weights=False)
     text = str(err.value)
@@ -40,16 +46,11 @@ def test_a_cache_of_other_sizes_is_refused_at_its_first_call(kind, filled, loadi
 
 
 def test_a_cache_of_the_same_sizes_still_loads_and_decodes_as_the_original():
-    torch.manual_seed(0)
     a = mgk.build_attention("gmgk", E, H, num_kv_heads=2).eval()
     b = mgk.build_attention("gmgk", E, H, num_kv_heads=2).eval()
     b.load_state_dict(a.state_dict())
-    x, y = torch.randn(2, 4, E), torch.randn(2, 1, E)
+    cache, other, y = _filled_and_loaded(a, b)
     with torch.no_grad():
-        cache = a.new_cache()
-        a(x, past_key_values=cache, is_causal=True, need_weights=False)
-        other = b.new_cache()
-        other.load_state_dict(cache.state_dict())
         want = a(y, past_key_values=cache, is_causal=True, need_weights=False)[0]
         got = b(y, past_key_values=other, is_causal=True, need_weights=False)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)

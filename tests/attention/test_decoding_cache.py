@@ -312,7 +312,7 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
 
 @pytest.mark.parametrize("kind", ["mgk", "smgk"])
 def test_a_row_that_stays_provisional_keeps_one_slot_of_keys_whatever_the_steps(kind):
-    """Issue 30 (#8): while any row was provisional (fewer than two real tokens), every call's raw keys were kept
+    """While any row was provisional (fewer than two real tokens), every call's raw keys were kept
     for all rows: an empty row held 4.2 MiB beside a 6.1 MiB cache after 2,000 steps. Only each provisional row's
     one real token is needed to remake its entry, so what is kept does not grow with the steps; the decoded rows
     still equal the uncached forward."""

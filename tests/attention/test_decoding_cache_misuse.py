@@ -104,7 +104,7 @@ _GRAD_REFUSED = (r"^past_key_values is for inference: this call would record gra
 
 @pytest.mark.parametrize("kind,options", kind_variants(), ids=[variant_name(k, v) for k, v in kind_variants()])
 def test_a_cached_call_that_would_record_gradients_is_refused_in_one_line(kind, options):
-    """Issue 30: a backward through cached calls reached different parameters per kind (softmax's key projection
+    """A backward through cached calls reached different parameters per kind (softmax's key projection
     nothing, MGK's log_sigma2 a third of its gradient) and crashed after a prefill plus steps ("modified by an
     inplace operation"). Caches are for inference: with grad enabled and the input or a parameter requiring grad,
     a prefill or a step is one ValueError, before anything is written; without anything to record (no_grad,

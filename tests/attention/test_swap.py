@@ -258,7 +258,7 @@ def _wrapped_out_proj():
     (_wrapped_out_proj, r"^swap_attention: 0.out_proj is _Wrapped, not nn.Linear"),
 ])
 def test_torch_attention_variants_mgk_cannot_represent_are_refused_in_one_line_naming_the_module(make, match):
-    """Issue 30 (#6): a subclass with its own parameter raised a bare KeyError('gain'), and a subclass with its own
+    """A subclass with its own parameter raised a bare KeyError('gain'), and a subclass with its own
     forward would have been replaced silently."""
     with pytest.raises(ValueError, match=match) as err:
         mgk.swap_attention(make(), "softmax")

@@ -178,7 +178,7 @@ def _fake_rows(calls):
 
 
 def test_rounds_interleave_the_kinds_and_report_median_min_and_max(monkeypatch):
-    """Issue 34: kinds measured in turn, round after round, so that a change of the machine's load falls on every
+    """Kinds measured in turn, round after round, so that a change of the machine's load falls on every
     kind alike; the row holds the median of the rounds and their spread."""
     from mgk.bench import decode
 
@@ -222,7 +222,7 @@ def test_read_bandwidth_is_a_positive_rate(one_thread):
 
 
 def test_a_run_is_measured_beside_softmax8_of_its_sizes(run_v0_1_0, one_thread, monkeypatch):
-    """Issue 34: `--run` had no baseline ("x first" was always 1.00); now softmax-8 of the run's sizes (random
+    """`--run` had no baseline ("x first" was always 1.00); now softmax-8 of the run's sizes (random
     weights) is measured first."""
     from mgk.bench import decode
 
@@ -239,7 +239,7 @@ def test_a_run_is_measured_beside_softmax8_of_its_sizes(run_v0_1_0, one_thread, 
 
 
 def test_plot_draws_ms_per_token_against_context_per_kind(tmp_path):
-    """Issue 34: the figure of ms per token against the context, a line per kind, a panel per (target, batch), with
+    """The figure of ms per token against the context, a line per kind, a panel per (target, batch), with
     the rounds' spread; failed rows are left out, a result with none that succeeded is refused."""
     from PIL import Image
 

@@ -106,7 +106,7 @@ def test_threads_sets_the_runs_cpu_threads_and_refuses_zero_in_one_line(tmp_path
 
 @pytest.mark.parametrize("omp, want", [(None, 1), ("2", 2)])
 def test_a_small_model_trains_on_one_thread_unless_threads_are_given(tmp_path, th, omp, want):
-    """Issue 30 (#8): threads of a small model spun against another busy process (the main job took 53 minutes on
+    """Threads of a small model spun against another busy process (the main job took 53 minutes on
     a busy machine against 1.6 quiet); without --threads and $OMP_NUM_THREADS, a model under
     mgk.train.loop.SMALL_MODEL_PARAMS trains on one thread; $OMP_NUM_THREADS (or --threads) is obeyed."""
     env = {k: v for k, v in th.env().items() if k != "OMP_NUM_THREADS"}

@@ -227,10 +227,12 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         mixture = "max" if self.pi_mode == "hard_e" else "sum"
 
         def options() -> dict:
+            """The cache entries' options (variances, mixture, shifts) as this call reads them."""
             return dict(sigma2=self.sigma2, mixture=mixture,
                         shifts=self.mixture.shifts() if self.keys == "shifted" else None)
 
         def prefill(log_pi, mask, centre):
+            """The first call's output: the uncached causal attention at the cache's centre."""
             k = base if self.keys != "shifted" else self.mixture.shift(base)
             return mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture,
                                  attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
@@ -263,6 +265,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             watch += (mixture.pi_norm, mixture._parameters.get("pi_logits"), mixture.component_gate)
 
         def make():
+            """The terms, made anew (when a watched tensor changed, or at the first step)."""
             log_pi = None if hard or by_position else mixture.log_weights(1)
             return mgk_step_terms(self.num_heads, mixture.num_keys, self.head_dim, sigma2=self.sigma2,
                                   shifts=mixture.shifts() if shifted else None, log_pi=log_pi,

@@ -77,7 +77,8 @@ class MGKCacheLayer(CacheLayerMixin):
         """-1: mgk's caches grow without a maximum length."""
         return -1
 
-    def get_max_cache_shape(self) -> int:  # the name in transformers before 5.x
+    def get_max_cache_shape(self) -> int:
+        """-1, as :meth:`get_max_length` (the method's name in transformers before 5.x)."""
         return -1
 
     def reset(self) -> None:
@@ -88,6 +89,8 @@ class MGKCacheLayer(CacheLayerMixin):
         self.mgk_cache = factory() if factory is not None else LayerCache(old.slots, layout=old.layout)
 
     def offload(self):
+        """Refused: mgk's caches stay on the device they were filled on (NotImplementedError in one line naming
+        what to use instead)."""
         raise NotImplementedError("offload: mgk's decoding caches stay on their device; use a DynamicCache "
                                   "without offloading (cache_implementation='dynamic')")
 
