@@ -22,7 +22,7 @@ from .seeds import INT64_MAX
 
 __all__ = ["Label", "spec", "check", "check_value", "parse", "range_text", "inapplicable", "type_name"]
 
-_NONE_WORDS = ("none", "null", "")
+_NONE_WORDS = ("none", "null")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -177,9 +177,13 @@ def _parse_sequence(text: str, origin):
 def parse(text: str, hint, name: str):
     """``text`` (from ``--set name=text``) as a value of the annotation ``hint``: bool words, numbers, ``none`` for
     an optional field, ``[1, 2]`` or ``1,2`` for a tuple or list; for a union the first alternative that parses, in
-    the annotation's order (``str`` parses any text: list it last). ValueError naming ``name`` when nothing fits."""
+    the annotation's order (``str`` parses any text: list it last). ValueError naming ``name`` when nothing fits, and
+    for empty text, whatever the type (a forgotten value must not pass for None or "")."""
     text = text.strip()
     alternatives = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if not text:
+        spelled = " (write none for None)" if type(None) in alternatives else ""
+        raise ValueError(f"--set {name}=: empty value, expected {type_name(hint)}{spelled}")
     if type(None) in alternatives and text.lower() in _NONE_WORDS:
         return None
     for alt in (a for a in alternatives if a is not type(None)):
