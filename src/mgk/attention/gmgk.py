@@ -79,13 +79,13 @@ class GroupedMGKAttention(MGKAttention):
     stores G groups' entries.
 
     Raises:
-        ValueError naming ``num_kv_heads`` when it is not a positive int dividing num_heads, and as
-        :class:`MGKAttention` for the other options.
+        ValueError naming ``num_kv_heads`` when it is not a positive int dividing num_heads, naming a keyword and
+        ``options`` when both are given and disagree, and as :class:`MGKAttention` for the other options.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, options: GMGKOptions | None = None, **kwargs):
         base, values = split_options(GMGKOptions, kwargs)
-        options = GMGKOptions(**values) if options is None else options
+        options = GMGKOptions.merged(options, values)
         G = options.num_kv_heads
         self._num_kv_heads = None if G is None else _positive_int(G, "num_kv_heads")
         if G is not None and isinstance(num_heads, int) and num_heads % G:

@@ -52,12 +52,14 @@ class GroupedQueryAttention(MultiheadAttention):
     and value projections of each group of H / G heads (Ainslie et al. 2023, Section 2.1), exact for G = H.
 
     Raises:
-        ValueError naming ``num_kv_heads`` when it is not a positive int dividing num_heads.
+        ValueError naming ``num_kv_heads`` when it is not a positive int dividing num_heads, or when it and
+        ``options`` are both given and disagree.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  options: GQAOptions | None = None, **kwargs):
-        options = GQAOptions(num_kv_heads=num_kv_heads) if options is None else options
+        # None is the keyword's default: only a number given with options can disagree with them
+        options = GQAOptions.merged(options, {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads})
         G = options.num_kv_heads
         self._num_kv_heads = None if G is None else _positive_int(G, "num_kv_heads")
         if G is not None and isinstance(num_heads, int) and num_heads % G:

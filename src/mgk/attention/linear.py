@@ -128,7 +128,7 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
 
     def __init__(self, embed_dim: int, num_heads: int, *, options: LinearOptions | None = None, **kwargs):
         base, values = split_options(LinearOptions, kwargs)
-        options = LinearOptions(**values) if options is None else options  # the defaults, written once there
+        options = LinearOptions.merged(options, values)  # the defaults, written once there
         super().__init__(embed_dim, num_heads, **base)
         self._set_form(options)
         self.k_proj = nn.Linear(self.kdim, self.num_heads * self.head_dim, bias=self.q_proj.bias is not None,
@@ -188,7 +188,7 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
     def __init__(self, embed_dim: int, num_heads: int, *, keys: str = "separate", options: MLKOptions | None = None,
                  **kwargs):
         base, values = split_options(MLKOptions, kwargs)
-        options = MLKOptions(**values) if options is None else options  # the defaults, written once there
+        options = MLKOptions.merged(options, values)  # the defaults, written once there
         super().__init__(embed_dim, num_heads, **base)
         pi = options.pi
         if pi != "learned":

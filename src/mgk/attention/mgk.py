@@ -136,7 +136,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     def __init__(self, embed_dim: int, num_heads: int, *, keys: str = "separate", options: MGKOptions | None = None,
                  **kwargs):
         base, values = split_options(MGKOptions, kwargs)
-        options = MGKOptions(**values) if options is None else options  # the defaults, written once there
+        options = MGKOptions.merged(options, values)  # the defaults, written once there
         super().__init__(embed_dim, num_heads, **base)
         factory = factory_kwargs(base.get("device"), base.get("dtype"))
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,

@@ -33,6 +33,21 @@ class Options:
         fields.check(self, name=lambda n: f"attention option {n!r} of kind {kind!r}")
         return self
 
+    @classmethod
+    def merged(cls, options: "Options | None", values: dict) -> "Options":
+        """The options a module constructor runs with, from its ``options`` (an instance, or None) and its option
+        keywords ``values``: ``cls(**values)`` without ``options``; with it, ``options`` itself when every keyword
+        agrees with it (a list agrees with the equal tuple). ValueError naming both values of the first keyword that
+        differs: one of them would be silently ignored."""
+        if options is None:
+            return cls(**values)
+        given = dataclasses.replace(options, **values)  # normalised as options are (a list held as a tuple)
+        for name in values:
+            if getattr(given, name) != getattr(options, name):
+                raise ValueError(f"{name}={values[name]!r} conflicts with options.{name}="
+                                 f"{getattr(options, name)!r}; give one")
+        return options
+
     def as_kwargs(self) -> dict:
         """The options as keyword arguments of the kind's module constructor."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
