@@ -6,10 +6,14 @@ returning ``(output, weights)``: a layer called with a cache attends from its ne
 seen and to themselves (causally, bottom-right aligned), then adds them to the cache. The first call is the prefill
 (any length), every later call one token or a few.
 
-Every kind's layer fills the same object, :class:`LayerCache` (one decoding state, as flash-linear-attention's
-``Cache``): named slot buffers that grow with the sequence, the valid-slot mask, per-row counts, an optional fixed
-recurrent state and a dict of the kind's own bookkeeping. What is stored, and how a call updates it, is the kind's
-(its module's ``cache_slots`` and ``_cached_core``, in the kind's file):
+Every kind's layer fills the same holder, :class:`LayerCache` (one per layer, as flash-linear-attention's
+``Cache``): the layer it serves (its class and sizes, a weak reference), and the states beside their ops in
+:mod:`mgk.functional`: the per-token state :class:`mgk.functional.KVCacheState` (:attr:`LayerCache.kv`: named slot
+buffers that grow with the sequence, the valid-slot mask, per-row counts, a fixed capacity; :mod:`.kv_state`), an
+optional fixed recurrent state, and a dict of the kind's own bookkeeping; its row, length, cast and saving
+operations fan out to what it holds. What is stored, and how a call updates it, is the kind's (its module's
+``cache_slots`` and ``_cached_core``, one call in the kind's file into the functional op's step:
+:func:`mgk.functional.softmax_cache_step`, ``MGKDecodeState``, the linear ops' ``initial_state``):
 
 * softmax and GQA: keys and values (B, H or G, T, D);
 * MGK: the M component keys centred and divided by sigma_r^2 (B, H, M, T, D), the per-key scalars
@@ -68,27 +72,14 @@ import torch
 from torch import Tensor
 
 from ..functional import LinearAttentionState
+from ..functional.kv_state import STATE_KEYS, KVCacheState, cast_floating, check_capacity, plain, token_positions
 
 __all__ = ["DecodingCache", "LayerCache", "check_capacity", "token_positions"]
 
 
-def token_positions(seen: Tensor, valid: Tensor | None, L: int) -> Tensor:
-    """(B, L) int64 positions of L new tokens after ``seen`` (B,) real tokens per row, counted from each row's first
-    real token (``valid`` (B, L) bool, True = real token, or None: all real); a padding token gets the position of
-    the next real one (a valid index that nothing attends to)."""
-    if valid is None:
-        return seen.unsqueeze(1) + torch.arange(L, device=seen.device)
-    step = valid.to(torch.int64)
-    return seen.unsqueeze(1) + step.cumsum(dim=1) - step
-
-
-def check_capacity(capacity, *, optional: bool = True) -> None:
-    """ValueError naming ``capacity`` unless it is a positive int (or None when ``optional``): every kind's cache
-    takes the same values, whether or not it allocates ahead."""
-    if capacity is None and optional:
-        return
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be {'None or ' if optional else ''}a positive int, got {capacity!r}")
+# The keys of LayerCache.state_dict(), in the order of the saved format.
+_SAVED_KEYS = ("layout", "slots", "capacity", "length", "max_seen", "padded", "owner", "seen", "valid", "slot",
+               "buffers", "state", "extra")
 
 
 class _SavedByStateDict:
@@ -113,18 +104,15 @@ class _SavedByStateDict:
         return new
 
 
-def _plain(value, name: str):
-    """A value of :meth:`LayerCache.state_dict`'s bookkeeping as what ``torch.load(weights_only=True)`` reads back
-    (a tensor cloned); TypeError naming it otherwise."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"the cache's {name} holds a {type(value).__name__}, which state_dict() cannot save")
+def _on_kv(name: str, doc: str) -> property:
+    """A :class:`LayerCache` attribute that is its per-token state's (:attr:`LayerCache.kv`), read and written there."""
+    return property(lambda self: getattr(self.kv, name), lambda self, value: setattr(self.kv, name, value), doc=doc)
 
 
 class LayerCache(_SavedByStateDict):
-    """One layer's decoding state for a batch of B rows: every kind's layer fills this one class.
+    """One layer's decoding state for a batch of B rows: every kind's layer fills this one class, a thin holder of
+    the layer binding, the per-token state (:class:`mgk.functional.KVCacheState`, :attr:`kv`: slots, counts,
+    capacity, masks), the recurrent state of linear / MLK and the kind's bookkeeping.
 
     Args:
         slots: the per-token entries the kind stores, name -> slot dimension (e.g. ``{"keys": 2, "values": 2}`` for
@@ -135,6 +123,7 @@ class LayerCache(_SavedByStateDict):
             refused in one line).
 
     Attributes:
+        kv: the per-token state (:class:`mgk.functional.KVCacheState`); its counts serve a recurrent state too.
         length: tokens (padding included) this layer has been called with since it was created.
         seen: (B,) int64, real tokens per row (None before the first call).
         state: the fixed recurrent state (:class:`mgk.functional.LinearAttentionState`) of linear / MLK, or None.
@@ -146,26 +135,24 @@ class LayerCache(_SavedByStateDict):
     """
 
     def __init__(self, slots: dict[str, int] | None = None, capacity: int | None = None, *, layout: str = ""):
-        check_capacity(capacity)
-        self.slots = dict(slots or {})
+        self.kv = KVCacheState(slots, capacity, layout=layout)
         self.layout = layout
-        self.capacity = capacity
-        self.length = 0
-        self.seen: Tensor | None = None
         self.state = None
         self.extra: dict = {}
-        self._buffers: dict[str, Tensor] = {}
-        self._valid: Tensor | None = None  # (B, capacity) bool: a real token in the slot
-        self._padded = False
         self._owner: tuple | None = None
         self._module = None  # weakref.ref of the layer that filled the cache
-        self._max_seen = 0  # an upper bound of seen.max(), kept on the host (no device sync per step)
-        self._slot: Tensor | None = None  # (1,) int64, the next slot, once the capacity is fixed
 
-    @property
-    def batch_size(self) -> int | None:
-        """B, once the first call has been made."""
-        return None if self.seen is None else self.seen.shape[0]
+    # What the per-token state answers, as before the move (its plain attributes still writable): one attribute
+    # lookup more, nothing checked twice on a step's path.
+    slots = _on_kv("slots", "The kind's slots, name -> slot dimension.")
+    capacity = _on_kv("capacity", "Slots allocated (or to allocate), int or None.")
+    length = _on_kv("length", "Tokens (padding included) this layer has been called with since it was created.")
+    seen = _on_kv("seen", "(B,) int64, real tokens per row (None before the first call).")
+    batch_size = property(lambda self: self.kv.batch_size, doc="B, once the first call has been made.")
+    fixed = property(lambda self: self.kv.fixed, doc="Whether the capacity is fixed (:meth:`fix_capacity`).")
+    padded = property(lambda self: self.kv.padded, doc="Whether any call so far had padding (:meth:`key_valid`).")
+    _buffers = property(lambda self: self.kv.buffers, doc="The slot buffers at their whole capacity.")
+    _slot = property(lambda self: self.kv.slot, doc="A fixed capacity's next slot, (1,) int64, or None.")
 
     def bind(self, owner: tuple, B: int, device, module=None) -> None:
         """Check that this cache serves the layer described by ``owner`` (its class and sizes) with B rows on
@@ -175,7 +162,7 @@ class LayerCache(_SavedByStateDict):
         if self._owner is None:
             self._owner = owner
             self._module = None if module is None else weakref.ref(module)
-            self.seen = torch.zeros(B, dtype=torch.int64, device=device)
+            self.kv.start(B, device)
             return
         if owner != self._owner:
             raise ValueError(f"past_key_values holds the cache of another layer ({self._owner[0]} with "
@@ -195,275 +182,101 @@ class LayerCache(_SavedByStateDict):
                              "serves the one layer that filled it; give each layer its own (DecodingCache holds one "
                              "per layer)")
 
+    # -- the per-token state's operations (documented on KVCacheState) ---------------------------------------------
     def positions(self, valid: Tensor | None, L: int) -> Tensor:
-        """:func:`token_positions` of L new tokens after those this cache has seen."""
-        return token_positions(self.seen, valid, L)
+        """:func:`token_positions` of L new tokens after those this cache has seen (:meth:`KVCacheState.positions`)."""
+        return self.kv.positions(valid, L)
 
     def last_position(self, valid: Tensor | None, L: int) -> int:
-        """The largest position of a real token after L new ones (the host's bound, exact without padding)."""
-        added = L if valid is None else int(valid.sum(dim=1).max()) if valid.numel() else 0
-        return self._max_seen + added - 1
+        """The largest position of a real token after L new ones (:meth:`KVCacheState.last_position`)."""
+        return self.kv.last_position(valid, L)
 
-    def _count(self, valid: Tensor | None, L: int) -> None:
-        self.seen = self.seen + (L if valid is None else valid.sum(dim=1))
-        if self._slot is not None:  # the host counts are the caller's (advance): a traced step reads none
-            return
-        self._max_seen += L if valid is None else (int(valid.sum(dim=1).max()) if valid.numel() else 0)
-        self.length += L
-
-    # -- slot buffers ---------------------------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
-        """Make room for ``capacity`` tokens in all (before the first call: allocate that much). A cache with no
-        slots (a recurrent state) has nothing to reserve; ``capacity`` is checked alike."""
-        check_capacity(capacity, optional=False)
-        if not self.slots:
-            return
-        if self._buffers:
-            self._check_counted("reserve")
-            self._grow(capacity)
-        elif self.capacity is None or capacity > self.capacity:
-            self.capacity = capacity
-
-    def _grow(self, needed: int) -> None:
-        if needed <= self._valid.shape[1]:
-            return
-        self._resize(max(needed, 2 * self._valid.shape[1]))
-
-    def _resize(self, new: int) -> None:
-        for name, buf in self._buffers.items():
-            dim = self.slots[name]
-            shape = list(buf.shape)
-            shape[dim] = new
-            grown = buf.new_zeros(shape)
-            grown.narrow(dim, 0, self.length).copy_(buf.narrow(dim, 0, self.length))
-            self._buffers[name] = grown
-        valid = self._valid.new_zeros(self._valid.shape[0], new)
-        valid[:, :self.length] = self._valid[:, :self.length]
-        self._valid, self.capacity = valid, new
-
-    def _allocate(self, entries: dict[str, Tensor], L: int) -> None:
-        capacity = max(self.capacity or 0, L)
-        for name, x in entries.items():
-            shape = list(x.shape)
-            shape[self.slots[name]] = capacity
-            self._buffers[name] = x.new_zeros(shape)
-        self._valid = torch.zeros(self.batch_size, capacity, dtype=torch.bool, device=self.seen.device)
-        self.capacity = capacity
+        """Make room for ``capacity`` tokens in all (:meth:`KVCacheState.reserve`; nothing for a recurrent state)."""
+        self.kv.reserve(capacity)
 
     def append(self, valid: Tensor | None, **entries: Tensor) -> dict[str, Tensor]:
-        """Write L new tokens' entries (each with batch dim 0 and L along its slot dimension); padded tokens are
-        stored as zeros. Returns every entry's view over the slots in use (the new ones included). ValueError naming
-        an entry the cache has no slot for."""
-        unknown = set(entries) - set(self.slots)
-        if unknown:
-            raise ValueError(f"this {self.layout or 'layer'} cache has no slots for {sorted(unknown)}; it stores "
-                             f"{sorted(self.slots) or 'a recurrent state only'}")
-        L = next(iter(entries.values())).shape[self.slots[next(iter(entries))]]
-        if self._buffers:  # a model cast between calls (.double(), .to(torch.bfloat16)): the cache follows it
-            for name, x in entries.items():
-                if self._buffers[name].dtype != x.dtype:
-                    self._buffers[name] = self._buffers[name].to(x.dtype)
-        if self._slot is not None:
-            return self._append_fixed(valid, L, entries)
-        if not self._buffers:
-            self._allocate(entries, L)
-        self._grow(self.length + L)
-        for name, x in entries.items():
-            dim = self.slots[name]
-            x = x.detach()
-            if valid is not None:
-                keep = valid.view(valid.shape[0], *([1] * (dim - 1)), L, *([1] * (x.dim() - dim - 1)))
-                x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-            self._buffers[name].narrow(dim, self.length, L).copy_(x)
-        self._valid[:, self.length:self.length + L] = True if valid is None else valid
-        self._padded = self._padded or valid is not None
-        self._count(valid, L)
-        return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
-
-    def _append_fixed(self, valid: Tensor | None, L: int, entries: dict[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`append` of a cache of fixed capacity: one real token written at the slot tensor, every buffer
-        returned whole (the valid-slot mask, :meth:`attn_mask`, hides the slots not yet filled)."""
-        if valid is not None:
-            self.check_fixed_call(valid, L)  # the padding named (claim checks the rest)
-        buffers, slot = self.claim(L)
-        for name, x in entries.items():
-            buffers[name].index_copy_(self.slots[name], slot, x.detach())
-        return dict(buffers)
+        """Write L new tokens' entries; returns every entry's view over the slots in use
+        (:meth:`KVCacheState.append`: ValueError naming an entry the cache has no slot for)."""
+        return self.kv.append(valid, **entries)
 
     def check_fixed_call(self, valid: Tensor | None, L: int) -> None:
-        """ValueError (one line) unless a call of L new tokens with padding ``valid`` (None: none) suits a cache of
-        fixed capacity: one real token, and room for it (checked on the host count when not tracing)."""
-        if L != 1 or valid is not None:
-            raise ValueError("a cache of fixed capacity (fix_capacity) takes one real token per call, got "
-                             f"{L} new tokens{' with key_padding_mask' if valid is not None else ''}")
-        if self._buffers and not torch.compiler.is_compiling() and int(self._slot) + L > self.capacity:
-            # eager calls read the slot itself (a traced step reads nothing on the host: its caller checks the room)
-            raise ValueError(f"this cache's fixed capacity ({self.capacity} tokens) is used up")
-
-    # -- fixed capacity (a static cache, for torch.compile) --------------------------------------------------------
-    @property
-    def fixed(self) -> bool:
-        """Whether the capacity is fixed (:meth:`fix_capacity`)."""
-        return self._slot is not None
+        """ValueError (one line) unless a call of L new tokens suits a cache of fixed capacity
+        (:meth:`KVCacheState.check_fixed_call`)."""
+        self.kv.check_fixed_call(valid, L)
 
     def fix_capacity(self, capacity: int) -> None:
-        """Fix the buffers at ``capacity`` slots (a static cache): from now on a call takes one real token, written
-        at a slot held as a tensor, and the whole capacity is read with the valid-slot mask, so a step has the same
-        shapes and reads no host-side count (module docstring). The host counts (:attr:`length`) are the caller's
-        from then on: call :meth:`advance` after each step. ValueError naming ``capacity`` unless it is a positive
-        int holding the tokens seen, or before the first call (the prefill, which allocates the buffers)."""
-        check_capacity(capacity, optional=False)
-        if self.seen is None:
-            raise ValueError("fix_capacity() needs a cache that has had its first call (the prefill)")
-        self._check_counted("fix_capacity")
-        if capacity < self.length:
-            raise ValueError(f"capacity must hold the {self.length} tokens this cache has seen, got {capacity}")
-        if self._buffers:  # new buffers of exactly that size, zero past the tokens seen: a step reads every slot
-            self._resize(capacity)
-        self._slot = torch.full((1,), self.length, dtype=torch.int64, device=self.seen.device)
-
-    def _check_counted(self, method: str) -> None:
-        """ValueError (one line) when a cache of fixed capacity holds more tokens than :meth:`advance` has counted
-        (eager steps without it): moving its buffers copies the counted slots only and restarts the slot there,
-        which would drop the tokens past them silently."""
-        if self._slot is None or not self._buffers:
-            return
-        held = int(self._slot)
-        if held > self.length:
-            raise ValueError(f"{method}(): this cache of fixed capacity holds {held} tokens but advance() has "
-                             f"counted {self.length}; call advance() after each step (advance({held - self.length}) "
-                             "now) before resizing it")
-        if held < self.length:
-            raise ValueError(f"{method}(): advance() has counted {self.length} tokens but this cache of fixed "
-                             f"capacity holds {held}; advance() counts the tokens its steps took, no more")
+        """Fix the buffers at ``capacity`` slots, a static cache (:meth:`KVCacheState.fix_capacity`, module
+        docstring); the host counts are then the caller's (:meth:`advance`)."""
+        self.kv.fix_capacity(capacity)
 
     def room(self) -> int | None:
         """Slots left in a cache of fixed capacity (None for a growing cache, or one without slots)."""
-        if self._slot is None or not self._buffers:
-            return None
-        return self.capacity - self.length
+        return self.kv.room()
 
     def advance(self, L: int) -> None:
-        """Advance the host counts of a cache of fixed capacity by L real tokens after a step (which, traced or
-        not, updated the device counts itself). ValueError for a growing cache, whose calls count themselves."""
-        if self._slot is None:
-            raise ValueError("advance() is for a cache of fixed capacity (fix_capacity); a growing cache counts its "
-                             "own calls")
-        self._max_seen += L
-        self.length += L
+        """Advance the host counts of a cache of fixed capacity by L tokens (:meth:`KVCacheState.advance`)."""
+        self.kv.advance(L)
 
     def claim(self, L: int, valid: Tensor | None = None) -> tuple[dict[str, Tensor], int]:
-        """Room for L new tokens whose entries the caller writes itself, in place: the slots are marked real where
-        ``valid`` (B, L) bool is True (None: every one) and the real ones counted; the caller writes finite entries
-        at padded slots (never attended). Returns ``(buffers, slot)``: every buffer at its whole capacity and the
-        first new slot (the static-cache form of :func:`mgk.functional.mgk_cache_step`); once the capacity is
-        fixed, the slot as a (1,) int64 tensor, L must be 1 and ``valid`` None. Call after a first :meth:`append`
-        (which allocates the buffers); ValueError otherwise."""
-        if not self._buffers:
-            raise ValueError("claim() needs the buffers of a first append() (the prefill)")
-        if self._slot is not None:  # the slot as a tensor (taken before it moves on), for a traced step
-            self.check_fixed_call(valid, L)
-            slot = self._slot.clone()
-            self._valid.index_fill_(1, self._slot, True)
-            self._slot.add_(L)
-            self._count(None, L)
-            return self._buffers, slot
-        self._grow(self.length + L)
-        slot = self.length
-        self._valid[:, slot:slot + L] = True if valid is None else valid
-        self._padded = self._padded or valid is not None
-        self._count(valid, L)
-        return self._buffers, slot
+        """Room for L new tokens whose entries the caller writes itself: ``(buffers, slot)``
+        (:meth:`KVCacheState.claim`)."""
+        return self.kv.claim(L, valid)
 
     def entries(self) -> dict[str, Tensor]:
         """Every entry's view over the slots in use (the whole buffers once the capacity is fixed)."""
-        if self._slot is not None:
-            return dict(self._buffers)
-        return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
+        return self.kv.entries()
 
     def write_slot(self, rows: Tensor, slot: Tensor, **entries: Tensor) -> None:
-        """Replace, for the rows ``rows`` (B,) bool, the entries of one slot per row (``slot`` (B,) int64): each
-        entry shaped as its buffer with the slot dimension of size 1."""
-        index = torch.arange(rows.shape[0], device=rows.device)
-        for name, x in entries.items():
-            buf, dim = self._buffers[name], self.slots[name]
-            moved = buf.movedim(dim, 1)  # (B, T, ...) view: one slot per row by (index, slot)
-            old = moved[index, slot]
-            new = x.detach().to(buf.dtype).movedim(dim, 1)[:, 0]
-            keep = rows.view(-1, *([1] * (old.dim() - 1)))
-            moved[index, slot] = torch.where(keep, new, old)
+        """Replace one slot per row for the rows ``rows`` (:meth:`KVCacheState.write_slot`)."""
+        self.kv.write_slot(rows, slot, **entries)
+
+    def key_valid(self) -> Tensor:
+        """(B, T) bool, True = a real token, over the slots in use (call after :meth:`bind`)."""
+        return self.kv.key_valid()
+
+    def attn_mask(self) -> Tensor | None:
+        """(B, 1, 1, T) bool key-padding mask over the slots in use, or None (:meth:`KVCacheState.attn_mask`)."""
+        return self.kv.attn_mask()
 
     def cast(self, dtype: torch.dtype) -> None:
         """Convert every floating tensor the cache holds (slot buffers, recurrent state, the kind's bookkeeping in
         :attr:`extra`) to ``dtype``, in place of the old ones: a model cast between two calls of one cache
         (``model.double()``, ``.to(torch.bfloat16)``) goes on as a cache filled in the new dtype would (each kind
         calls it with the dtype its entries are made in). Integer and bool tensors are kept."""
-        def stale(t) -> bool:
-            """Whether ``t`` is a floating tensor of another dtype than ``dtype`` (one to convert)."""
-            return isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype
-
-        for held in (self._buffers, self.extra):  # written only where a dtype differs (a traced step: nothing)
-            for name, t in list(held.items()):
-                if stale(t):
-                    held[name] = t.to(dtype)
-        if self.state is not None and (stale(self.state.kv) or stale(self.state.k_sum)):
-            self.state = LinearAttentionState(self.state.kv.to(dtype), self.state.k_sum.to(dtype), self.state.length)
-
-    @property
-    def padded(self) -> bool:
-        """Whether any call so far had padding (then :meth:`key_valid` masks some slots)."""
-        return self._padded
-
-    def key_valid(self) -> Tensor:
-        """(B, T) bool, True = a real token, over the slots in use (call after :meth:`bind`)."""
-        if self._valid is None:
-            return torch.zeros(self.batch_size, 0, dtype=torch.bool, device=self.seen.device)
-        return self._valid if self._slot is not None else self._valid[:, :self.length]
-
-    def attn_mask(self) -> Tensor | None:
-        """(B, 1, 1, T) bool, True = a real token (the functional core's key-padding mask over the slots in use), or
-        None when no call has had padding; once the capacity is fixed, always the mask over the whole capacity."""
-        if self._slot is not None:
-            return self._valid[:, None, None, :]
-        return self._valid[:, None, None, :self.length] if self._padded else None
+        self.kv.cast(dtype)  # written only where a dtype differs (a traced step: nothing)
+        cast_floating(self.extra, dtype)
+        held = self.state
+        if held is not None and (held.kv.dtype != dtype or held.k_sum.dtype != dtype):
+            self.state = LinearAttentionState(held.kv.to(dtype), held.k_sum.to(dtype), held.length)
 
     # -- recurrent state ------------------------------------------------------------------------------------------
     def set_state(self, valid: Tensor | None, L: int, state) -> None:
         """Take the recurrent state after L new tokens (:class:`mgk.functional.LinearAttentionState`, detached)."""
-        if self._slot is not None:
-            self.check_fixed_call(valid, L)
+        if self.kv.fixed:
+            self.kv.check_fixed_call(valid, L)
         self.state = LinearAttentionState(state.kv.detach(), state.k_sum.detach(), state.length)
-        self._count(valid, L)
+        self.kv.count(valid, L)
 
     # -- saving (prompt caching to disk) ----------------------------------------------------------------------------
-    def _held(self) -> int:
-        """Slots holding tokens: the slot tensor's value once the capacity is fixed (the host count may lag it until
-        :meth:`advance`), else :attr:`length`."""
-        return int(self._slot) if self._slot is not None and self._buffers else self.length
-
     def state_dict(self) -> dict:
         """Everything this cache holds, as plain tensors, ints, bools, strings and None in dicts and tuples, so that
         ``torch.save(cache.state_dict(), f)`` and ``torch.load(f, weights_only=True)`` keep a prompt's cache on disk
         (the cache object itself is not pickled: it refers to its layer). Slot buffers are saved over the slots
         that hold tokens (copies, not the whole allocation; the capacity is recorded), with the valid-slot mask,
-        the per-row counts, a fixed capacity's slot, the recurrent state and the kind's bookkeeping (MGK's centre).
-        Restore with :meth:`load_state_dict` on a new cache of the same layer (``layer.new_cache()``).
+        the per-row counts, a fixed capacity's slot (:meth:`KVCacheState.state_dict`), the recurrent state and the
+        kind's bookkeeping (MGK's centre). Restore with :meth:`load_state_dict` on a new cache of the same layer
+        (``layer.new_cache()``).
 
         Returns:
             dict; its tensors are detached copies on the cache's device.
         """
-        held = self._held()
-        buffers = {name: buf.narrow(self.slots[name], 0, held).clone() for name, buf in self._buffers.items()}
         state = None if self.state is None else {
             "kv": self.state.kv.clone(), "k_sum": self.state.k_sum.clone(),
             "length": None if self.state.length is None else self.state.length.clone()}
-        return {
-            "layout": self.layout, "slots": dict(self.slots), "capacity": self.capacity, "length": self.length,
-            "max_seen": self._max_seen, "padded": self._padded, "owner": self._owner,
-            "seen": _plain(self.seen, "seen"), "valid": None if self._valid is None else self._valid[:, :held].clone(),
-            "slot": _plain(self._slot, "slot"), "buffers": buffers, "state": state,
-            "extra": {name: _plain(value, f"extra[{name!r}]") for name, value in self.extra.items()},
-        }
+        held = {**self.kv.state_dict(), "layout": self.layout, "owner": self._owner, "state": state,
+                "extra": {name: plain(value, f"extra[{name!r}]") for name, value in self.extra.items()}}
+        return {key: held[key] for key in _SAVED_KEYS}  # the order of the saved format
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict` into this cache, which must be new (no call yet) and of the same layout
@@ -475,8 +288,7 @@ class LayerCache(_SavedByStateDict):
             ValueError naming ``state_dict`` when it is not a cache's state dict, is of another layout, or this
             cache has had a call.
         """
-        keys = {"layout", "slots", "capacity", "length", "max_seen", "padded", "owner", "seen", "valid", "slot",
-                "buffers", "state", "extra"}
+        keys = set(_SAVED_KEYS)
         if not isinstance(state_dict, dict) or set(state_dict) != keys:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"state_dict must be a LayerCache.state_dict() with keys {sorted(keys)}, got {got}")
@@ -485,42 +297,23 @@ class LayerCache(_SavedByStateDict):
                              f"{state_dict['slots']}; this is a {self.layout or 'layer'} cache with slots {self.slots}")
         if self.seen is not None:
             raise ValueError("state_dict is loaded into a new cache (new_cache()); this one has had a call")
-        self._restore(state_dict)
-
-    def _restore(self, sd: dict) -> None:
-        """:meth:`load_state_dict` after its checks: buffers made at the saved capacity, the held slots copied."""
-        self.capacity, self.length, self._max_seen = sd["capacity"], sd["length"], sd["max_seen"]
-        self._padded, self.seen, self._slot = sd["padded"], sd["seen"], sd["slot"]
+        self.kv.load_state_dict({key: state_dict[key] for key in STATE_KEYS})
+        sd = state_dict
         self._owner = None if sd["owner"] is None else tuple(sd["owner"])
         self._module = None
         self.extra = dict(sd["extra"])
         self.state = None if sd["state"] is None else LinearAttentionState(
             sd["state"]["kv"], sd["state"]["k_sum"], sd["state"]["length"])
-        self._buffers, self._valid = {}, None
-        if not sd["buffers"]:
-            return
-        for name, held in sd["buffers"].items():
-            dim = self.slots[name]
-            shape = list(held.shape)
-            shape[dim] = self.capacity
-            self._buffers[name] = held.new_zeros(shape)
-            self._buffers[name].narrow(dim, 0, held.shape[dim]).copy_(held)
-        valid = sd["valid"]
-        self._valid = valid.new_zeros(valid.shape[0], self.capacity)
-        self._valid[:, :valid.shape[1]] = valid
 
     # -- sizes -----------------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of what attention reads: every entry over the slots in use (the tokens seen, padding included) and
         the recurrent state; bookkeeping and the slots ahead excluded."""
-        slots = sum(buf.narrow(self.slots[name], 0, self.length).numel() * buf.element_size()
-                    for name, buf in self._buffers.items())
-        return slots + (0 if self.state is None else self.state.nbytes())
+        return self.kv.nbytes() + (0 if self.state is None else self.state.nbytes())
 
     def allocated_bytes(self) -> int:
         """Bytes as allocated: the buffers at their capacity (slots ahead included) and the recurrent state."""
-        return (sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
-                + (0 if self.state is None else self.state.nbytes()))
+        return self.kv.allocated_bytes() + (0 if self.state is None else self.state.nbytes())
 
     def extra_bytes(self) -> int:
         """Bytes of the kind's bookkeeping tensors (:attr:`extra`: MGK's centre and kept keys)."""
@@ -551,29 +344,16 @@ class LayerCache(_SavedByStateDict):
     def repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times in place, each copy next to its row (``torch.repeat_interleave`` on the
         batch: B rows become B * repeats). ValueError naming ``repeats`` unless it is a positive int."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        if self.seen is not None:
-            rows = torch.arange(self.batch_size, device=self.seen.device).repeat_interleave(repeats)
+        rows = self.kv.repeated_rows(repeats)
+        if rows is not None:
             self._move_rows(self._check_rows(rows))
 
     def _check_rows(self, index, *, same_size: bool = False) -> Tensor | None:
         """``index`` as int64 on the cache's device (None before the first call), checked (:meth:`select`)."""
-        if (not isinstance(index, Tensor) or index.dim() != 1 or index.numel() == 0 or index.dtype == torch.bool
-                or index.is_floating_point() or index.is_complex()):
-            got = (tuple(index.shape), index.dtype) if isinstance(index, Tensor) else type(index).__name__
-            raise ValueError(f"index must be a non-empty 1-D integer tensor of rows (B',), got {got}")
-        B = self.batch_size
-        if B is None:
+        index = self.kv.check_rows(index, same_size=same_size)
+        if index is None:
             return None
-        if same_size and index.shape[0] != B:
-            raise ValueError(f"index must have one entry per row ({B}) to reorder, got {index.shape[0]}; select() "
-                             "changes the number of rows")
-        index = index.to(device=self.seen.device, dtype=torch.int64)
-        lo, hi = torch.aminmax(index)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= B:
-            raise ValueError(f"index must hold rows in [0, {B}), got values from {lo} to {hi}")
+        B = self.batch_size
         bad = sorted(name for name, t in self.extra.items() if isinstance(t, Tensor) and (t.dim() == 0
                                                                                           or t.shape[0] != B))
         if bad:
@@ -590,8 +370,7 @@ class LayerCache(_SavedByStateDict):
             """``t``'s rows ``index`` (a new tensor: one filled under inference mode stays usable)."""
             return None if t is None else t.index_select(0, index)
 
-        self.seen, self._valid = rows(self.seen), rows(self._valid)
-        self._buffers = {name: rows(buf) for name, buf in self._buffers.items()}
+        self.kv.move_rows(index)
         if self.state is not None:
             self.state = LinearAttentionState(rows(self.state.kv), rows(self.state.k_sum), rows(self.state.length))
         self.extra = {name: rows(t) if isinstance(t, Tensor) else t for name, t in self.extra.items()}
@@ -600,8 +379,8 @@ class LayerCache(_SavedByStateDict):
         """Keep the first ``length`` tokens (slots) and forget the rest; a negative ``length`` drops that many from
         the end (as transformers' ``crop``). The counts follow the valid-slot mask (:attr:`seen`, the host bound
         exact again, :attr:`padded`), the dropped slots are zeroed (a fixed capacity's slot moves back to the first
-        of them, the capacity kept), and the kind puts its bookkeeping in line: the cache calls its layer's
-        ``cache_cropped(cache)`` when the layer has one (MGK's centre,
+        of them, the capacity kept; :meth:`KVCacheState.crop`), and the kind puts its bookkeeping in line: the
+        cache calls its layer's ``cache_cropped(cache)`` when the layer has one (MGK's centre,
         :meth:`mgk.attention.mgk.MGKAttention.cache_cropped`). Keeping every token changes nothing, for every kind.
 
         Raises:
@@ -613,16 +392,7 @@ class LayerCache(_SavedByStateDict):
         keep = self._check_crop(length)
         if keep == self.length:
             return
-        held = self.length
-        for name, buf in self._buffers.items():
-            buf.narrow(self.slots[name], keep, held - keep).zero_()
-        self._valid[:, keep:held] = False
-        valid = self._valid[:, :keep]
-        self.length, self.seen = keep, valid.sum(dim=1)
-        self._max_seen = int(self.seen.max()) if self.seen.numel() else 0
-        self._padded = self._padded and not bool(valid.all())
-        if self._slot is not None:
-            self._slot.fill_(keep)
+        self.kv.truncate(keep)
         module = None if self._module is None else self._module()
         hook = getattr(module, "cache_cropped", None)
         if hook is not None:
@@ -630,20 +400,8 @@ class LayerCache(_SavedByStateDict):
 
     def _check_crop(self, length) -> int:
         """The tokens :meth:`crop` keeps, checked (nothing changed)."""
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise ValueError(f"length must be an int (negative: tokens to drop from the end), got {length!r}")
-        held = self.length
-        keep = held + length if length < 0 else length
-        if keep == held:
-            return keep
-        if not self.slots:
-            raise ValueError(f"a {self.layout or 'recurrent'} cache holds a recurrent state of fixed size, not "
-                             "per-token entries, so it cannot be cropped (crop)")
-        if not 0 <= keep <= held:
-            raise ValueError(f"length must keep between 0 and the {held} tokens this cache holds (negative: drop "
-                             f"that many from the end), got {length}")
-        self._check_counted("crop")
-        if self.extra and (self._module is None or self._module() is None):
+        keep = self.kv.check_crop(length)
+        if keep != self.length and self.extra and (self._module is None or self._module() is None):
             raise ValueError("crop(): this cache's bookkeeping (extra) is its layer's to crop, and the layer is not "
                              "known (a loaded cache before its first call, or the layer is gone)")
         return keep

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from ..functional.softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference
+from ..functional.softmax import softmax_attention, softmax_attention_reference, softmax_cache_step
 from .base import AttentionBase, factory_kwargs
 from .cache_spec import CacheSpec
 from .flops import total
@@ -75,9 +75,7 @@ class MultiheadAttention(AttentionBase):
                                 **factory_kwargs(kwargs.get("device"), kwargs.get("dtype")))
 
     def _cached_core(self, q, x, v, valid, cache):
-        entries = cache.append(valid, keys=self._keys(x), values=v)
-        return softmax_attention_cached(q, entries["keys"], entries["values"], attn_mask=cache.attn_mask(),
-                                        is_causal=True, dropout_p=self.attn_dropout)
+        return softmax_cache_step(q, self._keys(x), v, cache.kv, valid=valid, dropout_p=self.attn_dropout)
 
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key), self.kv_heads)

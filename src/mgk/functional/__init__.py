@@ -6,6 +6,7 @@ shares is written once (:mod:`._mixture_terms`)."""
 from ._dispatch import BackendError, is_transformed
 from ._mixture_flash import available as cpu_kernel_available
 from ._soft_e import mgk_attention_soft_e
+from .kv_state import KVCacheState
 from .linear import (
     LinearAttentionState,
     elu_feature_map,
@@ -17,10 +18,11 @@ from .linear import (
 from .masks import MaskError, causal_mask
 from .mgk import gaussian_log_kernel, mgk_attention, mgk_centre, mgk_responsibilities, select_backend
 from .mgk_cache import mgk_attention_cached, mgk_cache_centre, mgk_cache_entries, mgk_cache_step
-from .softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference
+from .softmax import softmax_attention, softmax_attention_cached, softmax_attention_reference, softmax_cache_step
 
 __all__ = [
     "BackendError",
+    "KVCacheState",
     "LinearAttentionState",
     "MaskError",
     "causal_mask",
@@ -44,4 +46,5 @@ __all__ = [
     "softmax_attention",
     "softmax_attention_cached",
     "softmax_attention_reference",
+    "softmax_cache_step",
 ]

@@ -12,6 +12,7 @@ from . import _mixture_flash
 from . import masks as _masks
 from ._checks import check_arguments, check_qkv, compute_dtype, full_precision
 from ._dispatch import BackendError, is_transformed
+from .kv_state import KVCacheState
 
 SOFTMAX_BACKENDS = ("kernel", "sdpa", "explicit")
 
@@ -230,3 +231,46 @@ def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=grouped)
         return _masks.zero_rows(out, empty).to(query.dtype)
+
+
+def softmax_cache_step(query: Tensor, key: Tensor, value: Tensor, state: KVCacheState, *,
+                       valid: Tensor | None = None, dropout_p: float = 0.0, scale: float | None = None) -> Tensor:
+    """One cached call of softmax or GQA attention: the L new keys and values are appended to ``state`` (slots
+    ``keys`` and ``values`` along dim 2; padded tokens stored as zeros, never attended and not counted) and the L
+    new queries attend, causally and bottom-right aligned, over every token the state holds and themselves
+    (:func:`softmax_attention_cached`, the cache read in place). The first call is the prefill (any L), later ones a
+    token or a few; a state of fixed capacity (:meth:`KVCacheState.fix_capacity`) takes one real token per call and
+    reads its whole capacity with the valid-slot mask.
+
+    Args:
+        query: (B, H, L, D), the new queries.
+        key: (B, G, L, D) and value: (B, G, L, Dv), the new keys and values (G = H, or G key/value heads dividing H:
+            grouped-query attention).
+        state: a :class:`KVCacheState` with slots ``{"keys": 2, "values": 2}``, updated in place; a new one is
+            started for B rows on query's device.
+        valid: (B, L) bool, True = a real token (left padding of prompts of different lengths), or None: all real.
+        dropout_p, scale: as :func:`softmax_attention`.
+    Returns:
+        (B, H, L, Dv) in query's dtype; a query whose row holds no real token yet gives zeros.
+    Raises:
+        ValueError naming ``query``, ``key`` or ``value`` for a rank other than 4, ``key`` / ``value`` / ``valid``
+        for a batch or length other than query's, ``state`` for a state started for another batch; otherwise as
+        :meth:`KVCacheState.append` and :func:`softmax_attention_cached`.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, heads, L, D), got shape {tuple(t.shape)}")
+    B, L = query.shape[0], query.shape[2]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[0] != B or t.shape[2] != L:
+            raise ValueError(f"{name} must have query's batch and length ({B}, {L}) as dims 0 and 2, got shape "
+                             f"{tuple(t.shape)}")
+    if valid is not None and tuple(valid.shape) != (B, L):
+        raise ValueError(f"valid must be (B, L) = {(B, L)} bool, got shape {tuple(valid.shape)}")
+    if state.seen is None:
+        state.start(B, query.device)
+    elif state.seen.shape[0] != B:
+        raise ValueError(f"state holds {state.seen.shape[0]} rows; this call has {B}")
+    entries = state.append(valid, keys=key, values=value)
+    return softmax_attention_cached(query, entries["keys"], entries["values"], attn_mask=state.attn_mask(),
+                                    is_causal=True, dropout_p=dropout_p, scale=scale)
