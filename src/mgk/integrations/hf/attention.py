@@ -15,7 +15,7 @@ try:  # transformers 5.x records output_attentions=True by hooks it installs on 
 except ImportError:  # older versions read the maps from the attention's second output
     _record_hook = None
 
-__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout"]
+__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "with_cu_seq_lens"]
 
 # what the decoder layers of the supported transformers versions call the cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -138,6 +138,70 @@ def mask_layout(attention_mask, L: int, causal: bool) -> MaskLayout:
     return MaskLayout("general", valid, mask=allowed.unsqueeze(1))
 
 
+def _cu_starts(cu_seq_lens, name: str, L: int, device) -> Tensor:
+    """(L,) bool, True where a sequence starts, of flash attention's cumulative lengths ``cu_seq_lens`` (num_seqs + 1,)
+    over one flattened row of L tokens; ValueError naming ``name`` unless they run from 0 to L, strictly increasing."""
+    cu = torch.as_tensor(cu_seq_lens, device=device)
+    if cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1D integer tensor (num_seqs + 1,) of cumulative lengths, got "
+                         f"{cu.dtype} of shape {tuple(cu.shape)}")
+    if int(cu[0]) != 0 or int(cu[-1]) != L or not bool((cu[1:] > cu[:-1]).all()):
+        raise ValueError(f"{name} must increase strictly from 0 to the row's length {L}, got {cu.tolist()}")
+    return torch.zeros(L, dtype=torch.bool, device=device).index_fill_(0, cu[:-1].long(), True)
+
+
+def _position_starts(position_ids: Tensor) -> Tensor:
+    """(R, L) bool: where position_ids (R, L) restart (the first token, and wherever a position is not the one before
+    it plus 1: transformers' ``find_packed_sequence_indices``)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return starts
+
+
+def with_cu_seq_lens(layout: MaskLayout, B: int, L: int, device, *, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                     position_ids=None) -> MaskLayout:
+    """``layout`` with the packing flash attention's keyword arguments describe read in: a "packed"
+    :class:`MaskLayout` whose ``segments`` (1, L) follow ``cu_seq_lens_q`` when it holds several sequences.
+
+    Args:
+        layout: the :func:`mask_layout` of the call's mask.
+        B, L: the call's batch size and number of queries (self-attention: as many keys).
+        cu_seq_lens_q, cu_seq_lens_k: None, or (num_seqs + 1,) int32 cumulative lengths of the sequences flattened
+            into one row (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); either may be given alone.
+        position_ids: the (1, L) or (L,) positions the model passed, or None. Restarts (positions not the previous
+            plus 1) must fall on sequence starts; positions running on across a start (the model's default 0..L-1
+            when none were passed) are accepted, as flash attention does.
+    Returns:
+        ``layout`` unchanged when neither is given or they hold one sequence; else "packed" with their segments.
+    Raises:
+        ValueError naming ``cu_seq_lens_q`` / ``cu_seq_lens_k``: B != 1, not a 1D integer tensor, not strictly
+        increasing from 0 to L, q and k differing, a restart of ``position_ids`` inside a sequence, or a mask with
+        padding, a general mask or a block mask whose sequences start elsewhere."""
+    given = [(n, c) for n, c in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)) if c is not None]
+    if not given:
+        return layout
+    names = " / ".join(n for n, _ in given)
+    if B != 1:
+        raise ValueError(f"{names} describe sequences flattened into one row (batch size 1), got batch size {B}")
+    starts = [_cu_starts(c, n, L, device) for n, c in given]
+    if len(starts) == 2 and not torch.equal(starts[0], starts[1]):
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k differ in a self-attention call: "
+                         f"{torch.as_tensor(cu_seq_lens_q).tolist()} vs {torch.as_tensor(cu_seq_lens_k).tolist()}")
+    start = starts[0]
+    if isinstance(position_ids, Tensor) and position_ids.dim() <= 2 and position_ids.shape[-1] == L:
+        if bool((_position_starts(position_ids.reshape(-1, L).to(device)) & ~start).any()):
+            raise ValueError(f"{names} and position_ids disagree: position_ids restart inside a sequence of {names}")
+    if layout.form == "general" or layout.valid is not None:
+        raise ValueError(f"{names} describe every token of the row as a sequence's; the attention_mask the model "
+                         "passed has padding or is not block-diagonal: pass one or the other")
+    if layout.form == "packed" and bool(((layout.segments[0, 1:] != layout.segments[0, :-1]) & ~start[1:]).any()):
+        raise ValueError(f"{names} and the block-diagonal attention_mask disagree on where the sequences start")
+    if int(start.sum()) == 1:  # one sequence: the plain call (a cache's later steps take plain layouts only)
+        return layout
+    # read even when the mask is plain: transformers builds the block mask from position_ids only without a cache
+    return MaskLayout("packed", segments=start.long().cumsum(0).unsqueeze(0))
+
+
 class _Packed(NamedTuple):
     """Where the real tokens of a packed batch go in a batch of one sequence per row (right-padded)."""
 
@@ -211,7 +275,10 @@ class HFAttention(nn.Module):
 
     Masks (:func:`mask_layout`): causality and key padding go to the kind as ``key_padding_mask`` (a row's
     per-position mixture weights then count its positions from its first real token); several sequences packed in a
-    row (a block-diagonal mask) are attended each on its own, as if alone (each kind, each prior restarting); any
+    row (a block-diagonal mask) are attended each on its own, as if alone (each kind, each prior restarting); so are
+    sequences flattened into one row that flash attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+    describe (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; read whatever the mask, also with a
+    cache, where transformers builds no block mask; malformed ones are a ValueError, :func:`with_cu_seq_lens`); any
     other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
     line).
 
@@ -295,7 +362,11 @@ class HFAttention(nn.Module):
             self._position = position_embeddings
         want = bool(kwargs.get("output_attentions"))
         try:
-            layout = mask_layout(attention_mask, hidden_states.shape[1], self.is_causal)
+            B, L = hidden_states.shape[:2]
+            layout = with_cu_seq_lens(mask_layout(attention_mask, L, self.is_causal), B, L, hidden_states.device,
+                                      cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+                                      position_ids=kwargs.get("position_ids"))
             out, weights = self._attend(hidden_states, layout, cache, want)
         finally:
             self._position = None
