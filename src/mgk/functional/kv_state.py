@@ -165,12 +165,18 @@ class KVCacheState:
     def append(self, valid: Tensor | None, **entries: Tensor) -> dict[str, Tensor]:
         """Write L new tokens' entries (each with batch dim 0 and L along its slot dimension); padded tokens are
         stored as zeros. Returns every entry's view over the slots in use (the new ones included). ValueError naming
-        an entry the cache has no slot for."""
+        an entry the cache has no slot for, or one shaped otherwise than in earlier calls (nothing written then)."""
         unknown = set(entries) - set(self.slots)
         if unknown:
             raise ValueError(f"this {self.layout or 'layer'} cache has no slots for {sorted(unknown)}; it stores "
                              f"{sorted(self.slots) or 'a recurrent state only'}")
         L = next(iter(entries.values())).shape[self.slots[next(iter(entries))]]
+        for name, x in entries.items():  # before anything is written: a refused call leaves the state as it was
+            shape = list(self._buffers[name].shape) if name in self._buffers else list(x.shape)
+            shape[self.slots[name]] = L
+            if tuple(x.shape) != tuple(shape):
+                raise ValueError(f"{name} must be shaped {tuple(shape)} as in this cache's earlier calls, got "
+                                 f"{tuple(x.shape)}")
         if self._buffers:  # a model cast between calls (.double(), .to(torch.bfloat16)): the cache follows it
             for name, x in entries.items():
                 if self._buffers[name].dtype != x.dtype:
@@ -378,7 +384,8 @@ class KVCacheState:
     def _restore(self, sd: dict) -> None:
         """:meth:`load_state_dict` after its checks: buffers made at the saved capacity, the held slots copied."""
         self.capacity, self.length, self._max_seen = sd["capacity"], sd["length"], sd["max_seen"]
-        self._padded, self.seen, self._slot = sd["padded"], sd["seen"], sd["slot"]
+        # the slot tensor is advanced in place: a copy, so two states loaded from one dict do not share it
+        self._padded, self.seen, self._slot = sd["padded"], sd["seen"], plain(sd["slot"], "slot")
         self._buffers, self._valid = {}, None
         if not sd["buffers"]:
             return

@@ -254,9 +254,13 @@ def softmax_cache_step(query: Tensor, key: Tensor, value: Tensor, state: KVCache
         (B, H, L, Dv) in query's dtype; a query whose row holds no real token yet gives zeros.
     Raises:
         ValueError naming ``query``, ``key`` or ``value`` for a rank other than 4, ``key`` / ``value`` / ``valid``
-        for a batch or length other than query's, ``state`` for a state started for another batch; otherwise as
-        :meth:`KVCacheState.append` and :func:`softmax_attention_cached`.
+        for a batch or length other than query's, ``valid`` not bool, ``state`` for another object or slots or a
+        state started for another batch; otherwise as :meth:`KVCacheState.append` and
+        :func:`softmax_attention_cached`. A refused call leaves ``state`` as it was.
     """
+    if not isinstance(state, KVCacheState) or state.slots != {"keys": 2, "values": 2}:
+        got = state.slots if isinstance(state, KVCacheState) else type(state).__name__
+        raise ValueError(f"state must be a KVCacheState with slots {{'keys': 2, 'values': 2}}, got {got}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (B, heads, L, D), got shape {tuple(t.shape)}")
@@ -265,8 +269,13 @@ def softmax_cache_step(query: Tensor, key: Tensor, value: Tensor, state: KVCache
         if t.shape[0] != B or t.shape[2] != L:
             raise ValueError(f"{name} must have query's batch and length ({B}, {L}) as dims 0 and 2, got shape "
                              f"{tuple(t.shape)}")
-    if valid is not None and tuple(valid.shape) != (B, L):
-        raise ValueError(f"valid must be (B, L) = {(B, L)} bool, got shape {tuple(valid.shape)}")
+    if valid is not None and (not isinstance(valid, Tensor) or valid.dtype != torch.bool
+                              or tuple(valid.shape) != (B, L)):
+        got = (tuple(valid.shape), valid.dtype) if isinstance(valid, Tensor) else type(valid).__name__
+        raise ValueError(f"valid must be (B, L) = {(B, L)} bool, got {got}")
+    # checked before the state is written: a refused call leaves it as it was (a retry would store the keys twice)
+    check_arguments(dropout_p=dropout_p, scale=scale)
+    check_qkv(query, key, value, mixture=False, grouped=True)
     if state.seen is None:
         state.start(B, query.device)
     elif state.seen.shape[0] != B:
