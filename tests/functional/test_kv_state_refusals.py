@@ -72,3 +72,12 @@ def test_states_restored_from_one_state_dict_do_not_share_the_fixed_slot():
     softmax_cache_step(*_chunk(1, 1), second)
     second.advance(1)
     assert second.room() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float"], ids=str)
+def test_a_cast_to_anything_but_a_floating_dtype_is_refused_and_keeps_the_entries(dtype):
+    state = _prefilled()
+    before = state.buffers["keys"].clone()
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
+        state.cast(dtype)
+    assert torch.equal(state.buffers["keys"], before)

@@ -318,7 +318,10 @@ class KVCacheState:
 
     def cast(self, dtype: torch.dtype) -> None:
         """Convert every floating slot buffer to ``dtype``, in place of the old ones (a model cast between two
-        calls: the state goes on as one filled in the new dtype would). The valid-slot mask and counts are kept."""
+        calls: the state goes on as one filled in the new dtype would). The valid-slot mask and counts are kept.
+        ValueError naming ``dtype`` unless it is a floating torch.dtype (an integer one would truncate the entries)."""
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         cast_floating(self._buffers, dtype)
 
     @property
