@@ -1,0 +1,22 @@
+"""A module's ``options`` that is not its kind's options dataclass (a plain dict of options, a string) is a one-line
+TypeError naming ``options``, for every registered kind, never dataclasses' own message from inside."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mgk.attention.registry import attention_kinds, get_kind
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+# the kinds whose modules take options (softmax has none, and no options keyword)
+KINDS = [kind for kind in attention_kinds() if dataclasses.fields(get_kind(kind).options)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("options", [{}, "shifted"], ids=["dict", "str"])
+def test_options_of_another_type_is_one_line_naming_options(kind, options):
+    with pytest.raises(TypeError, match=r"^options must be a \w+Options or None, got (dict|str)$"):
+        get_kind(kind).factory(16, 4, head_dim=4, batch_first=True, options=options)
