@@ -216,11 +216,12 @@ def _decode(m, x, pad, chunks):
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("G,pi", [(1, "learned"), (2, "learned"), (1, "soft_e")])
 @pytest.mark.parametrize("keys", ["separate", "shifted"])
-def test_cached_decoding_equals_the_uncached_forward(keys, G):
+def test_cached_decoding_equals_the_uncached_forward(keys, G, pi):
     torch.manual_seed(3)
-    m = _randomise(build_attention("gmgk", E, 4, head_dim=D, num_kv_heads=G, keys=keys, sigma2=(2.0, 1.0))).eval()
+    m = _randomise(build_attention("gmgk", E, 4, head_dim=D, num_kv_heads=G, keys=keys, sigma2=(2.0, 1.0),
+                                   pi=pi, max_len=16)).eval()
     x = torch.randn(3, 12, E)
     pad = torch.zeros(3, 12, dtype=torch.bool)
     pad[1, :3] = True
