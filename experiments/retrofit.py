@@ -1,4 +1,4 @@
-"""Retro-fitting experiment (issue 31; pre-registered in results/cpu/kv-budget.md, "Retro-fitting"): trained
+"""Retro-fitting experiment (pre-registered in results/cpu/kv-budget.md, "Retro-fitting"): trained
 softmax-8 runs converted by ``mgk train --init-from`` to GQA-8 (kv 2), MGK-4 (similar pairs, and adjacent pairs as
 the control) and softmax-4 (pruned), each trained on for 5%, 10% and 20% of the source's steps; then the table, the
 verdicts of ``mgk reproduce``'s rule and a figure against the from-scratch rows of the same grid.
