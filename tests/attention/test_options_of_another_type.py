@@ -20,3 +20,21 @@ KINDS = [kind for kind in attention_kinds() if dataclasses.fields(get_kind(kind)
 def test_options_of_another_type_is_one_line_naming_options(kind, options):
     with pytest.raises(TypeError, match=r"^options must be a \w+Options or None, got (dict|str)$"):
         get_kind(kind).factory(16, 4, head_dim=4, batch_first=True, options=options)
+
+
+def _other_kinds_options(kind):
+    """Instances (defaults) of every other kind's options dataclass that differs from this kind's."""
+    own = get_kind(kind).options
+    return [get_kind(other).options() for other in attention_kinds() if get_kind(other).options is not own]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_another_kinds_options_are_refused_even_when_they_subclass_ours(kind):
+    # gmgk's GMGKOptions subclasses MGKOptions and GQAOptions, mlk's MLKOptions subclasses LinearOptions: given to
+    # the parent kind's module they passed isinstance and their own fields (num_kv_heads, num_keys) went unread
+    for options in _other_kinds_options(kind):
+        name = type(options).__name__
+        with pytest.raises(TypeError, match=rf"^options must be a \w+Options or None, got {name}$"):
+            get_kind(kind).factory(16, 4, head_dim=4, batch_first=True, options=options)
+        with pytest.raises(ValueError, match=rf"^attention kind '{kind}' takes \w+Options, got {name}$"):
+            get_kind(kind).build(16, 4, options)

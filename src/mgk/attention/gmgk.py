@@ -91,7 +91,9 @@ class GroupedMGKAttention(MGKAttention):
         if G is not None and isinstance(num_heads, int) and num_heads % G:
             raise ValueError(f"num_kv_heads={G} must divide num_heads={num_heads} (each key group serves "
                              "num_heads / num_kv_heads query heads)")
-        super().__init__(embed_dim, num_heads, keys=options.keys, options=options, **base)
+        # MGKAttention takes exactly MGKOptions: the mixture fields of ours (the groups' keys replace its own below)
+        mgk_options = MGKOptions(**{name: getattr(options, name) for name in MGKOptions.names()})
+        super().__init__(embed_dim, num_heads, keys=options.keys, options=mgk_options, **base)
         if self.kv_heads != self.num_heads:  # MGKAttention made H heads of keys: the groups' G instead
             self.mixture = MixtureKeys(self.kdim, self.kv_heads, self.head_dim, options, keys=options.keys,
                                        bias=self.q_proj.bias is not None,

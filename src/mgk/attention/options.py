@@ -38,10 +38,12 @@ class Options:
         """The options a module constructor runs with, from its ``options`` (an instance, or None) and its option
         keywords ``values``: ``cls(**values)`` without ``options``; with it, ``options`` itself when every keyword
         agrees with it (a list agrees with the equal tuple). ValueError naming both values of the first keyword that
-        differs: one of them would be silently ignored; TypeError naming ``options`` for anything but an instance."""
+        differs: one of them would be silently ignored; TypeError naming ``options`` for anything but an instance of
+        exactly ``cls`` (a sibling kind's options, such as gmgk's GMGKOptions given to MGKAttention, would have
+        their own fields, num_kv_heads there, silently ignored)."""
         if options is None:
             return cls(**values)
-        if not isinstance(options, cls):  # a dict of options, or another kind's: name it, not dataclasses.replace
+        if type(options) is not cls:  # a dict, or another kind's options (a subclass's fields would go unread)
             raise TypeError(f"options must be a {cls.__name__} or None, got {type(options).__name__}")
         given = dataclasses.replace(options, **values)  # normalised as options are (a list held as a tuple)
         for name in values:

@@ -90,7 +90,7 @@ class AttentionKind:
         of the key and value inputs (default embed_dim); ``device`` / ``dtype``: where and in which floating dtype
         its parameters and buffers are created (torch's factory keywords). Those four are passed on only when
         given; the module raises ValueError naming a bad one."""
-        if not isinstance(options, self.options):
+        if type(options) is not self.options:  # a subclass is another kind's: its own fields would go unread
             raise ValueError(f"attention kind {self.name!r} takes {self.options.__name__}, got "
                              f"{type(options).__name__}")
         options.check(self.name)
