@@ -1,9 +1,11 @@
 """mgk: Transformer-MGK attention (mixture of Gaussian keys, Nguyen et al., ICML 2022) and its experiment harness.
 
-Public modules: :class:`MultiheadAttention` (softmax baseline), :class:`MGKAttention` (MGK / sMGK, learned pi,
-Soft-E, Hard-E), :class:`LinearAttention` and :class:`MLKAttention` (drop-ins for ``torch.nn.MultiheadAttention``),
-built by kind name (:func:`build_attention`) or from an :class:`AttentionConfig`, and :func:`swap_attention`, which
-puts them into an existing model with its weights; the math is in :mod:`mgk.functional`.
+Public modules (drop-ins for ``torch.nn.MultiheadAttention``): :class:`MultiheadAttention` (softmax baseline),
+:class:`MGKAttention` (MGK / sMGK, learned pi, Soft-E, Hard-E), :class:`LinearAttention`, :class:`MLKAttention`,
+:class:`GroupedQueryAttention` (GQA / MQA) and :class:`GroupedMGKAttention` (mixture keys shared by groups of query
+heads), built by kind name (:func:`build_attention`) or from an :class:`AttentionConfig`, and
+:func:`swap_attention`, which puts them into an existing model with its weights; the math is in
+:mod:`mgk.functional`.
 :func:`soft_e_step` applies the Soft-E update of pi after backward. :func:`load_run` gets a trained run back (its
 model, config and tokenizer). Every module decodes with a cache (``forward(x, past_key_values=module.new_cache(),
 is_causal=True, need_weights=False)``; :class:`DecodingCache` holds one per layer,
@@ -12,6 +14,8 @@ is_causal=True, need_weights=False)``; :class:`DecodingCache` holds one per laye
 from .attention import (
     AttentionConfig,
     DecodingCache,
+    GroupedMGKAttention,
+    GroupedQueryAttention,
     LinearAttention,
     MGKAttention,
     MLKAttention,
@@ -25,7 +29,7 @@ from .attention import (
 __version__ = "0.2.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]
 __all__ += ["LinearAttention", "MLKAttention", "AttentionConfig", "soft_e_step", "swap_attention", "DecodingCache",
-            "LoadedRun", "load_run"]
+            "LoadedRun", "load_run", "GroupedQueryAttention", "GroupedMGKAttention"]
 
 
 _LAZY = ("load_run", "LoadedRun")

@@ -3,6 +3,8 @@ from . import kinds  # noqa: F401  (the index: each kind's file registers it)
 from .base import AttentionBase
 from .cache import DecodingCache, LayerCache
 from .config import AttentionConfig
+from .gmgk import GroupedMGKAttention
+from .gqa import GroupedQueryAttention
 from .linear import LinearAttention, MLKAttention
 from .mgk import MGKAttention, soft_e_step
 from .mixture_keys import MixtureKeys
@@ -12,4 +14,5 @@ from .swap import swap_attention
 
 __all__ = ["AttentionBase", "MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "register"]
 __all__ += ["LinearAttention", "MLKAttention", "MixtureKeys", "AttentionConfig", "AttentionKind", "get_kind",
-            "soft_e_step", "swap_attention", "DecodingCache", "LayerCache"]
+            "soft_e_step", "swap_attention", "DecodingCache", "LayerCache", "GroupedQueryAttention",
+            "GroupedMGKAttention"]
