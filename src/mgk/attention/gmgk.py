@@ -65,7 +65,9 @@ class GroupedMGKAttention(MGKAttention):
     Args:
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`mgk.attention.base.AttentionBase`; num_heads is H, the query heads.
-        options: a :class:`GMGKOptions` (the keywords below are its fields; give either the object or them).
+        options: a :class:`GMGKOptions` (the keyword options below, with their defaults, are its fields) or None;
+            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_kv_heads: G, the key/value groups (default None: G = H, which is :class:`MGKAttention` itself, the same
             parameters by name and shape).
         keys: "separate" (``k_proj`` of width M * G * D) or "shifted" (``k_proj`` of width G * D and ``key_shift``
@@ -80,7 +82,8 @@ class GroupedMGKAttention(MGKAttention):
 
     Raises:
         ValueError naming ``num_kv_heads`` when it is not a positive int dividing num_heads, naming a keyword and
-        ``options`` when both are given and disagree, and as :class:`MGKAttention` for the other options.
+        ``options`` when both are given and disagree, and as :class:`MGKAttention` for the other options;
+        TypeError for an unknown keyword or ``options`` of another type.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, options: GMGKOptions | None = None, **kwargs):

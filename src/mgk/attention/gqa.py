@@ -45,7 +45,10 @@ class GroupedQueryAttention(MultiheadAttention):
         num_kv_heads: G, key and value heads (default None: G = H, which is multi-head softmax attention with the
             same parameter names, so a softmax layer's state dict loads as is). Query head h reads key/value
             head h // (H / G).
-        options: a :class:`GQAOptions` instead of ``num_kv_heads``.
+        options: a :class:`GQAOptions` (its one field is ``num_kv_heads``) or None; keywords given with it must
+            agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a keyword that differs is a
+            ValueError naming both values, options of another type a TypeError. ``num_kv_heads=None``, its
+            default, counts as not given.
 
     ``k_proj`` and ``v_proj`` have width G * D; a decoding cache (:meth:`new_cache`) stores G heads of keys and
     values, never the H expanded ones. :func:`mgk.swap_attention` converts a multi-head layer by mean-pooling the key
@@ -53,7 +56,7 @@ class GroupedQueryAttention(MultiheadAttention):
 
     Raises:
         ValueError naming ``num_kv_heads`` when it is not a positive int dividing num_heads, or when it and
-        ``options`` are both given and disagree.
+        ``options`` are both given and disagree; TypeError for ``options`` of another type.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,

@@ -112,8 +112,9 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first, device, dtype: as :class:`AttentionBase`.
         dropout: accepted so that one constructor call builds every attention kind, but unused: linear attention
             never forms attention weights, so there is nothing to drop (the output is deterministic in training).
-        options: a :class:`LinearOptions` (the keyword options below, with their defaults, are its fields; give
-            either the object or the keywords).
+        options: a :class:`LinearOptions` (the keyword options below, with their defaults, are its fields) or None;
+            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keyword that differs is a ValueError naming both values, options of another type a TypeError.
         normalize, feature_map, output_scale, eps, eps_mode: the form, as :func:`mgk.functional.linear_attention`:
             defaults "row", "elu", 1.0, 1e-6, "guard" (eq. 6 with an exact denominator). The authors' LRA form is
             normalize="length" (its scale uses the padded tensor length, so outputs depend on the padding); their
@@ -124,6 +125,10 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
     :class:`mgk.functional.MaskError`; float masks may hold only 0 (allowed) and -inf (not allowed).
     ``need_weights=True`` returns the explicit
     (B, H, L, S) weights W with ``output = W @ v`` per head (O(L S) memory).
+
+    Raises:
+        ValueError for bad options or a keyword that differs from ``options``; TypeError for an unknown keyword
+        or ``options`` of another type.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, options: LinearOptions | None = None, **kwargs):
@@ -157,8 +162,9 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
     Args:
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first, device, dtype: as :class:`AttentionBase`.
         dropout: accepted but unused, as in :class:`LinearAttention`.
-        options: an :class:`MLKOptions` (the keyword options below, with their defaults, are its fields; give
-            either the object or the keywords).
+        options: an :class:`MLKOptions` (the keyword options below, with their defaults, are its fields) or None;
+            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MLK: M key projections) or "shifted" (sMLK: one key projection and learned offsets
             ``k_r = x W_k - mu_r``, ``mu_1 = 0``), exactly as :class:`MGKAttention`: both hold the keys and weights
@@ -182,7 +188,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
     Masks as :class:`LinearAttention`.
 
     Raises:
-        ValueError for bad options, and in ``forward`` when S exceeds ``max_len`` (naming both).
+        ValueError for bad options or a keyword that differs from ``options``, and in ``forward`` when S
+        exceeds ``max_len`` (naming both); TypeError for an unknown keyword or ``options`` of another type.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, keys: str = "separate", options: MLKOptions | None = None,

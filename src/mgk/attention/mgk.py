@@ -90,8 +90,9 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     Args:
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`AttentionBase`.
-        options: an :class:`MGKOptions` (the keyword options below, with their defaults, are its fields; give
-            either the object or the keywords).
+        options: an :class:`MGKOptions` (the keyword options below, with their defaults, are its fields) or None;
+            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MGK: M key projections) or "shifted" (sMGK: one key projection and learned offsets,
             ``k_r = x W_k - mu_r`` with ``mu_1 = 0``, others initialised from N(0, 0.5^2)).
@@ -128,7 +129,8 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
     is empty between steps, where checkpoints are written).
 
     Raises:
-        ValueError for bad options, and in ``forward`` when S exceeds ``max_len`` (naming both).
+        ValueError for bad options or a keyword that differs from ``options``, and in ``forward`` when S
+        exceeds ``max_len`` (naming both); TypeError for an unknown keyword or ``options`` of another type.
     """
 
     backend: str | None = None  # mgk_attention's backend; None lets mgk.functional.select_backend pick
