@@ -63,6 +63,9 @@ class PruneSettings:
     seed: int = 0
 
     def check(self) -> "PruneSettings":
+        """``self`` when every setting is in range: ``fraction`` in (0, 1), ``random_orders``,
+        ``importance_examples`` and ``eval_examples`` >= 0, ``batch_size`` >= 1; ValueError naming the first that
+        is not."""
         if not 0.0 < self.fraction < 1.0:
             raise ValueError(f"fraction must be in (0, 1), got {self.fraction}")
         for name in ("random_orders", "importance_examples", "eval_examples"):

@@ -253,16 +253,22 @@ class MixtureKeysMixin:
 
     mixture: MixtureKeys
 
-    k_proj = property(lambda self: self.mixture.k_proj)
-    key_shift = property(lambda self: self.mixture.key_shift)
-    pi_logits = property(lambda self: self.mixture.pi_logits)
-    pi = property(lambda self: self.mixture.pi)
-    keys = property(lambda self: self.mixture.keys)
-    num_keys = property(lambda self: self.mixture.num_keys)
-    pi_mode = property(lambda self: self.mixture.pi_mode)
-    pi_shape = property(lambda self: self.mixture.pi_shape)
-    pi_norm = property(lambda self: self.mixture.pi_norm)
-    max_len = property(lambda self: self.mixture.max_len)
+    # H below is the mixture's heads: the query heads, or the G key groups of gmgk
+    k_proj = property(lambda self: self.mixture.k_proj, doc="The key projection, nn.Linear from kdim to M * H * D "
+                      "(separate keys) or H * D (shifted keys).")
+    key_shift = property(lambda self: self.mixture.key_shift, doc="The learned key offsets (M - 1, H, D) of shifted "
+                         "keys; AttributeError for separate keys.")
+    pi_logits = property(lambda self: self.mixture.pi_logits, doc="The learned mixture logits: (H, M), (H, M, "
+                         "max_len) or (1, M) by pi_shape; AttributeError unless pi=\"learned\".")
+    pi = property(lambda self: self.mixture.pi, doc="The Soft-E mixture weights, a buffer (H, M, max_len) written by "
+                  ":func:`mgk.soft_e_step`; AttributeError unless pi=\"soft_e\".")
+    keys = property(lambda self: self.mixture.keys, doc='"separate" or "shifted" keys.')
+    num_keys = property(lambda self: self.mixture.num_keys, doc="M, mixture components per key.")
+    pi_mode = property(lambda self: self.mixture.pi_mode, doc='The option pi: "learned", "soft_e" or "hard_e".')
+    pi_shape = property(lambda self: self.mixture.pi_shape, doc='"head", "position" or "layer" (learned weights).')
+    pi_norm = property(lambda self: self.mixture.pi_norm, doc='"softmax" or "none" (learned weights).')
+    max_len = property(lambda self: self.mixture.max_len, doc="The longest key sequence per-position weights cover, "
+                       "int or None.")
 
     @property
     def _position_weighted(self) -> bool:

@@ -18,6 +18,7 @@ class FeedForward(nn.Module):
                                  nn.Linear(ffn_dim, d_model))
 
     def forward(self, x: Tensor) -> Tensor:
+        """(..., E) -> (..., E), each position on its own."""
         return self.net(x)
 
 
@@ -46,6 +47,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False,
                 past_key_values=None) -> Tensor:
+        """x (B, L, E) -> (B, L, E) as the class docstring says; ``is_causal`` and ``past_key_values`` go to the
+        attention, which raises for a mask, cache or shape it cannot take."""
         # a module from outside mgk may not take past_key_values: it is passed only when decoding
         extra = {} if past_key_values is None else {"past_key_values": past_key_values}
         if self.norm_first:

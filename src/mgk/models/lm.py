@@ -234,6 +234,10 @@ class TransformerLM(nn.Module):
     generate = generate
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Hidden states (B, L, E) of integer ``tokens`` (B, L) (:meth:`hidden`); with ``targets`` (B, L) int ids the
+        per-position negative log-likelihood (B, L) float32, 0 where ``targets == IGNORE_INDEX``. ValueError when
+        ``targets`` differ in shape from ``tokens`` or hold an id outside [0, V), and as :meth:`hidden`; IndexError
+        for a token id outside [0, V)."""
         h = self.hidden(tokens)
         if targets is None:
             return h

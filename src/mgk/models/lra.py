@@ -104,4 +104,5 @@ class LRAClassifier(PooledEncoder):
     """
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """Logits (B, num_classes) of ``tokens`` (B, L) int64 with ``padding_mask`` bool (B, L), True = padding."""
         return self.head(self.encode(tokens, padding_mask))

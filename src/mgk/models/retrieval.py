@@ -24,6 +24,8 @@ class RetrievalModel(PooledEncoder):
 
     def forward(self, tokens1: Tensor, padding_mask1: Tensor | None, tokens2: Tensor,
                 padding_mask2: Tensor | None) -> Tensor:
+        """Logits (B, num_classes) of the pairs (``tokens1`` (B, L1), ``tokens2`` (B, L2)), int64, with their bool
+        padding masks (True = padding, None = none); ValueError unless both are (B, L) with one B."""
         if tokens1.dim() != 2 or tokens2.dim() != 2 or tokens1.shape[0] != tokens2.shape[0]:
             raise ValueError(f"tokens1 and tokens2 must be (B, L) with one B, got {tuple(tokens1.shape)} and "
                              f"{tuple(tokens2.shape)}")

@@ -40,4 +40,6 @@ class TokenTagger(nn.Module):
         return sum(p.numel() for block in self.encoder.blocks for p in block.attn.parameters())
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """Logits (B, L, num_classes) of ``tokens`` (B, L) int64 with ``padding_mask`` bool (B, L), True = padding
+        (or None); causal when the tagger is. ValueError for a longer input than ``max_len``."""
         return self.head(self.encoder(tokens, padding_mask, is_causal=self.causal))

@@ -349,6 +349,10 @@ class HFAttention(nn.Module):
         return self._rotary(heads, heads[..., :0, :], cos, sin, unsqueeze_dim=2)[0].flatten(-2)
 
     def forward(self, hidden_states: Tensor, *args, attention_mask=None, position_embeddings=None, **kwargs):
+        """``(output (B, L, E), weights (B, H, L, S) float or None)`` of ``hidden_states`` (B, L, E), with the mask,
+        cache and weights rules of the class docstring. TypeError for a positional argument after
+        ``hidden_states``; ValueError for cross-attention, a rotary model's call without ``position_embeddings``
+        (cos, sin), ``output_attentions`` on a kind that returns no weights, and a mask or cache it cannot take."""
         if args:
             raise TypeError(f"HFAttention takes hidden_states and keyword arguments, got {len(args)} more "
                             "positional ones")
