@@ -67,9 +67,11 @@ TINY = ["gen_train=256", "gen_val=40", "gen_test=37", "batch_size=16", "d_model=
 
 
 def sets(*pairs):
-    """--set arguments for ``pairs`` of key=value."""
+    """--set arguments for ``pairs`` of key=value; a later pair replaces an earlier one of the same key (a test's own
+    values over TINY's), since mgk train refuses one key given two values."""
+    last = {p.split("=", 1)[0]: p for p in pairs}
     out = []
-    for p in pairs:
+    for p in last.values():
         out += ["--set", p]
     return out
 

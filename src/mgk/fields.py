@@ -167,18 +167,45 @@ def check(obj, *, name: Callable[[str], str] = str, skip: Iterable[str] = ()) ->
             raise ValueError(f"{name(f.name)} applies only with {key}={want!r}, not {key}={getattr(obj, key)!r}")
 
 
-def _parse_sequence(text: str, origin):
-    value = json.loads(text) if text.strip().startswith("[") else [float(x) for x in text.split(",")]
+def _parse_sequence(text: str, hint):
+    origin = typing.get_origin(hint) or hint
+    args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+    item = args[0] if len(args) == 1 else float  # tuple[int, ...]: "20,60" is (20, 60), not (20.0, 60.0)
+    if text.strip().startswith("["):
+        value = json.loads(text)
+    else:
+        value = [_parse_one(x.strip(), item) for x in text.split(",")]
     if not isinstance(value, list):
         raise ValueError(text)
     return origin(value)
 
 
+def _numeric(hint) -> bool:
+    """Whether ``hint`` reads numbers: int, float, a sequence of them, or a union holding one."""
+    if _is_union(hint):
+        return any(_numeric(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (tuple, list):
+        return not typing.get_args(hint) or _numeric(typing.get_args(hint)[0])
+    return hint in (int, float)
+
+
+def _underscored_number(text: str) -> bool:
+    """Whether ``text`` is a number or a comma list of numbers once its underscores are dropped (``2_0``, ``1_0.5``,
+    ``[1_0, 2]``)."""
+    try:
+        for x in text.replace("_", "").strip("[]").split(","):
+            float(x)
+    except ValueError:
+        return False
+    return True
+
+
 def parse(text: str, hint, name: str):
     """``text`` (from ``--set name=text``) as a value of the annotation ``hint``: bool words, numbers, ``none`` for
     an optional field, ``[1, 2]`` or ``1,2`` for a tuple or list; for a union the first alternative that parses, in
-    the annotation's order (``str`` parses any text: list it last). ValueError naming ``name`` when nothing fits, and
-    for empty text, whatever the type (a forgotten value must not pass for None or "")."""
+    the annotation's order (``str`` parses any text: list it last). ValueError naming ``name`` when nothing fits, for
+    a number written with an underscore (``2_0``) where ``hint`` takes numbers, and for empty text, whatever the type
+    (a forgotten value must not pass for None or "")."""
     text = text.strip()
     alternatives = typing.get_args(hint) if _is_union(hint) else (hint,)
     if not text:
@@ -186,6 +213,9 @@ def parse(text: str, hint, name: str):
         raise ValueError(f"--set {name}=: empty value, expected {type_name(hint)}{spelled}")
     if type(None) in alternatives and text.lower() in _NONE_WORDS:
         return None
+    if "_" in text and _numeric(hint) and _underscored_number(text):
+        # int("2_0") is 20: in a config value the underscore is a slip (20? 2? 2.0?), not a digit separator
+        raise ValueError(f"--set {name}={text}: a number with '_' in it (a typo?); write the number without it")
     for alt in (a for a in alternatives if a is not type(None)):
         try:
             return _parse_one(text, alt)
@@ -200,10 +230,10 @@ def _parse_one(text: str, hint):
             return text.lower() in _TRUE_WORDS
         raise ValueError(text)
     if hint in (int, float):
-        return hint(text)
+        return hint(text)  # "2_0" never gets here: parse refuses it first
     if hint is str:
         return text
     origin = typing.get_origin(hint) or hint
     if origin in (tuple, list):
-        return _parse_sequence(text, origin)
+        return _parse_sequence(text, hint)
     raise TypeError(f"unsupported field type {hint}")

@@ -19,7 +19,9 @@ TINY = ["batch_size=8", "d_model=16", "head_dim=8", "ffn_dim=32", "classifier_di
 
 
 def sets(*pairs):
-    return [x for p in pairs for x in ("--set", p)]
+    """--set arguments; a later pair replaces an earlier one of the same key (PIXELS' batch_size over TINY's)."""
+    last = {p.split("=", 1)[0]: p for p in pairs}
+    return [x for p in last.values() for x in ("--set", p)]
 
 
 def _train(out, task, *extra, steps=3, data=None):

@@ -180,28 +180,52 @@ def _apply(cfg: RunConfig, changes: dict, *, keep: set) -> RunConfig:
 
 def replace(cfg: RunConfig, changes: dict | None = None, /, **values) -> RunConfig:
     """A copy of ``cfg`` with typed ``values`` (flat names as keywords, or ``changes`` keyed by flat names or dotted
-    paths) applied at once: the kind first (with its form), then the rest. ValueError naming an unknown key or an
-    option the chosen kind does not take."""
-    resolved = {resolve_key(k): v for k, v in {**(changes or {}), **values}.items()}
+    paths) applied at once: the kind first (with its form), then the rest. ValueError naming an unknown key, an
+    option the chosen kind does not take, or a field given two different values (``lr`` and ``optim.lr``)."""
+    given = [*(changes or {}).items(), *values.items()]
+    resolved = _once((resolve_key(k), f"{k}={v!r}", v) for k, v in given)
     return _apply(cfg, resolved, keep=set(resolved))
 
 
 def apply_overrides(cfg: RunConfig, pairs=(), /, **values) -> RunConfig:
     """A copy of ``cfg`` with ``key=value`` strings (``--set``) and typed ``values`` (flags, by flat name) applied
     at once, as :func:`replace`. A value parses as its field's type (:func:`mgk.fields.parse`; an option's as the
-    chosen kind declares it). ValueError naming a bad pair, key or value."""
-    texts = {}
+    chosen kind declares it). ValueError naming a bad pair, key or value, or one field given two different values
+    (``--set lr=1e-3 --set optim.lr=2e-3``, or a flag and a ``--set``); the same value twice is taken."""
+    texts = []  # (path, key, text) in the order given
     for pair in pairs:
         if "=" not in pair:
             raise ValueError(f"--set expects key=value, got {pair!r}")
         key, text = (s.strip() for s in pair.split("=", 1))
-        texts[resolve_key(key)] = (key, text)
-    typed = {resolve_key(k): v for k, v in values.items()}
-    kind = texts[_KIND][1] if _KIND in texts else typed.get(_KIND)
-    chosen = _choose_kind(cfg, kind) if kind is not None else cfg  # options parse as the chosen kind declares them
-    parsed = {path: fields.parse(text, _set_hint(chosen, path, key), key) for path, (key, text) in texts.items()}
-    changes = {**typed, **parsed}
+        texts.append((resolve_key(key), key, text))
+    flags = [(resolve_key(k), f"{k}={v} (a flag)", v) for k, v in values.items()]
+    # Two kinds are refused before either decides how the other values parse.
+    kinds = _once([*flags, *((path, f"--set {key}={text}", text) for path, key, text in texts)], only=_KIND)
+    chosen = _choose_kind(cfg, kinds[_KIND]) if _KIND in kinds else cfg  # options parse as the chosen kind declares
+    parsed = [(path, f"--set {key}={text}", fields.parse(text, _set_hint(chosen, path, key), key))
+              for path, key, text in texts]
+    changes = _once([*flags, *parsed])
     return _apply(cfg, changes, keep=set(changes))
+
+
+def _once(entries, *, only: str | None = None) -> dict:
+    """Dotted path -> value of ``(path, as given, value)`` entries (those of path ``only`` when given); ValueError
+    naming both when two give one field different values (a user who gave both meant one of them: taking the later
+    would drop the other unseen)."""
+    out, given = {}, {}
+    for path, shown, value in entries:
+        if only is not None and path != only:
+            continue
+        if path in out and not _same(out[path], value):
+            raise ValueError(f"{given[path]} and {shown} give {flat_name(path)} two values; keep one")
+        out.setdefault(path, value)
+        given.setdefault(path, shown)
+    return out
+
+
+def _same(a, b) -> bool:
+    """Whether two values of one field are one setting (``1e-3`` and ``0.001``; NaN and NaN)."""
+    return a == b or repr(a) == repr(b)
 
 
 def flat(cfg: RunConfig) -> dict:
