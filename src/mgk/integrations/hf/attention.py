@@ -15,7 +15,7 @@ try:  # transformers 5.x records output_attentions=True by hooks it installs on 
 except ImportError:  # older versions read the maps from the attention's second output
     _record_hook = None
 
-__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "with_cu_seq_lens"]
+__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "with_cu_seq_lens", "with_packed_positions"]
 
 # what the decoder layers of the supported transformers versions call the cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -158,6 +158,24 @@ def _position_starts(position_ids: Tensor) -> Tensor:
     return starts
 
 
+def with_packed_positions(layout: MaskLayout, B: int, L: int, position_ids) -> MaskLayout:
+    """``layout`` with sequences packed into a row by ``position_ids`` alone read in: "packed" with their segments
+    when the mask says nothing of its own (a "plain" layout without padding) and ``position_ids`` (B or 1, L) restart
+    inside a row (a position not the one before it plus 1, transformers' ``find_packed_sequence_indices``), as
+    ``DataCollatorWithFlattening()`` gives them. transformers builds the block mask from them only without a cache and
+    without a 2D mask; with the cache the configs' ``use_cache=True`` creates (eval, and training as ``Trainer`` runs
+    it) the sequences would see each other. Causal models only, as transformers reads them; ``layout`` unchanged
+    otherwise (a later cached call continues one sequence: its positions run on)."""
+    if layout.form != "plain" or layout.valid is not None or not isinstance(position_ids, Tensor):
+        return layout
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != L or L < 2:
+        return layout
+    starts = _position_starts(position_ids.to(torch.long))
+    if not bool(starts[:, 1:].any()):
+        return layout
+    return MaskLayout("packed", segments=starts.long().cumsum(-1).expand(B, L))
+
+
 def with_cu_seq_lens(layout: MaskLayout, B: int, L: int, device, *, cu_seq_lens_q=None, cu_seq_lens_k=None,
                      position_ids=None) -> MaskLayout:
     """``layout`` with the packing flash attention's keyword arguments describe read in: a "packed"
@@ -278,7 +296,9 @@ class HFAttention(nn.Module):
     row (a block-diagonal mask) are attended each on its own, as if alone (each kind, each prior restarting); so are
     sequences flattened into one row that flash attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     describe (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; read whatever the mask, also with a
-    cache, where transformers builds no block mask; malformed ones are a ValueError, :func:`with_cu_seq_lens`); any
+    cache, where transformers builds no block mask; malformed ones are a ValueError, :func:`with_cu_seq_lens`), and
+    in a causal model with no mask of its own sequences told apart by ``position_ids`` alone, also with a cache
+    (``DataCollatorWithFlattening()``; :func:`with_packed_positions`); any
     other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
     line).
 
@@ -292,7 +312,8 @@ class HFAttention(nn.Module):
     training mode with gradients enabled, e.g. ``use_cache=True``, many configs' default) is the uncached forward
     and leaves the cache untouched (nothing built that no one reads); on a cache that already holds this layer's
     tokens it is a ValueError. With gradients on in eval mode, the first call's output is the uncached forward's
-    and the cache is filled without gradient besides. A cache takes plain masks after its first call.
+    and the cache is filled without gradient besides. A cache takes plain masks after its first call; one whose
+    first call was packed refuses any later call in one line (its sequences share a row: a step would see them all).
     """
 
     def __init__(self, attn: nn.Module, *, layer_idx: int | None, causal: bool, rotary=None,
@@ -371,6 +392,8 @@ class HFAttention(nn.Module):
                                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
                                       cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
                                       position_ids=kwargs.get("position_ids"))
+            if self.is_causal:
+                layout = with_packed_positions(layout, B, L, kwargs.get("position_ids"))
             out, weights = self._attend(hidden_states, layout, cache, want)
         finally:
             self._position = None
@@ -425,6 +448,10 @@ class HFAttention(nn.Module):
         L = x.shape[1]
         layer = mgk_layer(cache, self.layer_idx, self.attn)
         first = layer.mgk_cache.length == 0
+        if not first and layer.packed:
+            raise ValueError(f"layer {self.layer_idx}'s cache was filled by a packed forward (several sequences in "
+                             "one row, told apart by position_ids or cu_seq_lens): a step would attend across them; "
+                             "decode each sequence in its own row, or pass use_cache=False to the packed forward")
         if not first and (layout.form != "plain" or want):
             why = ("output_attentions needs maps over the whole cache, which mgk's caches do not form" if want
                    else "after its first call a cache takes masks of causality and padding only")
@@ -432,6 +459,8 @@ class HFAttention(nn.Module):
         valid = None if layout.valid is None else layout.valid[:, -L:]
         padding = None if valid is None or bool(valid.all()) else ~valid
         cached = dict(key_padding_mask=padding, is_causal=True, need_weights=False, past_key_values=layer.mgk_cache)
+        if first:
+            layer.packed = layout.form == "packed"
         if first and (torch.is_grad_enabled() or want or layout.form != "plain"):
             out = self._uncached(x, layout, want)  # exact (gradients, maps, packed sequences): the cache besides
             with torch.no_grad():

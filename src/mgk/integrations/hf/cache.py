@@ -49,6 +49,8 @@ class MGKCacheLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    # set by HFAttention's first cached call: several packed sequences share each row, so no step may follow
+    packed = False
 
     def __init__(self, layer_cache: LayerCache, new_cache=None):
         super().__init__()
@@ -87,6 +89,7 @@ class MGKCacheLayer(CacheLayerMixin):
         factory = None if self._new_cache is None else self._new_cache()
         old = self.mgk_cache
         self.mgk_cache = factory() if factory is not None else LayerCache(old.slots, layout=old.layout)
+        self.packed = False
 
     def offload(self):
         """Refused: mgk's caches stay on the device they were filled on (NotImplementedError in one line naming

@@ -1,0 +1,78 @@
+"""Sequences packed into one row and told apart by ``position_ids`` alone (what ``DataCollatorWithFlattening()``
+returns by default: input_ids and position_ids restarting at 0). transformers builds the block mask from them only
+without a cache and without a 2D mask; with the cache the configs' ``use_cache=True`` makes (eval, and training as
+``Trainer`` runs it) the sequences would see each other. Each sequence must give what it gives alone; a cache filled
+by a packed forward holds several sequences in one row, so a later step is refused in one line rather than attending
+across them (TEST_CASES R30: equality or a one-line refusal, never a silent mix)."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf needs transformers: pip install "
+                                                          "-e '.[hf]'")
+
+import mgk  # noqa: E402
+
+LENGTHS = (3, 5, 4)  # three sequences packed into one row of 12 tokens
+
+
+def _sequences(vocab: int = 40):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _packed(seqs, **collator):
+    batch = transformers.DataCollatorWithFlattening(**collator)([{"input_ids": s} for s in seqs])
+    batch.pop("labels")
+    return batch
+
+
+def _alone(model, seqs):
+    return torch.cat([model(input_ids=torch.tensor([s]), use_cache=False).logits for s in seqs], dim=1)
+
+
+@pytest.mark.parametrize("arch", ("llama", "gpt2"))
+@pytest.mark.parametrize("kind", ("softmax", "mgk", "gmgk", "linear"))
+def test_each_sequence_packed_by_position_ids_gives_what_it_gives_alone(hf_model, arch, kind):
+    model = mgk.swap_attention(hf_model(arch), kind)
+    seqs = _sequences()
+    batch = _packed(seqs)
+    assert sorted(batch) == ["input_ids", "position_ids"]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    with torch.no_grad():
+        alone = _alone(model, seqs)
+        torch.testing.assert_close(model(**batch).logits, alone, atol=1e-5, rtol=0)  # eval: use_cache=True
+        torch.testing.assert_close(model(**batch, use_cache=False).logits, alone, atol=1e-5, rtol=0)
+    model.train()  # what Trainer runs with the collator (dropout is 0 in these configs)
+    torch.testing.assert_close(model(**batch).logits, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ("softmax", "mgk"))
+@pytest.mark.parametrize("collator", ({}, {"return_flash_attn_kwargs": True}), ids=("position_ids", "cu_seq_lens"))
+def test_a_step_after_a_packed_forward_on_a_cache_is_refused_in_one_line(hf_model, kind, collator):
+    model = mgk.swap_attention(hf_model("llama"), kind)
+    cache = transformers.DynamicCache(config=model.config)
+    seqs = _sequences()
+    with torch.no_grad():
+        packed = model(**_packed(seqs, **collator), past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(packed, _alone(model, seqs), atol=1e-5, rtol=0)  # the packed forward is exact
+        with pytest.raises(ValueError, match=r"^layer 0's cache was filled by a packed forward") as err:
+            model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[4]]), past_key_values=cache,
+                  use_cache=True)
+    assert "\n" not in str(err.value)
+    cache.reset()  # an emptied cache decodes again
+    with torch.no_grad():
+        model(input_ids=torch.tensor([seqs[0]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
+
+
+def test_left_padding_with_its_mask_is_not_read_as_packing(hf_model, batch):
+    """generate's position_ids for a left-padded row (1 on the padding, then 0, 1, ...) restart inside the row; the
+    mask's padding says what they mean, as in transformers, which reads position_ids only without a 2D mask."""
+    ids, mask = batch
+    model = mgk.swap_attention(hf_model("llama"), "mgk")
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    assert position_ids[1].tolist()[:4] == [1, 1, 1, 0]
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).logits
+        alone = model(input_ids=ids[1:, 3:], use_cache=False).logits
+    torch.testing.assert_close(out[1:, 3:], alone, atol=1e-5, rtol=0)
