@@ -350,7 +350,12 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         (B, H, L, Dv) in the buffers' dtype; equals :func:`mgk_attention_cached` after the composition above.
     Raises:
         ValueError naming the argument for wrong shapes, dtypes, slots or options (before anything is written);
-        BackendError (a ValueError) naming why a backend asked for cannot serve.
+        ValueError naming it, before anything is written, when gradients are enabled and ``key``, ``value``,
+        ``log_pi``, ``sigma2``, ``shifts`` or a buffer requires grad: the entries are stored without a graph, so
+        their gradients would silently be lost (decode under ``torch.no_grad()`` / ``torch.inference_mode()`` or
+        detach it; a ``query`` that requires grad is fine, its gradient is exact when the backward comes before the
+        next step writes the buffers; ``centre`` is read detached, the output not depending on it); BackendError
+        (a ValueError) naming why a backend asked for cannot serve.
     """
     check_mixture_args(mixture, log_pi)
     _check_backend(backend)
@@ -430,8 +435,9 @@ class MGKStepTerms:
             (B, H, L, Dv) in the buffers' dtype.
         Raises:
             ValueError naming the argument as :func:`mgk_cache_step` (``terms`` when the operands' heads, head_dim,
-            components or compute dtype are not the terms'); BackendError naming why a backend asked for cannot
-            serve.
+            components or compute dtype are not the terms'; ``sigma2``, ``shifts`` or ``log_pi`` when gradients are
+            enabled and the terms' variances, shifts or log prior require grad, as for ``key`` and ``value``);
+            BackendError naming why a backend asked for cannot serve.
         """
         _check_backend(backend)
         if log_pi is not None:
@@ -443,6 +449,8 @@ class MGKStepTerms:
         S, mask = _check_slot_args(slot, key_valid, B, L, T)
         c = self._centre(centre, B)
         prior = self._prior(log_pi, B, L)
+        if torch.is_grad_enabled():  # before any write: a refused step leaves the buffers as they were
+            _refuse_graph(key, value, prior, self, keys, key_bias, values)
         with full_precision(query.device):
             kernel = _step_kernel(query, key, value, keys, key_bias, values, mask, self.s2, self.shifts, backend,
                                   at_slot)
@@ -542,7 +550,8 @@ def mgk_step_terms(num_heads: int, num_keys: int, head_dim: int, *, sigma2: floa
             None (uniform; None for "max").
         dtype: the steps' compute dtype, float32 or float64. device: default the CPU.
     Returns:
-        MGKStepTerms (gradients through ``sigma2`` and ``shifts`` kept, as :func:`mgk_cache_step` keeps them).
+        MGKStepTerms (a graph through ``sigma2``, ``shifts`` or ``log_pi`` is kept, and a step made with grad
+        enabled refuses such terms: the entries it stores keep no graph).
     Raises:
         ValueError naming the argument.
     """
@@ -623,6 +632,18 @@ def _check_slot_args(slot, key_valid, B: int, L: int, T: int) -> tuple[int, Tens
         what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
         raise ValueError(f"key_valid must be a bool tensor (B, slot + L) = ({B}, {S}), got {what}")
     return S, None if key_valid is None else key_valid[:, None, None, :]
+
+
+def _refuse_graph(key, value, prior, terms: MGKStepTerms, keys, key_bias, values) -> None:
+    """ValueError naming the first of a step's stored operands that requires grad (called with grad enabled): the
+    entries are made and written without a graph and the queries attend over the buffers, so a backward would reach
+    the query alone and silently drop the rest. A few flag reads: this runs at every step."""
+    for name, t in (("key", key), ("value", value), ("log_pi", prior), ("sigma2", terms.s2),
+                    ("shifts", terms.shifts), ("keys", keys), ("key_bias", key_bias), ("values", values)):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} requires grad: a cached MGK step stores its entries without a graph, so "
+                             "gradients through them would be lost; decode under torch.no_grad() or "
+                             f"torch.inference_mode(), detach {name}, or call mgk_attention (exact gradients)")
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -256,7 +256,11 @@ def softmax_cache_step(query: Tensor, key: Tensor, value: Tensor, state: KVCache
         ValueError naming ``query``, ``key`` or ``value`` for a rank other than 4, ``key`` / ``value`` / ``valid``
         for a batch or length other than query's, ``valid`` not bool, ``state`` for another object or slots or a
         state started for another batch; otherwise as :meth:`KVCacheState.append` and
-        :func:`softmax_attention_cached`. A refused call leaves ``state`` as it was.
+        :func:`softmax_attention_cached`; ValueError naming ``key`` or ``value`` when gradients are enabled and it
+        requires grad (the state keeps no graph, so its gradient would silently be lost: decode under
+        ``torch.no_grad()`` / ``torch.inference_mode()`` or detach it; a ``query`` that requires grad is fine, its
+        gradient is exact when the backward comes before the next call writes the buffers it read). A refused call
+        leaves ``state`` as it was.
     """
     if not isinstance(state, KVCacheState) or state.slots != {"keys": 2, "values": 2}:
         got = state.slots if isinstance(state, KVCacheState) else type(state).__name__
@@ -276,6 +280,12 @@ def softmax_cache_step(query: Tensor, key: Tensor, value: Tensor, state: KVCache
     # checked before the state is written: a refused call leaves it as it was (a retry would store the keys twice)
     check_arguments(dropout_p=dropout_p, scale=scale)
     check_qkv(query, key, value, mixture=False, grouped=True)
+    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+        # The state stores detached copies, and the queries attend over those: a graph would reach the query only.
+        name = "key" if key.requires_grad else "value"
+        raise ValueError(f"{name} requires grad: softmax_cache_step stores keys and values without their graph, so "
+                         "their gradients would be lost; decode under torch.no_grad() or torch.inference_mode(), "
+                         f"pass {name}.detach(), or call softmax_attention (exact gradients)")
     if state.seen is None:
         state.start(B, query.device)
     elif state.seen.shape[0] != B:
