@@ -195,6 +195,33 @@ def test_a_cache_of_fixed_capacity_reorders_and_crops(kind):
     _same_cache(cache, want)
 
 
+POSITIONAL = [k for k in attention_kinds() if "pi_shape" in get_kind(k).options.names()]
+# the rows kept, by the call that keeps them
+DROPPING_ROW_0 = {"select": (lambda c, i: c.select(i), torch.tensor([1])),
+                  "reorder": (lambda c, i: c.reorder(i), torch.tensor([1, 1]))}
+
+
+@pytest.mark.parametrize("move", DROPPING_ROW_0)
+@pytest.mark.parametrize("kind", POSITIONAL)
+def test_dropping_the_longest_row_lets_the_others_reach_max_len(kind, move):
+    """Row 0 has seen 6 tokens, row 1 two (left padding), max_len=8. Once row 0 is dropped, row 1 steps to position 7
+    as it would alone, and position 8 is refused: the dropped row's host bound (seen.max()) refused it at position 4
+    ("position 8 is past them")."""
+    m = _module(kind, {"pi_shape": "position", "max_len": 8})
+    x = torch.randn(2, 12, E, generator=torch.Generator().manual_seed(4))
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, :4] = True
+    cache = m.new_cache()
+    _call(m, cache, x, pad, 0, 6)
+    keep, rows = DROPPING_ROW_0[move]
+    keep(cache, rows)
+    x, pad = x[rows], pad[rows]
+    for t in range(6, 12):  # row 1's positions 2 .. 7
+        _call(m, cache, x, pad, t, t + 1)
+    with pytest.raises(ValueError, match="position 8 is past them"):
+        _call(m, cache, x, pad, 11, 12)
+
+
 @pytest.mark.parametrize("kind", ["softmax", "mgk", "mlk"])
 def test_a_models_decoding_cache_moves_every_layer(kind):
     model = TransformerLM(LMConfig(vocab_size=30, d_model=E, num_layers=2, ffn_dim=32, dropout=0.0, cutoffs=(10,),

@@ -195,6 +195,29 @@ def test_a_fixed_cache_and_a_model_cache_save_and_load(kind):
             cache[0].advance(1)
 
 
+# (why the second layer's state dict is refused: another kind's cache, not a cache's state dict)
+SECOND_REFUSED = {"another kind": lambda sd: _module("softmax").new_cache().state_dict(), "not a state dict": dict}
+
+
+@pytest.mark.parametrize("why", SECOND_REFUSED)
+def test_a_refused_model_cache_load_loads_no_layer(why):
+    """A DecodingCache load refused at layer 1 left layer 0 loaded, and the retry with the right state dict was refused
+    ("this one has had a call", falsely): every layer is checked before any is loaded."""
+    layers = [_module("mgk"), _module("mgk")]
+    x = torch.randn(2, 4, E, generator=torch.Generator().manual_seed(9))
+    filled = DecodingCache([m.new_cache() for m in layers])
+    with torch.no_grad():
+        for m, c in zip(layers, filled):
+            _call(m, x, c)
+    good = filled.state_dict()
+    fresh = DecodingCache([m.new_cache() for m in layers])
+    with pytest.raises(ValueError, match="state_dict"):
+        fresh.load_state_dict({"layers": [good["layers"][0], SECOND_REFUSED[why](good)]})
+    assert all(c.seen is None and c.length == 0 and not c.extra for c in fresh)
+    fresh.load_state_dict(good)
+    assert all(_same(c.state_dict(), sd) for c, sd in zip(fresh, good["layers"]))
+
+
 def test_pickling_a_cache_is_refused_in_one_line_and_copies_still_work():
     m = _module("mgk")
     x = torch.randn(2, 6, E, generator=torch.Generator().manual_seed(7))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attention.conftest import E, build_kind
-from mgk.attention.registry import get_kind, kind_variants, variant_name
+from mgk.attention.registry import attention_kinds, get_kind, kind_variants, variant_name
 
 CASES = [*kind_variants(), ("mgk", {"pi_shape": "position"}), ("smgk", {"pi_shape": "position"}),
          ("mlk", {"pi_shape": "position"}), ("linear", {"normalize": "none"}),
@@ -166,3 +166,21 @@ def test_eager_calls_without_advance_are_still_checked_against_the_slot():
         _call(m, x[:, 5:6], cache)
         with pytest.raises(ValueError, match=r"fixed capacity \(6 tokens\) is used up"):
             _call(m, x[:, 6:7], cache)
+
+
+@pytest.mark.parametrize("kind", [k for k in attention_kinds() if "pi_shape" in get_kind(k).options.names()])
+def test_eager_fixed_steps_without_advance_are_refused_past_max_len_in_one_line(kind):
+    """The host counts of a fixed cache are the caller's (advance); eager steps without it read the device count for
+    the per-position check, so position 8 of max_len=8 is the one-line ValueError, not an IndexError deep in the
+    mixture's weights (the stale host bound let it through)."""
+    m = _module(kind, {"pi_shape": "position", "max_len": 8})
+    x = torch.randn(2, 9, E, generator=torch.Generator().manual_seed(3))
+    cache = m.new_cache()
+    with torch.no_grad():
+        _call(m, x[:, :4], cache)
+        cache.fix_capacity(12)
+        for t in range(4, 8):  # no advance()
+            _call(m, x[:, t:t + 1], cache)
+        with pytest.raises(ValueError, match=r"max_len=8 .*position 8 is past them") as err:
+            _call(m, x[:, 8:9], cache)
+    assert "\n" not in str(err.value) and cache.seen.tolist() == [8, 8]

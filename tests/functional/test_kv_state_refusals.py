@@ -81,3 +81,42 @@ def test_a_cast_to_anything_but_a_floating_dtype_is_refused_and_keeps_the_entrie
     with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
         state.cast(dtype)
     assert torch.equal(state.buffers["keys"], before)
+
+
+@pytest.mark.parametrize("L", [-1, 0, True, 2.5, "1", 4], ids=repr)
+def test_advance_takes_a_positive_int_within_the_room_left(L):
+    """advance() counts the tokens of a fixed state's steps: anything but a positive int within the room left (3 of
+    6 slots here) left the host counts wrong (a negative length, a float) for later calls to fail far from it."""
+    state = _prefilled()
+    state.fix_capacity(6)
+    softmax_cache_step(*_chunk(1, 1), state)
+    with pytest.raises(ValueError, match=r"^L must be a positive int at most the room left \(3 of 6") as err:
+        state.advance(L)
+    assert "\n" not in str(err.value) and state.length == 3 and state.room() == 3
+    state.advance(1)
+    assert state.length == 4
+
+
+# (the argument moved to another device, how append is called with it)
+ELSEWHERE = {
+    "keys": lambda s, k, v: s.append(None, keys=k.to("meta"), values=v),
+    "values": lambda s, k, v: s.append(None, keys=k, values=v.to("meta")),
+    "valid": lambda s, k, v: s.append(torch.ones(B, 1, dtype=torch.bool, device="meta"), keys=k, values=v),
+}
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["growing", "fixed"])
+@pytest.mark.parametrize("name", ELSEWHERE)
+def test_entries_on_another_device_are_refused_before_anything_is_written(name, fixed):
+    """copy_ failed deep in torch ("Cannot copy out of meta tensor"), or carried the tokens across devices."""
+    state = _prefilled()
+    if fixed:
+        state.fix_capacity(5)
+    before = {n: t.clone() for n, t in state.buffers.items()}
+    _, k, v = _chunk(1, 1)
+    with pytest.raises(ValueError, match=f"^{name} is on meta but this softmax cache lives on cpu") as err:
+        ELSEWHERE[name](state, k, v)
+    assert "\n" not in str(err.value) and state.length == 3 and state.seen.tolist() == [3, 3]
+    assert all(torch.equal(state.buffers[n], t) for n, t in before.items())
+    if fixed:
+        assert int(state.slot) == 3

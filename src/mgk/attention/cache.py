@@ -288,6 +288,11 @@ class LayerCache(_SavedByStateDict):
             ValueError naming ``state_dict`` when it is not a cache's state dict, is of another layout, or this
             cache has had a call.
         """
+        self._check_load(state_dict)
+        self._load(state_dict)
+
+    def _check_load(self, state_dict) -> None:
+        """The checks of :meth:`load_state_dict`, nothing loaded (:class:`DecodingCache` checks every layer first)."""
         keys = set(_SAVED_KEYS)
         if not isinstance(state_dict, dict) or set(state_dict) != keys:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -297,8 +302,11 @@ class LayerCache(_SavedByStateDict):
                              f"{state_dict['slots']}; this is a {self.layout or 'layer'} cache with slots {self.slots}")
         if self.seen is not None:
             raise ValueError("state_dict is loaded into a new cache (new_cache()); this one has had a call")
-        self.kv.load_state_dict({key: state_dict[key] for key in STATE_KEYS})
-        sd = state_dict
+        self.kv.check_load({key: state_dict[key] for key in STATE_KEYS})
+
+    def _load(self, sd: dict) -> None:
+        """:meth:`load_state_dict` after :meth:`_check_load`."""
+        self.kv.load_state_dict({key: sd[key] for key in STATE_KEYS})
         self._owner = None if sd["owner"] is None else tuple(sd["owner"])
         self._module = None
         self.extra = dict(sd["extra"])
@@ -326,7 +334,7 @@ class LayerCache(_SavedByStateDict):
         Every per-row tensor moves with its row: the slot buffers (dim 0), the valid-slot mask, :attr:`seen`, the
         recurrent state, and every tensor of :attr:`extra` (the contract of the kinds' bookkeeping: rows as dim 0).
         Before the first call there is nothing to move. A fixed capacity's slot is the same for every row and
-        stays; the host bound of ``seen.max()`` stays a bound.
+        stays; the host bound of ``seen.max()`` is taken again from the rows kept (:meth:`KVCacheState.select`).
 
         Args:
             index: (B',) integer tensor (int64 as beam search gives it), values in [0, B), on any device.
@@ -469,11 +477,15 @@ class DecodingCache(_SavedByStateDict):
         return {"layers": [layer.state_dict() for layer in self.layers]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a :meth:`state_dict` into this new cache of the same model (``model.new_cache()``). ValueError
-        naming ``state_dict`` for another number of layers, or as :meth:`LayerCache.load_state_dict`."""
+        """Restore a :meth:`state_dict` into this new cache of the same model (``model.new_cache()``), all or
+        nothing: every layer is checked before any is loaded, so a refused load leaves the cache new (a retry with
+        the right state dict loads). ValueError naming ``state_dict`` for another number of layers, or as
+        :meth:`LayerCache.load_state_dict`."""
         layers = state_dict.get("layers") if isinstance(state_dict, dict) else None
         if not isinstance(layers, (list, tuple)) or len(layers) != len(self.layers):
             got = len(layers) if isinstance(layers, (list, tuple)) else type(state_dict).__name__
             raise ValueError(f"state_dict must be a DecodingCache.state_dict() of {len(self.layers)} layers, got {got}")
         for layer, sd in zip(self.layers, layers):
-            layer.load_state_dict(sd)
+            layer._check_load(sd)
+        for layer, sd in zip(self.layers, layers):
+            layer._load(sd)

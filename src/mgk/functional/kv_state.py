@@ -110,8 +110,12 @@ class KVCacheState:
         return token_positions(self.seen, valid, L)
 
     def last_position(self, valid: Tensor | None, L: int) -> int:
-        """The largest position of a real token after L new ones (the host's bound, exact without padding)."""
+        """The largest position of a real token after L new ones: the host's bound (exact without padding) for a
+        growing state; once the capacity is fixed, an eager call reads :attr:`seen` itself, since the host counts
+        are the caller's (:meth:`advance`) and may lag the steps taken."""
         added = L if valid is None else int(valid.sum(dim=1).max()) if valid.numel() else 0
+        if self._slot is not None and not torch.compiler.is_compiling() and self.seen.numel():
+            return int(self.seen.max()) + added - 1
         return self._max_seen + added - 1
 
     def count(self, valid: Tensor | None, L: int) -> None:
@@ -165,11 +169,13 @@ class KVCacheState:
     def append(self, valid: Tensor | None, **entries: Tensor) -> dict[str, Tensor]:
         """Write L new tokens' entries (each with batch dim 0 and L along its slot dimension); padded tokens are
         stored as zeros. Returns every entry's view over the slots in use (the new ones included). ValueError naming
-        an entry the cache has no slot for, or one shaped otherwise than in earlier calls (nothing written then)."""
+        an entry the cache has no slot for, one shaped otherwise than in earlier calls, or an entry or ``valid`` on
+        another device than the state's (nothing written then)."""
         unknown = set(entries) - set(self.slots)
         if unknown:
             raise ValueError(f"this {self.layout or 'layer'} cache has no slots for {sorted(unknown)}; it stores "
                              f"{sorted(self.slots) or 'a recurrent state only'}")
+        self._check_devices(valid, entries)
         L = next(iter(entries.values())).shape[self.slots[next(iter(entries))]]
         for name, x in entries.items():  # before anything is written: a refused call leaves the state as it was
             shape = list(self._buffers[name].shape) if name in self._buffers else list(x.shape)
@@ -197,6 +203,17 @@ class KVCacheState:
         self._padded = self._padded or valid is not None
         self.count(valid, L)
         return {name: buf.narrow(self.slots[name], 0, self.length) for name, buf in self._buffers.items()}
+
+    def _check_devices(self, valid: Tensor | None, entries: dict[str, Tensor]) -> None:
+        """ValueError (one line) naming the first of ``valid`` and ``entries`` on another device than the state's:
+        copy_ would fail deep in torch (a meta tensor) or carry the tokens across devices, to fail later."""
+        if self.seen is None:
+            return
+        here = self.seen.device
+        for name, x in (("valid", valid), *entries.items()):
+            if isinstance(x, Tensor) and x.device != here:
+                raise ValueError(f"{name} is on {x.device} but this {self.layout or 'layer'} cache lives on {here}: "
+                                 "a cache stays on the device it was filled on (start a new one after moving)")
 
     def _append_fixed(self, valid: Tensor | None, L: int, entries: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`append` of a state of fixed capacity: one real token written at the slot tensor, every buffer
@@ -268,10 +285,21 @@ class KVCacheState:
 
     def advance(self, L: int) -> None:
         """Advance the host counts of a state of fixed capacity by L real tokens after a step (which, traced or
-        not, updated the device counts itself). ValueError for a growing cache, whose calls count themselves."""
+        not, updated the device counts itself). Reads nothing on the device: a count past the slots the steps
+        filled (but within the room) is refused later, by the next resize or :meth:`crop`.
+
+        Raises:
+            ValueError for a growing cache, whose calls count themselves; ValueError naming ``L`` unless it is a
+            positive int (not a bool) no larger than the room left (:meth:`room`).
+        """
         if self._slot is None:
             raise ValueError("advance() is for a cache of fixed capacity (fix_capacity); a growing cache counts its "
                              "own calls")
+        room = self.room()
+        if isinstance(L, bool) or not isinstance(L, int) or L < 1 or (room is not None and L > room):
+            within = "" if room is None else f" at most the room left ({room} of {self.capacity} slots)"
+            raise ValueError(f"L must be a positive int{within}: the tokens the steps since the last advance() "
+                             f"took, got {L!r}")
         self._max_seen += L
         self.length += L
 
@@ -374,6 +402,11 @@ class KVCacheState:
             ValueError naming ``state_dict`` when it is not such a state dict, has other slots, or this state has
             had a call.
         """
+        self.check_load(state_dict)
+        self._restore(state_dict)
+
+    def check_load(self, state_dict) -> None:
+        """The checks of :meth:`load_state_dict`, nothing loaded (a cache of several layers checks every one first)."""
         if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_KEYS):
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"state_dict must be a KVCacheState.state_dict() with keys {sorted(STATE_KEYS)}, "
@@ -382,7 +415,6 @@ class KVCacheState:
             raise ValueError(f"state_dict holds slots {state_dict['slots']}; this state has slots {self.slots}")
         if self.seen is not None:
             raise ValueError("state_dict is loaded into a new state; this one has had a call")
-        self._restore(state_dict)
 
     def _restore(self, sd: dict) -> None:
         """:meth:`load_state_dict` after its checks: buffers made at the saved capacity, the held slots copied."""
@@ -419,7 +451,8 @@ class KVCacheState:
         (beam search's ``beam_idx``; a row may come several times or not at all, and B' may differ from B). The
         slot buffers (dim 0), the valid-slot mask and :attr:`seen` move with their rows; before the first call there
         is nothing to move. A fixed capacity's slot is the same for every row and stays; the host bound of
-        ``seen.max()`` stays a bound.
+        ``seen.max()`` is taken again from the rows kept (as :meth:`crop` does), so dropping the longest row does
+        not hold the others to its positions.
 
         Args:
             index: (B',) integer tensor (int64 as beam search gives it), values in [0, B), on any device.
@@ -472,6 +505,8 @@ class KVCacheState:
         if index is None:
             return
         self.seen = self.seen.index_select(0, index)  # new tensors: ones filled under inference mode stay usable
+        # the dropped rows' bound would refuse the kept ones' positions (check_rows has synced already)
+        self._max_seen = int(self.seen.max()) if self.seen.numel() else 0
         self._valid = None if self._valid is None else self._valid.index_select(0, index)
         self._buffers = {name: buf.index_select(0, index) for name, buf in self._buffers.items()}
 
