@@ -7,7 +7,9 @@ a truncated one; the temporary file is removed when the write fails. This is the
 POSIX ``rename(2)`` ("If newpath already exists, it will be atomically replaced"). A destination that is a symbolic
 link is replaced by the file, never written through. Only a kill (SIGKILL, power loss) leaves the temporary file
 (``.NAME.XXXXXXXX.tmp``) behind: the owner of the folder removes those of its own files with
-:func:`remove_stale_temps` when it next holds the folder (``mgk train`` does, for the run directory).
+:func:`remove_stale_temps` when it next holds the folder (``mgk train`` does, for the run directory). The file gets
+the permissions a plain ``open(path, "w")`` of a new file would: ``0o666`` less the process's umask (and the
+folder's default ACL), also when it replaces a file of other permissions.
 
 This module is the lowest layer of mgk: it imports nothing from the package.
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
-import tempfile
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -24,7 +26,29 @@ __all__ = ["atomic_write", "remove_stale_temps", "stale_temps", "write_bytes_ato
 
 # The temporary file of a write to NAME is ".NAME.<8 characters of mkstemp>.tmp", beside NAME.
 _TEMP_PREFIX, _TEMP_SUFFIX = ".", ".tmp"
-_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")  # tempfile's names: 8 of "abcdefghijklmnopqrstuvwxyz0123456789_"
+_TEMP_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"  # tempfile's alphabet, so older temporaries still match
+_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")
+_TEMP_ATTEMPTS = 10000  # tempfile.TMP_MAX: a folder full of colliding names is an error, not an endless loop
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """Create the temporary file of a write to ``path`` exclusively; returns its descriptor and name.
+
+    mkstemp creates files 0o600 whatever the umask, and the rename keeps that: results and checkpoints of a run
+    would be unreadable to the colleagues a plain open() lets read them. Creating with mode 0o666 lets the kernel
+    apply the umask (and a default ACL) itself, which reading the umask (os.umask twice) could not do without a
+    window in which another thread creates files with umask 0.
+    """
+    rng = random.SystemRandom()
+    for _ in range(_TEMP_ATTEMPTS):
+        name = "".join(rng.choice(_TEMP_CHARS) for _ in range(8))
+        tmp = str(path.parent / f"{_TEMP_PREFIX}{path.name}.{name}{_TEMP_SUFFIX}")
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"atomic_write: no free temporary name for {path} after {_TEMP_ATTEMPTS} attempts")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -52,6 +76,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
 
     Yields:
         the open file object. If the block raises, the destination is untouched and the temporary file removed.
+        The written file has mode ``0o666 & ~umask``, as a new file of ``open()`` has, even where ``path`` existed
+        with another mode (the write replaces the file, it does not rewrite it).
 
     Raises:
         ValueError: a mode other than ``"w"``/``"wb"``. OSError: the folder cannot be written.
@@ -60,7 +86,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TEMP_PREFIX}{path.name}.", suffix=_TEMP_SUFFIX)
+    fd, tmp = _create_temp(path)
     try:
         text = mode == "w"
         with os.fdopen(fd, mode, encoding=(encoding or "utf-8") if text else None,

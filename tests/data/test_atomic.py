@@ -1,6 +1,9 @@
 """mgk.atomic: the one atomic-write helper (write to a temporary file, fsync, rename) and its users."""
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +81,24 @@ def test_a_figure_is_written_whole_or_not_at_all_and_closed(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         save_figure_atomic(broken, path, dpi=40)
     assert path.read_bytes() == before and not plt.fignum_exists(broken.number)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_a_written_file_has_the_mode_open_gives_under_the_umask(tmp_path, umask):
+    """Results and checkpoints written atomically are readable by whoever a plain open() lets read them (mkstemp
+    alone makes them 0600), also where they replace a file of another mode."""
+    old = os.umask(umask)
+    try:
+        fresh, replaced = tmp_path / "new.json", tmp_path / "old.pt"
+        replaced.write_bytes(b"old")
+        replaced.chmod(0o600)
+        write_text_atomic(fresh, "{}")
+        write_bytes_atomic(replaced, b"new")
+        with open(tmp_path / "plain.txt", "w"):
+            pass
+    finally:
+        os.umask(old)
+    want = 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == want
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (fresh, replaced)] == [want, want]

@@ -35,7 +35,7 @@ from ..attention import MGKAttention, attention_kinds, get_kind
 from ..attention.registry import display_label
 from ..choices import did_you_mean
 from ..functional import select_backend
-from .rows import BUSY_LOAD, run_row
+from .rows import load_record, run_row
 
 
 class ReferenceMGK(MGKAttention):
@@ -335,9 +335,7 @@ def run(kinds: list[tuple[str, int]], lengths: list[int], *, batch: int, embed_d
             "settings": {"batch": batch, "embed_dim": embed_dim, "head_dim": head_dim, "causal": causal,
                          "backward": backward, "dtype": dtype, "repeats": repeats, "device": device,
                          "same_process": same_process, "rounds": rounds if same_process else 1},
-            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-            "load_average": {"before": list(load_before), "after": list(load_after)},
-            "busy": load_before[0] > BUSY_LOAD}
+            "date": time.strftime("%Y-%m-%d"), **load_record(load_before, load_after)}
 
 
 def error_cell(message: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..argtypes import number
 from ..choices import argparse_type, unknown
 from ..seeds import INT64_MAX
-from .rows import MAX_TIMEOUT_S
+from .rows import MAX_TIMEOUT_S, busy_warning, load_line
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,mgk-sdpa:4,mgk-hard:4,mgk-softe:4,linear:8,mlk:4,reference:4"
 
@@ -233,15 +233,22 @@ def _decode_header(result: dict, run_cfg) -> str:
         sizes = (f"targets {','.join(st['targets'])}; layer width {st['embed_dim']}, head_dim {st['head_dim']}"
                  + (f"; --set {' '.join(st['overrides'])}" if st["overrides"] else ""))
     bw = result.get("read_bandwidth_gb_s")
-    load = result["load_average"]
     return (f"# {result['machine']}; torch {result['torch']}; {sizes}; steps {st['steps']}, rounds {st['rounds']}"
             f"{', kinds alternating in one process per cell' if st.get('same_process') else ''}; "
-            f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after; read bandwidth "
-            + (f"{bw:.1f} GB/s" if bw else "not measured"))
+            f"{load_line(result)}; read bandwidth " + (f"{bw:.1f} GB/s" if bw else "not measured"))
+
+
+def _print_header(result: dict, header: str) -> None:
+    """The busy warning (stderr) when the machine was busy, then the line above the table: every bench's tables
+    are read with the load they ran under."""
+    warning = busy_warning(result)
+    if warning:
+        print(warning, file=sys.stderr)
+    print(header)
 
 
 def _run_decode(args) -> dict:
-    from .decode import DEFAULT_KINDS, DEFAULT_TARGETS, busy_warning
+    from .decode import DEFAULT_KINDS, DEFAULT_TARGETS
     from .decode import run as run_decode
     from .decode import table as decode_table
 
@@ -282,10 +289,7 @@ def _run_decode(args) -> dict:
                         timeout=args.timeout, embed_dim=args.embed_dim, head_dim=args.head_dim,
                         overrides=args.overrides, run_dir=args.run, rounds=args.rounds,
                         same_process=args.same_process, compile=args.compile)
-    warning = busy_warning(result)
-    if warning:
-        print(warning, file=sys.stderr)
-    print(_decode_header(result, cfg if args.run is not None else None))
+    _print_header(result, _decode_header(result, cfg if args.run is not None else None))
     print(decode_table(result))
     if args.plot is not None and any("error" not in row for row in result["rows"]):
         from .plots import plot_decode
@@ -310,14 +314,8 @@ def run(args) -> int:
                                head_dim=args.head_dim, causal=args.causal, backward=args.backward,
                                dtype=args.dtype, repeats=args.repeats, device=args.device, timeout=args.timeout,
                                same_process=args.same_process, rounds=args.rounds or 5)
-        from .rows import busy_warning
-
-        warning = busy_warning(result)
-        if warning:
-            print(warning, file=sys.stderr)
-        load = result["load_average"]
-        print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}; load average "
-              f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after")
+        _print_header(result, f"# {result['machine']}; torch {result['torch']}; {result['settings']}; "
+                              f"{load_line(result)}")
         print(table(result))
         failed = [row for row in result["rows"] if "error" in row]
     else:
@@ -336,7 +334,8 @@ def run(args) -> int:
             raise SystemExit(_set_error(exc)) from None
         result = run_model(preset, args.overrides, kinds=args.kinds, steps=args.steps, device=args.device,
                            timeout=args.timeout)
-        print(f"# {result['machine']}; torch {result['torch']}; {result['settings']}")
+        _print_header(result, f"# {result['machine']}; torch {result['torch']}; {result['settings']}; "
+                              f"{load_line(result)}")
         print(model_table(result))
         failed = [row for row in result["rows"] if "error" in row]
     if args.json:

@@ -35,7 +35,7 @@ import torch
 from ..attention.registry import display_label, get_kind
 from .attention import bench_options, build_kind, error_cell, machine, variant
 from .model import bench_task, kind_overrides
-from .rows import BUSY_LOAD, busy_warning, run_row  # noqa: F401 - busy_warning: part of this module's interface
+from .rows import BUSY_LOAD, busy_warning, load_record, run_row  # noqa: F401 - BUSY_LOAD, busy_warning: its interface
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,gqa+num_kv_heads=2:8,linear:8,mlk:4"
 DEFAULT_TARGETS = ("layer", "lm-small", "wt103-paper")
@@ -361,9 +361,7 @@ def run(targets: list[str], kinds: list[tuple[str, int]], contexts: list[int], b
                          "device": device, "embed_dim": embed_dim, "head_dim": head_dim, "rounds": rounds,
                          "overrides": overrides or [], "run_dir": run_dir, "dtype": "float32",
                          "same_process": same_process, "compile": compile},
-            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-            "load_average": {"before": list(load_before), "after": list(load_after)},
-            "busy": load_before[0] > BUSY_LOAD, "read_bandwidth_gb_s": bw}
+            "date": time.strftime("%Y-%m-%d"), **load_record(load_before, load_after), "read_bandwidth_gb_s": bw}
 
 
 def _limit(row: dict, bandwidth_gb_s: float | None) -> dict:

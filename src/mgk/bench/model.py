@@ -15,6 +15,7 @@ on CUDA), so that it belongs to that row alone; a row that dies (out of memory, 
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -22,7 +23,7 @@ import torch
 
 from ..attention.registry import display_label
 from .attention import error_cell, machine, variant
-from .rows import failure, run_row  # noqa: F401 - failure: part of this module's interface
+from .rows import failure, load_record, run_row  # noqa: F401 - failure: part of this module's interface
 
 # WikiText-103's vocabulary (Merity et al. 2017): the size the LM presets train with.
 WT103_VOCAB_SIZE = 267_735
@@ -193,8 +194,10 @@ def measure_peak_memory(preset: str, overrides: list[str], *, device: str, kind:
 def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | None, steps: int, device: str,
         timeout: float) -> dict:
     """:func:`measure` for every ``(kind, heads)`` of ``kinds`` (None: the preset's own attention), each in its
-    own subprocess. Returns ``{"rows": [...], "machine", "torch", "settings", "date"}``; a failed row holds
-    ``kind``, ``preset`` and ``error``."""
+    own subprocess. Returns ``{"rows": [...], "machine", "torch", "settings", "date", "cores", "load_average",
+    "busy"}`` (the load as :func:`mgk.bench.rows.load_record` records it); a failed row holds ``kind``, ``preset``
+    and ``error``."""
+    load_before = os.getloadavg()
     rows = []
     for kind, heads in kinds or [(None, None)]:
         call = f"{preset!r}, {overrides!r}, device={device!r}, kind={kind!r}, heads={heads!r}"
@@ -206,9 +209,10 @@ def run(preset: str, overrides: list[str], *, kinds: list[tuple[str, int]] | Non
         if "error" in row:
             row = {"kind": kind or "preset", "preset": preset, "num_heads": heads, **row}
         rows.append(row)
+    load_after = os.getloadavg()
     return {"rows": rows, "machine": machine(), "torch": torch.__version__,
             "settings": {"preset": preset, "overrides": overrides, "steps": steps, "device": device},
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), **load_record(load_before, load_after)}
 
 
 def table(result: dict) -> str:

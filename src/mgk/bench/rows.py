@@ -1,6 +1,7 @@
 """Running one bench row in a fresh interpreter (:func:`run_row`, with :func:`failure` saying why one died) and
-the load check every bench records (:data:`BUSY_LOAD`, :func:`busy_warning`): shared by ``mgk bench attention``,
-``model`` and ``decode``, which import it and nothing of each other for it."""
+the load check every bench records (:data:`BUSY_LOAD`, :func:`load_record`, :func:`load_line`,
+:func:`busy_warning`): shared by ``mgk bench attention``, ``model`` and ``decode``, which import it and nothing of
+each other for it."""
 from __future__ import annotations
 
 import json
@@ -56,6 +57,21 @@ def run_row(code: str, timeout: float, *, rss: bool = True) -> dict:
             return {"error": "exit status 0 but no result row; last error line: "
                              + ((p.stderr.strip().splitlines() or ["none"])[-1])}
     return {"error": failure(p.returncode, p.stderr)}
+
+
+def load_record(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
+    """The load fields of a bench result from ``os.getloadavg()`` taken before the first row and after the last:
+    ``{"cores", "load_average": {"before", "after"}, "busy"}`` (busy: the 1-minute load before was above
+    :data:`BUSY_LOAD`)."""
+    return {"cores": os.cpu_count(), "load_average": {"before": list(before), "after": list(after)},
+            "busy": before[0] > BUSY_LOAD}
+
+
+def load_line(result: dict) -> str:
+    """``load average B before, A after`` (1-minute) of a result holding :func:`load_record`'s fields, for the
+    line above a bench's table."""
+    load = result["load_average"]
+    return f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after"
 
 
 def busy_warning(result: dict) -> str | None:
