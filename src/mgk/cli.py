@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import __version__
 from . import config as config_mod
 from .analyze import cli as analyze_cli
 from .bench import cli as bench_cli
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``mgk`` argument parser with its sub-commands."""
     parser = _Parser(prog="mgk", description="Transformer-MGK: attention with a mixture of Gaussian keys, and the "
                                              "paper's experiments.")
+    parser.add_argument("--version", action="version", version=f"mgk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
     bench_cli.add_parser(sub)
