@@ -146,7 +146,10 @@ def test_table_mean_std_order_dash_and_footnotes(tmp_path, capsys):
     assert "| 37.00 ± 1.41 (n=2) | 65.00 | 80.00 † | — | — |" in mgk  # sample std of 36 and 38
     assert mgk.endswith(f"| {(37 + 65 + 80) / 3:.2f} (3/5) |")
     assert "† validation accuracy" in out and "mean over the columns that have values" in out
-    assert "mean ± sample std" in out and "left out (not an LRA task)" in err
+    assert "mean ± sample std" in out
+    # the lm run is the perplexity table's, which says why it is left out; the LRA table does not claim it
+    assert "run of lm mgk x 4 seed 0 left out: no validation or test perplexity" in err
+    assert "not an LRA task" not in err
 
 
 def test_table_reads_a_folder_of_runs_and_reports_missing_results(tmp_path, capsys):
@@ -182,3 +185,109 @@ def test_table_lists_unfinished_runs_and_goes_on(tmp_path, capsys):
         assert "unfinished (no results.json): 2 run(s)" in out
         assert f"- {failed}: text softmax x 8, step 7 of 100, failed or stopped" in out
         assert f"- {running}: text softmax x 8, step 3 of 100, running (pid {os.getpid()})" in out
+
+
+def _configured(tmp_path, name, task, seed, acc, init_from=None, **values):
+    """A finished run folder with the config.yaml `mgk train` writes (``values``: flat config fields)."""
+    import yaml
+
+    from mgk import config
+
+    d = _run(tmp_path, name, task, "mgk", 4, seed, test=acc)
+    cfg = config.run_config(task=task, attention="mgk", num_heads=4, seed=seed, **values)
+    (d / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+    if init_from is not None:
+        res = json.loads((d / "results.json").read_text())
+        (d / "results.json").write_text(json.dumps({**res, "init_from": {"source": init_from, "step": 1500}}))
+    return d
+
+
+def _rows(out: str) -> dict[str, str]:
+    return {line.split(" | ")[0][2:]: line for line in out.splitlines() if line.startswith("| ") and " | " in line}
+
+
+def test_table_averages_only_runs_whose_configs_differ_in_the_seed(tmp_path, capsys):
+    runs = [_configured(tmp_path, "full0", "listops", 0, 0.393, steps=1500, log_every=5),
+            _configured(tmp_path, "full1", "listops", 1, 0.403, steps=1500, progress=False),
+            _configured(tmp_path, "smoke", "listops", 0, 0.114, steps=30),
+            _configured(tmp_path, "retro", "listops", 0, 0.144, steps=20, init_from="runs/softmax"),
+            _configured(tmp_path, "text", "text", 0, 0.6, steps=30)]
+    assert main(["table", *map(str, runs)]) == 0
+    out, err = capsys.readouterr()
+    rows = _rows(out)
+    # log_every and progress change no result: seeds 0 and 1 of the full runs share a cell
+    assert "| 39.80 ± 0.71 (n=2) | — |" in rows["mgk (steps=1500, init_from=none)"]
+    assert "| 11.40 | — |" in rows["mgk (steps=30, init_from=none)"]
+    assert "| 14.40 | — |" in rows["mgk (steps=20, init_from=runs/softmax step 1500)"]
+    assert "| — | 60.00 |" in rows["mgk"]  # the Text cell has one config: the row keeps its plain name
+    assert "21.70" not in out and "n=3" not in out and "differ in more than the seed, a row per config" in out
+    assert "runs of listops mgk x 4 differ in more than the seed (steps, init_from)" in err
+
+
+def test_table_counts_a_duplicate_run_once_and_names_both(tmp_path, capsys):
+    runs = [_configured(tmp_path, "a", "listops", 0, 0.30), _configured(tmp_path, "b", "listops", 0, 0.50),
+            _configured(tmp_path, "c", "listops", 1, 0.40)]
+    assert main(["table", *map(str, runs)]) == 0
+    out, err = capsys.readouterr()
+    assert "| mgk | 4 | 35.00 ± 7.07 (n=2) |" in out
+    assert f"{runs[1]} duplicates {runs[0]} (listops mgk x 4, seed 0, one config): left out" in err
+
+
+def test_runs_without_config_yaml_are_told_apart_by_results_json():
+    from mgk.tasks.lm_table import lm_table
+    from mgk.tasks.synthetic_table import synthetic_table
+
+    def res(steps, seed, **more):
+        return {"attention": "softmax", "num_heads": 2, "seed": seed, "steps": steps, "max_len": 64, **more}
+
+    lra = [{**res(s, seed), "task": "image", "test": {"acc": a}} for s, seed, a in ((9, 0, 0.2), (9, 1, 0.4),
+                                                                                       (5, 0, 0.1))]
+    table, warnings = lra_table(lra)
+    assert "| softmax (steps=9) | 2 | — | — | — | 30.00 ± 14.14 (n=2) |" in table
+    assert "| softmax (steps=5) | 2 | — | — | — | 10.00 |" in table and len(warnings) == 1
+    split = {"acc": 0.5, "num_kv_pairs": 8, "seq_len": 64}
+    table, warnings = synthetic_table([{**res(9, 0), "task": "mqar", "test": split},
+                                       {**res(9, 1, precision="bf16"), "task": "mqar", "test": split}])
+    assert "| softmax (precision=32) | 2 |" not in table  # a fact one run lacks is no difference
+    assert "n=2" in table and warnings == []
+    lm = [({**res(s, 0), "task": "lm", "val": {"ppl": p}}, {}) for s, p in ((9, 50.0), (5, 80.0))]
+    table, warnings = lm_table(lm)
+    assert "| softmax (steps=9) | 2 | 50.00 |" in table and "| softmax (steps=5) | 2 | 80.00 |" in table
+
+
+def test_table_skips_folders_a_glob_names_beside_the_runs(tmp_path, capsys):
+    run = _configured(tmp_path / "runs", "a", "listops", 0, 0.4)
+    compare = tmp_path / "runs" / "listops-compare"  # what `mgk analyze --compare --out` leaves among the runs
+    compare.mkdir()
+    (compare / "report.md").write_text("# compare\n")
+    (tmp_path / "runs" / "notes.txt").write_text("todo\n")
+    assert main(["table", str(run), str(compare), str(tmp_path / "runs" / "notes.txt")]) == 0
+    out, err = capsys.readouterr()
+    assert "| mgk | 4 | 40.00 |" in out and f"warning: skipped {compare}: holds no `mgk train` run" in err
+    assert f"skipped {tmp_path / 'runs' / 'notes.txt'}: a file, not a run directory" in err
+    with pytest.raises(SystemExit, match="listops-compare/results.json not found"):  # given alone: an error
+        main(["table", str(compare)])
+    with pytest.raises(SystemExit, match="none of the 2 paths given holds an `mgk train` run"):
+        main(["table", str(compare), str(tmp_path / "runs" / "notes.txt")])
+    with pytest.raises(SystemExit, match="typo: no such run directory"):  # a glob never names a missing path
+        main(["table", str(run), str(tmp_path / "typo")])
+
+
+def test_an_lm_run_is_in_the_perplexity_table_and_no_warning_says_otherwise(tmp_path, capsys):
+    lo = _run(tmp_path, "lo", "listops", "mgk", 4, 0, test=0.4)
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "results.json").write_text(json.dumps({"task": "lm", "attention": "mgk", "num_heads": 4, "seed": 0,
+                                                 "val": {"ppl": 42.0}, "test": {"ppl": 44.0}}))
+    assert main(["table", str(lo), str(lm)]) == 0
+    out, err = capsys.readouterr()
+    assert "| mgk | 4 | 42.00 |" in out and "| mgk | 4 | 40.00 |" in out and err == ""
+
+
+def test_a_run_with_a_damaged_config_yaml_is_still_tabled_by_its_results(tmp_path, capsys):
+    runs = [_configured(tmp_path, "a", "listops", 0, 0.30), _configured(tmp_path, "b", "listops", 1, 0.50)]
+    (runs[1] / "config.yaml").write_text("task: [listops\n")
+    assert main(["table", *map(str, runs)]) == 0
+    out, err = capsys.readouterr()
+    assert "| mgk | 4 | 40.00 ± 14.14 (n=2) |" in out
+    assert f"{runs[1] / 'config.yaml'}: line 2: not valid YAML" in err and "by its results.json alone" in err

@@ -144,10 +144,13 @@ def _table_parser(sub) -> None:
     p = sub.add_parser("table", help="print the LRA results table of finished runs",
                        description="Read results.json of each run directory (or of every run below a folder) and "
                                    "print the LRA table (ListOps, Text, Retrieval, Image, Pathfinder, Avg) as "
-                                   "markdown: one row per (attention kind, heads), mean ± std over seeds. Language-"
+                                   "markdown: one row per (attention kind, heads), mean ± std over the seeds of "
+                                   "one config (runs whose configs differ in more get rows of their own). Language-"
                                    "modelling runs: validation and test perplexity (the paper's Table 3), each with "
                                    "its evaluation window (mgk eval's, else the training's segments).")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or folders holding them)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories (or folders holding them); among several, one that holds no run is skipped "
+                        "with a warning")
 
 
 def _lm_evals(run_dir: Path) -> dict:
@@ -160,18 +163,64 @@ def _lm_evals(run_dir: Path) -> dict:
                                                                                     ("test", files.eval_test))}
 
 
+def _table_runs(paths: list[str]) -> tuple[list[Path], list[Path], list[str]]:
+    """``(results.json files, unfinished run directories, warnings)`` of the paths given to ``mgk table``."""
+    from .train.rundir import find_runs
+
+    # `mgk table runs/*` is how the docs put it, and the shell's glob then also names the folders beside the runs
+    # (an `mgk analyze --out runs/x` folder, notes): among several paths, one that exists but holds no run is
+    # skipped with a warning. A single path that holds none is surely a mistake, and stays an error, as does a path
+    # that does not exist (a glob never yields one).
+    done, unfinished, warnings = [], [], []
+    for path in paths:
+        try:
+            found, waiting = find_runs([path])
+        except FileNotFoundError:
+            if len(paths) == 1 or not Path(path).exists():
+                raise
+            what = ("holds no `mgk train` run (no config.yaml or results.json in it or below)" if Path(path).is_dir()
+                    else "a file, not a run directory")
+            warnings.append(f"skipped {path}: {what}")
+            continue
+        done += [f for f in found if f not in done]
+        unfinished += [d for d in waiting if d not in unfinished]
+    if not done and not unfinished:
+        raise FileNotFoundError(f"none of the {len(paths)} paths given holds an `mgk train` run (results.json or "
+                                "config.yaml in it or below)")
+    return done, unfinished, warnings
+
+
+def _with_config(results_file: Path, res: dict, warnings: list[str]) -> dict:
+    """``res`` with the run directory and the flat resolved config of its config.yaml, which the tables compare
+    (mgk.tasks.run_records.cells_by_config); a run without a readable config.yaml is compared by results.json."""
+    from .tasks.run_records import RUN_CONFIG, RUN_DIR
+    from .train.rundir import RunFiles, load_config
+
+    run_dir = results_file.parent
+    res = {**res, RUN_DIR: str(run_dir)}
+    if not RunFiles(run_dir).config.is_file():
+        return res
+    try:
+        return {**res, RUN_CONFIG: config_mod.flat(load_config(run_dir))}
+    except (ValueError, OSError) as e:
+        warnings.append(f"{_describe(e)}; that run is compared with others by its results.json alone")
+        return res
+
+
 def _run_table(args) -> int:
     from .tasks.lra_table import lra_table
     from .train.records import run_status
-    from .train.rundir import find_runs, read_run_results
+    from .train.rundir import read_run_results
 
-    done, unfinished = find_runs(args.runs)
-    results = read_run_results(done)
+    done, unfinished, warnings = _table_runs(args.runs)
+    results = [(f, _with_config(f, r, warnings)) for f, r in read_run_results(done)]
     lm = [r for _, r in results if r.get("task") == "lm"]
-    tables, warnings = [], []
-    if len(lm) < len(results) or not lm:
-        table, warnings = lra_table([r for _, r in results], [run_status(d) for d in unfinished])
+    others = [r for _, r in results if r.get("task") != "lm"]  # lm runs have a table of their own below
+    tables = []
+    if others or not lm:
+        table, more = lra_table(others, [run_status(d) for d in unfinished])
         tables.append(table)
+        warnings += more
     else:
         warnings += [f"unfinished (no results.json): {run_status(d)}" for d in unfinished]
     if lm:  # WikiText-103 (Table 3): valid and test perplexity, each with its window

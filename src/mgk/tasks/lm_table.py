@@ -6,7 +6,8 @@ its ``mgk eval`` result in the run directory when there is one (``eval.json`` fo
 test, as a reproduce grid writes them; e.g. the paper's stride-1 window of 256 tokens), else the final evaluation
 that ``mgk train`` wrote into results.json (non-overlapping segments of ``segment_len``). The window column names
 the windows of the figures averaged, so figures of different windows are never mixed without saying so. Cells:
-mean ± sample standard deviation (n - 1) over the runs, with n; "—" without a figure. A failed run
+mean ± sample standard deviation (n - 1) over the runs, with n; "—" without a figure. Runs share a row only when
+their configs differ in the seed alone (:func:`mgk.tasks.run_records.cells_by_config`). A failed run
 (:func:`mgk.tasks.run_records.run_failure`) is left out and named in the warnings.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .run_records import DASH, left_out_if_failed, run_failure, setting
+from .run_records import DASH, VARIANT_NOTE, cells_by_config, left_out_if_failed, run_failure, setting
 from .run_records import row_order as _row_order
 
 __all__ = ["lm_table", "run_perplexities"]
@@ -62,8 +63,7 @@ def lm_table(results: list[tuple[dict, dict]]) -> tuple[str, list[str]]:
         ``(markdown, warnings)``: one row per (attention, heads) with Valid ppl, its window, Test ppl, its window
         (markdown "" when no run has a perplexity).
     """
-    cells: dict[tuple, dict[str, list]] = {}
-    warnings = []
+    entries, warnings = [], []
     for res, evals in results:
         if left_out_if_failed(res, warnings, task="lm"):
             continue
@@ -72,9 +72,14 @@ def lm_table(results: list[tuple[dict, dict]]) -> tuple[str, list[str]]:
         if not figures:
             warnings.append(f"run of {what} left out: no validation or test perplexity")
             continue
-        row = cells.setdefault(setting(res), {})
-        for split, value in figures.items():
-            row.setdefault(split, []).append(value)
+        entries.append((setting(res), "lm", res, figures))
+    runs, more = cells_by_config(entries)
+    warnings += more
+    cells: dict[tuple, dict[str, list]] = {}
+    for key, row in runs.items():
+        for figures in row["lm"]:
+            for split, value in figures.items():
+                cells.setdefault(key, {}).setdefault(split, []).append(value)
     lines = ["| Attention | Heads | Valid ppl | valid window | Test ppl | test window |", "|---|---|---|---|---|---|"]
     for key in sorted(cells, key=_row_order):
         parts = []
@@ -86,5 +91,7 @@ def lm_table(results: list[tuple[dict, dict]]) -> tuple[str, list[str]]:
         return "", warnings
     notes = ["", "Cells: perplexity of the runs of each setting (mean ± sample std (n - 1) over n runs); window: "
              "context and stride of the evaluation (`mgk eval --json` in the run directory, else the segments of "
-             f"results.json); {DASH} = no figure."]
+             f"results.json); {DASH} = no figure; runs share a row only when their configs differ in the seed alone."]
+    if any(" (" in key[0] for key in cells):
+        notes.append(VARIANT_NOTE)
     return "\n".join(lines + notes), warnings

@@ -1,13 +1,15 @@
 """LRA reporting: the results table of ``mgk table`` and the entry point of ``mgk data check``.
 
-Table: one row per (attention kind, number of heads), the official LRA column order ListOps, Text, Retrieval,
-Image, Pathfinder, then Avg. A cell is the accuracy in % of the runs of that setting and task: test accuracy when a
-run has a test split, else its validation accuracy (marked †); with several runs (seeds), ``mean ± std`` with the
-sample standard deviation (n - 1) and the number of runs. Avg is the mean of the row's cells that have values, and
-says over how many columns when not all five have one. A cell without runs is "—". The attention kind carries the
-options that name a variant (:func:`mgk.attention.registry.run_label`, e.g. ``smgk+hard_e``, ``mlk+mix=keys``), so
-ablations get rows of their own; rows follow the registry's order of kinds. A failed run (:func:`run_failure`: its
-final evaluation was not finite, so the weights went NaN) is left out of the cells and listed below the table.
+Table: one row per (attention kind, number of heads), the official LRA column order ListOps, Text, Retrieval, Image,
+Pathfinder, then Avg. A cell is the accuracy in % of the runs of that setting and task: test accuracy when a run has
+a test split, else its validation accuracy (marked †); with several runs (seeds), ``mean ± std`` with the sample
+standard deviation (n - 1) and the number of runs. Runs share a cell only when their configs differ in the seed
+alone (:func:`mgk.tasks.run_records.cells_by_config`): others get rows of their own, named by what differs, and a
+second run of one config and seed is a duplicate, counted once. Avg is the mean of the row's cells that have values,
+and says over how many columns when not all five have one. A cell without runs is "—". The attention kind carries
+the options that name a variant (:func:`mgk.attention.registry.run_label`, e.g. ``smgk+hard_e``, ``mlk+mix=keys``),
+so ablations get rows of their own; rows follow the registry's order of kinds. A failed run (:func:`run_failure`:
+its final evaluation was not finite, so the weights went NaN) is left out of the cells and listed below the table.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from pathlib import Path
 from ..config import RunConfig
 from .run_records import (
     DASH,
+    VARIANT_NOTE,
+    cells_by_config,
     empty_row,
     left_out_if_failed,
     left_out_notes,
@@ -71,8 +75,7 @@ def _lra_markdown(results: list[dict], unfinished: list[str] = ()) -> tuple[str,
         without an accuracy, or failed.
     """
     tasks = [t for t, _ in COLUMNS]
-    cells: dict[tuple, dict[str, list]] = {}
-    warnings, failed = [], []
+    entries, warnings, failed = [], [], []
     for res in results:
         task = res.get("task")
         if task not in tasks:
@@ -85,10 +88,13 @@ def _lra_markdown(results: list[dict], unfinished: list[str] = ()) -> tuple[str,
             warnings.append(f"run of task {task} ({res.get('attention')} x {res.get('num_heads')}) left out: "
                             "no test or validation accuracy")
             continue
-        cells.setdefault(setting(res), {}).setdefault(task, []).append((acc, split))
+        entries.append((setting(res), task, res, (acc, split)))
+    cells, more = cells_by_config(entries)
+    warnings += more
     header = "| Attention | Heads | " + " | ".join(name for _, name in COLUMNS) + " | Avg |"
     lines = [header, "|" + "---|" * (len(COLUMNS) + 3)]
     any_val = any_partial = any_multi = False
+    variants = any(" (" in key[0] for key in cells)
     for key in sorted(cells, key=_row_order):
         row, means = [], []
         for task in tasks:
@@ -110,8 +116,11 @@ def _lra_markdown(results: list[dict], unfinished: list[str] = ()) -> tuple[str,
             any_partial = True
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(row) + f" | {avg} |")
     notes = ["", "Cells: test accuracy (%) of the runs of each setting"
-             + ("; mean ± sample std (n - 1) over the n runs (seeds) that share a setting" if any_multi else "")
+             + ("; mean ± sample std (n - 1) over the n seeds of one config (runs whose configs differ in the seed "
+                "alone)" if any_multi else "")
              + f"; {DASH} = no run."]
+    if variants:
+        notes.append(VARIANT_NOTE)
     if any_val:
         notes.append("† validation accuracy: at least one run of this cell has no test split.")
     notes.append("Avg: mean over the columns that have values"

@@ -8,9 +8,21 @@ import math
 from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
 
-__all__ = ["DASH", "run_failure", "left_out_if_failed", "run_metric", "run_accuracy", "setting", "row_order"]
+__all__ = ["DASH", "VARIANT_NOTE", "RUN_DIR", "RUN_CONFIG", "run_failure", "left_out_if_failed", "run_metric",
+           "run_accuracy", "setting", "row_order", "run_identity", "cells_by_config"]
 
 DASH = "—"
+# Keys ``mgk table`` adds to a results.json dict: the run directory it was read from, and the flat resolved config
+# of its config.yaml (:func:`mgk.config.flat`). Runs without them are told apart by results.json alone.
+RUN_DIR, RUN_CONFIG = "run_dir", "run_config"
+VARIANT_NOTE = ("Attention `kind (field=value, ...)`: runs of one cell whose configs differ in more than the seed, a "
+                "row per config, named by the fields that differ (mgk table's warnings name them).")
+# Config fields that change how a run reports or where it caches, not what it computes; the seed is what a cell's
+# runs may differ in.
+_NOT_THE_RUN = frozenset({"seed", "log_every", "checkpoint_every", "progress", "data_as_given", "cache_dir",
+                          "eval_batch_size"})
+# What results.json says of a run's config, under the config's flat names: all a run without config.yaml shows.
+_RESULTS_FACTS = ("steps", "max_len", "precision")
 
 
 def run_failure(record: dict) -> str | None:
@@ -77,7 +89,7 @@ def setting(res: dict) -> tuple[str, int]:
 def row_order(key):
     """Sort key of a row ``(setting, heads)``: the registry's order of kinds, then the variant, more heads first."""
     kind, heads = key
-    base = kind.split("+")[0]
+    base = kind.split(" (")[0].split("+")[0]  # "mgk+hard_e (steps=30)": a config variant of cells_by_config
     order = attention_kinds()
     rank = order.index(base) if base in order else len(order)
     return rank, base, kind, -heads
@@ -97,3 +109,68 @@ def left_out_notes(failed: list[str], unfinished: list[str] = ()) -> list[str]:
 def empty_row(columns: int) -> str:
     """A markdown table row of ``columns`` cells without a figure ({DASH})."""
     return "| " + " | ".join([DASH] * columns) + " |"
+
+
+def run_identity(res: dict) -> dict:
+    """What the run of record ``res`` computed, bar its seed: its :data:`RUN_CONFIG` (flat name -> value) without
+    the fields that do not change a result, else the config facts results.json holds (steps, max_len, precision);
+    and ``init_from`` (``"<source> step <n>"``, or None for a run trained from scratch)."""
+    config = res.get(RUN_CONFIG)
+    if isinstance(config, dict):
+        ident = {k: v for k, v in config.items() if k not in _NOT_THE_RUN}
+    else:
+        ident = {k: res[k] for k in _RESULTS_FACTS if res.get(k) is not None}
+    init = res.get("init_from")
+    ident["init_from"] = f"{init.get('source')} step {init.get('step')}" if isinstance(init, dict) else None
+    return ident
+
+
+def _configs(runs: list[dict]) -> tuple[list[tuple], list[str]]:
+    """Each run's identity as a hashable key, over the fields every run of ``runs`` has (a run without config.yaml
+    is compared by what its results.json says), and the names of those fields whose values differ."""
+    idents = [run_identity(r) for r in runs]
+    common = [k for k in idents[0] if all(k in i for i in idents[1:])]  # in the config's order: reads as --set
+    differ = [k for k in common if len({repr(i[k]) for i in idents}) > 1]
+    return [tuple(repr(i[k]) for k in common) for i in idents], differ
+
+
+def _named(res: dict) -> str:
+    return str(res.get(RUN_DIR) or f"a run of seed {res.get('seed')}")
+
+
+def cells_by_config(entries) -> tuple[dict[tuple, dict[str, list]], list[str]]:
+    """The cells of a results table, runs sharing one only when their configs differ in the seed alone.
+
+    Args:
+        entries: ``(row key, column, results.json dict, payload)`` of each run; the row key's first item is the
+            attention setting (:func:`setting`), the payload what the cell keeps of the run (its figure).
+
+    Returns:
+        ``({row key: {column: [payload, ...]}}, warnings)``. The runs of one (row, column) whose configs
+        (:func:`run_identity`) differ in more than the seed go to rows of their own, the setting followed by what
+        differs (``mgk (steps=30, init_from=none)``), with a warning; a second run of one config and seed is a
+        duplicate, left out with a warning naming both run directories.
+    """
+    groups: dict[tuple, list] = {}
+    for row, col, res, payload in entries:
+        groups.setdefault((row, col), []).append((res, payload))
+    cells: dict[tuple, dict[str, list]] = {}
+    warnings = []
+    for (row, col), runs in groups.items():
+        keys, differ = _configs([res for res, _ in runs])
+        if differ:
+            warnings.append(f"runs of {col} {row[0]} x {row[1]} differ in more than the seed ({', '.join(differ)}): "
+                            "each config gets a row of its own")
+        first: dict[tuple, dict] = {}
+        for key, (res, payload) in zip(keys, runs):
+            seed = res.get("seed")
+            if seed is not None and (key, seed) in first:
+                warnings.append(f"{_named(res)} duplicates {_named(first[key, seed])} ({col} {row[0]} x {row[1]}, "
+                                f"seed {seed}, one config): left out, the cell counts seeds once")
+                continue
+            first.setdefault((key, seed), res)
+            ident = run_identity(res)
+            label = ", ".join(f"{k}={'none' if ident[k] is None else ident[k]}" for k in differ)
+            cells.setdefault((f"{row[0]} ({label})" if label else row[0], *row[1:]), {}).setdefault(col, []).append(
+                payload)
+    return cells, warnings

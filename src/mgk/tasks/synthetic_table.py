@@ -1,5 +1,5 @@
-"""The results table of the synthetic head-count tasks (dretrieval, mqar, cmqar), which ``mgk table`` prints below
-the LRA table.
+"""The results table of the synthetic head-count tasks (dretrieval, mqar, cmqar), which ``mgk table`` prints below the
+LRA table.
 
 One row per (attention setting, heads, keys per head M), one column per task setting (``dretrieval D=4, T=16``,
 ``mqar n=8, L=64``, ...), read from each run's results.json. The attention setting is the registry's label of the
@@ -7,15 +7,24 @@ kind with the options that name a variant (:func:`mgk.tasks.run_records.setting`
 follow the registry's order of kinds. A cell is the test metric of the runs of that row and column (the validation
 metric, marked †, for a run without a test split): NMSE for dretrieval (lower is better), accuracy in % for mqar and
 cmqar (higher is better); with several runs (seeds), ``mean ± std`` with the sample standard deviation (n - 1) and
-the number of runs. A failed run (:func:`mgk.tasks.run_records.run_failure`: its final evaluation was not finite) is
-left out of the cells and listed below the table.
+the number of runs; runs share a cell only when their configs differ in the seed alone
+(:func:`mgk.tasks.run_records.cells_by_config`). A failed run (:func:`mgk.tasks.run_records.run_failure`: its final
+evaluation was not finite) is left out of the cells and listed below the table.
 """
 from __future__ import annotations
 
 import math
 
 from ..attention import attention_kinds
-from .run_records import empty_row, left_out_if_failed, left_out_notes, run_metric, setting
+from .run_records import (
+    VARIANT_NOTE,
+    cells_by_config,
+    empty_row,
+    left_out_if_failed,
+    left_out_notes,
+    run_metric,
+    setting,
+)
 
 __all__ = ["SYNTHETIC_TASKS", "METRICS", "column", "row_key", "synthetic_table", "metric_of"]
 
@@ -50,7 +59,7 @@ def row_key(res: dict) -> tuple[str, int, int | None]:
 
 def _order(key):
     kind, heads, m = key
-    base, order = kind.split("+")[0], attention_kinds()
+    base, order = kind.split(" (")[0].split("+")[0], attention_kinds()  # " (steps=30)": a config variant
     return (order.index(base) if base in order else len(order), kind, heads, m or 0)
 
 
@@ -74,8 +83,7 @@ def _cell(values: list[float], task: str) -> str:
 def synthetic_table(results: list[dict]) -> tuple[str, list[str]]:
     """Markdown table of the runs of :data:`SYNTHETIC_TASKS` in ``results`` (results.json dicts; others are
     ignored) and warnings for runs without the metric. Returns ``("", [])`` when there is none."""
-    cells: dict[tuple, dict[str, list]] = {}
-    tasks_of: dict[str, str] = {}
+    entries, tasks_of = [], {}
     warnings, failed = [], []
     for res in results:
         if res.get("task") not in SYNTHETIC_TASKS:
@@ -89,7 +97,9 @@ def synthetic_table(results: list[dict]) -> tuple[str, list[str]]:
             continue
         col = column(res, facts)
         tasks_of[col] = res["task"]
-        cells.setdefault(row_key(res), {}).setdefault(col, []).append((value, split))
+        entries.append((row_key(res), col, res, (value, split)))
+    cells, more = cells_by_config(entries)
+    warnings += more
     if not cells and not failed:
         return "", warnings
     cols = sorted(tasks_of, key=lambda c: (SYNTHETIC_TASKS.index(tasks_of[c]), c))
@@ -106,8 +116,10 @@ def synthetic_table(results: list[dict]) -> tuple[str, list[str]]:
             row.append(text)
         lines.append(f"| {key[0]} | {key[1]} | {DASH if key[2] is None else key[2]} | " + " | ".join(row) + " |")
     notes = ["", "Synthetic head-count tasks: test metric of the runs of each setting; NMSE (dretrieval) lower is "
-                 "better, accuracy % (mqar, cmqar) higher is better; mean ± sample std (n - 1) over the n runs "
-                 f"(seeds) that share a setting; M = keys per head; {DASH} = no run."]
+                 "better, accuracy % (mqar, cmqar) higher is better; mean ± sample std (n - 1) over the n seeds "
+                 f"of one config (runs whose configs differ in the seed alone); M = keys per head; {DASH} = no run."]
+    if any(" (" in key[0] for key in cells):
+        notes.append(VARIANT_NOTE)
     if any_val:
         notes.append("† validation metric: at least one run of this cell has no test split.")
     notes.extend(left_out_notes(failed))
