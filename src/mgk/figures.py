@@ -20,7 +20,7 @@ from .attention.registry import attention_kinds, display_label, get_kind, kind_v
 __all__ = ["KIND_PALETTE", "OTHER_COLOUR", "LINESTYLES", "MARKERS", "kind_colour", "kind_colours", "kind_of",
            "series_styles", "log2_axis", "log10_axis", "short_number", "thin_tick_labels"]
 
-# One colour per registered kind, in registration order: softmax, mgk, smgk, linear, mlk, smlk, gqa, then kinds
+# One colour per registered kind, in registration order: softmax, mgk, smgk, linear, mlk, smlk, gqa, gmgk, then kinds
 # registered later (the palette's tail, then matplotlib's cycle).
 KIND_PALETTE = ("tab:blue", "tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:green",
                 "tab:olive", "tab:cyan")

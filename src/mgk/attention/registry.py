@@ -147,14 +147,14 @@ def check_options(kind: str, options) -> None:
 def build_attention(kind: str, embed_dim: int, num_heads: int, *, head_dim: int | None = None,
                     dropout: float = 0.0, bias: bool = True, batch_first: bool = True, kdim: int | None = None,
                     vdim: int | None = None, device=None, dtype=None, **options) -> nn.Module:
-    """Build the attention module ``kind`` (:func:`attention_kinds`: "softmax", "mgk", "smgk", "linear", "mlk",
-    "smlk", "gqa") with ``num_heads`` heads of ``head_dim`` (default ``embed_dim // num_heads``).
+    """Build the attention module ``kind`` (any name :func:`attention_kinds` lists) with ``num_heads`` heads of
+    ``head_dim`` (default ``embed_dim // num_heads``).
 
     ``options`` are the kind's own (:func:`attention_options`, each kind's options dataclass in its file): num_keys,
     pi, pi_shape, pi_norm, sigma2, max_len for MGK / sMGK (Nguyen et al. 2022, Sections 2-3); normalize,
     feature_map, output_scale, eps, eps_mode for linear attention (:func:`mgk.functional.linear_attention`), and
-    those plus num_keys, pi, pi_shape, pi_norm, max_len and mix for MLK / sMLK; num_kv_heads for GQA / MQA; none for
-    softmax.
+    those plus num_keys, pi, pi_shape, pi_norm, max_len and mix for MLK / sMLK; num_kv_heads for GQA / MQA; MGK's
+    plus num_kv_heads and keys for gMGK; none for softmax.
     ``batch_first`` (default True, mgk's models), ``kdim``, ``vdim``, ``device`` and ``dtype`` (torch's factory
     keywords, as ``nn.MultiheadAttention``: ``device="meta"`` builds without memory) as :meth:`AttentionKind.build`.
     Raises ValueError for an unknown kind, an option the kind does not take (naming both), a bad value, or a

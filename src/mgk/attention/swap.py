@@ -5,13 +5,14 @@ Fewer heads (``num_heads`` below the old module's) keep each head's size, as the
 (0.625x the attention weights at one head_dim), and are converted by a named rule (:mod:`mgk.attention.regroup`,
 the code path of ``mgk train --init-from`` too):
 
-* "merge" (default for mgk, mlk with ``num_heads * num_keys`` = the old heads): groups of ``num_keys`` old heads
-  become the key components of one head: query and value projections the group's mean, output columns its sum, key
-  component r the r-th head's key, pi uniform.
+* "merge" (default for separate mixture keys, as mgk, mlk and gmgk have, with ``num_heads * num_keys`` = the old
+  heads): groups of ``num_keys`` old heads become the key components of one head: query and value projections the
+  group's mean, output columns its sum, key component r the r-th head's key, pi uniform.
 * "pool" (default for gqa): groups of old heads mean-pooled in every projection (Ainslie et al. 2023 pool the
   key/value heads so), output columns summed; then GQA's own key/value pooling.
-* "prune" (default for softmax, linear, smgk, smlk; any kind when named): the most important heads kept, in their
-  order, the others dropped (exact for softmax: the old layer with those heads switched off).
+* "prune" (default for the other kinds: softmax, linear, shifted keys, ...; any kind when named): the most
+  important heads kept, in their order, the others dropped (exact for softmax: the old layer with those heads
+  switched off).
 * "slice": the projections kept whole and re-cut into ``num_heads`` heads of width / ``num_heads`` (the behaviour
   before head sizes were kept; the function changes, exact only with the old heads). Also what ``head_dim`` with
   ``num_heads * head_dim`` = the old width gives.
@@ -40,7 +41,7 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
                    head_dim: int | None = None, heads: str | None = None, calibration=None, loss_fn=None,
                    seed: int = 0, **options) -> nn.Module:
     """Replace every ``nn.MultiheadAttention`` and every mgk attention module in ``model`` (in place) by the
-    attention ``kind`` of :func:`mgk.build_attention` ("softmax", "mgk", "smgk", "linear", "mlk", "smlk", "gqa").
+    attention ``kind`` of :func:`mgk.build_attention`: any name :func:`mgk.attention_kinds` lists.
 
     Args:
         model: any module; its attention modules may sit at any depth (``nn.TransformerEncoder``, ``nn.Transformer``,
@@ -54,8 +55,8 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         head_dim: D of the new modules; default the old one's. With ``num_heads * head_dim`` = the old width the
             projections are re-cut into heads of another size ("slice"); other widths are refused.
         heads: the rule for fewer heads of the same size (module docstring): "merge", "pool", "prune" or "slice";
-            default "merge" for mgk / mlk (``num_heads * num_keys`` = the old heads), "pool" for gqa, "prune" for
-            the other kinds. Heads are chosen from the weights, or on ``calibration``.
+            default "merge" for separate mixture keys (mgk, mlk, gmgk; ``num_heads * num_keys`` = the old heads),
+            "pool" for gqa, "prune" for the other kinds. Heads are chosen from the weights, or on ``calibration``.
         calibration: a batch to choose heads on (a Tensor, a tuple of positional or a dict of keyword inputs of
             ``model``), run in eval mode after torch / Hugging Face attention became mgk softmax (the same function).
         loss_fn: with ``calibration``, ``loss_fn(model output)`` -> a scalar loss over the batch (summed or
@@ -79,6 +80,8 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     * gqa with ``num_kv_heads`` G: query and output projections copied; each group's key and value projections the
       mean of its H / G heads' (Ainslie et al. 2023, Section 2.1): exact for G = H. A gqa source is read as the
       multi-head layer it computes (each key/value head repeated), so gqa -> softmax is exact.
+    * gmgk with ``num_kv_heads`` G: each group's key and value projections the mean of its H / G heads' (as gqa),
+      then mgk's or smgk's rule (``keys``) with G groups (:meth:`mgk.GroupedMGKAttention.load_projections`).
     * smgk / smlk (shifted keys): the key projection is K; the shifts mu_2..mu_M are drawn as sMGK initialises them
       (N(0, 0.5^2)), pi uniform.
     * an mgk source: after the above, every parameter of the old module whose name and shape the new one also has

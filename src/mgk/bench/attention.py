@@ -13,7 +13,7 @@ on both sides of a ratio; calls of a few milliseconds in separate processes move
 2-core VM). Peak memory is not measured then (one process holds every kind). The 1-minute load average before
 the run is recorded, and a busy machine is warned about, as in ``mgk bench decode``.
 
-Kinds are ``name:heads``. A name is a registered attention kind (softmax, mgk, smgk, linear, mlk, smlk), the same
+Kinds are ``name:heads``. A name is a registered attention kind (:func:`mgk.attention_kinds`), the same
 with options ``kind+option=value+...`` (e.g. ``mgk+pi=hard_e``), or a bench variant (:data:`VARIANTS`): ``mgk-hard``
 (pi="hard_e"), ``mgk-softe`` (pi="soft_e"), ``mgk-sdpa`` (mgk with ``backend="sdpa"``: the bias folded into an
 extra head dimension and SDPA's flash kernel per component) and ``reference``: the formulation of the authors' code,
