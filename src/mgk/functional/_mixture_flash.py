@@ -9,11 +9,13 @@ counter-based random stream, so that training with dropout keeps O(L + S) memory
 holds MGK's decoding step over a cache (``csrc/mixture_decode.cpp``, :mod:`._mixture_decode`).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; about 30 s,
-cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), one build per (kernel sources, torch version,
-Python version, compiler and flags), kept side by side. Concurrent builds wait on an OS file lock that dies with its
-process; a wait is announced and gives up after ``MGK_KERNEL_BUILD_TIMEOUT`` seconds (default 600). When
-compilation fails, or with ``MGK_CPU_KERNEL=0`` in the environment (warned once), :func:`available` is False and MGK
-uses the per-component SDPA flash path (:mod:`._component_flash`), which gives the same numbers.
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), one build per (kernel sources and their
+path, torch version and install, Python, compiler, ninja and flags: :func:`_build_name`), kept side by side. Every
+build that actually runs is announced by one line on stderr. Concurrent builds wait on an OS file lock that dies with
+its process; a wait behind a build (or a holder slower than a moment) is announced and gives up after
+``MGK_KERNEL_BUILD_TIMEOUT`` seconds (default 600). When compilation fails, or with ``MGK_CPU_KERNEL=0`` in the
+environment (warned once), :func:`available` is False and MGK uses the per-component SDPA flash path
+(:mod:`._component_flash`), which gives the same numbers.
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ import contextlib
 import hashlib
 import math
 import os
+import shlex
+import shutil
+import subprocess
 import sys
+import sysconfig
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +46,9 @@ _module = None
 _failed: str | None = None
 _LOCK_FILE = "mgk-build.flock"
 _DEFAULT_TIMEOUT_S = 600.0
+# A holder that only loads the built library (every rank but one under torchrun) keeps the lock well under this
+_QUIET_WAIT_S = 5.0
+_BUILDING = "building the kernel"  # what a holder that compiles writes into the lock file, for the waiters' message
 
 
 def _isa_flags() -> list[str]:
@@ -60,12 +69,16 @@ def _flags() -> tuple[list[str], list[str]]:
 
 
 def _build_name(source: bytes, torch_version: str, python: str, compiler: str, cflags: list[str],
-                ldflags: list[str], source_path: str = "") -> str:
-    """Extension name: one per (kernel source and its path, torch version, Python version, compiler, flags), so
-    environments and checkouts used in turn keep their builds side by side instead of rebuilding one shared folder
-    (ninja records the source's path: two checkouts of the same source would otherwise rebuild each other's)."""
+                ldflags: list[str], source_path: str = "", ninja: str = "", torch_path: str = "") -> str:
+    """Extension name: one per (kernel source and its path, torch version and install path, Python, compiler,
+    ninja, flags), so environments and checkouts used in turn keep their builds side by side instead of rebuilding
+    one shared folder. Each part is something ninja would rebuild for: the source's path, torch's and Python's
+    include paths and the compiler are in the commands it records, and ninja versions hash those commands (and
+    write their log) differently, so a folder built by one ninja is rebuilt in full by another. ``compiler`` and
+    ``ninja`` are what :func:`_tool` reports (the program found on PATH and its version)."""
     h = hashlib.sha256(source)
-    for part in (torch_version, python, compiler, " ".join(cflags), " ".join(ldflags), source_path):
+    for part in (torch_version, python, compiler, " ".join(cflags), " ".join(ldflags), source_path, ninja,
+                 torch_path):
         h.update(b"\0" + part.encode())
     return f"mgk_mixture_flash_{torch.backends.cpu.get_cpu_capability().lower()}_{h.hexdigest()[:12]}"
 
@@ -97,15 +110,59 @@ def _load():
     return _module
 
 
+def _tool(command: str) -> str:
+    """``command`` with the program it runs and that program's version: the first word looked up on PATH, as
+    ``cpp_extension`` (ninja) and ninja's shell (the compiler) look it up, so a PATH that puts another ninja or
+    compiler first names another build. A program not found is named by ``command`` alone (the build then fails
+    with torch's own message)."""
+    words = shlex.split(command) or [command]
+    found = shutil.which(words[0])
+    if found is None:
+        return command
+    try:
+        done = subprocess.run([found, *words[1:], "--version"], capture_output=True, text=True, timeout=60)
+        version = (done.stdout.strip() or done.stderr.strip()).partition("\n")[0]
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"no version ({type(exc).__name__})"
+    return f"{command} = {os.path.realpath(found)} {version}"
+
+
 def build_folder() -> tuple[str, Path]:
-    """(extension name, build folder) of the kernel for this environment (the folder is created)."""
+    """(extension name, build folder) of the kernel for this environment (the folder is created). Runs the
+    compiler and ninja found on PATH once each with ``--version`` (a few ms)."""
     from torch.utils import cpp_extension
 
     cflags, ldflags = _flags()
-    python = f"{sys.implementation.name} {sys.version} {getattr(sys, 'abiflags', '')}"
+    include = sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix")
+    python = f"{sys.implementation.name} {sys.version} {getattr(sys, 'abiflags', '')} {include}"
     name = _build_name(b"\0".join(src.read_bytes() for src in _SOURCES), torch.__version__, python,
-                       os.environ.get("CXX", "c++"), cflags, ldflags, " ".join(str(src.resolve()) for src in _SOURCES))
+                       _tool(cpp_extension.get_cxx_compiler()), cflags, ldflags,
+                       " ".join(str(src.resolve()) for src in _SOURCES), _tool("ninja"),
+                       str(Path(torch.__file__).resolve().parent))
     return name, Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def _build_reason(folder: Path, name: str) -> str | None:
+    """Why ``cpp_extension.load`` will compile in ``folder`` (None: it is up to date and only loads the library).
+
+    Asks ninja's dry run (``ninja -n``, which writes nothing), run as load runs it: the ninja on PATH, on the
+    build.ninja load rewrites unchanged (all it holds is in the build name)."""
+    if not any(folder.glob(f"{name}*.so")):
+        return "no library built yet"
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return None  # load fails at once, with torch's message naming ninja
+    try:
+        done = subprocess.run([ninja, "-n", "-C", str(folder)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"ninja's up-to-date check failed: {type(exc).__name__}"
+    if done.returncode != 0:
+        return f"ninja's up-to-date check failed: {' '.join((done.stderr or done.stdout).split())[:200]}"
+    if "ninja: no work to do" in done.stdout:
+        return None
+    # every other line is a step it would run (their "[1/3]" prefix is NINJA_STATUS, which may be changed)
+    steps = sum(not line.startswith("ninja: ") for line in done.stdout.splitlines())
+    return f"{steps} build steps out of date for {ninja}"
 
 
 def _build_and_load():
@@ -113,10 +170,13 @@ def _build_and_load():
 
     cflags, ldflags = _flags()
     name, folder = build_folder()
-    with _build_lock(folder, build_timeout()):
+    with _build_lock(folder, build_timeout()) as note_holder_state:
         _remove_orphaned_lock(folder)
-        if not any(folder.glob(f"{name}*.so")):
-            print(f"mgk: building the MGK CPU kernel, about 30 s, once (in {folder})", file=sys.stderr, flush=True)
+        reason = _build_reason(folder, name)
+        if reason is not None:
+            note_holder_state(_BUILDING)
+            print(f"mgk: building the MGK CPU kernel, about 30 s ({reason}; in {folder})", file=sys.stderr,
+                  flush=True)
         return cpp_extension.load(name=name, sources=[str(src) for src in _SOURCES], extra_cflags=cflags,
                                   extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
 
@@ -136,40 +196,61 @@ def build_timeout() -> float:
 
 
 @contextlib.contextmanager
-def _build_lock(folder: Path, timeout: float, poll_s: float = 0.2):
+def _build_lock(folder: Path, timeout: float, poll_s: float = 0.2, quiet_s: float = _QUIET_WAIT_S):
     """Hold an exclusive ``fcntl.flock`` on ``folder/mgk-build.flock`` while building and loading.
 
     The OS releases the lock when its holder exits, however it dies, so a lock is never left behind (unlike a lock
-    file, whose creator may be killed). Waiting prints one line naming the lock and the holder's pid, and gives up
-    after ``timeout`` seconds with TimeoutError naming the lock."""
+    file, whose creator may be killed). The holder's pid is written into the file; the context yields a function
+    ``note(state: str)`` that adds what the holder is doing. A wait is announced by one line naming the lock and the
+    holder once the holder notes it is building, or has held the lock ``quiet_s`` seconds: a holder that only loads
+    the built library (other ranks of one torchrun) is waited for silently. Gives up after ``timeout`` seconds with
+    TimeoutError naming the lock."""
     if fcntl is None:
-        yield None
+        yield lambda state: None
         return
     path = folder / _LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        start = time.monotonic()
-        announced = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                holder = _lock_holder(path)
-                if time.monotonic() - start >= timeout:
-                    raise TimeoutError(f"gave up after {timeout:g} s waiting for the MGK kernel build lock {path} "
-                                       f"(held by {holder}); raise MGK_KERNEL_BUILD_TIMEOUT or set "
-                                       "MGK_CPU_KERNEL=0") from None
-                if not announced:
-                    print(f"mgk: waiting for the MGK kernel build lock {path} (held by {holder}; giving up after "
-                          f"{timeout:g} s, MGK_KERNEL_BUILD_TIMEOUT)", file=sys.stderr, flush=True)
-                    announced = True
-                time.sleep(poll_s)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
-        yield path
+        _wait_for_lock(fd, path, timeout, poll_s, quiet_s)
+        mine = f"pid {os.getpid()}"
+
+        def note(state: str) -> None:
+            # written before the truncation, so a waiter reading meanwhile never sees an empty file
+            text = f"{mine}, {state}\n".encode() if state else f"{mine}\n".encode()
+            os.pwrite(fd, text, 0)
+            os.ftruncate(fd, len(text))
+
+        note("")
+        yield note
     finally:
         os.close(fd)  # releases the lock
+
+
+def _wait_for_lock(fd: int, path: Path, timeout: float, poll_s: float, quiet_s: float) -> None:
+    """Poll ``flock`` on ``fd`` until taken (see :func:`_build_lock`); the quiet time restarts with each new holder,
+    so a queue of ranks that each only load is never announced."""
+    start = since = time.monotonic()
+    announced = False
+    last_pid = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = _lock_holder(path)
+            now = time.monotonic()
+            pid = holder.partition(",")[0]
+            if pid != last_pid:
+                since, last_pid = now, pid
+            if now - start >= timeout:
+                raise TimeoutError(f"gave up after {timeout:g} s waiting for the MGK kernel build lock {path} "
+                                   f"(held by {holder}); raise MGK_KERNEL_BUILD_TIMEOUT or set "
+                                   "MGK_CPU_KERNEL=0") from None
+            if not announced and (_BUILDING in holder or now - since >= quiet_s):
+                print(f"mgk: waiting for the MGK kernel build lock {path} (held by {holder}; giving up after "
+                      f"{timeout:g} s, MGK_KERNEL_BUILD_TIMEOUT)", file=sys.stderr, flush=True)
+                announced = True
+            time.sleep(poll_s)
 
 
 def _lock_holder(path: Path) -> str:
