@@ -21,14 +21,30 @@ from ..figures import kind_colour, thin_tick_labels
 from . import rundir
 
 
-def git_commit() -> str | None:
-    """The commit of the checkout this package runs from, or None when it is not a git checkout."""
-    here = Path(__file__).resolve().parent
+def _git(args: list[str], where: Path | None) -> str | None:
+    """The output of ``git ARGS`` run in ``where`` (default: this package's folder), or None when git is missing,
+    fails or hangs: what a run records about its checkout must never stop the run."""
+    here = where if where is not None else Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit(where: Path | None = None) -> str | None:
+    """The commit of the checkout this package runs from (or of ``where``), or None when it is not a git
+    checkout."""
+    out = _git(["rev-parse", "HEAD"], where)
+    return (out or "").strip() or None
+
+
+def git_dirty(where: Path | None = None) -> bool | None:
+    """Whether the checkout of :func:`git_commit` has uncommitted changes to tracked files (True, False), or None
+    when it is not a git checkout or git cannot say. Untracked files are not counted: a run directory or a data
+    folder inside the checkout would mark every run dirty, and listing them can take long."""
+    out = _git(["status", "--porcelain", "--untracked-files=no"], where)
+    return None if out is None else bool(out.strip())
 
 
 # The run-config fields (by --set name) that make a training protocol (the authors' values or ours; see
@@ -64,10 +80,11 @@ def attention_parameters(model: torch.nn.Module) -> int:
 
 
 def write_env(run_dir: Path, *, seed: int, world_size: int, device: str) -> None:
-    """Write env.json with versions and the git commit."""
+    """Write env.json with versions, the git commit and ``git_dirty`` (:func:`git_dirty`: whether that commit is
+    all of the code that ran; None outside a git checkout)."""
     env = {"seed": seed, "world_size": world_size, "device": device, "mgk": __version__, "torch": torch.__version__,
            "python": sys.version.split()[0], "platform": platform.platform(), "git_commit": git_commit(),
-           "threads": torch.get_num_threads()}
+           "git_dirty": git_dirty(), "threads": torch.get_num_threads()}
     rundir.write_json(rundir.RunFiles(run_dir).env, env)
 
 
