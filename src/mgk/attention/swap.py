@@ -40,15 +40,14 @@ __all__ = ["swap_attention", "KEY_SPREAD"]
 def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None = None,
                    head_dim: int | None = None, heads: str | None = None, calibration=None, loss_fn=None,
                    seed: int = 0, **options) -> nn.Module:
-    """Replace every ``nn.MultiheadAttention`` and every mgk attention module in ``model`` (in place) by the
-    attention ``kind`` of :func:`mgk.build_attention`: any name :func:`mgk.attention_kinds` lists.
+    """Replace every ``nn.MultiheadAttention`` and every mgk attention module in ``model`` (in place) by ``kind``.
 
     Args:
         model: any module; its attention modules may sit at any depth (``nn.TransformerEncoder``, ``nn.Transformer``,
             a ViT, ...). A module shared by several parents is replaced by one shared module. A Hugging Face
             transformers model (Llama family, GPT-2, BERT) is handed to :func:`mgk.integrations.hf.swap_attention`
             (extra ``hf``; docs/hf.md), which reads its attention modules and converts them by the rules below.
-        kind: the new attention kind.
+        kind: the new attention kind, any name :func:`mgk.attention_kinds` lists (as :func:`mgk.build_attention`).
         num_heads: H of the new modules; default each old module's own. Each head keeps its size (head_dim D)
             unless ``head_dim`` is given: fewer heads make a narrower attention (the paper's MGK-4 against
             softmax-8, and the only choice a rotary model allows), converted by the rule ``heads``.
@@ -80,8 +79,7 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     * gqa with ``num_kv_heads`` G: query and output projections copied; each group's key and value projections the
       mean of its H / G heads' (Ainslie et al. 2023, Section 2.1): exact for G = H. A gqa source is read as the
       multi-head layer it computes (each key/value head repeated), so gqa -> softmax is exact.
-    * gmgk with ``num_kv_heads`` G: each group's key and value projections the mean of its H / G heads' (as gqa),
-      then mgk's or smgk's rule (``keys``) with G groups (:meth:`mgk.GroupedMGKAttention.load_projections`).
+    * gmgk: gqa's pooling into ``num_kv_heads`` groups, then mgk's or smgk's rule (``keys``) for each group's keys.
     * smgk / smlk (shifted keys): the key projection is K; the shifts mu_2..mu_M are drawn as sMGK initialises them
       (N(0, 0.5^2)), pi uniform.
     * an mgk source: after the above, every parameter of the old module whose name and shape the new one also has
