@@ -249,10 +249,10 @@ def test_torchrun_two_ranks_train_like_one_and_three_ranks_evaluate_like_one(tmp
 def test_resumed_lm_run_equals_an_uninterrupted_one(tmp_path, th):
     data = tmp_path / "wt"
     wt.generate_corpus(data, train_lines=120, valid_lines=30, test_lines=25, num_words=120, seed=1)
-    common = ["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2",
-              *th.sets(*TINY_LM, "schedule=constant")]  # the lr must not depend on --steps
-    main([*common, "--steps", "6", "--out", str(tmp_path / "a")])
-    main([*common, "--steps", "3", "--out", str(tmp_path / "b"), "--set", "checkpoint_every=3"])
+    common = ["train", "--task", "lm", "--data", str(data), "--attention", "mgk", "--heads", "2"]
+    pairs = [*TINY_LM, "schedule=constant"]  # the lr must not depend on --steps
+    main([*common, *th.sets(*pairs), "--steps", "6", "--out", str(tmp_path / "a")])
+    main([*common, *th.sets(*pairs, "checkpoint_every=3"), "--steps", "3", "--out", str(tmp_path / "b")])
     main(["train", "--resume", str(tmp_path / "b"), "--steps", "6"])
 
     assert th.series(tmp_path / "a", "train/loss") == th.series(tmp_path / "b", "train/loss")

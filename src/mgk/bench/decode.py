@@ -34,7 +34,7 @@ import torch
 
 from ..attention.registry import display_label, get_kind
 from .attention import bench_options, build_kind, error_cell, machine, variant
-from .model import bench_task, kind_overrides
+from .model import bench_task, with_kind
 from .rows import BUSY_LOAD, busy_warning, load_record, run_row  # noqa: F401 - BUSY_LOAD, busy_warning: its interface
 
 DEFAULT_KINDS = "softmax:8,mgk:4,smgk:4,gqa+num_kv_heads=2:8,linear:8,mlk:4"
@@ -111,13 +111,13 @@ def _model(model, cfg, *, batch, context, steps, device, compiled=False):
 
 def _preset_model(target, kind, heads, overrides, *, context, steps):
     """The model of LM preset ``target`` with bench kind ``kind`` (random weights) and its run config."""
-    from ..config import apply_overrides
     from ..tasks import all_presets
 
     if target not in all_presets():
         raise ValueError(f"unknown target {target!r}: 'layer', a preset (lm-small, wt103-paper) or --run")
     longest = context + steps + WARMUP_STEPS
-    cfg = apply_overrides(all_presets()[target], [*kind_overrides(kind, heads), f"max_len={longest}", *overrides])
+    cfg = with_kind(all_presets()[target], kind, heads, overrides,
+                    fixed=[(f"max_len={longest}", "--contexts and --steps (the longest position decoded)")])
     if cfg.task != "lm":
         raise ValueError(f"target {target!r} is a {cfg.task!r} preset: decoding needs a language model (lm-*, wt103-*)")
     torch.manual_seed(0)
@@ -132,11 +132,10 @@ def _run_model(run_dir, kind, heads, *, context, steps):
     if kind is None:
         run = load_run(run_dir, device="cpu")
         return run.model, run.cfg
-    from ..config import apply_overrides
     from ..train.rundir import load_config
 
     longest = context + steps + WARMUP_STEPS
-    cfg = apply_overrides(load_config(run_dir), [*kind_overrides(kind, heads), f"max_len={longest}"])
+    cfg = with_kind(load_config(run_dir), kind, heads, fixed=[(f"max_len={longest}", "--contexts and --steps")])
     torch.manual_seed(0)
     return bench_task(cfg).build_model(cfg), cfg
 

@@ -38,6 +38,29 @@ def kind_overrides(kind: str | None, heads: int | None) -> list[str]:
             f"num_heads={heads}"]
 
 
+def with_kind(cfg, kind: str | None, heads: int | None, overrides=(), fixed=()):
+    """``cfg`` with bench kind ``kind`` and ``heads`` heads (:func:`kind_overrides`), the bench's own ``fixed``
+    ``(pair, what sets it)`` and the user's ``--set`` ``overrides`` applied at once
+    (:func:`mgk.config.apply_overrides`). ValueError in one line naming both when an override gives another value to
+    a field ``--kinds`` or the bench sets (the kind, its options, num_heads, max_len): the row would not be the
+    model its label names. Other mistakes are apply_overrides's."""
+    from ..config import apply_overrides
+    from ..config.keys import resolve_key
+
+    own = [*((pair, f"--kinds {kind}") for pair in kind_overrides(kind, heads)), *fixed]
+    decided = {resolve_key(pair.split("=", 1)[0]): (pair, source) for pair, source in own}
+    for pair in overrides:
+        key, _, text = pair.partition("=")
+        try:
+            path = resolve_key(key.strip())
+        except ValueError:
+            continue  # apply_overrides names it
+        if path in decided and decided[path][0].partition("=")[2] != text.strip():
+            theirs, source = decided[path]
+            raise ValueError(f"--set {pair.strip()} conflicts with {source}, which sets {theirs}; set it there")
+    return apply_overrides(cfg, [*(pair for pair, _ in own), *overrides])
+
+
 def bench_task(cfg):
     """The :class:`~mgk.tasks.base.Task` of ``cfg.task`` without data splits: what ``mgk train`` builds for the
     model (vocabulary size, class count, model class). ValueError for an unknown task."""
@@ -121,10 +144,9 @@ def measure(preset: str, overrides: list[str], *, steps: int, device: str, kind:
     measured (:func:`measure_peak_memory`)."""
     import resource
 
-    from ..config import apply_overrides
     from ..tasks import all_presets
 
-    cfg = apply_overrides(all_presets()[preset], [*kind_overrides(kind, heads), *overrides])
+    cfg = with_kind(all_presets()[preset], kind, heads, overrides)
     task = bench_task(cfg)
     torch.manual_seed(0)
     dev = torch.device(device)
