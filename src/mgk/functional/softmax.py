@@ -210,7 +210,16 @@ def softmax_attention_cached(query: Tensor, key: Tensor, value: Tensor, *, attn_
     Returns: (B, H, L, Dv) in query's dtype; rows that may attend to no key are zero.
     Raises: as :func:`softmax_attention`."""
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, scale=scale)
-    B, H, L, S, D, mask, _ = _checked(query, key, value, attn_mask, None)
+    *_, mask, _ = _checked(query, key, value, attn_mask, None)
+    return _attend_cache(query, key, value, mask, is_causal, dropout_p, scale)
+
+
+def _attend_cache(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
+                  scale: float | None) -> Tensor:
+    """:func:`softmax_attention_cached` on operands already checked (``mask`` 4D bool or None): its public entry and
+    :func:`softmax_cache_step`, which checks before the state is written and would otherwise check twice a step."""
+    B, H, L, D = query.shape
+    S = key.shape[2]
     dt = compute_dtype(query, key, value)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     with full_precision(query.device):
@@ -291,5 +300,5 @@ def softmax_cache_step(query: Tensor, key: Tensor, value: Tensor, state: KVCache
     elif state.seen.shape[0] != B:
         raise ValueError(f"state holds {state.seen.shape[0]} rows; this call has {B}")
     entries = state.append(valid, keys=key, values=value)
-    return softmax_attention_cached(query, entries["keys"], entries["values"], attn_mask=state.attn_mask(),
-                                    is_causal=True, dropout_p=dropout_p, scale=scale)
+    # the entries are the state's, checked on the way in; its mask is (B, 1, 1, T) bool
+    return _attend_cache(query, entries["keys"], entries["values"], state.attn_mask(), True, dropout_p, scale)
