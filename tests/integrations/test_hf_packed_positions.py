@@ -4,6 +4,8 @@ without a cache and without a 2D mask; with the cache the configs' ``use_cache=T
 ``Trainer`` runs it) the sequences would see each other. Each sequence must give what it gives alone; a cache filled
 by a packed forward holds several sequences in one row, so a later step is refused in one line rather than attending
 across them (TEST_CASES R30: equality or a one-line refusal, never a silent mix)."""
+import copy
+
 import pytest
 import torch
 
@@ -76,3 +78,48 @@ def test_left_padding_with_its_mask_is_not_read_as_packing(hf_model, batch):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).logits
         alone = model(input_ids=ids[1:, 3:], use_cache=False).logits
     torch.testing.assert_close(out[1:, 3:], alone, atol=1e-5, rtol=0)
+
+
+def test_positions_that_jump_forward_are_one_sequence_as_in_the_original(hf_model):
+    """PoSE-style gaps (0, 1, 2, 30, 31, 32) give rotary angles, not boundaries: with a cache the swapped softmax
+    model gives what the original gives, and decoding goes on."""
+    model = hf_model("llama")
+    swapped = mgk.swap_attention(copy.deepcopy(model), "softmax")
+    ids = torch.tensor([_sequences()[1] + [9]])
+    positions = torch.tensor([[0, 1, 2, 30, 31, 32]])
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=positions, use_cache=True).logits
+        cache = transformers.DynamicCache(config=swapped.config)
+        got = swapped(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        swapped(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[33]]), past_key_values=cache,
+                use_cache=True)
+
+
+def test_a_packed_row_is_read_alike_whatever_the_other_rows_padding(hf_model):
+    """Row 0 packs two sequences; row 1 is or is not left-padded: row 0's logits are each sequence alone both ways."""
+    model = mgk.swap_attention(hf_model("llama"), "mgk")
+    a, b, _ = _sequences()
+    ids = torch.tensor([a + b, b + a])
+    positions = torch.tensor([[*range(3), *range(5)], list(range(8))])
+    alone = torch.cat([model(input_ids=torch.tensor([s]), use_cache=False).logits for s in (a, b)], dim=1)
+    for padded in (False, True):
+        mask = torch.ones_like(ids)
+        mask[1, :1] = 0 if padded else 1
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).logits
+        torch.testing.assert_close(out[:1], alone, atol=1e-5, rtol=0)
+
+
+def test_a_sequence_starting_at_a_chunk_boundary_is_refused_in_one_line(hf_model):
+    """A packed row cut between two cached calls: the second call's positions restart at 0 in a row the cache
+    holds tokens of; attending it to the cached sequence would mix them."""
+    model = mgk.swap_attention(hf_model("llama"), "softmax")
+    a, b, _ = _sequences()
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([a]), past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"^position_ids restart at 0 in a call on layer 0's cache") as err:
+            model(input_ids=torch.tensor([b]), position_ids=torch.arange(len(b))[None], past_key_values=cache,
+                  use_cache=True)
+    assert "\n" not in str(err.value)

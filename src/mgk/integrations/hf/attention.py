@@ -159,21 +159,33 @@ def _position_starts(position_ids: Tensor) -> Tensor:
 
 
 def with_packed_positions(layout: MaskLayout, B: int, L: int, position_ids) -> MaskLayout:
-    """``layout`` with sequences packed into a row by ``position_ids`` alone read in: "packed" with their segments
-    when the mask says nothing of its own (a "plain" layout without padding) and ``position_ids`` (B or 1, L) restart
-    inside a row (a position not the one before it plus 1, transformers' ``find_packed_sequence_indices``), as
-    ``DataCollatorWithFlattening()`` gives them. transformers builds the block mask from them only without a cache and
-    without a 2D mask; with the cache the configs' ``use_cache=True`` creates (eval, and training as ``Trainer`` runs
-    it) the sequences would see each other. Causal models only, as transformers reads them; ``layout`` unchanged
-    otherwise (a later cached call continues one sequence: its positions run on)."""
-    if layout.form != "plain" or layout.valid is not None or not isinstance(position_ids, Tensor):
+    """``layout`` with sequences packed into a row by ``position_ids`` alone read in, for a call with a cache: a
+    position that restarts at 0 after a real token of its row starts a new sequence (``DataCollatorWithFlattening()``
+    numbers each sequence from 0). transformers builds its block mask from restarting positions only without a cache
+    (and without a 2D mask); with the cache the configs' ``use_cache=True`` makes (eval, and training as ``Trainer``
+    runs it) the sequences would see each other. Positions that jump forward (PoSE-style gaps) are one sequence, as
+    positions decide angles, not boundaries; padding keeps its own rule (the mask's).
+
+    Args:
+        layout: the call's :func:`mask_layout`; only a "plain" one (causality and key padding) is read further.
+        B, L: the call's batch size and number of queries.
+        position_ids: (B, L) or (1, L) integer positions, or None.
+    Returns:
+        ``layout`` unchanged when nothing restarts; else "packed", its ``valid`` kept and ``segments`` (B, L) counted
+        from 1 in each row (0 for padding)."""
+    if layout.form != "plain" or not isinstance(position_ids, Tensor) or L < 2:
         return layout
-    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != L or L < 2:
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != L:
         return layout
-    starts = _position_starts(position_ids.to(torch.long))
-    if not bool(starts[:, 1:].any()):
+    real = (torch.ones(B, L, dtype=torch.bool, device=position_ids.device) if layout.valid is None
+            else layout.valid[:, -L:].to(position_ids.device))
+    after_real = torch.zeros_like(real)
+    after_real[:, 1:] = real[:, :-1]
+    restarts = real & after_real & (position_ids == 0)
+    if not bool(restarts.any()):
         return layout
-    return MaskLayout("packed", segments=starts.long().cumsum(-1).expand(B, L))
+    starts = restarts | (real & ~after_real)
+    return MaskLayout("packed", layout.valid, segments=starts.long().cumsum(-1) * real)
 
 
 def with_cu_seq_lens(layout: MaskLayout, B: int, L: int, device, *, cu_seq_lens_q=None, cu_seq_lens_k=None,
@@ -297,7 +309,7 @@ class HFAttention(nn.Module):
     sequences flattened into one row that flash attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     describe (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; read whatever the mask, also with a
     cache, where transformers builds no block mask; malformed ones are a ValueError, :func:`with_cu_seq_lens`), and
-    in a causal model with no mask of its own sequences told apart by ``position_ids`` alone, also with a cache
+    in a causal model called with a cache sequences told apart by ``position_ids`` restarting at 0
     (``DataCollatorWithFlattening()``; :func:`with_packed_positions`); any
     other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
     line).
@@ -313,7 +325,8 @@ class HFAttention(nn.Module):
     and leaves the cache untouched (nothing built that no one reads); on a cache that already holds this layer's
     tokens it is a ValueError. With gradients on in eval mode, the first call's output is the uncached forward's
     and the cache is filled without gradient besides. A cache takes plain masks after its first call; one whose
-    first call was packed refuses any later call in one line (its sequences share a row: a step would see them all).
+    first call was packed refuses any later call in one line (its sequences share a row: a step would see them all),
+    and a later chunk whose positions restart at 0 in a row the cache holds tokens of is refused alike.
     """
 
     def __init__(self, attn: nn.Module, *, layer_idx: int | None, causal: bool, rotary=None,
@@ -392,9 +405,10 @@ class HFAttention(nn.Module):
                                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
                                       cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
                                       position_ids=kwargs.get("position_ids"))
-            if self.is_causal:
-                layout = with_packed_positions(layout, B, L, kwargs.get("position_ids"))
-            out, weights = self._attend(hidden_states, layout, cache, want)
+            positions = kwargs.get("position_ids")
+            if self.is_causal and cache is not None:  # without one, transformers' own rule builds the block mask
+                layout = with_packed_positions(layout, B, L, positions)
+            out, weights = self._attend(hidden_states, layout, cache, want, positions)
         finally:
             self._position = None
         if want and weights is None:
@@ -402,7 +416,7 @@ class HFAttention(nn.Module):
                              "without output_attentions")
         return self.resid_dropout(out), weights
 
-    def _attend(self, x: Tensor, layout: MaskLayout, cache, want: bool) -> tuple[Tensor, Tensor | None]:
+    def _attend(self, x: Tensor, layout: MaskLayout, cache, want: bool, positions=None) -> tuple[Tensor, Tensor | None]:
         if cache is None:
             return self._uncached(x, layout, want)
         if self.training and torch.is_grad_enabled():
@@ -414,7 +428,7 @@ class HFAttention(nn.Module):
             return self._uncached(x, layout, want)  # no decoding cache built in training: nothing would read it
         if not self.is_causal:
             raise ValueError("a decoding cache needs a causal model; this layer attends in both directions")
-        return self._cached(x, layout, cache, want)
+        return self._cached(x, layout, cache, want, positions)
 
     def _uncached(self, x: Tensor, layout: MaskLayout, want: bool) -> tuple[Tensor, Tensor | None]:
         call = dict(is_causal=self.is_causal, need_weights=want, average_attn_weights=False)
@@ -444,7 +458,7 @@ class HFAttention(nn.Module):
             self._position = position
         return _from_sequences(out, plan, B, L), None if weights is None else _weights_back(weights, plan)
 
-    def _cached(self, x: Tensor, layout: MaskLayout, cache, want: bool) -> tuple[Tensor, Tensor | None]:
+    def _cached(self, x: Tensor, layout: MaskLayout, cache, want: bool, positions=None) -> tuple[Tensor, Tensor | None]:
         L = x.shape[1]
         layer = mgk_layer(cache, self.layer_idx, self.attn)
         first = layer.mgk_cache.length == 0
@@ -452,6 +466,8 @@ class HFAttention(nn.Module):
             raise ValueError(f"layer {self.layer_idx}'s cache was filled by a packed forward (several sequences in "
                              "one row, told apart by position_ids or cu_seq_lens): a step would attend across them; "
                              "decode each sequence in its own row, or pass use_cache=False to the packed forward")
+        if not first and L > 1 and isinstance(positions, Tensor):
+            _check_continues(layer.mgk_cache.seen, positions, layout, self.layer_idx)
         if not first and (layout.form != "plain" or want):
             why = ("output_attentions needs maps over the whole cache, which mgk's caches do not form" if want
                    else "after its first call a cache takes masks of causality and padding only")
@@ -475,6 +491,21 @@ class HFAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, causal={self.is_causal}, rotary={self.rotary}"
+
+
+def _check_continues(seen: Tensor | None, positions: Tensor, layout: MaskLayout, layer_idx) -> None:
+    """ValueError in one line when a chunk of a later cached call holds position 0 in a row whose cache holds real
+    tokens: a new sequence (a packed row cut at a chunk boundary, or at a restart inside the chunk), which would
+    attend to the sequence cached. Chunks only (L > 1): a decoding step costs no device read."""
+    if seen is None or positions.dim() != 2 or positions.shape[0] not in (1, seen.shape[0]):
+        return
+    real = positions == 0
+    if layout.valid is not None:
+        real = real & layout.valid[:, -positions.shape[1]:].to(real.device)
+    if bool((real & (seen.to(real.device) > 0)[:, None]).any()):
+        raise ValueError(f"position_ids restart at 0 in a call on layer {layer_idx}'s cache, which holds tokens of "
+                         "that row: a new sequence would attend to the one cached; give each sequence its own cache "
+                         "or row, or pass use_cache=False")
 
 
 def _held(cache, layer_idx: int | None) -> int:

@@ -152,16 +152,19 @@ def _replace(model: nn.Module, path: str, old: nn.Module, layout: str, build: di
         rotary = sys.modules[type(old).__module__].apply_rotary_pos_emb
         new = convert_source(src, path, build)
         _check_rotary_width(new.head_dim, src.head_dim, path, build)
-        wrapper = HFAttention(new, layer_idx=old.layer_idx, causal=True, rotary=rotary)
+        wrapper = HFAttention(new, layer_idx=old.layer_idx, causal=True, rotary=rotary).train(old.training)
     elif layout == "gpt2":
         src = _gpt2_source(old, config)
         wrapper = HFAttention(convert_source(src, path, build), layer_idx=old.layer_idx, causal=True,
-                              resid_dropout=old.resid_dropout)
+                              resid_dropout=old.resid_dropout).train(old.training)
     else:
         src = _bert_source(old, config)
         new = convert_source(src, path, build)
-        old.self = HFAttention(new, layer_idx=getattr(old.self, "layer_idx", None), causal=False)
-        old.output.dense = nn.Identity()
+        # the wrapper takes the replaced module's mode: a new module is in training mode, and the adapter reads
+        # the wrapper's mode to tell a training forward (uncached) from a decoding call
+        old.self = HFAttention(new, layer_idx=getattr(old.self, "layer_idx", None), causal=False).train(
+            old.self.training)
+        old.output.dense = nn.Identity().train(old.output.dense.training)
         return
     setattr(model.get_submodule(parent), name, wrapper)
 
