@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from mgk.attention.mgk import MGKOptions
 from mgk.attention.registry import attention_kinds, get_kind
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -34,7 +35,21 @@ def test_another_kinds_options_are_refused_even_when_they_subclass_ours(kind):
     # the parent kind's module they passed isinstance and their own fields (num_kv_heads, num_keys) went unread
     for options in _other_kinds_options(kind):
         name = type(options).__name__
-        with pytest.raises(TypeError, match=rf"^options must be a \w+Options or None, got {name}$"):
+        with pytest.raises(TypeError, match=rf"^options (must be a \w+Options or None, got {name}|is a {name}, "
+                                            rf"whose [\w, ]+ a module taking \w+Options would not read: )"):
             get_kind(kind).factory(16, 4, head_dim=4, batch_first=True, options=options)
         with pytest.raises(ValueError, match=rf"^attention kind '{kind}' takes \w+Options, got {name}$"):
             get_kind(kind).build(16, 4, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChangedDefault(MGKOptions):
+    """A user's options that only change a default: MGKAttention's own options, taken."""
+
+    num_keys: int = 3
+
+
+def test_a_subclass_that_only_changes_defaults_is_taken():
+    module = get_kind("mgk").factory(16, 4, head_dim=4, batch_first=True, options=_ChangedDefault())
+    assert module.num_keys == 3
+    assert get_kind("mgk").build(16, 4, _ChangedDefault()).num_keys == 3

@@ -38,19 +38,30 @@ class Options:
         """The options a module constructor runs with, from its ``options`` (an instance, or None) and its option
         keywords ``values``: ``cls(**values)`` without ``options``; with it, ``options`` itself when every keyword
         agrees with it (a list agrees with the equal tuple). ValueError naming both values of the first keyword that
-        differs: one of them would be silently ignored; TypeError naming ``options`` for anything but an instance of
-        exactly ``cls`` (a sibling kind's options, such as gmgk's GMGKOptions given to MGKAttention, would have
-        their own fields, num_kv_heads there, silently ignored)."""
+        differs: one of them would be silently ignored; TypeError naming ``options`` as :meth:`check_own`."""
         if options is None:
             return cls(**values)
-        if type(options) is not cls:  # a dict, or another kind's options (a subclass's fields would go unread)
-            raise TypeError(f"options must be a {cls.__name__} or None, got {type(options).__name__}")
+        cls.check_own(options)
         given = dataclasses.replace(options, **values)  # normalised as options are (a list held as a tuple)
         for name in values:
             if getattr(given, name) != getattr(options, name):
                 raise ValueError(f"{name}={values[name]!r} conflicts with options.{name}="
                                  f"{getattr(options, name)!r}; give one")
         return options
+
+    @classmethod
+    def check_own(cls, options) -> None:
+        """TypeError in one line naming ``options`` unless it is an instance of ``cls`` with no fields of its own: a
+        dict, a string, or another kind's options subclassing ours (gmgk's GMGKOptions given to MGKAttention, MLK's
+        to LinearAttention), whose own fields (num_kv_heads, num_keys) a module of ``cls`` would silently leave
+        unread. A subclass that only changes defaults is ``cls``'s options and is taken."""
+        if not isinstance(options, cls):
+            raise TypeError(f"options must be a {cls.__name__} or None, got {type(options).__name__}")
+        unread = [name for name in options.names() if name not in cls.names()]
+        if unread:
+            raise TypeError(f"options is a {type(options).__name__}, whose {', '.join(unread)} a module taking "
+                            f"{cls.__name__} would not read: give a {cls.__name__}, or build the kind that takes "
+                            f"{type(options).__name__}")
 
     def as_kwargs(self) -> dict:
         """The options as keyword arguments of the kind's module constructor."""

@@ -90,9 +90,11 @@ class AttentionKind:
         of the key and value inputs (default embed_dim); ``device`` / ``dtype``: where and in which floating dtype
         its parameters and buffers are created (torch's factory keywords). Those four are passed on only when
         given; the module raises ValueError naming a bad one."""
-        if type(options) is not self.options:  # a subclass is another kind's: its own fields would go unread
+        try:
+            self.options.check_own(options)  # another kind's options, even a subclass of ours, are refused
+        except TypeError:
             raise ValueError(f"attention kind {self.name!r} takes {self.options.__name__}, got "
-                             f"{type(options).__name__}")
+                             f"{type(options).__name__}") from None
         options.check(self.name)
         given = {k: v for k, v in (("kdim", kdim), ("vdim", vdim), ("device", device), ("dtype", dtype))
                  if v is not None}
