@@ -29,3 +29,9 @@ def test_agreeing_and_unrelated_sets_are_taken():
 def test_decodes_max_len_is_named_by_the_flags_that_set_it():
     with pytest.raises(ValueError, match=r"^--set max_len=64 conflicts with --contexts and --steps"):
         _preset_model("lm-small", "mgk", 2, ["max_len=64"], context=128, steps=4)
+
+
+@pytest.mark.parametrize("kinds, pair", [("mgk+sigma2=0.50", "sigma2=0.5"), ("mgk+sigma2=0.5", "sigma2=0.50"),
+                                         ("gqa+num_kv_heads=2", "num_kv_heads=+2")])
+def test_values_are_compared_as_parsed_not_as_text(kinds, pair):
+    with_kind(all_presets()["lm-small"], kinds, 4, [pair, "num_heads=04"])

@@ -42,20 +42,26 @@ def with_kind(cfg, kind: str | None, heads: int | None, overrides=(), fixed=()):
     """``cfg`` with bench kind ``kind`` and ``heads`` heads (:func:`kind_overrides`), the bench's own ``fixed``
     ``(pair, what sets it)`` and the user's ``--set`` ``overrides`` applied at once
     (:func:`mgk.config.apply_overrides`). ValueError in one line naming both when an override gives another value to
-    a field ``--kinds`` or the bench sets (the kind, its options, num_heads, max_len): the row would not be the
-    model its label names. Other mistakes are apply_overrides's."""
+    a field ``--kinds`` or the bench sets (the kind, its options, num_heads, max_len; values compared as parsed, so
+    ``sigma2=0.50`` agrees with 0.5): the row would not be the model its label names. Other mistakes are
+    apply_overrides's."""
+    from operator import attrgetter
+
     from ..config import apply_overrides
     from ..config.keys import resolve_key
 
     own = [*((pair, f"--kinds {kind}") for pair in kind_overrides(kind, heads)), *fixed]
     decided = {resolve_key(pair.split("=", 1)[0]): (pair, source) for pair, source in own}
+    base = apply_overrides(cfg, [pair for pair, _ in own])
     for pair in overrides:
-        key, _, text = pair.partition("=")
         try:
-            path = resolve_key(key.strip())
+            path = resolve_key(pair.split("=", 1)[0].strip())
+            if path not in decided:
+                continue
+            differs = attrgetter(path)(apply_overrides(base, [pair])) != attrgetter(path)(base)
         except ValueError:
-            continue  # apply_overrides names it
-        if path in decided and decided[path][0].partition("=")[2] != text.strip():
+            continue  # a bad pair: apply_overrides below names it
+        if differs:
             theirs, source = decided[path]
             raise ValueError(f"--set {pair.strip()} conflicts with {source}, which sets {theirs}; set it there")
     return apply_overrides(cfg, [*(pair for pair, _ in own), *overrides])
