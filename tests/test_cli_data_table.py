@@ -291,3 +291,16 @@ def test_a_run_with_a_damaged_config_yaml_is_still_tabled_by_its_results(tmp_pat
     out, err = capsys.readouterr()
     assert "| mgk | 4 | 40.00 ± 14.14 (n=2) |" in out
     assert f"{runs[1] / 'config.yaml'}: line 2: not valid YAML" in err and "by its results.json alone" in err
+
+
+def test_a_dataset_read_from_two_machines_folders_is_one_dataset():
+    """Seeds of one setting run on the same data under two machines' scratch folders share a cell; another
+    dataset (another folder name) does not."""
+    from mgk.tasks.run_records import RUN_CONFIG, run_identity
+
+    def record(data):
+        return {RUN_CONFIG: {"task": "listops", "data": data, "seed": 0, "steps": 10}}
+
+    assert run_identity(record("/nodeA/scratch/listops")) == run_identity(record("/nodeB/listops"))
+    assert run_identity(record("/nodeA/listops")) != run_identity(record("/nodeA/listops-small"))
+    assert run_identity(record(None)) != run_identity(record("/nodeA/listops"))

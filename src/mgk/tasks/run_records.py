@@ -4,6 +4,7 @@ synthetic tables and by ``mgk reproduce``."""
 from __future__ import annotations
 
 import math
+from pathlib import PurePath
 
 from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
@@ -113,11 +114,14 @@ def empty_row(columns: int) -> str:
 
 def run_identity(res: dict) -> dict:
     """What the run of record ``res`` computed, bar its seed: its :data:`RUN_CONFIG` (flat name -> value) without
-    the fields that do not change a result, else the config facts results.json holds (steps, max_len, precision);
+    the fields that do not change a result and ``data`` by its folder's name (seeds run from two machines' scratch
+    folders share a cell), else the config facts results.json holds (steps, max_len, precision);
     and ``init_from`` (``"<source> step <n>"``, or None for a run trained from scratch)."""
     config = res.get(RUN_CONFIG)
     if isinstance(config, dict):
         ident = {k: v for k, v in config.items() if k not in _NOT_THE_RUN}
+        if isinstance(ident.get("data"), str):  # one dataset under two machines' folders is one dataset
+            ident["data"] = PurePath(ident["data"]).name or ident["data"]
     else:
         ident = {k: res[k] for k in _RESULTS_FACTS if res.get(k) is not None}
     init = res.get("init_from")
