@@ -4,6 +4,7 @@ gives what a clean state gives; states restored from one state dict are independ
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,6 +96,15 @@ def test_advance_takes_a_positive_int_within_the_room_left(L):
     assert "\n" not in str(err.value) and state.length == 3 and state.room() == 3
     state.advance(1)
     assert state.length == 4
+
+
+@pytest.mark.parametrize("count", [np.int64(1), torch.tensor(1)], ids=["numpy", "tensor"])
+def test_advance_takes_an_integer_of_any_kind(count):
+    state = _prefilled()
+    state.fix_capacity(6)
+    softmax_cache_step(*_chunk(1, 1), state)
+    state.advance(count)
+    assert state.length == 4 and type(state.length) is int
 
 
 # (the argument moved to another device, how append is called with it)

@@ -11,6 +11,8 @@ one, with the layer binding and the kind's bookkeeping; its module docstring tel
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -296,10 +298,15 @@ class KVCacheState:
             raise ValueError("advance() is for a cache of fixed capacity (fix_capacity); a growing cache counts its "
                              "own calls")
         room = self.room()
-        if isinstance(L, bool) or not isinstance(L, int) or L < 1 or (room is not None and L > room):
+        given = L
+        try:  # an integer of any kind (numpy's, a 0-dim integer tensor) is a count; a bool or a float is not
+            L = None if isinstance(L, bool) else operator.index(L)
+        except TypeError:
+            L = None
+        if L is None or L < 1 or (room is not None and L > room):
             within = "" if room is None else f" at most the room left ({room} of {self.capacity} slots)"
             raise ValueError(f"L must be a positive int{within}: the tokens the steps since the last advance() "
-                             f"took, got {L!r}")
+                             f"took, got {given!r}")
         self._max_seen += L
         self.length += L
 
