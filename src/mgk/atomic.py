@@ -8,8 +8,8 @@ POSIX ``rename(2)`` ("If newpath already exists, it will be atomically replaced"
 link is replaced by the file, never written through. Only a kill (SIGKILL, power loss) leaves the temporary file
 (``.NAME.XXXXXXXX.tmp``) behind: the owner of the folder removes those of its own files with
 :func:`remove_stale_temps` when it next holds the folder (``mgk train`` does, for the run directory). The file gets
-the permissions a plain ``open(path, "w")`` of a new file would: ``0o666`` less the process's umask (and the
-folder's default ACL), also when it replaces a file of other permissions.
+the permissions a plain ``open(path, "w")`` would: a new file ``0o666`` less the process's umask (and the folder's
+default ACL); a file it replaces keeps its own permission bits (a checkpoint made private on purpose stays so).
 
 This module is the lowest layer of mgk: it imports nothing from the package.
 """
@@ -19,6 +19,7 @@ import contextlib
 import os
 import random
 import re
+import stat
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -76,8 +77,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
 
     Yields:
         the open file object. If the block raises, the destination is untouched and the temporary file removed.
-        The written file has mode ``0o666 & ~umask``, as a new file of ``open()`` has, even where ``path`` existed
-        with another mode (the write replaces the file, it does not rewrite it).
+        The written file has the permissions ``open(path, "w")`` leaves: ``0o666 & ~umask`` for a new file, the
+        permission bits ``path`` had where it existed.
 
     Raises:
         ValueError: a mode other than ``"w"``/``"wb"``. OSError: the folder cannot be written.
@@ -88,6 +89,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _create_temp(path)
     try:
+        if hasattr(os, "fchmod"):  # the file replaced keeps its permissions, as open() would have kept them
+            with contextlib.suppress(FileNotFoundError):
+                os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
         text = mode == "w"
         with os.fdopen(fd, mode, encoding=(encoding or "utf-8") if text else None,
                        newline=newline if text else None) as fh:

@@ -87,7 +87,7 @@ def test_a_figure_is_written_whole_or_not_at_all_and_closed(tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_a_written_file_has_the_mode_open_gives_under_the_umask(tmp_path, umask):
     """Results and checkpoints written atomically are readable by whoever a plain open() lets read them (mkstemp
-    alone makes them 0600), also where they replace a file of another mode."""
+    alone makes them 0600); a file they replace keeps its own mode, as open() keeps it (0600 set on purpose)."""
     old = os.umask(umask)
     try:
         fresh, replaced = tmp_path / "new.json", tmp_path / "old.pt"
@@ -101,4 +101,5 @@ def test_a_written_file_has_the_mode_open_gives_under_the_umask(tmp_path, umask)
         os.umask(old)
     want = 0o666 & ~umask
     assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == want
-    assert [stat.S_IMODE(p.stat().st_mode) for p in (fresh, replaced)] == [want, want]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (fresh, replaced)] == [want, 0o600]
+    assert replaced.read_bytes() == b"new"

@@ -43,7 +43,8 @@ def git_dirty(where: Path | None = None) -> bool | None:
     """Whether the checkout of :func:`git_commit` has uncommitted changes to tracked files (True, False), or None
     when it is not a git checkout or git cannot say. Untracked files are not counted: a run directory or a data
     folder inside the checkout would mark every run dirty, and listing them can take long."""
-    out = _git(["status", "--porcelain", "--untracked-files=no"], where)
+    # --no-optional-locks: the status refresh would take index.lock and fail the user's own git command meanwhile
+    out = _git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], where)
     return None if out is None else bool(out.strip())
 
 
