@@ -9,26 +9,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf needs transformers: pip install "
                                                           "-e '.[hf]'")
 
+import packed_sequences as ps  # noqa: E402
+
 import mgk  # noqa: E402
-
-LENGTHS = (3, 5, 4)  # three sequences flattened into one row of 12 tokens
-
-
-def _sequences(vocab: int = 40):
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def _flattened(seqs):
-    """The collator's batch without labels: input_ids and position_ids (1, 12), cu_seq_lens_q/k int32 (4,),
-    max_length_q/k."""
-    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s} for s in seqs])
-    batch.pop("labels")
-    return batch
-
-
-def _alone(model, seqs):
-    return torch.cat([model(input_ids=torch.tensor([s]), use_cache=False).logits for s in seqs], dim=1)
 
 
 @pytest.mark.parametrize("arch", ("llama", "gpt2"))
@@ -37,11 +20,11 @@ def test_each_flattened_sequence_gives_what_it_gives_alone(hf_model, arch, kind)
     """With the configs' default use_cache=True transformers builds no block mask from position_ids (eval and
     training mode alike): the boundaries come from cu_seq_lens only."""
     model = mgk.swap_attention(hf_model(arch), kind)
-    seqs = _sequences()
-    batch = _flattened(seqs)
+    seqs = ps.sequences()
+    batch = ps.packed(seqs, return_flash_attn_kwargs=True)
     assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["cu_seq_lens_q"].tolist() == [0, 3, 8, 12]
     with torch.no_grad():
-        alone = _alone(model, seqs)
+        alone = ps.alone(model, seqs)
         torch.testing.assert_close(model(**batch).logits, alone, atol=1e-5, rtol=0)  # eval, prefill on a cache
         torch.testing.assert_close(model(**batch, use_cache=False).logits, alone, atol=1e-5, rtol=0)
     model.train()  # what Trainer runs with the collator (dropout is 0 in these configs)
@@ -52,15 +35,15 @@ def test_positions_running_on_across_the_boundaries_are_accepted(hf_model):
     """Without position_ids the model numbers the row 0..L-1; rotary angles are relative, so each sequence still
     gives what it gives alone (flash attention accepts them too)."""
     model = mgk.swap_attention(hf_model("llama"), "mgk")
-    seqs = _sequences()
-    batch = _flattened(seqs)
+    seqs = ps.sequences()
+    batch = ps.packed(seqs, return_flash_attn_kwargs=True)
     batch.pop("position_ids")
     with torch.no_grad():
-        torch.testing.assert_close(model(**batch).logits, _alone(model, seqs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(**batch).logits, ps.alone(model, seqs), atol=1e-5, rtol=0)
 
 
 def _refused(model, match, **changes):
-    batch = {**_flattened(_sequences()), **changes}
+    batch = {**ps.packed(ps.sequences(), return_flash_attn_kwargs=True), **changes}
     with pytest.raises(ValueError, match=match) as err, torch.no_grad():
         model(**batch)
     assert "\n" not in str(err.value)
@@ -78,7 +61,7 @@ def test_other_malformed_input_is_refused_in_one_line(hf_model):
     model = mgk.swap_attention(hf_model("llama"), "softmax")
     _refused(model, "cu_seq_lens_q", cu_seq_lens_q=torch.tensor([0.0, 3.0, 8.0, 12.0]))  # not integers
     _refused(model, "cu_seq_lens_q and cu_seq_lens_k differ", cu_seq_lens_k=torch.tensor([0, 4, 8, 12]))
-    batch = _flattened(_sequences())
+    batch = ps.packed(ps.sequences(), return_flash_attn_kwargs=True)
     two_rows = dict(input_ids=batch["input_ids"].repeat(2, 1), position_ids=batch["position_ids"].repeat(2, 1))
     _refused(model, "cu_seq_lens_q / cu_seq_lens_k .*batch size 2", **two_rows)
     inside = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 0, 1, 2, 3]])  # a restart at 5, inside the second sequence

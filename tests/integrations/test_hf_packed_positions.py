@@ -12,36 +12,21 @@ import torch
 transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf needs transformers: pip install "
                                                           "-e '.[hf]'")
 
+import packed_sequences as ps  # noqa: E402
+
 import mgk  # noqa: E402
-
-LENGTHS = (3, 5, 4)  # three sequences packed into one row of 12 tokens
-
-
-def _sequences(vocab: int = 40):
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def _packed(seqs, **collator):
-    batch = transformers.DataCollatorWithFlattening(**collator)([{"input_ids": s} for s in seqs])
-    batch.pop("labels")
-    return batch
-
-
-def _alone(model, seqs):
-    return torch.cat([model(input_ids=torch.tensor([s]), use_cache=False).logits for s in seqs], dim=1)
 
 
 @pytest.mark.parametrize("arch", ("llama", "gpt2"))
 @pytest.mark.parametrize("kind", ("softmax", "mgk", "gmgk", "linear"))
 def test_each_sequence_packed_by_position_ids_gives_what_it_gives_alone(hf_model, arch, kind):
     model = mgk.swap_attention(hf_model(arch), kind)
-    seqs = _sequences()
-    batch = _packed(seqs)
+    seqs = ps.sequences()
+    batch = ps.packed(seqs)
     assert sorted(batch) == ["input_ids", "position_ids"]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]]
     with torch.no_grad():
-        alone = _alone(model, seqs)
+        alone = ps.alone(model, seqs)
         torch.testing.assert_close(model(**batch).logits, alone, atol=1e-5, rtol=0)  # eval: use_cache=True
         torch.testing.assert_close(model(**batch, use_cache=False).logits, alone, atol=1e-5, rtol=0)
     model.train()  # what Trainer runs with the collator (dropout is 0 in these configs)
@@ -53,10 +38,10 @@ def test_each_sequence_packed_by_position_ids_gives_what_it_gives_alone(hf_model
 def test_a_step_after_a_packed_forward_on_a_cache_is_refused_in_one_line(hf_model, kind, collator):
     model = mgk.swap_attention(hf_model("llama"), kind)
     cache = transformers.DynamicCache(config=model.config)
-    seqs = _sequences()
+    seqs = ps.sequences()
     with torch.no_grad():
-        packed = model(**_packed(seqs, **collator), past_key_values=cache, use_cache=True).logits
-        torch.testing.assert_close(packed, _alone(model, seqs), atol=1e-5, rtol=0)  # the packed forward is exact
+        packed = model(**ps.packed(seqs, **collator), past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(packed, ps.alone(model, seqs), atol=1e-5, rtol=0)  # the packed forward is exact
         with pytest.raises(ValueError, match=r"^layer 0's cache was filled by a packed forward") as err:
             model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[4]]), past_key_values=cache,
                   use_cache=True)
@@ -85,7 +70,7 @@ def test_positions_that_jump_forward_are_one_sequence_as_in_the_original(hf_mode
     model gives what the original gives, and decoding goes on."""
     model = hf_model("llama")
     swapped = mgk.swap_attention(copy.deepcopy(model), "softmax")
-    ids = torch.tensor([_sequences()[1] + [9]])
+    ids = torch.tensor([ps.sequences()[1] + [9]])
     positions = torch.tensor([[0, 1, 2, 30, 31, 32]])
     with torch.no_grad():
         ref = model(input_ids=ids, position_ids=positions, use_cache=True).logits
@@ -99,7 +84,7 @@ def test_positions_that_jump_forward_are_one_sequence_as_in_the_original(hf_mode
 def test_a_packed_row_is_read_alike_whatever_the_other_rows_padding(hf_model):
     """Row 0 packs two sequences; row 1 is or is not left-padded: row 0's logits are each sequence alone both ways."""
     model = mgk.swap_attention(hf_model("llama"), "mgk")
-    a, b, _ = _sequences()
+    a, b, _ = ps.sequences()
     ids = torch.tensor([a + b, b + a])
     positions = torch.tensor([[*range(3), *range(5)], list(range(8))])
     alone = torch.cat([model(input_ids=torch.tensor([s]), use_cache=False).logits for s in (a, b)], dim=1)
@@ -115,7 +100,7 @@ def test_a_sequence_starting_at_a_chunk_boundary_is_refused_in_one_line(hf_model
     """A packed row cut between two cached calls: the second call's positions restart at 0 in a row the cache
     holds tokens of; attending it to the cached sequence would mix them."""
     model = mgk.swap_attention(hf_model("llama"), "softmax")
-    a, b, _ = _sequences()
+    a, b, _ = ps.sequences()
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.tensor([a]), past_key_values=cache, use_cache=True)
