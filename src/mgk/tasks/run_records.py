@@ -10,7 +10,7 @@ from ..attention import attention_kinds, get_kind
 from ..attention.registry import run_label
 
 __all__ = ["DASH", "VARIANT_NOTE", "RUN_DIR", "RUN_CONFIG", "run_failure", "left_out_if_failed", "run_metric",
-           "run_accuracy", "setting", "row_order", "run_identity", "cells_by_config"]
+           "run_accuracy", "setting", "base_kind", "row_order", "run_identity", "cells_by_config"]
 
 DASH = "—"
 # Keys ``mgk table`` adds to a results.json dict: the run directory it was read from, and the flat resolved config
@@ -87,10 +87,16 @@ def setting(res: dict) -> tuple[str, int]:
     return run_label(kind, None, options, sep="+"), int(res["num_heads"])
 
 
+def base_kind(label: str) -> str:
+    """The registered kind of a row's setting label: ``"mgk+hard_e (steps=30)"`` (a variant's options, then the
+    config fields :func:`cells_by_config` names) is ``"mgk"``."""
+    return label.split(" (")[0].split("+")[0]
+
+
 def row_order(key):
     """Sort key of a row ``(setting, heads)``: the registry's order of kinds, then the variant, more heads first."""
     kind, heads = key
-    base = kind.split(" (")[0].split("+")[0]  # "mgk+hard_e (steps=30)": a config variant of cells_by_config
+    base = base_kind(kind)
     order = attention_kinds()
     rank = order.index(base) if base in order else len(order)
     return rank, base, kind, -heads
@@ -129,13 +135,14 @@ def run_identity(res: dict) -> dict:
     return ident
 
 
-def _configs(runs: list[dict]) -> tuple[list[tuple], list[str]]:
-    """Each run's identity as a hashable key, over the fields every run of ``runs`` has (a run without config.yaml
-    is compared by what its results.json says), and the names of those fields whose values differ."""
+def _configs(runs: list[dict]) -> tuple[list[dict], list[tuple], list[str]]:
+    """Each run's :func:`run_identity`, the same as a hashable key over the fields every run of ``runs`` has (a run
+    without config.yaml is compared by what its results.json says), and the names of those fields whose values
+    differ."""
     idents = [run_identity(r) for r in runs]
     common = [k for k in idents[0] if all(k in i for i in idents[1:])]  # in the config's order: reads as --set
     differ = [k for k in common if len({repr(i[k]) for i in idents}) > 1]
-    return [tuple(repr(i[k]) for k in common) for i in idents], differ
+    return idents, [tuple(repr(i[k]) for k in common) for i in idents], differ
 
 
 def _named(res: dict) -> str:
@@ -161,19 +168,18 @@ def cells_by_config(entries) -> tuple[dict[tuple, dict[str, list]], list[str]]:
     cells: dict[tuple, dict[str, list]] = {}
     warnings = []
     for (row, col), runs in groups.items():
-        keys, differ = _configs([res for res, _ in runs])
+        idents, keys, differ = _configs([res for res, _ in runs])
         if differ:
             warnings.append(f"runs of {col} {row[0]} x {row[1]} differ in more than the seed ({', '.join(differ)}): "
                             "each config gets a row of its own")
         first: dict[tuple, dict] = {}
-        for key, (res, payload) in zip(keys, runs):
+        for ident, key, (res, payload) in zip(idents, keys, runs):
             seed = res.get("seed")
             if seed is not None and (key, seed) in first:
                 warnings.append(f"{_named(res)} duplicates {_named(first[key, seed])} ({col} {row[0]} x {row[1]}, "
                                 f"seed {seed}, one config): left out, the cell counts seeds once")
                 continue
             first.setdefault((key, seed), res)
-            ident = run_identity(res)
             label = ", ".join(f"{k}={'none' if ident[k] is None else ident[k]}" for k in differ)
             cells.setdefault((f"{row[0]} ({label})" if label else row[0], *row[1:]), {}).setdefault(col, []).append(
                 payload)

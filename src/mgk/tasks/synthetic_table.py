@@ -18,6 +18,7 @@ import math
 from ..attention import attention_kinds
 from .run_records import (
     VARIANT_NOTE,
+    base_kind,
     cells_by_config,
     empty_row,
     left_out_if_failed,
@@ -59,7 +60,7 @@ def row_key(res: dict) -> tuple[str, int, int | None]:
 
 def _order(key):
     kind, heads, m = key
-    base, order = kind.split(" (")[0].split("+")[0], attention_kinds()  # " (steps=30)": a config variant
+    base, order = base_kind(kind), attention_kinds()
     return (order.index(base) if base in order else len(order), kind, heads, m or 0)
 
 
