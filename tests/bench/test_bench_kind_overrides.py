@@ -34,4 +34,7 @@ def test_decodes_max_len_is_named_by_the_flags_that_set_it():
 @pytest.mark.parametrize("kinds, pair", [("mgk+sigma2=0.50", "sigma2=0.5"), ("mgk+sigma2=0.5", "sigma2=0.50"),
                                          ("gqa+num_kv_heads=2", "num_kv_heads=+2")])
 def test_values_are_compared_as_parsed_not_as_text(kinds, pair):
-    with_kind(all_presets()["lm-small"], kinds, 4, [pair, "num_heads=04"])
+    cfg = with_kind(all_presets()["lm-small"], kinds, 4, [pair, "num_heads=04"])
+    name, value = pair.split("=")
+    assert getattr(cfg.attention.options, name) == float(value)
+    assert (cfg.attention.kind, cfg.attention.num_heads) == (kinds.split("+")[0], 4)

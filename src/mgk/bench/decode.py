@@ -64,9 +64,11 @@ def _layer(kind, heads, *, batch, context, steps, embed_dim, head_dim, device, c
     state = {"fn": None}
 
     def prefill():
+        """The untimed prompt: ``context`` tokens into the empty cache."""
         module(prompt, past_key_values=cache, is_causal=True, need_weights=False)
 
     def step():
+        """One timed token (compiled: the first call compiles, on a cache of fixed capacity)."""
         if not compiled:
             _layer_step(module, token, cache)
             return
@@ -95,9 +97,11 @@ def _model(model, cfg, *, batch, context, steps, device, compiled=False):
     state = {"token": prompt[:, -1:], "fn": None}
 
     def prefill():
+        """The untimed prompt into the empty cache; its greedy next token is the first step's input."""
         state["token"] = model.next_log_probs(prompt, past_key_values=cache).argmax(-1, keepdim=True)
 
     def step():
+        """One timed greedy token through the model's cache (``generate``'s step, compiled or eager)."""
         if state["fn"] is None:
             state["fn"] = CompiledStep(model, cache, capacity) if compiled else \
                 (lambda t: model.next_log_probs(t, past_key_values=cache))

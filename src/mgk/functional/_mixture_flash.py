@@ -215,6 +215,7 @@ def _build_lock(folder: Path, timeout: float, poll_s: float = 0.2, quiet_s: floa
         mine = f"pid {os.getpid()}"
 
         def note(state: str) -> None:
+            """Write ``pid N, state`` (``pid N`` for an empty ``state``) into the lock file, what waiters print."""
             # written before the truncation, so a waiter reading meanwhile never sees an empty file
             text = f"{mine}, {state}\n".encode() if state else f"{mine}\n".encode()
             os.pwrite(fd, text, 0)

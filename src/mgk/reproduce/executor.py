@@ -202,6 +202,7 @@ def run_local(runs: list[Run], jobs: int, threads: int | None = 1, stop: GridSto
     todo, lock, done = list(range(len(runs))), threading.Lock(), [0]
 
     def worker() -> None:
+        """Run queued runs one after another until none is left or ``stop`` caught a signal."""
         while not stop.signum:
             with lock:
                 if not todo:
