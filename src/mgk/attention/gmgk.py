@@ -173,12 +173,17 @@ class GroupedMGKAttention(MGKAttention):
         if self.mixture.position_limit() is not None and not torch.compiler.is_compiling():
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
         log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
-        entry = dict(sigma2=self.group_variances, mixture="max" if self.pi_mode == "hard_e" else "sum",
-                     shifts=self.mixture.shifts() if self.keys == "shifted" else None)
+        entry = dict(sigma2=self.group_variances if self.key_scale == 1.0 else self._one_variance,
+                     mixture="max" if self.pi_mode == "hard_e" else "sum",
+                     shifts=self.mixture.shifts(self.key_scale) if self.keys == "shifted" else None)
         # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
         cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        base = self.mixture.project(x)  # (B, G, M, L, D), or the one unshifted key (B, G, L, D)
+        # (B, G, M, L, D), or the one unshifted key (B, G, L, D), at key_scale c (the queries at 1 / c)
+        q, base, fixed = self._at_scale(q, self.mixture.project(x))
         centre, before, slot = MGKDecodeState(cache), cache.seen, cache.length
+        if fixed is not None and centre.centre is None:  # a converted layer's centre: 0 for good
+            centre.fix_centre(fixed[:, :self.kv_heads].to(torch.float64 if q.dtype == torch.float64
+                                                          else torch.float32))
         if not cache.fixed:  # a fixed cache keeps its centre: entries made with any one centre are exact
             centre.update(q.unflatten(1, (self.kv_heads, self._repeat)).mean(dim=2), valid, entry)
         keys, key_bias = mgk_cache_entries(base, centre=centre.centre, log_pi=log_pi, **entry)

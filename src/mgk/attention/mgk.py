@@ -49,6 +49,11 @@ class MGKOptions(MixtureOptions):
         None, gt=0, choices=("learned",), label=Label({"learned": "learned variances"}),
         doc="per-component variances: None (sqrt(head_dim) each), one float for all, M floats (the authors' LM: "
             "(sqrt(D), sqrt(D) / 3)), or 'learned' (per head and component, trained, positive by construction)")
+    key_scale: float = spec(
+        1.0, gt=0, doc="c: keys are multiplied and queries divided by c before the Gaussian score, whose dot product "
+                       "is then unchanged and whose key-norm term shrinks by c^2; a value other than 1 (what "
+                       "swap_attention gives a converted dot-product layer, docs/retrofit.md) centres on 0 and needs "
+                       "equal, fixed variances")
 
 
 class _CommitStatistics(torch.autograd.Function):
@@ -77,6 +82,20 @@ class _CommitStatistics(torch.autograd.Function):
         """Commit the statistics into the accumulator (only a backward that runs commits), pass the gradient on."""
         ctx.acc[:, :, :ctx.stats.shape[-1]].add_(ctx.stats)
         return grad_out, None, None
+
+
+def _key_scale(options: MGKOptions) -> float:
+    """``options.key_scale`` as a float; ValueError naming it and ``sigma2`` when c != 1 meets variances that
+    differ between components or are learned: the ``|q|^2 / (2 sigma_r^2)`` term of each component then stays in
+    the score (:mod:`mgk.functional._mixture_terms`), and with queries 1/c times their size it cancels
+    catastrophically."""
+    c, s2 = float(options.key_scale), options.sigma2
+    unequal = s2 == "learned" or (isinstance(s2, (tuple, list)) and len(set(float(x) for x in s2)) > 1)
+    if c != 1.0 and unequal:
+        raise ValueError(f"key_scale={c} needs equal, fixed variances (sigma2 None or one float), got "
+                         f"sigma2={s2!r}: unequal or learned ones keep the |q|^2 / (2 sigma^2) term, which the "
+                         "scaled queries make cancel catastrophically")
+    return c
 
 
 def _rows(t: Tensor | None, row: slice) -> Tensor | None:
@@ -144,6 +163,11 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,
                                    bias=self.q_proj.bias is not None, **factory)
         self._set_variances(options.sigma2, self.mixture.num_keys, **factory)
+        self.key_scale = _key_scale(options)
+        if self.key_scale != 1.0:  # one variance (_key_scale checked they are equal and fixed), as a float
+            s2 = options.sigma2
+            self._one_variance = math.sqrt(self.head_dim) if s2 is None else float(
+                s2 if isinstance(s2, (int, float)) else s2[0])
         if not torch.cuda.is_available():
             # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
             # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
@@ -186,6 +210,25 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         """Whether the variances are trained (``sigma2="learned"``)."""
         return "log_sigma2" in self._parameters
 
+    @property
+    def _score_variances(self) -> Tensor | float:
+        """The variances the score reads: :attr:`sigma2`, or at key_scale c != 1 their one value as a float, equal for
+        every component by construction, so that no path keeps the ``|q|^2 / (2 sigma^2)`` row term, which the
+        scaled queries (1/c times their size) would make round every score away
+        (:func:`mgk.functional._mixture_terms.needs_qnorm`)."""
+        return self.sigma2 if self.key_scale == 1.0 else self._one_variance
+
+    def _at_scale(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(q / c, k c, centre) for :attr:`key_scale` c: the queries (B, H, L, D) and keys (B, H, M, S, D) the
+        Gaussian score reads, and the centre of every call, None (chosen from the queries, :mod:`mgk.functional.
+        _centre`) for c = 1, else zeros (B, H, D). At c < 1 the queries are 1/c times the keys' size: a centre among
+        them would carry that size into every key and its rounding would grow as 1/c, while at 0 the expansion's
+        terms are those of dot-product attention (|q~| |k~| = |q| |k|, |k~|^2 = c^2 |k|^2)."""
+        c = self.key_scale
+        if c == 1.0:
+            return q, k, None
+        return q / c, k * c, q.new_zeros(q.shape[0], q.shape[1], q.shape[3])
+
     def mixture_log_weights(self, S: int) -> Tensor | None:
         """log pi broadcastable to (B, H, M, S); None for Hard-E. Raises ValueError when S > max_len."""
         self.mixture.check_length(S, "MGKAttention")
@@ -222,28 +265,29 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         by_position = self.mixture.position_limit() is not None
         if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
+        # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D), at key_scale c (the queries at 1 / c)
+        q, base, fixed = self._at_scale(q, self.mixture.project(x))
         # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
         cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
-        mixture = "max" if self.pi_mode == "hard_e" else "sum"
+        mixture, c = ("max" if self.pi_mode == "hard_e" else "sum"), self.key_scale
 
         def options() -> dict:
-            """The cache entries' options (variances, mixture, shifts) as this call reads them."""
-            return dict(sigma2=self.sigma2, mixture=mixture,
-                        shifts=self.mixture.shifts() if self.keys == "shifted" else None)
+            """The cache entries' options (variances, mixture, shifts at key_scale) as this call reads them."""
+            return dict(sigma2=self._score_variances, mixture=mixture,
+                        shifts=self.mixture.shifts(c) if self.keys == "shifted" else None)
 
         def prefill(log_pi, mask, centre):
             """The first call's output: the uncached causal attention at the cache's centre."""
-            k = base if self.keys != "shifted" else self.mixture.shift(base)
-            return mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture,
+            k = base if self.keys != "shifted" else self.mixture.shift(base, c)
+            return mgk_attention(q, k, v, log_pi=log_pi, sigma2=self._score_variances, mixture=mixture,
                                  attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
                                  centre=centre)
 
         return MGKDecodeState(cache).forward(
             q, base, v, valid, terms=lambda: self._decode_terms(cache, q, by_position),
             log_pi=lambda: self._decode_log_pi(cache, valid, L, by_position), per_position=by_position,
-            options=options, prefill=prefill, dropout_p=self.attn_dropout)
+            options=options, prefill=prefill, dropout_p=self.attn_dropout, centre=fixed)
 
     def _decode_log_pi(self, cache: LayerCache, valid, L: int, by_position: bool) -> Tensor | None:
         """log pi of this call's L new tokens, broadcastable to (B, H, M, L) (None for Hard-E): per-position weights
@@ -269,33 +313,35 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         def make():
             """The terms, made anew (when a watched tensor changed, or at the first step)."""
             log_pi = None if hard or by_position else mixture.log_weights(1)
-            return mgk_step_terms(self.num_heads, mixture.num_keys, self.head_dim, sigma2=self.sigma2,
-                                  shifts=mixture.shifts() if shifted else None, log_pi=log_pi,
+            return mgk_step_terms(self.num_heads, mixture.num_keys, self.head_dim, sigma2=self._score_variances,
+                                  shifts=mixture.shifts(self.key_scale) if shifted else None, log_pi=log_pi,
                                   mixture="max" if hard else "sum", dtype=dtype, device=q.device)
         return step_terms_for(cache, watch, make)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
         log_pi = self._log_weights_of(k.shape[3], key_positions)
+        q, k, centre = self._at_scale(q, k)
         collect = self._collects_statistics(q)
         if collect and bias is None and not need_weights and key_positions is None:
             # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
-            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
+            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self._score_variances, attn_mask=mask,
                                          is_causal=is_causal, dropout_p=self.attn_dropout, query_mask=query_mask,
-                                         backend=self.backend)
+                                         backend=self.backend, centre=centre)
             if fused is not None:
                 return self._commit_on_backward(*fused), None
         mixture = "max" if self.pi_mode == "hard_e" else "sum"
-        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
+        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self._score_variances, mixture=mixture, attn_mask=mask,
                                bias=bias, is_causal=is_causal, dropout_p=self.attn_dropout,
-                               return_weights=need_weights, backend=self.backend)
+                               return_weights=need_weights, backend=self.backend, centre=centre)
         out, weights = result if need_weights else (result, None)
         if collect:
             rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
             stats = None
             for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
-                resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=self.sigma2,
+                resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row),
+                                                   sigma2=self._score_variances,
                                                    attn_mask=_rows(mask, row), is_causal=is_causal,
-                                                   query_mask=_rows(query_mask, row))
+                                                   query_mask=_rows(query_mask, row), centre=_rows(centre, row))
                 if key_positions is not None:
                     at = key_positions[row][0]
                     resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
@@ -404,7 +450,8 @@ _PI_VARIANTS = ({}, {"pi": "soft_e"}, {"pi": "hard_e"})  # the paper's Table 4 a
 register(AttentionKind("mgk", "mixture", "MGK", MGKOptions, partial(MGKAttention, keys="separate"),
                        partial(mixture_flops, separate=True),
                        CacheSpec(keys_per_token="num_keys", scalars_per_token="num_keys"),
-                       _PI_VARIANTS + ({"sigma2": "learned"},)))  # variances trained per head and component
+                       # variances trained per head and component; the scale of an exact conversion (swap_attention)
+                       _PI_VARIANTS + ({"sigma2": "learned"}, {"key_scale": 2.0 ** -12})))
 register(AttentionKind("smgk", "mixture", "sMGK", MGKOptions, partial(MGKAttention, keys="shifted"),
                        partial(mixture_flops, separate=False),
                        CacheSpec(keys_per_token=1, scalars_per_token="num_keys"), _PI_VARIANTS))

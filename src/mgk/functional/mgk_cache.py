@@ -408,7 +408,7 @@ class MGKStepTerms:
     """
 
     __slots__ = ("dtype", "device", "heads", "components", "head_dim", "mixture", "s2", "shifts", "prior", "inv",
-                 "inv_keys", "mu", "_inv_flat", "_shifts_flat", "_empty", "_no_valid")
+                 "inv_keys", "mu", "_inv_flat", "_shifts_flat", "_empty", "_no_valid", "_qnorm")
 
     def __init__(self, s2: Tensor, shifts: Tensor | None, prior: Tensor | None, mixture: str, heads: int,
                  head_dim: int):
@@ -422,6 +422,10 @@ class MGKStepTerms:
         self._no_valid = torch.empty(0, dtype=torch.bool, device=self.device)
         self._shifts_flat = None if shifts is None else shifts.detach().to(self.dtype).contiguous()
         self.mu = None if shifts is None else self._shifts_flat.transpose(0, 1)
+        # Read once here (the terms outlive many steps). The row term cancels when the variances are equal, but
+        # adding it is exact only while |q~|^2 / sigma^2 is not far larger than the scores: a converted layer's
+        # queries (key_scale c, 1/c times their size) would round every score away.
+        self._qnorm = needs_qnorm(s2)
 
     def step(self, query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
              slot: int | Tensor, centre: Tensor, key_valid: Tensor | None = None, log_pi: Tensor | None = None,
@@ -526,15 +530,14 @@ class MGKStepTerms:
     def _kernel_args(self, query, new_keys, new_bias, value, keys, key_bias, values, c, key_valid) -> tuple:
         """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by :func:`_entries`),
         the centre and inverse variances for the query's own terms, the buffers. The |q|^2 row term is asked for
-        whenever M > 1: exact either way (it cancels when the variances are equal), and cheaper than reading the
-        variances."""
+        only where it does not cancel (:func:`._mixture_terms.needs_qnorm`, read when the terms were made)."""
         valid = self._no_valid if key_valid is None else \
             key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
         q = query if query.is_contiguous() else query.contiguous()
         if self.mu is None:
-            return (q, new_keys, new_bias, value, c, self._inv_flat, self._empty, self.components > 1, keys, key_bias,
+            return (q, new_keys, new_bias, value, c, self._inv_flat, self._empty, self._qnorm, keys, key_bias,
                     values, valid)
-        return (q, new_keys.unsqueeze(2), new_bias, value, c, self._inv_flat, self._shifts_flat, self.components > 1,
+        return (q, new_keys.unsqueeze(2), new_bias, value, c, self._inv_flat, self._shifts_flat, self._qnorm,
                 keys.unsqueeze(2), key_bias, values, valid)
 
 
@@ -769,9 +772,19 @@ class MGKDecodeState:
         provisional row's entries)."""
         return self.state.get("provisional") is False
 
+    def fix_centre(self, centre: Tensor) -> None:
+        """Take ``centre`` (broadcastable to (B, H, D)) as every row's centre for good, before the first call: the
+        protocol is then settled (nothing provisional, nothing kept) and every call takes the fused or fixed step. A
+        caller whose scores need a centre the queries must not choose (a converted layer's 0) gives it here."""
+        if self.centre is not None:
+            raise ValueError("fix_centre: the cache already has a centre (give it before the first call)")
+        self.state["centre"] = centre.detach()
+        self.state["provisional"] = False
+
     def forward(self, q: Tensor, base: Tensor, v: Tensor, valid: Tensor | None, *,
                 terms: Callable[[], MGKStepTerms], log_pi: Callable[[], Tensor | None], per_position: bool,
-                options: Callable[[], dict], prefill: Callable[..., Tensor], dropout_p: float) -> Tensor:
+                options: Callable[[], dict], prefill: Callable[..., Tensor], dropout_p: float,
+                centre: Tensor | None = None) -> Tensor:
         """One cached call of an MGK layer: the fixed-capacity step, the fused step (every centre this call could
         change is settled, :meth:`settled_for`), or the centre protocol's path (the first call's uncached attention,
         or entries appended and attended explicitly).
@@ -783,12 +796,16 @@ class MGKDecodeState:
                 (B, H, M, L), None for Hard-E (called before any slot is claimed); per_position: whether it
                 depends on the position (else the terms hold it); options: ``sigma2``, ``mixture``, ``shifts`` for
                 :func:`mgk_cache_entries`; prefill(log_pi, attn_mask, centre): the first call's uncached attention;
-                dropout_p: the explicit path's.
+                dropout_p: the explicit path's; centre: None (the causal protocol chooses it), or the (B, H, D)
+                centre of every call, fixed at the first (:meth:`fix_centre`).
         Returns:
             (B, H, L, Dv) in v's dtype.
         Raises:
             ValueError for a fixed capacity before the centre is settled, or as the steps raise.
         """
+        if centre is not None and self.centre is None:  # the first call: the prefill at that centre
+            self.fix_centre(centre.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
+            return self._protocol_step(q, base, v, valid, log_pi(), options(), prefill, dropout_p, first=True)
         if self.cache.fixed:
             return self._fixed_step(q, base, v, valid, terms(), log_pi() if per_position else None)
         if self.settled_for(valid):
@@ -825,11 +842,13 @@ class MGKDecodeState:
                           values=buffers["values"], slot=slot, centre=self.centre, key_valid=cache.key_valid(),
                           log_pi=log_pi).to(v.dtype)
 
-    def _protocol_step(self, q, base, v, valid, log_pi, options: dict, prefill, dropout_p: float):
+    def _protocol_step(self, q, base, v, valid, log_pi, options: dict, prefill, dropout_p: float,
+                       first: bool = False):
         """A call that may change a centre: take it (:meth:`update`), then the first call's uncached attention, or
-        the new entries appended and attended; keep what a provisional row needs (:meth:`keep`)."""
+        the new entries appended and attended; keep what a provisional row needs (:meth:`keep`). ``first``: the
+        first call of a cache whose centre was fixed before it (:meth:`fix_centre`)."""
         cache = self.cache
-        first, before = self.centre is None, cache.seen
+        first, before = first or self.centre is None, cache.seen
         self.update(q, valid, options)
         if first:
             out = prefill(log_pi, None if valid is None else valid[:, None, None, :], self.centre)
