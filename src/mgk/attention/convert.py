@@ -14,11 +14,19 @@ from torch import Tensor, nn
 from ..seeds import check_seed
 from .base import AttentionBase, _positive_int
 from .heads import calibrate
-from .registry import build_attention, check_options
+from .registry import build_attention, check_options, get_kind
 from .regroup import RULES, apply_plan, choose_rule, plan_heads
 from .softmax import from_torch_state_dict
 
-__all__ = ["AttentionSource", "convert_module", "convert_source", "load_conversion", "measure", "swap_plan"]
+__all__ = ["AttentionSource", "CONVERSION_KEY_SCALE", "convert_module", "convert_source", "load_conversion", "measure",
+           "swap_plan", "with_key_scale"]
+
+# The key_scale c (MGKOptions) of a layer converted into an MGK-family kind from dot-product attention: the key-norm
+# term -c^2 |k|^2 / (2 sigma^2) that the conversion cannot carry shrinks by c^2 (2^-24 = 6e-8: 4e-6 at SmolLM2-135M's
+# largest keys, |k| = 25, sigma^2 = 8), and a power of two makes q / c and c k exact, so the dot product is the
+# source's bit for bit. Its cost: queries 4096 times their size, beyond float16's range (65504) for |q| > 16;
+# bfloat16 and float32 hold them (docs/retrofit.md).
+CONVERSION_KEY_SCALE = 2.0 ** -12
 
 
 @dataclass
@@ -65,6 +73,21 @@ def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, hea
     seed = check_seed(seed, "swap_attention: seed")  # torch's own error names nothing a caller can change
     return {"kind": kind, "num_heads": num_heads, "head_dim": head_dim, "heads": heads, "seed": seed,
             "options": options, "memo": {}, "measured": {}}
+
+
+def with_key_scale(kind: str, options: dict, sources) -> dict:
+    """``options`` with the key_scale of an exact conversion filled in when ``kind`` takes one and the caller gave
+    none: the scale of the MGK-family modules among ``sources`` (the attention modules to be replaced; a module
+    with a ``key_scale`` attribute is one, the first one's is taken), else :data:`CONVERSION_KEY_SCALE` for
+    dot-product layers. Variances a key_scale cannot take (learned, or unequal ones) keep the default 1."""
+    names = get_kind(kind).options.names()
+    if "key_scale" not in names or "key_scale" in options:
+        return options
+    s2 = options.get("sigma2")
+    if s2 == "learned" or (isinstance(s2, (tuple, list)) and len({float(x) for x in s2}) > 1):
+        return options
+    scales = [m.key_scale for m in sources if isinstance(getattr(m, "key_scale", None), float)]
+    return {**options, "key_scale": scales[0] if scales else CONVERSION_KEY_SCALE}
 
 
 def measure(build: dict, model: nn.Module, calibration, loss_fn=None) -> None:

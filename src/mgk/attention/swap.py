@@ -31,7 +31,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import AttentionBase
-from .convert import convert_module, measure, swap_plan
+from .convert import convert_module, measure, swap_plan, with_key_scale
 from .mixture_keys import KEY_SPREAD
 
 __all__ = ["swap_attention", "KEY_SPREAD"]
@@ -107,6 +107,7 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     if _from_transformers(model):  # the import inside: mgk never imports transformers unless given its model
         from ..integrations import hf
         return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **conversion, **options)
+    options = with_key_scale(kind, options, [m for m in model.modules() if _is_attention(m)])
     build = swap_plan(kind, num_heads, seed, options, **conversion)
     if calibration is not None:
         model = _measured(model, build, calibration, loss_fn)

@@ -10,7 +10,15 @@ from packaging.version import Version
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ...attention.convert import AttentionSource, convert_module, convert_source, measure, swap_plan
+from ...attention.convert import (
+    AttentionSource,
+    convert_module,
+    convert_source,
+    measure,
+    swap_plan,
+    with_key_scale,
+)
+from ...attention.registry import get_kind
 from .attention import HFAttention
 from .auto import RECORD, adopt, base_model_type, record_of
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
@@ -63,6 +71,8 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     """
     _check_version()
     layout, attention_class = _family(model)
+    options = with_key_scale(kind, options, [m.attn if isinstance(m, HFAttention) else m for m in model.modules()
+                                             if isinstance(m, HFAttention) or type(m).__name__ == attention_class])
     build = swap_plan(kind, num_heads, seed, options, head_dim=head_dim, heads=heads, calibration=calibration,
                       loss_fn=loss_fn)
     if calibration is not None:  # heads are measured in mgk's modules: first the same function as softmax ones
@@ -97,8 +107,11 @@ def swap_from_config(model: PreTrainedModel) -> None:
     # a head whose __init__ builds its base model through AutoModel.from_config (transformers 5's generic
     # classifiers) gets an mgk base model already swapped from this config: swapping it again would convert it
     if not any(isinstance(m, HFAttention) for m in model.modules()):
+        # a record of mgk < 0.3 has no key_scale: its modules had c = 1 (swap_attention's default is a conversion's)
+        options = {"key_scale": 1.0, **record.get("options", {})} if "key_scale" in get_kind(
+            record["kind"]).options.names() else record.get("options", {})
         swap_attention(model, record["kind"], num_heads=record.get("num_heads"), head_dim=record.get("head_dim"),
-                       seed=record.get("seed", 0), **record.get("options", {}))
+                       seed=record.get("seed", 0), **options)
     built = next(m for m in model.modules() if isinstance(m, HFAttention)).attn.head_dim
     if record.get("head_dim") not in (None, built):
         raise ValueError(f"{type(model).__name__}: config.{RECORD} records head_dim {record['head_dim']}, but its "
