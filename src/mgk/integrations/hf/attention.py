@@ -375,12 +375,15 @@ class HFAttention(nn.Module):
         self._hooks = [m.register_forward_hook(self._rotate) for m in current]
 
     def _rotate(self, module: nn.Module, inputs, out: Tensor) -> Tensor | None:
-        """A projection's output (B, L, n * D) rotated per D-wide head by the call's (cos, sin) (B, L, D)."""
+        """A projection's output (B, L, n * D) rotated per D-wide head by the call's (cos, sin) (B, L, D), in the
+        projection's dtype: under autocast the projections give bfloat16 while the model's cos / sin stay float32,
+        and the rotation must not promote the query and keys past the values (the kind's core computes its scores in
+        float32 whatever it is given, docs/implementation.md)."""
         if self._position is None:
             return None
         cos, sin = self._position
         heads = out.unflatten(-1, (-1, cos.shape[-1]))
-        return self._rotary(heads, heads[..., :0, :], cos, sin, unsqueeze_dim=2)[0].flatten(-2)
+        return self._rotary(heads, heads[..., :0, :], cos, sin, unsqueeze_dim=2)[0].flatten(-2).to(out.dtype)
 
     def forward(self, hidden_states: Tensor, *args, attention_mask=None, position_embeddings=None, **kwargs):
         """``(output (B, L, E), weights (B, H, L, S) float or None)`` of ``hidden_states`` (B, L, E), with the mask,
