@@ -11,11 +11,48 @@ from ...functional.masks import causal_mask
 from .cache import mgk_layer
 
 try:  # transformers 5.x records output_attentions=True by hooks it installs on its own attention classes only
-    from transformers.utils.output_capturing import install_output_capuring_hook as _record_hook
+    from transformers.utils.output_capturing import install_output_capuring_hook as _install_record_hook
 except ImportError:  # older versions read the maps from the attention's second output
-    _record_hook = None
+    _install_record_hook = None
 
-__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "with_cu_seq_lens", "with_packed_positions"]
+__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "record_maps", "with_cu_seq_lens",
+           "with_packed_positions"]
+
+
+class _Catch:
+    """Stands for a module in ``install_output_capuring_hook``: keeps the hook it is given instead of registering it."""
+
+    def __init__(self):
+        self.hooks: list = []
+
+    def register_forward_hook(self, hook, *args, **kwargs) -> None:
+        self.hooks.append(hook)
+
+
+def _caught_record_hook():
+    """transformers' hook that records an attention's maps (its second output) for ``output_attentions=True``, or
+    None before transformers 5. Caught rather than installed: it is a local closure, which a model holding it cannot
+    pickle (``torch.save(model)``, multiprocessing, ``copy.deepcopy``); mgk's modules hold :func:`record_maps`."""
+    if _install_record_hook is None:
+        return None
+    catch = _Catch()
+    _install_record_hook(catch, "attentions", 1)
+    if len(catch.hooks) != 1:
+        raise ImportError("mgk.integrations.hf: transformers' install_output_capuring_hook registered "
+                          f"{len(catch.hooks)} hooks, not one; use a transformers version in its supported range")
+    return catch.hooks[0]
+
+
+_RECORD_MAPS = _caught_record_hook()
+
+
+def record_maps(module: nn.Module, args, output) -> None:
+    """Forward hook of every :class:`HFAttention`: hands its maps (``output[1]``, (B, H, L, S) or None) to the
+    collector transformers 5 runs for ``output_attentions=True``, as the model's own attention's hook does. A
+    module-level function, so that a model holding it pickles by reference; nothing before transformers 5 (the
+    model reads the maps from the attention's output)."""
+    if _RECORD_MAPS is not None:
+        _RECORD_MAPS(module, args, output)
 
 # what the decoder layers of the supported transformers versions call the cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -341,8 +378,8 @@ class HFAttention(nn.Module):
         self._hooked: list[nn.Module] = []  # the projections the hooks are on (re-read on each call)
         self.attn = attn
         self.set_module(attn)
-        if _record_hook is not None:  # the maps of output_attentions=True recorded as the model's own attention's
-            _record_hook(self, "attentions", 1)
+        if _RECORD_MAPS is not None:  # the maps of output_attentions=True recorded as the model's own attention's
+            self.register_forward_hook(record_maps)
 
     def set_module(self, attn: nn.Module) -> None:
         """Make ``attn`` the mgk module (rotating what its query and key projections return, for rotary models);
