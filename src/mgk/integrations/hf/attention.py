@@ -351,8 +351,9 @@ class HFAttention(nn.Module):
     other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
     line).
 
-    Weights: with ``output_attentions=True`` (when the model passes it on to its attention: the Llama family and BERT;
-    transformers 5.24's GPT-2 drops it before its layers) they are the kind's per-head maps (B, H, L, S) float (the
+    Weights: with ``output_attentions=True`` (the keyword, which the Llama family and BERT pass their attention, or
+    :attr:`maps_asked`, which the model sets for the call: GPT-2 drops the keyword before its layers;
+    :func:`mgk.integrations.hf.maps.listen_for_maps`) they are the kind's per-head maps (B, H, L, S) float (the
     linear kinds' explicit ones), recorded where transformers collects the model's; a kind that returns none, or a
     call on a cache that already holds tokens, is a ValueError in one line. Otherwise None.
 
@@ -365,6 +366,9 @@ class HFAttention(nn.Module):
     first call was packed refuses any later call in one line (its sequences share a row: a step would see them all),
     and a later chunk whose positions restart at 0 in a row the cache holds tokens of is refused alike.
     """
+
+    # set by the model for the length of a call that asks for the maps (output_attentions; .maps.listen_for_maps)
+    maps_asked = False
 
     def __init__(self, attn: nn.Module, *, layer_idx: int | None, causal: bool, rotary=None,
                  resid_dropout: nn.Module | None = None):
@@ -438,7 +442,7 @@ class HFAttention(nn.Module):
                 raise ValueError("this rotary model's layer was called without position_embeddings (cos, sin)")
             self._hook_projections()
             self._position = position_embeddings
-        want = bool(kwargs.get("output_attentions"))
+        want = bool(kwargs.get("output_attentions")) or self.maps_asked
         try:
             B, L = hidden_states.shape[:2]
             layout = with_cu_seq_lens(mask_layout(attention_mask, L, self.is_causal), B, L, hidden_states.device,
