@@ -196,12 +196,15 @@ def _position_starts(position_ids: Tensor) -> Tensor:
 
 
 def with_packed_positions(layout: MaskLayout, B: int, L: int, position_ids) -> MaskLayout:
-    """``layout`` with sequences packed into a row by ``position_ids`` alone read in, for a call with a cache: a
-    position that restarts at 0 after a real token of its row starts a new sequence (``DataCollatorWithFlattening()``
-    numbers each sequence from 0). transformers builds its block mask from restarting positions only without a cache
-    (and without a 2D mask); with the cache the configs' ``use_cache=True`` makes (eval, and training as ``Trainer``
-    runs it) the sequences would see each other. Positions that jump forward (PoSE-style gaps) are one sequence, as
-    positions decide angles, not boundaries; padding keeps its own rule (the mask's).
+    """``layout`` with sequences packed into a row by ``position_ids`` alone read in, for every call of a causal
+    model: a position that restarts at 0 after a real token of its row starts a new sequence
+    (``DataCollatorWithFlattening()`` numbers each sequence from 0). transformers builds its block mask from
+    restarting positions only without a cache and without a 2D ``attention_mask``; with either (the configs'
+    ``use_cache=True`` in eval and in training as ``Trainer`` runs it, or a padding mask) the sequences would see each
+    other, so one rule holds whatever the call: the output never depends on whether a cache was asked for. Positions
+    that jump forward (PoSE-style gaps) are one sequence, as positions decide angles, not boundaries; padding keeps
+    its own rule (the mask's: a left-padded row's first real token, position 0 after padding, starts no new
+    sequence).
 
     Args:
         layout: the call's :func:`mask_layout`; only a "plain" one (causality and key padding) is read further.
@@ -346,8 +349,8 @@ class HFAttention(nn.Module):
     sequences flattened into one row that flash attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     describe (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; read whatever the mask, also with a
     cache, where transformers builds no block mask; malformed ones are a ValueError, :func:`with_cu_seq_lens`), and
-    in a causal model called with a cache sequences told apart by ``position_ids`` restarting at 0
-    (``DataCollatorWithFlattening()``; :func:`with_packed_positions`); any
+    in a causal model sequences told apart by ``position_ids`` restarting at 0 (``DataCollatorWithFlattening()``;
+    :func:`with_packed_positions`: with or without a cache or a padding mask, one rule); any
     other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
     line).
 
@@ -450,7 +453,7 @@ class HFAttention(nn.Module):
                                       cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
                                       position_ids=kwargs.get("position_ids"))
             positions = kwargs.get("position_ids")
-            if self.is_causal and cache is not None:  # without one, transformers' own rule builds the block mask
+            if self.is_causal:  # transformers reads the restarts only without a cache and a 2D mask: mgk always
                 layout = with_packed_positions(layout, B, L, positions)
             out, weights = self._attend(hidden_states, layout, cache, want, positions)
         finally:
