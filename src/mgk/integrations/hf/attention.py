@@ -367,7 +367,8 @@ class HFAttention(nn.Module):
     tokens it is a ValueError. With gradients on in eval mode, the first call's output is the uncached forward's
     and the cache is filled without gradient besides. A cache takes plain masks after its first call; one whose
     first call was packed refuses any later call in one line (its sequences share a row: a step would see them all),
-    and a later chunk whose positions restart at 0 in a row the cache holds tokens of is refused alike.
+    and a later chunk whose positions restart at 0 in a row the cache holds tokens of is refused alike. A filled
+    cache called with another batch size is refused first, in one line naming the cache and both sizes.
     """
 
     # set by the model for the length of a call that asks for the maps (output_attentions; .maps.listen_for_maps)
@@ -506,9 +507,14 @@ class HFAttention(nn.Module):
         return _from_sequences(out, plan, B, L), None if weights is None else _weights_back(weights, plan)
 
     def _cached(self, x: Tensor, layout: MaskLayout, cache, want: bool, positions=None) -> tuple[Tensor, Tensor | None]:
-        L = x.shape[1]
+        B, L = x.shape[:2]
         layer = mgk_layer(cache, self.layer_idx, self.attn)
         first = layer.mgk_cache.length == 0
+        if not first and layer.mgk_cache.batch_size != B:  # before any check that reads the rows
+            raise ValueError(f"past_key_values: layer {self.layer_idx}'s cache was filled for a batch of "
+                             f"{layer.mgk_cache.batch_size} rows, this call has batch size {B}; a cache serves the "
+                             "rows it was filled with: for another batch pass a new DynamicCache, cache.reset() or "
+                             "none")
         if not first and layer.packed:
             raise ValueError(f"layer {self.layer_idx}'s cache was filled by a packed forward (several sequences in "
                              "one row, told apart by position_ids or cu_seq_lens): a step would attend across them; "
