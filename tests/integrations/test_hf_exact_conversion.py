@@ -52,7 +52,8 @@ def test_every_mgk_family_kind_keeps_a_trained_models_logits(hf_model, batch, ar
             CONVERSION_KEY_SCALE
         with torch.no_grad():
             got = swapped(input_ids=ids, attention_mask=mask).logits
-        torch.testing.assert_close(got[real], ref[real], atol=1e-4, rtol=0, msg=lambda s, k=kind, o=options: f"{k} {o}: {s}")
+        torch.testing.assert_close(got[real], ref[real], atol=1e-4, rtol=0,
+                                   msg=lambda s, k=kind, o=options: f"{k} {o}: {s}")
         worst = max(worst, (got - ref)[real].abs().max().item())
     assert off > 50 * worst  # the test can fail: the same swap at c = 1 is off by far more
 
