@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ...attention.convert import AttentionSource, convert_module, convert_source, measure, swap_plan
+from ...attention.rollback import unchanged_on_error
 from .attention import HFAttention
 from .auto import RECORD, adopt, base_model_type, record_of
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
@@ -58,20 +59,27 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     Raises:
         ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
         cross-attention, a sliding window, BERT as a decoder, a ``head_dim`` (or heads="slice") that changes a rotary
-        model's; an unknown kind or option (as :func:`mgk.swap_attention`). ImportError for transformers outside
-        :data:`TRANSFORMERS_RANGE`.
+        model's; an unknown kind or option, a calibration batch the model fails on (as :func:`mgk.swap_attention`).
+        ImportError for transformers outside :data:`TRANSFORMERS_RANGE`. Every refusal leaves the model as it was:
+        its classes, config and state_dict.
     """
     _check_version()
     layout, attention_class = _family(model)
     build = swap_plan(kind, num_heads, seed, options, head_dim=head_dim, heads=heads, calibration=calibration,
                       loss_fn=loss_fn)
+    with unchanged_on_error(model):  # any refusal below leaves the model, its classes and config as they were
+        _swap(model, layout, attention_class, build, calibration, loss_fn)
+    return model
+
+
+def _swap(model: PreTrainedModel, layout: str, attention_class: str, build: dict, calibration, loss_fn) -> None:
+    """swap_attention's work once its arguments are checked; leaves the model half swapped when it raises (the
+    caller puts it back)."""
     if calibration is not None:  # heads are measured in mgk's modules: first the same function as softmax ones
         if not any(isinstance(m, HFAttention) for m in model.modules()):
-            swap_attention(model, "softmax", seed=seed)
+            swap_attention(model, "softmax", seed=build["seed"])
         measure(build, model, calibration, loss_fn)
-    # a BertAttention swapped before keeps its class (its .self is the HFAttention, met on its own)
-    places = [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
-              or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
+    places = _places(model, attention_class)
     if not places:
         raise ValueError(f"swap_attention: {type(model).__name__} holds no {attention_class} module")
     for path, old in places:
@@ -83,9 +91,18 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
         else:
             _replace(model, path, old, layout, build)
     attn = next(m for m in model.modules() if isinstance(m, HFAttention)).attn
-    adopt(model, {"kind": kind, "num_heads": attn.num_heads, "head_dim": attn.head_dim, "seed": seed,
+    options = build["options"]
+    adopt(model, {"kind": build["kind"], "num_heads": attn.num_heads, "head_dim": attn.head_dim,
+                  "seed": build["seed"],
                   "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}})
-    return model
+
+
+def _places(model: PreTrainedModel, attention_class: str) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every attention module to convert: the architecture's, or an HFAttention of a model
+    swapped before (a BertAttention swapped before keeps its class; its .self is the HFAttention, met on its
+    own)."""
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
+            or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
 
 
 def swap_from_config(model: PreTrainedModel) -> None:

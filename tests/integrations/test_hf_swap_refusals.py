@@ -1,0 +1,74 @@
+"""Every refusal of swap_attention on a Hugging Face model leaves it exactly as it was (classes, config, state_dict),
+also when the refusal comes half way (a calibration batch the model fails on, after its attention became mgk
+softmax)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf needs transformers: pip install "
+                                                          "-e '.[hf]'")
+
+import mgk  # noqa: E402
+
+VOCAB = 40
+
+
+def _state(model) -> tuple:
+    """Every module's path and class, the config's class and fields, every tensor of the state_dict (the same
+    objects, and their values)."""
+    modules = [(n, type(m)) for n, m in model.named_modules(remove_duplicate=False)]
+    tensors = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    return modules, type(model.config), model.config.to_dict(), tensors
+
+
+def _assert_unchanged(model, before: tuple) -> None:
+    modules, config_class, config, tensors = _state(model)
+    assert modules == before[0] and config_class is before[1] and config == before[2]
+    assert tensors.keys() == before[3].keys()
+    for name, (value, _) in tensors.items():
+        was, copy_ = before[3][name]
+        assert value is was and torch.equal(value, copy_), name
+
+
+def _loss_fails(out):
+    raise RuntimeError("loss_fn failed")
+
+
+OUT_OF_VOCABULARY = torch.tensor([[3, VOCAB + 5, 4]])
+REFUSALS = [  # (arch, kind, keywords, a hint is expected)
+    ("llama", "mgk", {"num_heads": 2, "calibration": OUT_OF_VOCABULARY}, False),  # token ids past the vocabulary
+    ("llama", "softmax", {"num_heads": 2, "heads": "prune", "calibration": torch.tensor([[3, 4, 5]]),
+                          "loss_fn": _loss_fails}, False),
+    ("llama", "mgk", {"num_heads": 8}, True),  # more heads: re-cutting the width would change the rotary width
+    ("llama", "mgk", {"num_heads": 3}, True),
+    ("llama", "mgk", {"head_dim": 4}, True),
+    ("llama", "softmax", {"num_heads": 2, "heads": "slice"}, True),
+    ("llama", "gqa", {"num_kv_heads": 3}, False),
+    ("llama", "mgkk", {}, False),
+    ("llama", "softmax", {"num_keys": 2}, False),
+    ("llama", "mgk", {"calibration": OUT_OF_VOCABULARY}, False),
+    ("gpt2", "mgk", {"num_heads": 2, "calibration": OUT_OF_VOCABULARY}, False),
+    ("gpt2", "softmax", {"num_heads": 8}, True),
+    ("gpt2", "mgk", {"num_heads": 3, "heads": "merge"}, True),
+    ("bert", "mgk", {"num_heads": 2, "calibration": {"input_ids": OUT_OF_VOCABULARY}}, False),
+]
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["original", "swapped-before"])
+@pytest.mark.parametrize("arch, kind, keywords, hinted", REFUSALS,
+                         ids=[f"{a}-{k}-{'-'.join(kw)}" for a, k, kw, _ in REFUSALS])
+def test_a_refused_swap_changes_nothing(hf_model, arch, kind, keywords, hinted, swapped):
+    """On the original model and on one swapped before (to mgk: its HFAttention modules are converted in place)."""
+    def build():
+        model = hf_model(arch)
+        return mgk.swap_attention(model, "mgk") if swapped else model
+
+    model = build()
+    before = _state(model)
+    with pytest.raises(ValueError) as err:
+        mgk.swap_attention(model, kind, **keywords)
+    message = str(err.value)
+    assert "\n" not in message
+    _assert_unchanged(model, before)
+
