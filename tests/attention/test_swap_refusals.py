@@ -1,8 +1,11 @@
 """Every refusal of swap_attention leaves the model exactly as it was (classes, children, parameters, modes), also
-when the refusal comes half way (a calibration batch the model fails on, a later layer that cannot be carried)."""
+when the refusal comes half way (a calibration batch the model fails on, a later layer that cannot be carried); and
+a refusal that names another call names one that is accepted."""
 from __future__ import annotations
 
+import ast
 import copy
+import re
 import warnings
 
 import pytest
@@ -56,6 +59,14 @@ def _assert_unchanged(model: nn.Module, before: tuple) -> None:
         assert value is was and torch.equal(value, copy_), name
 
 
+def _hint(message: str) -> dict | None:
+    """The keywords of the other call a refusal names (``...; instead: head_dim=4, heads='slice'``), or None."""
+    match = re.search(r"; instead: (.*)$", message)
+    if match is None:
+        return None
+    return {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in match[1].split(", "))}
+
+
 def _fails_in_forward(out):
     raise RuntimeError("loss_fn failed")
 
@@ -84,7 +95,7 @@ CALL_REFUSALS = [  # (kind, keywords, a hint is expected)
 
 @pytest.mark.parametrize("kind, keywords, hinted", CALL_REFUSALS,
                          ids=[f"{k}-{'-'.join(map(str, kw))}" for k, kw, _ in CALL_REFUSALS])
-def test_a_refused_swap_changes_nothing(kind, keywords, hinted):
+def test_a_refused_swap_changes_nothing_and_its_hint_is_accepted(kind, keywords, hinted):
     model = _Encoder()
     before = _state(model)
     with pytest.raises(ValueError) as err:
@@ -92,6 +103,10 @@ def test_a_refused_swap_changes_nothing(kind, keywords, hinted):
     message = str(err.value)
     assert "\n" not in message
     _assert_unchanged(model, before)
+    hint = _hint(message)
+    assert (hint is not None) == hinted, message
+    if hint is not None:  # the call it names goes through
+        mgk.swap_attention(_Encoder(), kind, **{**keywords, **hint})
 
 
 @pytest.mark.parametrize("extra", [nn.MultiheadAttention(E, H, add_bias_kv=True), nn.Linear(E, E)])

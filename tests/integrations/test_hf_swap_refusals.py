@@ -1,7 +1,10 @@
 """Every refusal of swap_attention on a Hugging Face model leaves it exactly as it was (classes, config, state_dict),
 also when the refusal comes half way (a calibration batch the model fails on, after its attention became mgk
-softmax)."""
+softmax); a refusal that names another call names one that is accepted."""
 from __future__ import annotations
+
+import ast
+import re
 
 import pytest
 import torch
@@ -31,6 +34,14 @@ def _assert_unchanged(model, before: tuple) -> None:
         assert value is was and torch.equal(value, copy_), name
 
 
+def _hint(message: str) -> dict | None:
+    """The keywords of the other call a refusal names (``...; instead: num_heads=4``), or None."""
+    match = re.search(r"; instead: (.*)$", message)
+    if match is None:
+        return None
+    return {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in match[1].split(", "))}
+
+
 def _loss_fails(out):
     raise RuntimeError("loss_fn failed")
 
@@ -58,7 +69,7 @@ REFUSALS = [  # (arch, kind, keywords, a hint is expected)
 @pytest.mark.parametrize("swapped", [False, True], ids=["original", "swapped-before"])
 @pytest.mark.parametrize("arch, kind, keywords, hinted", REFUSALS,
                          ids=[f"{a}-{k}-{'-'.join(kw)}" for a, k, kw, _ in REFUSALS])
-def test_a_refused_swap_changes_nothing(hf_model, arch, kind, keywords, hinted, swapped):
+def test_a_refused_swap_changes_nothing_and_its_hint_is_accepted(hf_model, arch, kind, keywords, hinted, swapped):
     """On the original model and on one swapped before (to mgk: its HFAttention modules are converted in place)."""
     def build():
         model = hf_model(arch)
@@ -71,4 +82,19 @@ def test_a_refused_swap_changes_nothing(hf_model, arch, kind, keywords, hinted, 
     message = str(err.value)
     assert "\n" not in message
     _assert_unchanged(model, before)
+    hint = _hint(message)
+    assert (hint is not None) == hinted, message
+    if hint is not None:  # the call it names goes through
+        mgk.swap_attention(build(), kind, **{**keywords, **hint})
+
+
+def test_the_refusal_of_more_heads_on_a_rotary_model_suggests_a_call_it_accepts(hf_model):
+    """16 heads on an 8-head rotary Llama suggested head_dim=4 (heads='slice'), which the next call refused."""
+    model = hf_model("llama", num_attention_heads=8, num_key_value_heads=8, head_dim=4)
+    with pytest.raises(ValueError, match="more heads of one size") as err:
+        mgk.swap_attention(model, "mgk", num_heads=16)
+    hint = _hint(str(err.value))
+    assert hint is not None and "heads" not in hint, str(err.value)
+    attn = mgk.swap_attention(model, "mgk", **{"num_heads": 16, **hint}).model.layers[0].self_attn.attn
+    assert attn.head_dim == 4
 

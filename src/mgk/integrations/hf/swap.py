@@ -2,6 +2,7 @@
 the form :mod:`mgk.attention.swap` converts, and put the new module where the old one was."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -59,9 +60,9 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     Raises:
         ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
         cross-attention, a sliding window, BERT as a decoder, a ``head_dim`` (or heads="slice") that changes a rotary
-        model's; an unknown kind or option, a calibration batch the model fails on (as :func:`mgk.swap_attention`).
-        ImportError for transformers outside :data:`TRANSFORMERS_RANGE`. Every refusal leaves the model as it was:
-        its classes, config and state_dict.
+        model's; an unknown kind or option, a shape no rule converts, a calibration batch the model fails on (as
+        :func:`mgk.swap_attention`). ImportError for transformers outside :data:`TRANSFORMERS_RANGE`. Every
+        refusal leaves the model as it was: its classes, config and state_dict.
     """
     _check_version()
     layout, attention_class = _family(model)
@@ -84,10 +85,8 @@ def _swap(model: PreTrainedModel, layout: str, attention_class: str, build: dict
         raise ValueError(f"swap_attention: {type(model).__name__} holds no {attention_class} module")
     for path, old in places:
         if isinstance(old, HFAttention):
-            new = convert_module(old.attn, f"{path}.attn", build)
-            if old.rotary:
-                _check_rotary_width(new.head_dim, old.attn.head_dim, path, build)
-            old.set_module(new)
+            rotary_dim = old.attn.head_dim if old.rotary else None
+            old.set_module(convert_module(old.attn, f"{path}.attn", build, rotary_dim=rotary_dim))
         else:
             _replace(model, path, old, layout, build)
     attn = next(m for m in model.modules() if isinstance(m, HFAttention)).attn
@@ -120,13 +119,6 @@ def swap_from_config(model: PreTrainedModel) -> None:
     if record.get("head_dim") not in (None, built):
         raise ValueError(f"{type(model).__name__}: config.{RECORD} records head_dim {record['head_dim']}, but its "
                          f"swap builds head_dim {built}: the folder was saved by another mgk version")
-
-
-def _check_rotary_width(head_dim: int, rotary_dim: int, path: str, build: dict) -> None:
-    if head_dim != rotary_dim:
-        raise ValueError(f"swap_attention: num_heads={build['num_heads']} gives head_dim {head_dim} in {path}, but "
-                         f"the model's rotary embeddings are {rotary_dim} wide: leave head_dim at its default, the "
-                         f"model's {rotary_dim} (not heads='slice')")
 
 
 def _check_version() -> None:
@@ -165,10 +157,8 @@ def _replace(model: nn.Module, path: str, old: nn.Module, layout: str, build: di
     parent, _, name = path.rpartition(".")
     config = model.config
     if layout == "llama":
-        src = _llama_source(old, config)
         rotary = sys.modules[type(old).__module__].apply_rotary_pos_emb
-        new = convert_source(src, path, build)
-        _check_rotary_width(new.head_dim, src.head_dim, path, build)
+        new = convert_source(_llama_source(old, config), path, build)
         wrapper = HFAttention(new, layer_idx=old.layer_idx, causal=True, rotary=rotary).train(old.training)
     elif layout == "gpt2":
         src = _gpt2_source(old, config)
@@ -231,8 +221,9 @@ def _llama_source(old: nn.Module, config) -> AttentionSource:
 
     projections = {"q_proj": _linear(old.q_proj.weight, old.q_proj.bias), "k_proj": all_heads(old.k_proj),
                    "v_proj": all_heads(old.v_proj), "out_proj": _linear(old.o_proj.weight, old.o_proj.bias)}
-    return _source(old, projections, embed_dim=config.hidden_size, num_heads=H, head_dim=D,
-                   dropout=getattr(config, "attention_dropout", 0.0), scaling=old.scaling)
+    src = _source(old, projections, embed_dim=config.hidden_size, num_heads=H, head_dim=D,
+                  dropout=getattr(config, "attention_dropout", 0.0), scaling=old.scaling)
+    return dataclasses.replace(src, rotary_dim=D)  # the rotary embeddings are D wide: every new head must be
 
 
 def _gpt2_source(old: nn.Module, config) -> AttentionSource:
