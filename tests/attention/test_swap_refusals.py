@@ -134,3 +134,19 @@ def test_a_bare_module_refused_on_its_calibration_batch_is_left_as_it_was():
     with pytest.raises(ValueError, match="calibration batch fails"):
         mgk.swap_attention(old, "mgk", num_heads=4, calibration=torch.randn(2, 5, E - 1))
     _assert_unchanged(old, before)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["self_attn"]], ids=["mgk-projections", "torch-module"])
+def test_a_peft_adapter_in_or_around_an_attention_module_is_refused_before_anything_changes(targets):
+    """peft's LoRA on an mgk module's projections (a torch model swapped before) or around an nn.MultiheadAttention:
+    the new module would be built from the base weights alone, dropping the adapter."""
+    peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+    model = _Encoder()
+    if targets[0] == "q_proj":
+        mgk.swap_attention(model, "softmax")
+    base = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets)).get_base_model()
+    before = _state(base)
+    with pytest.raises(ValueError, match=r"is peft's \w+ \(an adapter\), which the new attention would drop") as err:
+        mgk.swap_attention(base, "mgk")
+    assert "\n" not in str(err.value)
+    _assert_unchanged(base, before)

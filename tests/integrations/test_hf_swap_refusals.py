@@ -1,6 +1,6 @@
 """Every refusal of swap_attention on a Hugging Face model leaves it exactly as it was (classes, config, state_dict),
 also when the refusal comes half way (a calibration batch the model fails on, after its attention became mgk
-softmax); a refusal that names another call names one that is accepted."""
+softmax); a refusal that names another call names one that is accepted; adapters are never dropped silently."""
 from __future__ import annotations
 
 import ast
@@ -98,3 +98,23 @@ def test_the_refusal_of_more_heads_on_a_rotary_model_suggests_a_call_it_accepts(
     attn = mgk.swap_attention(model, "mgk", **{"num_heads": 16, **hint}).model.layers[0].self_attn.attn
     assert attn.head_dim == 4
 
+
+def test_a_peft_adapter_in_the_attention_is_refused_before_anything_changes(hf_model):
+    """Swapping the base model of a PeftModel (as the refusal of the PeftModel said) dropped every LoRA tensor."""
+    peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+    adapted = peft.get_peft_model(hf_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                                     init_lora_weights=False))
+    with pytest.raises(ValueError, match="PeftModel.*get_peft_model") as err:
+        mgk.swap_attention(adapted, "softmax")
+    assert "\n" not in str(err.value)
+    base = adapted.get_base_model()
+    for keywords in ({}, {"num_heads": 2, "calibration": torch.tensor([[3, 4, 5]])}):
+        before = _state(base)
+        with pytest.raises(ValueError, match=r"q_proj is peft's Linear \(an adapter\).*convert_lora_adapter") as err:
+            mgk.swap_attention(base, "softmax", **keywords)
+        assert "\n" not in str(err.value)
+        _assert_unchanged(base, before)
+    # adapters outside the attention (an MLP's) are not the swap's: the swap goes through and keeps them
+    mlp = peft.get_peft_model(hf_model("llama"), peft.LoraConfig(r=2, target_modules=["up_proj"]))
+    mgk.swap_attention(mlp.get_base_model(), "softmax")
+    assert sum("lora_A" in n for n, _ in mlp.named_parameters()) == 2

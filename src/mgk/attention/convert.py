@@ -20,7 +20,7 @@ from .regroup import RULES, apply_plan, choose_rule, plan_heads
 from .softmax import from_torch_state_dict
 
 __all__ = ["AttentionSource", "check_shape", "convert_module", "convert_source", "load_conversion", "measure",
-           "swap_plan"]
+           "refuse_adapters", "swap_plan"]
 
 
 @dataclass
@@ -186,6 +186,23 @@ def load_conversion(new: AttentionBase, weights: dict[str, Tensor], rule: str, p
             if value is not None:
                 params[name].copy_(value)
     return {n for n, v in values.items() if v is not None}
+
+
+def refuse_adapters(model: nn.Module, path: str) -> None:
+    """ValueError in one line when the attention module at ``path`` in ``model`` holds, or sits inside, a peft
+    adapter layer (LoRA, ...): the new module is built from the base weights, so the adapter would vanish without a
+    word. Told from the class's module name: mgk never imports peft."""
+    module = model.get_submodule(path)
+    parts = path.split(".") if path else []
+    around = [(".".join(parts[:i]), model.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts))]
+    inside = [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
+    for where, m in around + inside:
+        if type(m).__module__.split(".")[0] == "peft":
+            raise ValueError(f"swap_attention: {where or type(model).__name__} is peft's {type(m).__name__} (an "
+                             "adapter), which the new attention would drop: swap the model before get_peft_model "
+                             "(Hugging Face models: LoRA targets from mgk.integrations.hf.lora_target_modules), or "
+                             "save the adapter, swap the model without it (PeftModel.unload()) and convert the "
+                             "adapter (mgk.integrations.hf.convert_lora_adapter)")
 
 
 # The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot

@@ -31,7 +31,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import AttentionBase
-from .convert import convert_module, measure, swap_plan
+from .convert import convert_module, measure, refuse_adapters, swap_plan
 from .mixture_keys import KEY_SPREAD
 from .rollback import unchanged_on_error
 
@@ -119,6 +119,8 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
 def _swap(model: nn.Module, build: dict, calibration, loss_fn) -> nn.Module:
     """swap_attention's work once its arguments are checked; leaves the model half swapped when it raises (the
     caller puts it back)."""
+    if _is_attention(model):
+        refuse_adapters(model, "")
     if calibration is not None:
         model = _measured(model, build, calibration, loss_fn)
     if _is_attention(model):
@@ -170,6 +172,8 @@ def _swap_children(model: nn.Module, build: dict, only: type = nn.Module) -> int
     places = [(path, m) for path, m in model.named_modules(remove_duplicate=False) if path and _is_attention(m)]
     places = [(path, m) for path, m in places if not any(path.startswith(f"{p}.") for p, _ in places)
               and isinstance(m, only)]
+    for path, _ in places:
+        refuse_adapters(model, path)
     for path, old in places:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, _replacement(old, path, build))

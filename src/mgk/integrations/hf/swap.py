@@ -11,7 +11,7 @@ from packaging.version import Version
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ...attention.convert import AttentionSource, convert_module, convert_source, measure, swap_plan
+from ...attention.convert import AttentionSource, convert_module, convert_source, measure, refuse_adapters, swap_plan
 from ...attention.rollback import unchanged_on_error
 from .attention import HFAttention
 from .auto import RECORD, adopt, base_model_type, record_of
@@ -59,8 +59,9 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
 
     Raises:
         ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
-        cross-attention, a sliding window, BERT as a decoder, a ``head_dim`` (or heads="slice") that changes a rotary
-        model's; an unknown kind or option, a shape no rule converts, a calibration batch the model fails on (as
+        a PeftModel or an attention module holding peft adapter layers (the swap would drop them), cross-attention,
+        a sliding window, BERT as a decoder, a ``head_dim`` (or heads="slice") that changes a rotary model's; an
+        unknown kind or option, a shape no rule converts, a calibration batch the model fails on (as
         :func:`mgk.swap_attention`). ImportError for transformers outside :data:`TRANSFORMERS_RANGE`. Every
         refusal leaves the model as it was: its classes, config and state_dict.
     """
@@ -78,11 +79,13 @@ def _swap(model: PreTrainedModel, layout: str, attention_class: str, build: dict
     caller puts it back)."""
     if calibration is not None:  # heads are measured in mgk's modules: first the same function as softmax ones
         if not any(isinstance(m, HFAttention) for m in model.modules()):
+            _refuse_adapters(model, _places(model, attention_class))
             swap_attention(model, "softmax", seed=build["seed"])
         measure(build, model, calibration, loss_fn)
     places = _places(model, attention_class)
     if not places:
         raise ValueError(f"swap_attention: {type(model).__name__} holds no {attention_class} module")
+    _refuse_adapters(model, places)
     for path, old in places:
         if isinstance(old, HFAttention):
             rotary_dim = old.attn.head_dim if old.rotary else None
@@ -102,6 +105,11 @@ def _places(model: PreTrainedModel, attention_class: str) -> list[tuple[str, nn.
     own)."""
     return [(path, m) for path, m in model.named_modules() if isinstance(m, HFAttention)
             or (type(m).__name__ == attention_class and not isinstance(getattr(m, "self", None), HFAttention))]
+
+
+def _refuse_adapters(model: PreTrainedModel, places: list[tuple[str, nn.Module]]) -> None:
+    for path, _ in places:
+        refuse_adapters(model, path)
 
 
 def swap_from_config(model: PreTrainedModel) -> None:
@@ -131,6 +139,10 @@ def _check_version() -> None:
 def _family(model) -> tuple[str, str]:
     """(layout, attention class name) of ``model``; ValueError in one line for what cannot be swapped."""
     name = type(model).__name__
+    if type(model).__module__.split(".")[0] == "peft":
+        raise ValueError(f"swap_attention: {name} is peft's wrapper of a model with adapters: swap the model before "
+                         "get_peft_model (LoRA targets: mgk.integrations.hf.lora_target_modules), or swap its "
+                         "get_base_model() when no adapter sits in its attention modules")
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"swap_attention: {name} is a transformers class but not a PreTrainedModel: pass the model "
                          "(e.g. LlamaForCausalLM)")
