@@ -3,6 +3,7 @@ the form :mod:`mgk.attention.swap` converts, and put the new module where the ol
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ...attention.convert import AttentionSource, convert_module, convert_source, measure, refuse_adapters, swap_plan
+from ...attention.registry import attention_options
 from ...attention.rollback import unchanged_on_error
 from .attention import HFAttention
 from .auto import RECORD, adopt, base_model_type, record_of
@@ -39,9 +41,10 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
 
     * Llama family: ``q/k/v_proj``, ``o_proj`` -> ``out_proj``. Grouped keys and values (num_key_value_heads <
       num_attention_heads) are repeated to every query head, as the model's attention repeats them, so softmax
-      is exact (a kind with fewer key/value heads converts them by its own swap rule). Rotary embeddings are
-      applied to the query and keys (:class:`~mgk.integrations.hf.HFAttention`). Missing biases (Qwen2's o_proj)
-      start at zero.
+      is exact; a kind with key/value groups (gqa, gmgk) takes the model's own groups unless ``num_kv_heads`` is
+      given (with fewer heads, the most groups that divide both), so its cache stays as small as the model's.
+      Rotary embeddings are applied to the query and keys (:class:`~mgk.integrations.hf.HFAttention`). Missing
+      biases (Qwen2's o_proj) start at zero.
     * GPT-2: the packed ``c_attn`` (Conv1D, (E, 3E)) split into q/k/v, ``c_proj`` -> ``out_proj``; its residual
       dropout is kept.
     * BERT: ``query/key/value``, and the output ``dense`` of ``BertSelfOutput`` becomes ``out_proj`` (the dense
@@ -55,7 +58,9 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     ``MGKLlamaForCausalLM``, ``LlamaConfig`` -> ``MGKLlamaConfig`` of model_type ``"mgk_llama"``), and the config
     records the swap (``config.mgk_attention``: kind, num_heads, head_dim, seed, options), so ``save_pretrained``
     then ``transformers.AutoModelForCausalLM.from_pretrained`` (after ``import mgk.integrations.hf``) gives this
-    model back.
+    model back. The config's own fields state the heads the modules hold: a Llama-family config's
+    ``num_attention_heads``, ``num_key_value_heads`` (the groups) and ``head_dim``; GPT-2's ``n_head`` and BERT's
+    ``num_attention_heads`` where the heads keep the width (their head size is the width over the heads).
 
     Raises:
         ValueError in one line: a model type not in :data:`SUPPORTED` (naming the class and the supported ones),
@@ -67,6 +72,7 @@ def swap_attention(model: PreTrainedModel, kind: str = "mgk", *, num_heads: int 
     """
     _check_version()
     layout, attention_class = _family(model)
+    options = _own_groups(model, layout, kind, num_heads, options)
     build = swap_plan(kind, num_heads, seed, options, head_dim=head_dim, heads=heads, calibration=calibration,
                       loss_fn=loss_fn)
     with unchanged_on_error(model):  # any refusal below leaves the model, its classes and config as they were
@@ -97,6 +103,7 @@ def _swap(model: PreTrainedModel, layout: str, attention_class: str, build: dict
     adopt(model, {"kind": build["kind"], "num_heads": attn.num_heads, "head_dim": attn.head_dim,
                   "seed": build["seed"],
                   "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}})
+    _state_heads(model.config, layout, attn)
 
 
 def _places(model: PreTrainedModel, attention_class: str) -> list[tuple[str, nn.Module]]:
@@ -112,6 +119,32 @@ def _refuse_adapters(model: PreTrainedModel, places: list[tuple[str, nn.Module]]
         refuse_adapters(model, path)
 
 
+def _own_groups(model: PreTrainedModel, layout: str, kind: str, num_heads: int | None, options: dict) -> dict:
+    """``options`` with ``num_kv_heads`` set to the model's own key/value groups (``num_key_value_heads``, or the
+    largest number of groups that divides ``num_heads`` and theirs) for a kind that takes it and a Llama-family
+    model that groups its keys, when the caller gave none: GQA onto such a model keeps its smaller cache instead of
+    repeating its key/value heads to every query head."""
+    if "num_kv_heads" in options or layout != "llama" or "num_kv_heads" not in attention_options(kind):
+        return options
+    config = model.config
+    groups, query_heads = getattr(config, "num_key_value_heads", None), config.num_attention_heads
+    if groups is None or groups == query_heads:
+        return options
+    return {**options, "num_kv_heads": math.gcd(num_heads or query_heads, groups)}
+
+
+def _state_heads(config, layout: str, attn: nn.Module) -> None:
+    """Make ``config`` state the heads the new modules hold: a Llama-family config its query heads, key/value
+    heads (the groups of a grouped kind, else one per query head) and head size; GPT-2's and BERT's, whose head
+    size is the width over the heads, their heads where the modules keep that width (heads of another size have no
+    field there: ``config.mgk_attention`` records them)."""
+    if layout == "llama":
+        config.num_attention_heads, config.head_dim = attn.num_heads, attn.head_dim
+        config.num_key_value_heads = getattr(attn, "num_kv_heads", attn.num_heads)
+    elif attn.num_heads * attn.head_dim == config.hidden_size:
+        config.num_attention_heads = attn.num_heads
+
+
 def swap_from_config(model: PreTrainedModel) -> None:
     """Swap the freshly built ``model`` (an mgk class of :mod:`mgk.integrations.hf.auto`) as its config's
     ``mgk_attention`` record says: what those classes' ``__init__`` calls, before ``from_pretrained`` loads the
@@ -121,8 +154,12 @@ def swap_from_config(model: PreTrainedModel) -> None:
     # a head whose __init__ builds its base model through AutoModel.from_config (transformers 5's generic
     # classifiers) gets an mgk base model already swapped from this config: swapping it again would convert it
     if not any(isinstance(m, HFAttention) for m in model.modules()):
+        options = dict(record.get("options", {}))
+        if "num_kv_heads" in attention_options(record["kind"]):
+            # a record without it was written before swaps defaulted to the model's groups: one group per head
+            options.setdefault("num_kv_heads", None)
         swap_attention(model, record["kind"], num_heads=record.get("num_heads"), head_dim=record.get("head_dim"),
-                       seed=record.get("seed", 0), **record.get("options", {}))
+                       seed=record.get("seed", 0), **options)
     built = next(m for m in model.modules() if isinstance(m, HFAttention)).attn.head_dim
     if record.get("head_dim") not in (None, built):
         raise ValueError(f"{type(model).__name__}: config.{RECORD} records head_dim {record['head_dim']}, but its "
