@@ -91,10 +91,10 @@ def test_merging_by_weights_pairs_heads_that_score_alike():
 
 
 @pytest.mark.parametrize("call, match", [
-    (dict(kind="mgk", num_heads=3), "num_heads \\* num_keys = 8 .*heads='prune'"),
+    (dict(kind="mgk", num_heads=3), "num_heads \\* num_keys = 8 .*; instead: heads='prune'$"),
     (dict(kind="softmax", num_heads=4, heads="merge"), "separate mixture keys"),
     (dict(kind="gqa", num_heads=3, heads="pool"), "num_heads=3 to divide"),
-    (dict(kind="softmax", num_heads=16), "more heads of one size; head_dim=4 \\(heads='slice'\\)"),
+    (dict(kind="softmax", num_heads=16), "more heads of one size; instead: head_dim=4, heads='slice'$"),
     (dict(kind="softmax", num_heads=4, head_dim=4), "keep neither the source's head size 8 nor its attention width"),
     (dict(kind="softmax", num_heads=4, heads="cut"), "heads must be one of merge, prune, pool, slice"),
     (dict(kind="mgk", calibration=torch.randn(1, 3, E)), "calibration= chooses which heads"),

@@ -96,7 +96,10 @@ def test_the_cache_holds_the_kinds_tensors_of_the_registrys_size(hf_model, batch
               **{_cache_kw(model): cache})
     spec = get_kind(kind)
     B, H, D, T = 2, 4, 8, 10
-    expected = B * spec.cache.cache_bytes(spec.make_options(**options), num_heads=H, head_dim=D, length=T)
+    # the options the swap took: gqa and gmgk on the Llama (4 heads over 2 key/value heads) keep its 2 groups
+    taken = model.config.mgk_attention["options"]
+    assert taken.get("num_kv_heads") == (2 if arch == "llama" and "num_kv_heads" in taken else None)
+    expected = B * spec.cache.cache_bytes(spec.make_options(**taken), num_heads=H, head_dim=D, length=T)
     assert len(cache.layers) == 2 and cache.get_seq_length() == T
     for layer in cache.layers:
         assert isinstance(layer, MGKCacheLayer) and type(layer.mgk_cache) is LayerCache

@@ -5,6 +5,7 @@ layer's); for fewer heads a rule of :mod:`mgk.attention.regroup` merges, pools o
 own conversion rule (its module's ``load_projections``, in the kind's file) makes the new parameters."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -18,8 +19,8 @@ from .registry import build_attention, check_options, get_kind
 from .regroup import RULES, apply_plan, choose_rule, plan_heads
 from .softmax import from_torch_state_dict
 
-__all__ = ["AttentionSource", "CONVERSION_KEY_SCALE", "convert_module", "convert_source", "load_conversion", "measure",
-           "swap_plan", "with_key_scale"]
+__all__ = ["AttentionSource", "CONVERSION_KEY_SCALE", "check_shape", "convert_module", "convert_source",
+           "load_conversion", "measure", "refuse_adapters", "swap_plan", "with_key_scale"]
 
 # The key_scale c (MGKOptions) of a layer converted into an MGK-family kind from dot-product attention: the key-norm
 # term -c^2 |k|^2 / (2 sigma^2) that the conversion cannot carry shrinks by c^2 (2^-24 = 6e-8: 4e-6 at SmolLM2-135M's
@@ -48,6 +49,7 @@ class AttentionSource:
     dtype: torch.dtype
     training: bool
     trainable: bool = True  # whether any of the old module's parameters required grad (a frozen layer stays frozen)
+    rotary_dim: int | None = None  # the head size the model's rotary embeddings fix (Llama family), else None
 
 
 def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, head_dim: int | None = None,
@@ -97,27 +99,25 @@ def measure(build: dict, model: nn.Module, calibration, loss_fn=None) -> None:
     build["measured"] = calibrate(model, calibration, loss_fn, maps=build["heads"] != "prune")
 
 
-def convert_module(old: nn.Module, path: str, build: dict) -> AttentionBase:
+def convert_module(old: nn.Module, path: str, build: dict, *, rotary_dim: int | None = None) -> AttentionBase:
     """The new module of the plan ``build`` (:func:`swap_plan`) for the torch or mgk attention module ``old`` found at
-    ``path``; ValueError naming ``path`` for what cannot be carried."""
-    return convert_source(_read(old, path), path, build)
+    ``path`` (``rotary_dim``: the head size rotary embeddings applied around it fix); ValueError naming ``path`` for
+    what cannot be carried."""
+    return convert_source(dataclasses.replace(_read(old, path), rotary_dim=rotary_dim), path, build)
 
 
 def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBase:
     """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
     :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`). Its
-    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.attention.regroup.plan_heads`)."""
-    heads = build["num_heads"] or src.num_heads
-    head_dim = _head_dim(src, heads, build, path)
+    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.attention.regroup.plan_heads`).
+    ValueError in one line for a shape no rule converts (:func:`check_shape`)."""
+    heads, head_dim = check_shape(src, build, path)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(build["seed"])
         new = build_attention(build["kind"], src.embed_dim, heads, head_dim=head_dim, dropout=src.dropout,
                               bias=src.bias, batch_first=src.batch_first, kdim=src.kdim, vdim=src.vdim,
                               **build["options"])
-        try:
-            rule = choose_rule(src.num_heads, src.head_dim, new, build["heads"])
-        except ValueError as e:
-            raise ValueError(f"swap_attention: {path}: {e}") from None
+        rule = choose_rule(src.num_heads, src.head_dim, new, build["heads"])  # accepted by check_shape
         measured = build["measured"].get(path, {})
         plan = plan_heads(rule, src.weights, heads, src.head_dim, divergence=measured.get("divergence"),
                           importance=measured.get("importance"))
@@ -130,6 +130,57 @@ def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBas
         new.to(src.dtype)
     new.conversion = {"rule": rule, "source_heads": src.num_heads, "source_head_dim": src.head_dim, **plan}
     return new.requires_grad_(src.trainable).train(src.training)
+
+
+def check_shape(src: AttentionSource, build: dict, path: str) -> tuple[int, int]:
+    """(heads, head_dim) of the new module of ``build`` for ``src``, the module at ``path``; ValueError in one line
+    when no rule converts that shape (:func:`mgk.attention.regroup.choose_rule`), the kind's options refuse it, or
+    it changes the head size that a model's rotary embeddings fix. The message ends with another call that these
+    same checks accept, when one of a few (another rule, the width re-cut, the model's head size or heads) is."""
+    try:
+        return _shape(src, build, path)
+    except ValueError as e:
+        for change in _alternatives(src, build):
+            try:
+                _shape(src, {**build, **change}, path)
+            except ValueError:
+                continue
+            raise ValueError(f"{e}; instead: {', '.join(f'{k}={v!r}' for k, v in change.items())}") from None
+        raise
+
+
+def _shape(src: AttentionSource, build: dict, path: str) -> tuple[int, int]:
+    """:func:`check_shape` without the alternative: the one set of checks every call and every hint goes through."""
+    heads = build["num_heads"] or src.num_heads
+    head_dim = _head_dim(src, heads, build, path)
+    # its sizes only: on the meta device (no memory), the global RNG untouched, whatever device a caller's context
+    # sets (from_pretrained builds under a meta context, where the options' own checks could not read values)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        new = build_attention(build["kind"], src.embed_dim, heads, head_dim=head_dim, kdim=src.kdim, vdim=src.vdim,
+                              device="meta", **build["options"])
+    try:
+        choose_rule(src.num_heads, src.head_dim, new, build["heads"])
+    except ValueError as e:
+        raise ValueError(f"swap_attention: {path}: {e}") from None
+    if src.rotary_dim is not None and head_dim != src.rotary_dim:
+        raise ValueError(f"swap_attention: num_heads={heads} gives head_dim {head_dim} in {path}, but the model's "
+                         f"rotary embeddings are {src.rotary_dim} wide")
+    return heads, head_dim
+
+
+def _alternatives(src: AttentionSource, build: dict) -> list[dict]:
+    """Calls near ``build``'s, as the keywords they change, most alike first: another rule for the heads, the width
+    re-cut into the heads asked for, the source's head size, its heads."""
+    heads, width = build["num_heads"] or src.num_heads, src.num_heads * src.head_dim
+    near = [{"heads": "prune"}, {"heads": None}, {"head_dim": None}, {"head_dim": None, "heads": None},
+            {"head_dim": width // heads, "heads": "slice"} if width % heads == 0 else {},
+            {"num_heads": src.num_heads, "head_dim": None, "heads": None}]
+    changes = []
+    for change in near:
+        change = {k: v for k, v in change.items() if build[k] != v}
+        if change and change not in changes:
+            changes.append(change)
+    return changes
 
 
 def _head_dim(src: AttentionSource, heads: int, build: dict, path: str) -> int:
@@ -157,6 +208,23 @@ def load_conversion(new: AttentionBase, weights: dict[str, Tensor], rule: str, p
             if value is not None:
                 params[name].copy_(value)
     return {n for n, v in values.items() if v is not None}
+
+
+def refuse_adapters(model: nn.Module, path: str) -> None:
+    """ValueError in one line when the attention module at ``path`` in ``model`` holds, or sits inside, a peft
+    adapter layer (LoRA, ...): the new module is built from the base weights, so the adapter would vanish without a
+    word. Told from the class's module name: mgk never imports peft."""
+    module = model.get_submodule(path)
+    parts = path.split(".") if path else []
+    around = [(".".join(parts[:i]), model.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts))]
+    inside = [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
+    for where, m in around + inside:
+        if type(m).__module__.split(".")[0] == "peft":
+            raise ValueError(f"swap_attention: {where or type(model).__name__} is peft's {type(m).__name__} (an "
+                             "adapter), which the new attention would drop: swap the model before get_peft_model "
+                             "(Hugging Face models: LoRA targets from mgk.integrations.hf.lora_target_modules), or "
+                             "save the adapter, swap the model without it (PeftModel.unload()) and convert the "
+                             "adapter (mgk.integrations.hf.convert_lora_adapter)")
 
 
 # The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot

@@ -204,7 +204,9 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
     grouped key/value heads (gqa) whose heads divide the source's, "prune" for the others (softmax, linear, smgk,
     smlk, ...). Raises ValueError in one line for shapes no rule converts (more heads of the same size, another
     width), a ``heads`` rule that does not fit, and separate keys whose heads cannot merge the source's (no
-    default: the groups would have to be of another size than num_keys)."""
+    default: the groups would have to be of another size than num_keys). The messages state what does not fit,
+    never another call: which call a caller can make instead depends on its own checks
+    (:func:`mgk.attention.convert.check_shape` names one it verified)."""
     H, D, width = new.num_heads, new.head_dim, source_heads * source_head_dim
     if heads is not None and heads not in RULES:
         raise ValueError(f"heads must be one of {', '.join(RULES)}, got {heads!r}")
@@ -213,14 +215,13 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
             raise ValueError(f"{H} heads of head_dim {D} keep neither the source's head size {source_head_dim} "
                              f"nor its attention width {width}")
         if heads not in (None, "slice"):
-            raise ValueError(f"heads={heads!r} keeps the head size {source_head_dim}; {H} heads of head_dim {D} "
-                             "re-cut the width (heads='slice')")
+            raise ValueError(f"heads={heads!r} keeps the head size {source_head_dim}, but {H} heads of head_dim {D} "
+                             "re-cut the width")
         return "same" if H == source_heads else "slice"
     if H == source_heads:
         return "same"
     if H > source_heads:
-        raise ValueError(f"{H} heads of head_dim {D} from {source_heads}: no weights for more heads of one size; "
-                         f"head_dim={width // H if width % H == 0 else '...'} (heads='slice') re-cuts the width")
+        raise ValueError(f"{H} heads of head_dim {D} from {source_heads}: no weights for more heads of one size")
     mix = getattr(new, "mixture", None)
     separate = mix is not None and mix.keys == "separate"
     merges = separate and H * mix.num_keys == source_heads
@@ -230,8 +231,7 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
     if rule is None or (rule == "merge" and not merges):
         keys = f"num_keys={mix.num_keys}" if mix is not None else "one key per head"
         raise ValueError(f"merging {source_heads} heads into {H} needs separate mixture keys with num_heads * "
-                         f"num_keys = {source_heads} ({type(new).__name__} has {keys}); heads='prune' keeps "
-                         f"{H} of them instead")
+                         f"num_keys = {source_heads} ({type(new).__name__} has {keys})")
     if rule == "pool" and not pools:
         raise ValueError(f"heads='pool' needs num_heads={H} to divide the source's {source_heads} heads")
     return rule

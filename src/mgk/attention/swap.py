@@ -31,8 +31,9 @@ from __future__ import annotations
 from torch import nn
 
 from .base import AttentionBase
-from .convert import convert_module, measure, swap_plan, with_key_scale
+from .convert import convert_module, measure, refuse_adapters, swap_plan, with_key_scale
 from .mixture_keys import KEY_SPREAD
+from .rollback import unchanged_on_error
 
 __all__ = ["swap_attention", "KEY_SPREAD"]
 
@@ -100,8 +101,10 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         parameters or buffers, an ``out_proj`` that is not an ``nn.Linear`` (a parametrized projection is carried as
         its effective weight), an mgk module without a key projection, more heads of one size, a head size keeping
         neither the old one nor the width, a ``heads`` rule that does not fit (or none for mgk / mlk heads that
-        cannot merge); an unknown kind or option; ``calibration`` where no head is chosen, ``loss_fn`` without it;
-        when ``model`` holds no attention module.
+        cannot merge); an unknown kind or option; ``calibration`` where no head is chosen, ``loss_fn`` without it,
+        a ``calibration`` batch the model's forward (or ``loss_fn``) fails on; when ``model`` holds no attention
+        module. Every refusal leaves ``model`` exactly as it was (:mod:`mgk.attention.rollback`): its classes,
+        children, attributes, parameters and, for a Hugging Face model, its config.
     """
     conversion = dict(head_dim=head_dim, heads=heads, calibration=calibration, loss_fn=loss_fn)
     if _from_transformers(model):  # the import inside: mgk never imports transformers unless given its model
@@ -109,6 +112,16 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **conversion, **options)
     options = with_key_scale(kind, options, [m for m in model.modules() if _is_attention(m)])
     build = swap_plan(kind, num_heads, seed, options, **conversion)
+    with unchanged_on_error(model):  # a refusal at any step (a layer that cannot convert, a failing calibration
+        # batch) leaves the model as it was, not half converted
+        return _swap(model, build, calibration, loss_fn)
+
+
+def _swap(model: nn.Module, build: dict, calibration, loss_fn) -> nn.Module:
+    """swap_attention's work once its arguments are checked; leaves the model half swapped when it raises (the
+    caller puts it back)."""
+    if _is_attention(model):
+        refuse_adapters(model, "")
     if calibration is not None:
         model = _measured(model, build, calibration, loss_fn)
     if _is_attention(model):
@@ -160,6 +173,8 @@ def _swap_children(model: nn.Module, build: dict, only: type = nn.Module) -> int
     places = [(path, m) for path, m in model.named_modules(remove_duplicate=False) if path and _is_attention(m)]
     places = [(path, m) for path, m in places if not any(path.startswith(f"{p}.") for p, _ in places)
               and isinstance(m, only)]
+    for path, _ in places:
+        refuse_adapters(model, path)
     for path, old in places:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, _replacement(old, path, build))
