@@ -91,10 +91,19 @@ def _config(args):
                          eval_data=args.eval_data)
 
 
+def _quiet_transformers() -> None:
+    """transformers' own progress bars (loading, GGUF dequantisation) off: the command has its own, and an error
+    stays one line."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+
 def run_convert(args) -> int:
     """``mgk convert``: a new conversion, or ``--resume OUT``."""
     from .run import convert
 
+    _quiet_transformers()
     if args.threads:
         import torch
 
@@ -125,6 +134,7 @@ def run_score(args) -> int:
     from .sources import WHEELS, load_source
     from .tokens import text_file, token_windows
 
+    _quiet_transformers()
     if args.threads:
         import torch
 
