@@ -306,7 +306,7 @@ def test_swap_merging_heads_into_components_pools_each_component_over_the_group(
     """8 heads -> 4 heads of 2 components (the merge rule), in 2 groups: each component's key projection is the
     mean over the group's heads of the merged one (component-major rows)."""
     import mgk
-    from mgk.attention.regroup import merge_heads
+    from mgk.convert.regroup import merge_heads
 
     torch.manual_seed(6)
     layer = torch.nn.TransformerEncoderLayer(2 * E, 8, dim_feedforward=32, dropout=0.0, batch_first=True).eval()

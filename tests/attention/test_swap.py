@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import mgk
-from mgk.attention import swap as swap_module
+from mgk import swap as swap_module
 
 E, H = 16, 4
 KINDS = mgk.attention_kinds()

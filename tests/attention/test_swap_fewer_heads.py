@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mgk
-from mgk.attention.heads import bilinear_divergence, calibrate, js_matrix, output_importance
+from mgk.convert.head_measures import bilinear_divergence, calibrate, js_matrix, output_importance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="mgk.integrations.hf n
 
 import mgk  # noqa: E402
 import mgk.integrations.hf  # noqa: E402,F401
-from mgk.attention.convert import CONVERSION_KEY_SCALE  # noqa: E402
+from mgk.convert.layers import CONVERSION_KEY_SCALE  # noqa: E402
 from mgk.integrations.hf import HFAttention  # noqa: E402
 
 
@@ -112,3 +112,20 @@ def test_smollm2_converts_into_grouped_mixture_keys_exactly():
         ref = model(ids).logits
         got = mgk.swap_attention(model, "gmgk", num_kv_heads=3)(ids).logits
     torch.testing.assert_close(got, ref, atol=5e-4, rtol=0)
+
+
+def test_grouped_source_keeps_its_groups_as_the_components_of_fewer_groups(hf_model):
+    """A Llama with 6 query heads over 3 key/value groups into gmgk with 1 group of M = 3 separate keys: component r
+    is source group r's key projection, unpooled, and the value projection the groups' mean; shifted keys have one
+    key projection and pool."""
+    model = hf_model("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+    attn = model.model.layers[0].self_attn
+    k, v = attn.k_proj.weight.detach().view(3, 8, 48), attn.v_proj.weight.detach().view(3, 8, 48)
+    swapped = mgk.swap_attention(copy.deepcopy(model), "gmgk", num_kv_heads=1, num_keys=3)
+    new = swapped.model.layers[0].self_attn.attn
+    assert new.conversion["rule"] == "same"
+    assert torch.equal(new.mixture.k_proj.weight.detach().view(3, 8, 48), k)  # component-major: r = source group
+    torch.testing.assert_close(new.v_proj.weight.detach(), v.mean(dim=0), atol=1e-7, rtol=0)
+    shifted = mgk.swap_attention(copy.deepcopy(model), "gmgk", num_kv_heads=1, keys="shifted")
+    torch.testing.assert_close(shifted.model.layers[0].self_attn.attn.mixture.k_proj.weight.detach(),
+                               k.mean(dim=0), atol=1e-7, rtol=0)

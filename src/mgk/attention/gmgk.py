@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..fields import Label, spec
 from ..functional import mgk_attention_cached, mgk_cache_entries
 from ..functional.mgk_cache import MGKDecodeState
-from .base import AttentionBase, _positive_int, factory_kwargs
+from .base import AttentionBase, factory_kwargs, positive_int
 from .cache import LayerCache
 from .cache_spec import CacheSpec
 from .flops import total
@@ -90,7 +90,7 @@ class GroupedMGKAttention(MGKAttention):
         base, values = split_options(GMGKOptions, kwargs)
         options = GMGKOptions.merged(options, values)
         G = options.num_kv_heads
-        self._num_kv_heads = None if G is None else _positive_int(G, "num_kv_heads")
+        self._num_kv_heads = None if G is None else positive_int(G, "num_kv_heads")
         if G is not None and isinstance(num_heads, int) and num_heads % G:
             raise ValueError(f"num_kv_heads={G} must divide num_heads={num_heads} (each key group serves "
                              "num_heads / num_kv_heads query heads)")

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
-from .base import AttentionBase, _positive_int, factory_kwargs
+from .base import AttentionBase, factory_kwargs, positive_int
 from .options import Options
 
 KEY_MODES = ("separate", "shifted")
@@ -114,7 +114,7 @@ class MixtureKeys(nn.Module):
         factory = factory_kwargs(device, dtype)
         num_keys, pi, pi_shape = options.num_keys, options.pi, options.pi_shape
         pi_norm, max_len = options.pi_norm, options.max_len
-        M = self.num_keys = _positive_int(num_keys, "num_keys")
+        M = self.num_keys = positive_int(num_keys, "num_keys")
         if keys not in KEY_MODES:
             raise ValueError(f"keys must be one of {KEY_MODES}, got {keys!r}")
         if pi not in PI_MODES:
@@ -126,7 +126,7 @@ class MixtureKeys(nn.Module):
         if pi_norm != "softmax" and pi != "learned":
             raise ValueError(f"pi_norm={pi_norm!r} applies to learned weights only (pi='learned'), got pi={pi!r}")
         self.keys, self.pi_mode, self.pi_shape, self.pi_norm = keys, pi, pi_shape, pi_norm
-        self.max_len = None if max_len is None else _positive_int(max_len, "max_len")
+        self.max_len = None if max_len is None else positive_int(max_len, "max_len")
         needs_len = pi == "soft_e" or (pi == "learned" and pi_shape == "position")
         if needs_len and self.max_len is None:
             raise ValueError(f"pi={pi!r} with per-position weights (pi_shape={pi_shape!r}) needs max_len "
@@ -306,7 +306,7 @@ class MixtureKeysMixin:
         initialised (uniform). With the key-norm term removed (MGK's ``key_scale``) the layer is the source's.
 
         A key projection with M times the layer's width holds the M components themselves, component-major
-        (:func:`mgk.attention.regroup.merge_heads`): separate keys take them as they are; shifted keys have one key
+        (:func:`mgk.convert.regroup.merge_heads`): separate keys take them as they are; shifted keys have one key
         projection and refuse them (ValueError)."""
         out = AttentionBase.load_projections(self, {k: v for k, v in weights.items() if not k.startswith("k_proj.")})
         key_w, key_b = weights["k_proj.weight"], weights.get("k_proj.bias")

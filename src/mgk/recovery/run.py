@@ -31,7 +31,16 @@ from torch import nn
 from .. import __version__
 from ..atomic import write_text_atomic
 from ..train import checkpoint, distributed
-from ..train.rundir import LOCK_NAME, RunDirLock, append_line, read_json, read_metrics, rewrite_metrics, write_json
+from ..train.rundir import (
+    LOCK_NAME,
+    RunDirLock,
+    RunFiles,
+    append_line,
+    read_json,
+    read_metrics,
+    rewrite_metrics,
+    write_json,
+)
 from .score import perplexity
 from .sources import load_source
 from .tokens import text_file, token_windows
@@ -39,8 +48,8 @@ from .transfer import attention_pairs, distillation_loss, local_transfer_loss
 
 __all__ = ["ConvertConfig", "convert", "read_run"]
 
-CONFIG_NAME, CHECKPOINT_NAME, RESULTS_NAME, MODEL_DIR, STEP0_NAME = (
-    "convert.json", "checkpoint.pt", "results.json", "model", "step0.json")
+# a conversion run's own files; results.json and metrics.jsonl are named as a training run's (RunFiles)
+CONFIG_NAME, CHECKPOINT_NAME, MODEL_DIR, STEP0_NAME = "convert.json", "checkpoint.pt", "model", "step0.json"
 SWAP_ARGUMENTS = ("num_heads", "head_dim", "heads")
 
 
@@ -259,7 +268,7 @@ class _Recovery:
             if not math.isfinite(value):
                 raise ValueError(f"the {phase} loss is not finite at step {self.step} ({value}): lower --lr")
             if dist.is_main:
-                append_line(self.out / "metrics.jsonl", json.dumps(
+                append_line(RunFiles(self.out).metrics, json.dumps(
                     {"step": self.step, "phase": phase, "loss": value, "tokens": self.step * batch.numel(),
                      "lr": self.scheduler.get_last_lr()[0], "seconds": round(seconds, 3)}))
                 bar.set_postfix(loss=f"{value:.4g}", tok_s=f"{batch.numel() / seconds:.0f}")
@@ -298,7 +307,7 @@ class _Recovery:
                    "tokens": self.cfg.tokens, "e2e_tokens": self.cfg.e2e_tokens, "seconds": round(self.elapsed, 1),
                    "component_spread": {"start": self.spread_start, "end": component_spread(self.students)},
                    "mgk": __version__}
-        records = read_metrics(self.out) if (self.out / "metrics.jsonl").is_file() else []
+        records = read_metrics(self.out) if RunFiles(self.out).metrics.is_file() else []
         for phase in ("transfer", "e2e"):
             losses = [r["loss"] for r in records if r.get("phase") == phase]
             if losses:
@@ -307,7 +316,7 @@ class _Recovery:
             if self.cfg.eval_tokens:
                 results["perplexity"] = {"step0": step0, "recovered": self._score()}
             self._save_model()
-            write_json(self.out / RESULTS_NAME, results)
+            write_json(RunFiles(self.out).results, results)
         return results
 
     def _save_model(self) -> None:

@@ -1,5 +1,5 @@
 """:func:`mgk.swap_attention` for Hugging Face transformers models: read each architecture's attention module into
-the form :mod:`mgk.attention.swap` converts, and put the new module where the old one was."""
+the form :mod:`mgk.swap` converts, and put the new module where the old one was."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,8 @@ from packaging.version import Version
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from ...attention.convert import (
+from ...attention.registry import attention_options
+from ...convert.layers import (
     AttentionSource,
     convert_module,
     convert_source,
@@ -21,8 +22,7 @@ from ...attention.convert import (
     swap_plan,
     with_key_scale,
 )
-from ...attention.registry import attention_options
-from ...attention.rollback import unchanged_on_error
+from ...convert.rollback import unchanged_on_error
 from .attention import HFAttention
 from .auto import RECORD, adopt, base_model_type, record_of
 from .versions import REQUIREMENT, TRANSFORMERS_RANGE
@@ -244,7 +244,7 @@ def _linear(weight: Tensor, bias: Tensor | None, scale: float = 1.0) -> dict[str
 
 def _source(old: nn.Module, projections: dict[str, dict], *, embed_dim: int, num_heads: int, head_dim: int,
             dropout: float, scaling: float) -> AttentionSource:
-    """A :class:`mgk.attention.convert.AttentionSource` of q/k/v/out projections (weight (out, in), bias or None): the
+    """A :class:`mgk.convert.layers.AttentionSource` of q/k/v/out projections (weight (out, in), bias or None): the
     model's scale folded into q (mgk's kinds scale by 1 / sqrt(head_dim)); a missing bias is zero when any projection
     has one (mgk's modules have one bias flag)."""
     factor = scaling * head_dim ** 0.5

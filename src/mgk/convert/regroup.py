@@ -2,7 +2,7 @@
 same size: keep some of its heads (``"prune"``), merge groups of its heads into the key components of fewer mixture
 heads (``"merge"``), or mean-pool groups of heads (``"pool"``); ``"slice"`` instead keeps the projections whole and
 re-cuts the width into heads of another size. :func:`choose_rule` names the rule for a source and a target,
-:func:`plan_heads` chooses the groups or kept heads (by the measures of :mod:`mgk.attention.heads`), and
+:func:`plan_heads` chooses the groups or kept heads (by the measures of :mod:`mgk.convert.head_measures`), and
 :func:`apply_plan` makes the projections. The one code path of :func:`mgk.swap_attention` (torch and Hugging Face
 models) and ``mgk train --init-from`` (:mod:`mgk.retrofit`).
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .gqa import GroupedQueryAttention
-from .heads import adjacent_groups, bilinear_divergence, greedy_groups, output_importance
+from ..attention.gqa import GroupedQueryAttention
+from .head_measures import adjacent_groups, bilinear_divergence, greedy_groups, output_importance
 
 __all__ = ["RULES", "PAIRINGS", "MERGE_KEY_SHRINK", "select_heads", "merge_heads", "pool_heads", "check_heads",
            "choose_rule", "plan_heads", "apply_plan"]
@@ -206,7 +206,7 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
     width), a ``heads`` rule that does not fit, and separate keys whose heads cannot merge the source's (no
     default: the groups would have to be of another size than num_keys). The messages state what does not fit,
     never another call: which call a caller can make instead depends on its own checks
-    (:func:`mgk.attention.convert.check_shape` names one it verified)."""
+    (:func:`mgk.convert.layers.check_shape` names one it verified)."""
     H, D, width = new.num_heads, new.head_dim, source_heads * source_head_dim
     if heads is not None and heads not in RULES:
         raise ValueError(f"heads must be one of {', '.join(RULES)}, got {heads!r}")
@@ -245,9 +245,9 @@ def plan_heads(rule: str, weights: dict[str, Tensor], new_heads: int, head_dim: 
     with ``"by"`` naming how, and the measures chosen by; ``{}`` for "same" and "slice".
 
     Groups: ``pairs="adjacent"`` takes heads (0, 1), (2, 3), ...; "similar" (default) is greedy matching
-    (:func:`mgk.attention.heads.greedy_groups`) on ``divergence`` (H, H), the heads' attention-map divergence on
-    data when given, else :func:`mgk.attention.heads.bilinear_divergence` of the weights. Kept heads: by
-    ``importance`` (H,) when given (E|dL/dxi_h| on data), else :func:`mgk.attention.heads.output_importance`.
+    (:func:`mgk.convert.head_measures.greedy_groups`) on ``divergence`` (H, H), the heads' attention-map divergence on
+    data when given, else :func:`mgk.convert.head_measures.bilinear_divergence` of the weights. Kept heads: by
+    ``importance`` (H,) when given (E|dL/dxi_h| on data), else :func:`mgk.convert.head_measures.output_importance`.
     ``weights`` are the source layer's per-head projections. ValueError for an unknown ``pairs``."""
     if pairs not in PAIRINGS:
         raise ValueError(f"pairs must be one of {', '.join(PAIRINGS)}, got {pairs!r}")

@@ -1,7 +1,7 @@
 """Converting one attention module into another kind, weights carried over: what :func:`mgk.swap_attention` does
 at each place it replaces, and what :mod:`mgk.integrations.hf` calls for the attention modules of Hugging Face
 models. The source is read into an :class:`AttentionSource` (its configuration and its projections as a multi-head
-layer's); for fewer heads a rule of :mod:`mgk.attention.regroup` merges, pools or keeps heads, then the new kind's
+layer's); for fewer heads a rule of :mod:`mgk.convert.regroup` merges, pools or keeps heads, then the new kind's
 own conversion rule (its module's ``load_projections``, in the kind's file) makes the new parameters."""
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..attention.base import AttentionBase, positive_int
+from ..attention.registry import build_attention, check_options, get_kind
+from ..attention.softmax import from_torch_state_dict
 from ..seeds import check_seed
-from .base import AttentionBase, _positive_int
-from .heads import calibrate
-from .registry import build_attention, check_options, get_kind
+from .head_measures import calibrate
 from .regroup import RULES, apply_plan, choose_rule, plan_heads
-from .softmax import from_torch_state_dict
 
 __all__ = ["AttentionSource", "CONVERSION_KEY_SCALE", "check_shape", "convert_module", "convert_source",
            "load_conversion", "measure", "refuse_adapters", "swap_plan", "with_key_scale"]
@@ -61,7 +61,7 @@ def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, hea
     check_options(kind, options)
     for value, name in ((num_heads, "num_heads"), (head_dim, "head_dim")):
         if value is not None:
-            _positive_int(value, name)
+            positive_int(value, name)
     if heads is not None and heads not in RULES:
         raise ValueError(f"heads must be one of {', '.join(RULES)}, got {heads!r}")
     if loss_fn is not None and calibration is None:
@@ -94,8 +94,8 @@ def with_key_scale(kind: str, options: dict, sources) -> dict:
 
 def measure(build: dict, model: nn.Module, calibration, loss_fn=None) -> None:
     """Measure the heads of ``model``'s mgk attention modules on the ``calibration`` batch
-    (:func:`mgk.attention.heads.calibrate`) into ``build``, by module path: their maps' divergence unless the rule is
-    "prune", their importance when ``loss_fn`` is given."""
+    (:func:`mgk.convert.head_measures.calibrate`) into ``build``, by module path: their maps' divergence unless the
+    rule is "prune", their importance when ``loss_fn`` is given."""
     build["measured"] = calibrate(model, calibration, loss_fn, maps=build["heads"] != "prune")
 
 
@@ -109,7 +109,7 @@ def convert_module(old: nn.Module, path: str, build: dict, *, rotary_dim: int | 
 def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBase:
     """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
     :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`). Its
-    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.attention.regroup.plan_heads`).
+    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.convert.regroup.plan_heads`).
     ValueError in one line for a shape no rule converts (:func:`check_shape`)."""
     heads, head_dim = check_shape(src, build, path)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
@@ -134,7 +134,7 @@ def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBas
 
 def check_shape(src: AttentionSource, build: dict, path: str) -> tuple[int, int]:
     """(heads, head_dim) of the new module of ``build`` for ``src``, the module at ``path``; ValueError in one line
-    when no rule converts that shape (:func:`mgk.attention.regroup.choose_rule`), the kind's options refuse it, or
+    when no rule converts that shape (:func:`mgk.convert.regroup.choose_rule`), the kind's options refuse it, or
     it changes the head size that a model's rotary embeddings fix. The message ends with another call that these
     same checks accept, when one of a few (another rule, the width re-cut, the model's head size or heads) is."""
     try:
@@ -198,7 +198,7 @@ def _head_dim(src: AttentionSource, heads: int, build: dict, path: str) -> int:
 def load_conversion(new: AttentionBase, weights: dict[str, Tensor], rule: str, plan: dict, head_dim: int,
                     own: dict[str, Tensor] | None = None) -> set[str]:
     """Set ``new``'s parameters from a source layer's per-head projections ``weights`` (heads of ``head_dim``) by
-    ``rule`` and ``plan`` (:func:`mgk.attention.regroup.plan_heads`), then the new kind's ``load_projections``;
+    ``rule`` and ``plan`` (:func:`mgk.convert.regroup.plan_heads`), then the new kind's ``load_projections``;
     ``own``: source parameters copied where ``new`` has one of the same name and shape. Returns the names set."""
     values = new.load_projections(apply_plan(weights, plan, rule, head_dim))
     params = dict(new.named_parameters())

@@ -1,5 +1,5 @@
 """Measuring the heads of an attention layer, to choose which to merge or keep when a layer gets fewer heads
-(:mod:`mgk.attention.regroup`, used by :func:`mgk.swap_attention` and ``mgk train --init-from``).
+(:mod:`mgk.convert.regroup`, used by :func:`mgk.swap_attention` and ``mgk train --init-from``).
 
 From the weights alone (what :func:`mgk.swap_attention` has without data):
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .base import AttentionBase
+from ..attention.base import AttentionBase
 
 __all__ = ["js_divergence", "js_matrix", "greedy_groups", "adjacent_groups", "bilinear_divergence",
            "output_importance", "has_components", "gated", "gate_importance", "calibrate"]
