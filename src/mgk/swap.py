@@ -67,7 +67,7 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     Carried over from each old module: embed_dim, num_heads and head_dim (unless given), dropout, bias, batch_first,
     kdim / vdim, device, dtype, train/eval mode, and whether it is frozen (a module none of whose parameters requires
     grad gives a new module none of whose parameters does; forward hooks on the old module are not carried).
-    Weights, with the old key projection K (for an mgk mixture source: its first component):
+    Weights, with the old key projection K (for an mgk mixture source: its components' mean):
 
     * softmax and linear: the query, key, value and output projections are copied exactly. ``nn.MultiheadAttention``
       -> "softmax" with the same heads then gives the same outputs (to rounding), masks included; its packed

@@ -209,7 +209,8 @@ class AttentionBase(nn.Module, abc.ABC):
         return out
 
     def _key_projection(self) -> dict[str, Tensor]:
-        """``{"weight": (H*D, kdim), "bias": (H*D,)}``: the key projection as H heads (a mixture's first component)."""
+        """``{"weight": (H*D, kdim), "bias": (H*D,)}``: the key projection as H heads (a mixture's components' mean,
+        :class:`mgk.attention.mixture_keys.MixtureKeysMixin`)."""
         proj = getattr(self, "k_proj", None)
         if not isinstance(proj, nn.Linear):
             raise ValueError(f"{type(self).__name__} has no key projection k_proj to carry over")

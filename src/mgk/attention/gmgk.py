@@ -202,13 +202,8 @@ class GroupedMGKAttention(MGKAttention):
         return out.reshape(q.shape[0], self.num_heads, L, -1).to(v.dtype)
 
     # -- conversion (mgk.swap_attention) -------------------------------------------------------------------------
-    def _key_projection(self) -> dict[str, Tensor]:
-        """The first component's key projection of the G groups (G * D rows)."""
-        width = self.kv_heads * self.head_dim
-        return {n: t[:width] for n, t in self.mixture.k_proj.named_parameters()}
-
     def per_head_projections(self) -> dict[str, Tensor]:
-        """The projections as a multi-head layer's: each group's key (first component) and value projections
+        """The projections as a multi-head layer's: each group's key (its components' mean) and value projections
         repeated for the H / G query heads it serves."""
         out = AttentionBase.per_head_projections(self)
         for name in [n for n in out if n.startswith(("k_proj.", "v_proj."))]:

@@ -294,9 +294,16 @@ class MixtureKeysMixin:
         return self.mixture(key)
 
     def _key_projection(self) -> dict[str, Tensor]:
-        """The first component's key projection (``k_r = x W_r``, r = 1; sMGK's one projection, whose mu_1 = 0)."""
-        width = self.num_heads * self.head_dim
-        return {n: t[:width] for n, t in self.mixture.k_proj.named_parameters()}
+        """The one key projection of the mixture's heads (the key groups of gmgk) that a conversion into a kind with
+        one key per head reads: the mean of the M separate projections, the first-order summary of the mixture
+        (``log mean_r exp(q . k_r) = q . mean_r k_r + O(spread^2)``), which a conversion's components spread around;
+        shifted keys' one projection (mu_1 = 0)."""
+        mixture = self.mixture
+        width = mixture.num_heads * self.head_dim
+        if mixture.keys != "separate":
+            return dict(mixture.k_proj.named_parameters())
+        return {n: t.view(mixture.num_keys, width, *t.shape[1:]).mean(dim=0)
+                for n, t in mixture.k_proj.named_parameters()}
 
     def load_projections(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         """The conversion rule of mixture keys from a layer with one key projection K (:func:`mgk.swap_attention`):
