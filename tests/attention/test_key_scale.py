@@ -4,6 +4,7 @@ formula ``A_ij = softmax_j logsumexp_r(log pi_r - |q_i / c - c k_jr|^2 / (2 sigm
 mode, uncached and through a decoding cache (prefill and steps, with padding); the dot product of a conversion
 kept (c -> 0 is dot-product attention with the same queries and keys); the variances it needs refused in one line;
 and the shifts' gradient, which shrinks with c instead of growing as 1/c."""
+import copy
 import math
 
 import pytest
@@ -153,3 +154,22 @@ def test_shift_gradients_do_not_grow_as_the_scale_shrinks():
         grads.append(m.mixture.key_shift.grad.abs().max().item())
     assert grads[0] > grads[1] > grads[2] > 0
     assert grads[2] / grads[1] == pytest.approx(2.0 ** -6, rel=0.5)  # ~c^2 between c = 1/8 and 1/64
+
+
+@pytest.mark.parametrize("kind,options", [("mgk", {}), ("mgk", {"pi": "hard_e"}), ("mgk", {"num_keys": 4}),
+                                          ("smgk", {}), ("gmgk", {}), ("gmgk", {"keys": "shifted"})])
+def test_swap_of_a_trained_sized_torch_encoder_is_exact(kind, options):
+    """nn.TransformerEncoderLayer with query and key weights 6x their initial size (scores spanning about 100 nats,
+    where the key-norm term and any first-order cost of the components' spread would show): swap_attention's
+    defaults keep its outputs within 1e-4 (the spread costs at second order, Hard-E's is smaller)."""
+    import mgk
+
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight[:64].mul_(6.0)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        want = layer(x)
+        got = mgk.swap_attention(copy.deepcopy(layer), kind, **options)(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -139,8 +139,84 @@ def test_a_source_or_out_that_is_not_what_it_should_be_is_one_line(th, tiny_lm, 
              ([str(source), "--kind", "mgk", "--out", str(occupied)], "not a conversion run folder"),
              (["--resume", str(occupied)], "not a conversion run folder")]
     for args, match in cases:
-        p = subprocess.run(th.mgk_cmd("convert", *args, "--data", str(data)), env=th.env(), capture_output=True,
+        data_arg = [] if args[0] == "--resume" else ["--data", str(data)]
+        p = subprocess.run(th.mgk_cmd("convert", *args, *data_arg), env=th.env(), capture_output=True,
                            text=True, timeout=300)
         assert p.returncode != 0 and match in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert [p.name for p in occupied.iterdir()] == ["notes.txt"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_data_and_windows_that_cannot_serve_are_refused_with_nothing_written(th, tiny_lm, tmp_path):
+    """Every text the run needs is read and counted before the folder is taken: a missing or short text, bytes
+    that are not UTF-8, a window longer than the model's positions, scoring without a valid split."""
+    source, data = tiny_lm
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 64)
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3\n")
+    cases = [(["--data", str(tmp_path / "missing"), "--tokens", "32"], "no such file or folder"),
+             (["--data", str(short), "--tokens", "32"], "fewer than the 32 asked for"),
+             (["--data", str(binary), "--tokens", "32"], "not UTF-8 text"),
+             (["--data", str(data), "--tokens", "1024", "--window", "256"], "longer than the model's 128 positions"),
+             (["--data", str(data / "wiki.train.tokens"), "--eval-tokens", "32"], "scoring needs a valid split"),
+             (["--eval-data", str(data), "--tokens", "32"], "training needs data"),
+             (["--data", str(data), "--eval-tokens", "40"], "eval_tokens=40 is not a whole number of windows")]
+    for extra, match in cases:
+        out = tmp_path / "never"
+        p = subprocess.run(th.mgk_cmd("convert", str(source), "--kind", "mgk", "--out", str(out), "--window", "16",
+                                      "--batch-size", "2", *extra), env=th.env(), capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode != 0 and match in p.stderr and len(p.stderr.strip().splitlines()) == 1, (extra, p.stderr)
+        assert not out.exists(), extra
+
+
+def test_resume_takes_no_other_settings_and_overwrite_starts_again(th, tiny_lm, tmp_path):
+    source, data = tiny_lm
+    out = tmp_path / "run"
+    _convert(th, source, data, out, "--kind", "gqa", "--set", "num_kv_heads=1", "--tokens", "64")
+    p = subprocess.run(th.mgk_cmd("convert", "--resume", str(out), "--lr", "1e-5", "--tokens", "128"), env=th.env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--tokens, --lr cannot be given with it" in p.stderr
+    p = subprocess.run(th.mgk_cmd("convert", str(source), "--kind", "mgk", "--out", str(out), "--data", str(data)),
+                       env=th.env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--overwrite" in p.stderr
+    _convert(th, source, data, out, "--kind", "mgk", "--tokens", "32", "--overwrite")
+    assert json.loads((out / "convert.json").read_text())["config"]["kind"] == "mgk"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # the earlier run's steps are gone
+    (out / "notes.txt").write_text("mine")
+    p = subprocess.run(th.mgk_cmd("convert", str(source), "--kind", "mgk", "--out", str(out), "--data", str(data),
+                                  "--overwrite"), env=th.env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "notes.txt" in p.stderr and (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_started_in_the_folder_while_this_one_loaded_is_not_replaced(tiny_lm, tmp_path, monkeypatch):
+    """The folder is checked again once locked: a run another process started there meanwhile (simulated by
+    writing its convert.json while this one loads the source) is refused, not overwritten."""
+    from mgk.recovery import ConvertConfig, run, sources
+
+    source, data = tiny_lm
+    out = tmp_path / "race"
+    real = sources.load_source
+
+    def load_while_another_starts(name):
+        out.mkdir()
+        (out / "convert.json").write_text(json.dumps({"config": {"source": "theirs", "kind": "gqa"}}))
+        return real(name)
+    monkeypatch.setattr(run, "load_source", load_while_another_starts)
+    with pytest.raises(ValueError, match="holds a conversion run"):
+        run.convert(ConvertConfig(str(source), "mgk", data=str(data), tokens=32, window=16), out, progress=False)
+    assert json.loads((out / "convert.json").read_text())["config"]["source"] == "theirs"
+
+
+def test_a_checkpoint_of_other_settings_is_refused_on_resume(th, tiny_lm, tmp_path):
+    source, data = tiny_lm
+    out = tmp_path / "edited"
+    _convert(th, source, data, out, "--kind", "gmgk", "--set", "num_kv_heads=1", "--tokens", "64")
+    record = json.loads((out / "convert.json").read_text())
+    record["config"]["tokens"] = 128
+    (out / "convert.json").write_text(json.dumps(record))
+    p = subprocess.run(th.mgk_cmd("convert", "--resume", str(out)), env=th.env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0 and "other settings than its convert.json" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -221,8 +221,8 @@ class GroupedMGKAttention(MGKAttention):
         Groups kept as components: a source that is itself grouped (its heads in runs of identical key and value
         projections: a GQA layer read as multi-head, as Llama's num_key_value_heads; a multi-head layer is a run per
         head) with M G groups, into separate keys, gives each new group the keys of its M source groups as its
-        components, unpooled, and their mean value projection: the keys pooling would average away stay in the mixture (``sum_r pi_r exp(q . k_r)``), while the
-        cache holds M keys and one value per group."""
+        components, unpooled, and their mean value projection: the keys pooling would average away stay in the
+        mixture (``sum_r pi_r exp(q . k_r)``), while the cache holds M keys and one value per group."""
         H, G, D = self.num_heads, self.kv_heads, self.head_dim
         if G == H:
             return super().load_projections(weights)

@@ -23,8 +23,11 @@ PI_NORMS = ("softmax", "none")
 # standard normal. Identical components with uniform pi get identical gradients, and Adam (which divides each step
 # by its own size) keeps them identical through any training; a spread that sums to zero over the components costs
 # the score only at second order, log sum_r exp(a_r) / M ~ Var_r(a_r) / 2 for the components' score offsets a_r
-# (docs/retrofit.md), so it can be small enough to leave a conversion exact to float32's rounding.
-KEY_SPREAD = 1e-3
+# (docs/convert.md), so it can be small enough to leave a conversion exact to float32's rounding. Hard-E's max over
+# the components costs at first order (max_r a_r), so its spread is smaller: a near-tie sends each score's whole
+# gradient to one component, which separates them at once, where an exact tie splits it evenly between them.
+KEY_SPREAD = 1e-4
+HARD_E_KEY_SPREAD = 1e-6
 
 PI_LABEL = Label({"soft_e": "Soft-E", "hard_e": "Hard-E"}, short="{value}")
 
@@ -308,7 +311,8 @@ class MixtureKeysMixin:
     def load_projections(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         """The conversion rule of mixture keys from a layer with one key projection K (:func:`mgk.swap_attention`):
         queries, values and output copied; separate keys (MGK, MLK) take K plus a spread that sums to zero over the
-        components, ``KEY_SPREAD * std(K)`` times centred Gaussian noise (biases copied: see :data:`KEY_SPREAD`);
+        components, ``KEY_SPREAD * std(K)`` (``HARD_E_KEY_SPREAD`` for Hard-E) times centred Gaussian noise (biases
+        copied: see :data:`KEY_SPREAD`);
         shifted keys (sMGK, sMLK) take K itself with every shift 0, so every component is K. Mixture weights stay as
         initialised (uniform). With the key-norm term removed (MGK's ``key_scale``) the layer is the source's.
 
@@ -324,7 +328,8 @@ class MixtureKeysMixin:
                                  "components (merging heads into components needs separate keys: mgk or mlk)")
         elif self.keys == "separate":
             noise = torch.randn(M, *key_w.shape, dtype=key_w.dtype) if M > 1 else key_w.new_zeros(1, *key_w.shape)
-            noise = (noise - noise.mean(dim=0)) * (KEY_SPREAD * key_w.float().std().item())
+            spread = HARD_E_KEY_SPREAD if self.pi_mode == "hard_e" else KEY_SPREAD
+            noise = (noise - noise.mean(dim=0)) * (spread * key_w.float().std().item())
             key_w = (key_w + noise).flatten(0, 1)
             key_b = None if key_b is None else key_b.repeat(M)
         out["mixture.k_proj.weight"] = key_w

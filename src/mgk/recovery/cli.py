@@ -6,9 +6,10 @@ import json
 import sys
 import typing
 
-from ..argtypes import number, seed, threads
+from ..argtypes import number, seed
 
 nonnegative_int, positive_int = number(int, 0), number(int, 1)
+few_threads = number(int, 1, 1024)  # torch's OpenMP pool allocates per thread: 2^31 of them is an abort, not an error
 
 __all__ = ["add_parsers", "run_convert", "run_score"]
 
@@ -29,20 +30,22 @@ def add_parsers(sub) -> None:
                         "(num_heads, head_dim, heads=merge|pool|prune|slice); repeat for several")
     p.add_argument("--out", help="the run folder to write (new or empty)")
     p.add_argument("--resume", metavar="OUT", help="continue the conversion run OUT from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start again in an --out that holds an earlier conversion run (only its files are removed)")
     p.add_argument("--data", help="a text file or a WikiText folder (train split for training, valid for scoring)")
-    p.add_argument("--tokens", type=nonnegative_int, default=0, help="tokens of local attention transfer (default 0)")
-    p.add_argument("--e2e-tokens", type=nonnegative_int, default=0,
+    p.add_argument("--tokens", type=nonnegative_int, help="tokens of local attention transfer (default 0)")
+    p.add_argument("--e2e-tokens", type=nonnegative_int,
                    help="tokens of end-to-end distillation after the transfer (default 0)")
-    p.add_argument("--window", type=positive_int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--batch-size", type=positive_int, default=2, help="windows per step (default 2)")
-    p.add_argument("--lr", type=number(float, 0, low_open=True), default=2e-4,
+    p.add_argument("--window", type=positive_int, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=positive_int, help="windows per step (default 2)")
+    p.add_argument("--lr", type=number(float, 0, low_open=True),
                    help="AdamW's peak learning rate (default 2e-4)")
-    p.add_argument("--seed", type=seed, default=0, help="conversion and data-order seed (default 0)")
-    p.add_argument("--checkpoint-every", type=positive_int, default=10, help="steps between checkpoints (default 10)")
-    p.add_argument("--eval-tokens", type=nonnegative_int, default=0,
+    p.add_argument("--seed", type=seed, help="conversion and data-order seed (default 0)")
+    p.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (default 10)")
+    p.add_argument("--eval-tokens", type=nonnegative_int,
                    help="tokens of the valid split scored before and after recovery (default 0: none)")
     p.add_argument("--eval-data", help="text to score instead of --data's valid split")
-    p.add_argument("--threads", type=threads, help="torch threads (default torch's)")
+    p.add_argument("--threads", type=few_threads, help="torch threads (default torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("score", help="perplexity of a causal LM on the first tokens of a text",
@@ -54,7 +57,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--tokens", type=positive_int, default=65536, help="tokens scored (default 65536)")
     s.add_argument("--window", type=positive_int, default=512, help="tokens per window (default 512)")
     s.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
-    s.add_argument("--threads", type=threads, help="torch threads (default torch's)")
+    s.add_argument("--threads", type=few_threads, help="torch threads (default torch's)")
 
 
 def _config(args):
@@ -84,11 +87,14 @@ def _config(args):
         given[key] = value
         if key not in swap:
             options[key] = value
-    return ConvertConfig(args.source, args.kind, options, **{k: given.get(k) for k in swap}, data=args.data,
-                         tokens=args.tokens, e2e_tokens=args.e2e_tokens, window=args.window,
-                         batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                         checkpoint_every=args.checkpoint_every, eval_tokens=args.eval_tokens,
-                         eval_data=args.eval_data)
+    flags = {name: getattr(args, name) for name in _RUN_FLAGS if getattr(args, name) is not None}
+    return ConvertConfig(args.source, args.kind, options, **{k: given.get(k) for k in swap}, **flags)
+
+
+# The run's settings on the command line (None when not given: ConvertConfig's defaults apply, and --resume refuses
+# them beside it)
+_RUN_FLAGS = ("data", "tokens", "e2e_tokens", "window", "batch_size", "lr", "seed", "checkpoint_every", "eval_tokens",
+              "eval_data")
 
 
 def _quiet_transformers() -> None:
@@ -109,13 +115,16 @@ def run_convert(args) -> int:
 
         torch.set_num_threads(args.threads)
     if args.resume:
-        if args.source or args.kind or args.out or args.set:
-            raise ValueError("--resume OUT continues a run with its own settings: give no SOURCE, --kind, --set or "
-                             "--out with it")
+        given = [name for name, value in (("SOURCE", args.source), ("--kind", args.kind), ("--out", args.out),
+                                          ("--set", args.set), ("--overwrite", args.overwrite))
+                 if value] + [f"--{name.replace('_', '-')}" for name in _RUN_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"--resume OUT continues a run with the settings in its convert.json: {', '.join(given)} "
+                             "cannot be given with it (start again with --out OUT --overwrite to change them)")
         results = convert(None, args.resume, resume=True, progress=not args.quiet)
         out = args.resume
     else:
-        results = convert(_config(args), args.out, progress=not args.quiet)
+        results = convert(_config(args), args.out, overwrite=args.overwrite, progress=not args.quiet)
         out = args.out
     ppl = results.get("perplexity")
     line = f"done: {results['steps']} steps, {results['seconds']:.0f} s"
@@ -139,6 +148,10 @@ def run_score(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.tokens % args.window:
+        raise ValueError(f"--tokens {args.tokens} is not a whole number of windows of {args.window}")
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        raise ValueError(f"--json {args.json}: not a file in an existing folder")
     model_path = Path(args.model)
     if (model_path / "convert.json").is_file():
         model_path = model_path / "model"

@@ -101,16 +101,19 @@ class ConvertConfig:
         get_kind(self.kind)
         check_options(self.kind, self.options)
         step = self.window * self.batch_size
-        for name in ("tokens", "e2e_tokens"):
+        for name, unit, what in (("tokens", step, "steps"), ("e2e_tokens", step, "steps"),
+                                 ("eval_tokens", self.window, "windows")):
             value = getattr(self, name)
-            if value % step:
-                low, high = value // step * step, (value // step + 1) * step
-                raise ValueError(f"{name}={value} is not a whole number of steps of window {self.window} x batch "
-                                 f"{self.batch_size} = {step} tokens: give {low or high} or {high}")
-        if (self.tokens or self.e2e_tokens or self.eval_tokens) and self.data is None and self.eval_data is None:
-            raise ValueError("training or scoring needs data (a text file or a WikiText folder)")
-        if self.eval_tokens and self.eval_tokens < self.window:
-            raise ValueError(f"eval_tokens={self.eval_tokens} is less than one window of {self.window}")
+            if value % unit:
+                low, high = value // unit * unit, (value // unit + 1) * unit
+                raise ValueError(f"{name}={value} is not a whole number of {what} of {unit} tokens (window "
+                                 f"{self.window}{f' x batch {self.batch_size}' if what == 'steps' else ''}): give "
+                                 f"{f'{low} or ' if low else ''}{high}")
+        if (self.tokens or self.e2e_tokens) and self.data is None:
+            raise ValueError("training needs data (a text file or a WikiText folder: its train split)")
+        if self.eval_tokens and self.eval_data is None and (self.data is None or Path(self.data).is_file()):
+            raise ValueError("scoring needs a valid split: give eval_data, or data as a WikiText folder (one file "
+                             "as data would be scored on the text it trains on)")
         return self
 
     def as_dict(self) -> dict:
@@ -131,17 +134,42 @@ def read_run(out: str | os.PathLike) -> ConvertConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
-def _check_out(out: Path, resume: bool) -> None:
+# What a conversion run writes (and --overwrite removes): nothing else in the folder is touched
+RUN_FILES = (CONFIG_NAME, CHECKPOINT_NAME, STEP0_NAME, MODEL_DIR, f".{MODEL_DIR}.tmp", f".{MODEL_DIR}.old")
+
+
+def _check_out(out: Path, resume: bool, overwrite: bool = False) -> None:
+    """ValueError in one line unless ``out`` may take this run: a conversion run to resume; for a new run, a new or
+    empty folder, or with ``overwrite`` a conversion run folder holding only what a conversion writes."""
     if resume:
         read_run(out)
         return
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
-    if out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()):
-        if (out / CONFIG_NAME).is_file():
-            raise ValueError(f"--out {out} holds a conversion run: continue it with `mgk convert --resume {out}` "
-                             "or choose another folder")
-        raise ValueError(f"--out {out} exists and is not a conversion run folder: choose a new or empty folder")
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) if out.is_dir() else []
+    if not entries:
+        return
+    if (out / CONFIG_NAME).is_file():
+        files = RunFiles(out)
+        foreign = [e for e in entries if e not in RUN_FILES and out / e not in (files.metrics, files.results)]
+        if overwrite and not foreign:
+            return
+        if overwrite:
+            raise ValueError(f"--out {out} holds files a conversion does not write ({', '.join(foreign)}): "
+                             "--overwrite leaves such a folder alone")
+        raise ValueError(f"--out {out} holds a conversion run: continue it with `mgk convert --resume {out}`, "
+                         "start it again with --overwrite, or choose another folder")
+    raise ValueError(f"--out {out} exists and is not a conversion run folder: choose a new or empty folder")
+
+
+def _clear(out: Path) -> None:
+    """Remove what an earlier conversion run wrote in ``out`` (under its lock; :func:`_check_out` allowed it)."""
+    files = RunFiles(out)
+    for path in [out / name for name in RUN_FILES] + [files.metrics, files.results]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def _swap(model: nn.Module, cfg: ConvertConfig) -> nn.Module:
@@ -151,38 +179,95 @@ def _swap(model: nn.Module, cfg: ConvertConfig) -> nn.Module:
                               seed=cfg.seed, **cfg.options)
 
 
-def convert(cfg: ConvertConfig | None, out: str | os.PathLike, *, resume: bool = False, progress: bool = True,
-            device: str | None = None) -> dict:
+def convert(cfg: ConvertConfig | None, out: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+            progress: bool = True, device: str | None = None) -> dict:
     """Run (or with ``resume``, continue) the conversion ``cfg`` into the folder ``out``; returns results.json.
+    ``overwrite``: start again in a folder that holds an earlier conversion run (only its files are removed).
 
-    Bad settings, a source that is not a causal LM, a kind or option that does not apply to it, and an ``out`` that
-    exists and is not a conversion run are refused (ValueError, one line) before anything is written.
+    Refused (ValueError, one line) before anything is written: bad settings, a source that is not a causal LM, a
+    kind or option that does not apply to it, a window longer than the model's positions, data too short for the
+    budget, an ``out`` that exists and is not a conversion run (or is one, without ``overwrite``), and, checked
+    again once the folder is locked, a run another process started there meanwhile. A resumed run whose checkpoint
+    was written with other settings than its convert.json is refused likewise.
     """
     out = Path(out)
-    _check_out(out, resume)
+    _check_out(out, resume, overwrite)
     cfg = read_run(out) if resume else cfg.check()
     dist = distributed.setup(device or "cpu")
     teacher, tokenizer, about = load_source(cfg.source)
     with torch.random.fork_rng(devices=[]):
         student = _swap(copy.deepcopy(teacher), cfg)
+    _check_window(cfg, teacher)
+    data = _Data(cfg, tokenizer)  # reads and counts every text the run needs
+    made = not out.exists()
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
     lock = RunDirLock(out, shared=not dist.is_main).acquire()
     try:
-        if dist.is_main and not resume:
-            write_json(out / CONFIG_NAME, {"config": cfg.as_dict(), "source": about, "mgk": __version__})
-        return _Recovery(cfg, out, teacher, student, tokenizer, dist, progress).run()
+        if dist.is_main:
+            _take(out, cfg, about, resume, overwrite, made)
+        distributed.barrier()
+        return _Recovery(cfg, out, teacher, student, tokenizer, data, dist, progress).run()
     finally:
         lock.release()
         distributed.teardown()
 
 
+def _take(out: Path, cfg: ConvertConfig, about: str, resume: bool, overwrite: bool, made: bool) -> None:
+    """Under the folder's lock: check ``out`` again (another process may have started a run there while this one
+    loaded its model), then write convert.json for a new run. A refusal leaves a folder this call made removed."""
+    try:
+        _check_out(out, resume, overwrite)
+        if resume:
+            saved = (out / CHECKPOINT_NAME)
+            if saved.is_file() and checkpoint.load(saved).get("config") != cfg.as_dict():
+                raise ValueError(f"{out}: its checkpoint was written with other settings than its {CONFIG_NAME} "
+                                 "(edited since?): put them back, or start again with --overwrite")
+            return
+        if overwrite:
+            _clear(out)
+        write_json(out / CONFIG_NAME, {"config": cfg.as_dict(), "source": about, "mgk": __version__})
+    except ValueError:
+        if made and all(p.name == LOCK_NAME for p in out.iterdir()):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _check_window(cfg: ConvertConfig, model) -> None:
+    """ValueError naming the window when the model has fewer positions (n_positions, max_position_embeddings)."""
+    config = model.config
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    used = cfg.tokens or cfg.e2e_tokens or cfg.eval_tokens  # a conversion alone reads no window
+    if used and limit is not None and cfg.window > limit:
+        raise ValueError(f"window {cfg.window} is longer than the model's {limit} positions")
+
+
+class _Data:
+    """The token windows a run trains on (in the order the steps take them) and scores, read once, before the run
+    takes its folder: a text that is missing, unreadable or too short is refused before anything is written."""
+
+    def __init__(self, cfg: ConvertConfig, tokenizer):
+        total = cfg.tokens + cfg.e2e_tokens
+        self.train = torch.zeros(0, cfg.window, dtype=torch.int64)
+        self.transfer_steps = 0
+        if total:
+            windows = token_windows(tokenizer, text_file(cfg.data, "train"), total, cfg.window)
+            n = cfg.tokens // cfg.window  # the transfer's windows, then the end-to-end ones, each shuffled
+            g = torch.Generator().manual_seed(cfg.seed)
+            order = torch.cat([torch.randperm(n, generator=g),
+                               n + torch.randperm(windows.shape[0] - n, generator=g)])
+            self.train, self.transfer_steps = windows[order], n // cfg.batch_size
+        self.eval = None if not cfg.eval_tokens else token_windows(
+            tokenizer, text_file(cfg.eval_data or cfg.data, "valid"), cfg.eval_tokens, cfg.window)
+
+
 class _Recovery:
     """One conversion run's training loop (see the module docstring), from its checkpoint when there is one."""
 
-    def __init__(self, cfg, out, teacher, student, tokenizer, dist, progress):
+    def __init__(self, cfg, out, teacher, student, tokenizer, data: _Data, dist, progress):
         self.cfg, self.out, self.teacher, self.student, self.tokenizer = cfg, out, teacher, student, tokenizer
+        self.data = data
         self.dist, self.progress = dist, progress and dist.is_main
         self.pairs = attention_pairs(teacher, student)
         self.students = self.pairs.students
@@ -191,7 +276,7 @@ class _Recovery:
         self.students.requires_grad_(True)
         student.train()
         self.params = [p for p in self.students.parameters() if p.requires_grad]
-        self.windows, self.transfer_steps = self._windows()
+        self.windows, self.transfer_steps = data.train, data.transfer_steps
         self.steps = self.windows.shape[0] // cfg.batch_size
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         warm = max(1, self.steps // 10)
@@ -200,24 +285,12 @@ class _Recovery:
         self.step, self.elapsed = 0, 0.0
         self.spread_start = component_spread(self.students)
 
-    def _windows(self) -> tuple[torch.Tensor, int]:
-        """The training windows in the order the steps take them, and the number of local-transfer steps: the
-        transfer's windows (the first ``tokens`` of the text) shuffled by the seed, then the end-to-end ones (the
-        next ``e2e_tokens``), shuffled likewise."""
-        cfg = self.cfg
-        total = cfg.tokens + cfg.e2e_tokens
-        if total == 0:
-            return torch.zeros(0, cfg.window, dtype=torch.int64), 0
-        windows = token_windows(self.tokenizer, text_file(cfg.data, "train"), total, cfg.window)
-        n = cfg.tokens // cfg.window
-        g = torch.Generator().manual_seed(cfg.seed)
-        order = torch.cat([torch.randperm(n, generator=g), n + torch.randperm(windows.shape[0] - n, generator=g)])
-        return windows[order], n // cfg.batch_size
-
     def run(self) -> dict:
         ckpt_path = self.out / CHECKPOINT_NAME
         if ckpt_path.is_file():
             self._load(checkpoint.load(ckpt_path))
+        elif self.dist.is_main and RunFiles(self.out).metrics.is_file():  # killed before its first checkpoint
+            rewrite_metrics(self.out, [])
         step0 = self._score_step0()
         if self.step < self.steps:
             self._train()
@@ -238,10 +311,7 @@ class _Recovery:
         return score
 
     def _score(self) -> dict:
-        cfg = self.cfg
-        windows = token_windows(self.tokenizer, text_file(cfg.eval_data or cfg.data, "valid"), cfg.eval_tokens,
-                                cfg.window)
-        return perplexity(self.student, windows, progress=self.progress)
+        return perplexity(self.student, self.data.eval, progress=self.progress)
 
     def _train(self) -> None:
         from tqdm import tqdm

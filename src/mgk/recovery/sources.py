@@ -51,6 +51,8 @@ def load_source(name: str):
             raise ValueError(f"{name}: not a Hugging Face model folder (no config.json) and not a known short name "
                              f"({known})")
         _check_causal(path)
+        import mgk.integrations.hf  # noqa: F401  (a folder mgk converted: its model types are registered there)
+
         folder, kwargs, about = path, {}, str(path)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)

@@ -38,17 +38,21 @@ def token_windows(tokenizer, path: Path, tokens: int, window: int) -> torch.Tens
     of 0.1M tokens does not tokenise a 540 MB file; the pieces do not depend on the budget, so a smaller budget's
     tokens are the first of a larger one's. ValueError naming the file when it holds fewer tokens than asked
     (naming both counts): a budget is never cut silently."""
-    if tokens < window:
-        raise ValueError(f"{tokens} tokens is less than one window of {window}")
-    want = tokens // window * window
+    if tokens < window or tokens % window:
+        raise ValueError(f"{tokens} tokens is not a whole number of windows of {window}")
+    want = tokens
     ids: list[int] = []
-    with open(path, encoding="utf-8") as f:
-        while len(ids) < want:
-            text = f.read(PIECE)
-            if not text:
-                break
-            rest = f.readline()  # end on a line boundary: a word is never cut between two pieces
-            ids += tokenizer(text + rest, add_special_tokens=False)["input_ids"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            while len(ids) < want:
+                text = f.read(PIECE)
+                if not text:
+                    break
+                rest = f.readline()  # end on a line boundary: a word is never cut between two pieces
+                ids += tokenizer(text + rest, add_special_tokens=False)["input_ids"]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#x} at offset {e.start} of a piece)") \
+            from None
     if len(ids) < want:
         raise ValueError(f"{path}: holds {len(ids)} tokens, fewer than the {want} asked for")
     return torch.tensor(ids[:want], dtype=torch.int64).view(-1, window)
