@@ -84,17 +84,20 @@ def main(argv=None) -> int:
     runs, record = Path(args.out), Path(args.record)
     os.environ.setdefault("MGK_TRACEBACK", "1")
     _cell(record, "source", None, None, args)
-    for label, (kind, sets, _, recovered) in ROWS.items():
-        if args.only and label != args.only:
-            continue
-        base = ["convert", "smollm2", "--kind", kind, *sum((["--set", s] for s in sets), []), "--data", args.data]
-        _cell(record, f"{label}-step0", base + ["--tokens", "0", "--out", str(runs / f"{label}-step0")],
-              runs / f"{label}-step0", args)
-        if recovered:
-            for seed in SEEDS:
+    rows = {label: row for label, row in ROWS.items() if not args.only or label == args.only}
+
+    def base(kind, sets):
+        return ["convert", "smollm2", "--kind", kind, *sum((["--set", s] for s in sets), []), "--data", args.data]
+    for label, (kind, sets, _, _) in rows.items():  # every row's step 0 first, then seed by seed: a stopped
+        _cell(record, f"{label}-step0", base(kind, sets) + ["--tokens", "0", "--out", str(runs / f"{label}-step0")],
+              runs / f"{label}-step0", args)  # command leaves whole seeds of every row, not one row's seeds
+    for seed in SEEDS:
+        for label, (kind, sets, _, recovered) in rows.items():
+            if recovered:
                 out = runs / f"{label}-s{seed}"
-                _cell(record, f"{label}-s{seed}", base + ["--tokens", str(TOKENS), "--e2e-tokens", str(E2E_TOKENS),
-                                                          "--seed", str(seed), "--out", str(out)], out, args)
+                _cell(record, f"{label}-s{seed}", base(kind, sets) + [
+                    "--tokens", str(TOKENS), "--e2e-tokens", str(E2E_TOKENS), "--seed", str(seed), "--out",
+                    str(out)], out, args)
     print(table(record))
     return 0
 
