@@ -1,6 +1,7 @@
 """The kinds "mgk" and "smgk": multi-head attention with a mixture of Gaussian keys (Nguyen et al., ICML 2022,
-Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (its causal-centre protocol and the choice of
-each cached call's path live in :class:`mgk.functional.mgk_cache.MGKDecodeState`) and registration."""
+Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (one call into
+:class:`mgk.functional.MGKDecodeState`, which keeps the causal-centre protocol and chooses each cached call's path)
+and registration."""
 from __future__ import annotations
 
 import math
@@ -19,7 +20,8 @@ from ..functional import (
     mgk_attention_soft_e,
     mgk_responsibilities,
 )
-from ..functional.mgk_cache import MGKDecodeState, mgk_step_terms, step_terms_for
+from ..functional.mgk_cache import Memo
+from ..functional.mgk_state import MGKDecodeState
 from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
 from .cache_spec import CacheSpec
@@ -203,76 +205,59 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         one is refused by the other."""
         return f"{type(self).__name__} ({self.keys} keys)"
 
-    def cache_ready_to_fix(self, cache: LayerCache) -> bool:
-        """MGK's cache may be fixed once its centre is settled: every row has seen two real tokens
-        (:attr:`mgk.functional.mgk_cache.MGKDecodeState.ready_to_fix`)."""
-        return MGKDecodeState(cache).ready_to_fix
+    def _decoding_state(self, capacity: int | None) -> MGKDecodeState:
+        """MGK's decoding state (:class:`mgk.functional.MGKDecodeState`) for the key heads' entries."""
+        return MGKDecodeState(self.cache_slots, capacity, groups=self.kv_heads, layout=self.cache_layout)
 
-    def cache_cropped(self, cache: LayerCache) -> None:
-        """The centre protocol after :meth:`LayerCache.crop` cut this layer's ``cache`` (which calls it):
-        :meth:`mgk.functional.mgk_cache.MGKDecodeState.cropped`."""
-        MGKDecodeState(cache).cropped()
+    @property
+    def group_variances(self) -> Tensor:
+        """The variances of the key heads (H here; gMGK's G key groups): the fixed (M,) buffer, or
+        ``exp(log_sigma2)`` (heads, M) when learned (read from the module's own tables, as :attr:`sigma2`)."""
+        learned = self._parameters.get("log_sigma2")
+        return self._buffers["sigma2"] if learned is None else learned.exp()
 
     def _cached_core(self, q, x, v, valid, cache: LayerCache):
-        """Prefill: the uncached attention with its causal centre, which the cache keeps; then steps over the
-        cache's entries: :meth:`mgk.functional.mgk_cache.MGKDecodeState.forward`, the one home of the centre
-        protocol and of the choice between the first call, the protocol's calls, the fused and the fixed-capacity
-        step. Per-position weights are read at each row's positions. No Soft-E statistics."""
+        """One call into the cache's :class:`mgk.functional.MGKDecodeState` (the prefill, its centre protocol, the
+        fused and the fixed-capacity steps), with the key heads' keys, values, variances, shifts and prior;
+        per-position weights are read at each row's positions. No Soft-E statistics."""
         L = x.shape[1]
         by_position = self.mixture.position_limit() is not None
         if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        base = self.mixture.project(x)  # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D)
-        # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
-        cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        sigma2, shifts, prior = self._decode_parameters(q, by_position)
+        return cache.state.step(q, self.mixture.project(x), v, valid, sigma2=sigma2, shifts=shifts, prior=prior,
+                                log_pi=self._decode_log_pi(cache, valid, L) if by_position else None,
+                                mixture="max" if self.pi_mode == "hard_e" else "sum", dropout_p=self.attn_dropout,
+                                backend=self.backend)
 
-        mixture = "max" if self.pi_mode == "hard_e" else "sum"
-
-        def options() -> dict:
-            """The cache entries' options (variances, mixture, shifts) as this call reads them."""
-            return dict(sigma2=self.sigma2, mixture=mixture,
-                        shifts=self.mixture.shifts() if self.keys == "shifted" else None)
-
-        def prefill(log_pi, mask, centre):
-            """The first call's output: the uncached causal attention at the cache's centre."""
-            k = base if self.keys != "shifted" else self.mixture.shift(base)
-            return mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture,
-                                 attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
-                                 centre=centre)
-
-        return MGKDecodeState(cache).forward(
-            q, base, v, valid, terms=lambda: self._decode_terms(cache, q, by_position),
-            log_pi=lambda: self._decode_log_pi(cache, valid, L, by_position), per_position=by_position,
-            options=options, prefill=prefill, dropout_p=self.attn_dropout)
-
-    def _decode_log_pi(self, cache: LayerCache, valid, L: int, by_position: bool) -> Tensor | None:
-        """log pi of this call's L new tokens, broadcastable to (B, H, M, L) (None for Hard-E): per-position weights
-        at each row's positions, else the one prior of every token."""
-        if not by_position:
-            return self.mixture.log_weights(1)
+    def _decode_log_pi(self, cache: LayerCache, valid, L: int) -> Tensor | None:
+        """log pi of this call's L new tokens at each row's positions (per-position weights), broadcastable to
+        (B, heads, M, L); None for Hard-E."""
         if valid is None and not cache.padded and not cache.fixed:  # every row has seen cache.length: one slice
             return self.mixture.log_weights(L, start=cache.length)
         return self.mixture.log_weights_at(cache.positions(valid, L))
 
-    def _decode_terms(self, cache: LayerCache, q: Tensor, by_position: bool):
-        """The steps' terms (:func:`mgk.functional.mgk_cache.mgk_step_terms`: variances, shifts and, unless the
-        weights are per position, the prior), kept by the cache while the tensors they come from stay the same
-        (:func:`mgk.functional.mgk_cache.step_terms_for`): a step then makes none of them."""
+    def _decode_parameters(self, q: Tensor, by_position: bool) -> tuple:
+        """``(sigma2, shifts, prior)`` of a decoding call: the key heads' variances, sMGK's shifts (M, heads, D) and
+        the log prior of every token when it does not depend on the position (None for Hard-E and per-position
+        weights). The same tensors from call to call while the parameters they come from stay the same (a
+        :class:`mgk.functional.mgk_cache.Memo`), so that the state keeps its step terms and a step makes none."""
         shifted, hard = self.keys == "shifted", self.pi_mode == "hard_e"
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         mixture = self.mixture
-        watch = (dtype, self.keys, self.pi_mode, by_position, self._parameters.get("log_sigma2"),
+        watch = (q.dtype, q.device, self.keys, self.pi_mode, by_position, self._parameters.get("log_sigma2"),
                  self._buffers.get("sigma2"), mixture._parameters.get("key_shift") if shifted else None)
         if not (hard or by_position):
             watch += (mixture.pi_norm, mixture._parameters.get("pi_logits"), mixture.component_gate)
 
         def make():
-            """The terms, made anew (when a watched tensor changed, or at the first step)."""
-            log_pi = None if hard or by_position else mixture.log_weights(1)
-            return mgk_step_terms(self.num_heads, mixture.num_keys, self.head_dim, sigma2=self.sigma2,
-                                  shifts=mixture.shifts() if shifted else None, log_pi=log_pi,
-                                  mixture="max" if hard else "sum", dtype=dtype, device=q.device)
-        return step_terms_for(cache, watch, make)
+            """The parameters, made anew (when a watched tensor changed, or at the first call)."""
+            return (self.group_variances, mixture.shifts() if shifted else None,
+                    None if hard or by_position else mixture.log_weights(1))
+
+        memo = self.__dict__.get("_decode_memo")
+        if memo is None:
+            memo = self.__dict__["_decode_memo"] = Memo()
+        return memo.get(watch, make)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
         log_pi = self._log_weights_of(k.shape[3], key_positions)

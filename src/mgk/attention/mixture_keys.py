@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
+from ..functional.mgk_cache import shifted_keys
 from .base import AttentionBase, _positive_int, factory_kwargs
 from .options import Options
 
@@ -164,7 +165,7 @@ class MixtureKeys(nn.Module):
 
     def shift(self, k: Tensor) -> Tensor:
         """The M components (B, H, M, S, D) of an unshifted key (B, H, S, D)."""
-        return k.unsqueeze(2) - self.shifts().transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
+        return shifted_keys(k, self.shifts())
 
     def position_limit(self) -> tuple[str, int] | None:
         """(option, max_len) when the weights are per key position (pi_shape="position" or pi="soft_e"), which

@@ -75,7 +75,7 @@ class MultiheadAttention(AttentionBase):
                                 **factory_kwargs(kwargs.get("device"), kwargs.get("dtype")))
 
     def _cached_core(self, q, x, v, valid, cache):
-        return softmax_cache_step(q, self._keys(x), v, cache.kv, valid=valid, dropout_p=self.attn_dropout)
+        return softmax_cache_step(q, self._keys(x), v, cache.state, valid=valid, dropout_p=self.attn_dropout)
 
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key), self.kv_heads)

@@ -21,7 +21,7 @@ from ._dispatch import is_transformed
 
 __all__ = ["MIXTURES", "check_components", "check_mixture", "check_mixture_args", "check_shifts",
            "gaussian_log_kernel", "key_bias", "key_bias_inv", "log_prior", "needs_qnorm", "per_component", "row_bias",
-           "scaled_keys", "scaled_keys_inv", "variances"]
+           "scaled_keys", "scaled_keys_inv", "shifted_keys", "variances"]
 
 MIXTURES = ("sum", "max")
 
@@ -163,6 +163,12 @@ def key_bias_inv(k: Tensor, inv: Tensor, log_pi: Tensor | None = None, mu: Tenso
         kr = k.unsqueeze(2)  # (B, H, 1, S, D)
         squared = torch.linalg.vecdot(kr, torch.sub(kr, mu.unsqueeze(2), alpha=2.0))
     return squared * (inv * -0.5) if log_pi is None else torch.addcmul(log_pi, squared, inv, value=-0.5)
+
+
+def shifted_keys(k: Tensor, shifts: Tensor) -> Tensor:
+    """The M components ``k_jr = k_j - mu_r`` (B, H, M, S, D) of sMGK's unshifted key k (B, H, S, D), for shifts
+    (M, H, D) (in k's dtype)."""
+    return k.unsqueeze(2) - shifts.transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
 
 
 def row_bias(q: Tensor, s2: Tensor) -> Tensor:

@@ -836,7 +836,8 @@ torch::Tensor mixture_dropout_mask(int64_t BH, int64_t L, int64_t S, double drop
 
 // mixture_decode.cpp
 torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor scale, torch::Tensor bias,
-                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard);
+                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard,
+                             int64_t period);
 
 torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor bias_new,
                                   torch::Tensor value_new, torch::Tensor centre, torch::Tensor inv_s2,
