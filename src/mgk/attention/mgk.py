@@ -241,18 +241,18 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         """``(sigma2, shifts, prior)`` of a decoding call: the key heads' variances, sMGK's shifts (M, heads, D) and
         the log prior of every token when it does not depend on the position (None for Hard-E and per-position
         weights). The same tensors from call to call while the parameters they come from stay the same (a
-        :class:`mgk.functional.mgk_cache.Memo`), so that the state keeps its step terms and a step makes none."""
-        shifted, hard = self.keys == "shifted", self.pi_mode == "hard_e"
+        :class:`mgk.functional.mgk_cache.Memo` watching them; the options are the mixture's, fixed when it was
+        built), so that the state keeps its step terms and a step makes none."""
         mixture = self.mixture
-        watch = (q.dtype, q.device, self.keys, self.pi_mode, by_position, self._parameters.get("log_sigma2"),
-                 self._buffers.get("sigma2"), mixture._parameters.get("key_shift") if shifted else None)
-        if not (hard or by_position):
-            watch += (mixture.pi_norm, mixture._parameters.get("pi_logits"), mixture.component_gate)
+        held = mixture._parameters
+        watch = (q.dtype, q.device, mixture, self._parameters.get("log_sigma2"), self._buffers.get("sigma2"),
+                 held.get("key_shift"), held.get("pi_logits"), mixture.component_gate)
 
         def make():
             """The parameters, made anew (when a watched tensor changed, or at the first call)."""
-            return (self.group_variances, mixture.shifts() if shifted else None,
-                    None if hard or by_position else mixture.log_weights(1))
+            fixed = self.pi_mode == "hard_e" or by_position
+            return (self.group_variances, mixture.shifts() if self.keys == "shifted" else None,
+                    None if fixed else mixture.log_weights(1))
 
         memo = self.__dict__.get("_decode_memo")
         if memo is None:

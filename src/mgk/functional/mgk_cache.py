@@ -436,20 +436,34 @@ class Memo:
         """The value kept when ``watch`` is as it was when it was made, else ``make()``'s, kept in its place."""
         if not _mixture_flash.plain_eager():
             return make()
+        kept = self._kept
+        if kept is not None and _same(kept[0], kept[1], watch):
+            return kept[2]
         grad, versions = torch.is_grad_enabled(), []
         for t in watch:
             if isinstance(t, Tensor):
                 if t.is_inference() or (grad and t.requires_grad):
                     return make()
                 versions.append(t._version)
-        kept = self._kept
-        if kept is not None and kept[1] == versions and len(kept[0]) == len(watch) and all(
-                a is b or not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
-                for a, b in zip(kept[0], watch)):
-            return kept[2]
         value = make()
         self._kept = (watch, versions, value)
         return value
+
+
+def _same(old: tuple, versions: list, watch: tuple) -> bool:
+    """Whether ``watch`` is ``old`` (kept with the tensors' ``versions``): the same tensors at the same versions, not
+    recording a gradient now, and equal plain values. A few comparisons a step: written out, no generator."""
+    if len(old) != len(watch):
+        return False
+    grad, n = torch.is_grad_enabled(), 0
+    for a, b in zip(old, watch):
+        if isinstance(b, Tensor):
+            if a is not b or b._version != versions[n] or (grad and b.requires_grad):
+                return False
+            n += 1
+        elif isinstance(a, Tensor) or a != b:
+            return False
+    return True
 
 
 # mgk_cache_step's terms per key buffer (a direct caller's decoding session has no state object to keep them): a new

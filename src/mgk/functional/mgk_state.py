@@ -123,7 +123,9 @@ class MGKDecodeState(KVCacheState):
             divide the query's heads or differ from the state's, or as the ops raise.
         """
         self._check_call(query, key)
-        self.cast(_compute_dtype(query))
+        held = self._buffers.get("values")
+        if held is None or held.dtype is not _compute_dtype(query):  # a model cast between two calls
+            self.cast(_compute_dtype(query))
         if self.fixed:
             return self._fixed_step(query, key, value, valid, sigma2, shifts, prior, log_pi, mixture)
         if self.settled_for(valid):
