@@ -148,6 +148,10 @@ class AttentionBase(nn.Module, abc.ABC):
     def _keys(self, key: Tensor) -> Tensor:
         """Project key inputs (B, S, kdim) to (B, H, S, D) or (B, H, M, S, D)."""
 
+    def _core_keys(self, key: Tensor) -> Tensor:
+        """The keys as :meth:`_core` takes them: :meth:`_keys` here (MGK: each key head's compact projection)."""
+        return self._keys(key)
+
     @abc.abstractmethod
     def _core(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool,
               query_mask: Tensor | None):
@@ -281,7 +285,7 @@ class AttentionBase(nn.Module, abc.ABC):
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask, is_causal, bias, query_mask = self._masks(key_padding_mask, attn_mask, is_causal, B, L, S,
                                                         self_attention)
-        q, k, v = self._split(self.q_proj(query)), self._keys(key), self._values(value)
+        q, k, v = self._split(self.q_proj(query)), self._core_keys(key), self._values(value)
         extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
         if key_padding_mask is not None and self._position_weighted and (
                 torch.compiler.is_compiling() or module_masks.shifts_positions(key_padding_mask)):

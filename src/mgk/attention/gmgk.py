@@ -121,17 +121,6 @@ class GroupedMGKAttention(MGKAttention):
         S > max_len."""
         return to_heads(super().mixture_log_weights(S), self.kv_heads, self._repeat)
 
-    def _log_weights_of(self, S: int, key_positions: Tensor | None) -> Tensor | None:
-        return to_heads(super()._log_weights_of(S, key_positions), self.kv_heads, self._repeat)
-
-    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
-        # the groups' keys (B, G, M, S, D) and values (B, G, S, Dv) read by each of their H / G query heads: MGK's
-        # own core (one implementation of the formula, its Soft-E statistics committed per group)
-        G, R = self.kv_heads, self._repeat
-        k, v = to_heads(k, G, R), to_heads(v, G, R)
-        return super()._core(q, k, v, mask, is_causal, need_weights, query_mask, bias=bias,
-                             key_positions=key_positions)
-
     def _commit_on_backward(self, out: Tensor, resp: Tensor, count: Tensor) -> Tensor:
         """MGK's commit of per-head statistics resp (H, M, S), count (H, S), summed over each group's heads first."""
         G = self.kv_heads

@@ -20,7 +20,7 @@ from ..functional import (
     mgk_attention_soft_e,
     mgk_responsibilities,
 )
-from ..functional.mgk_cache import Memo
+from ..functional.mgk_cache import Memo, to_heads
 from ..functional.mgk_state import MGKDecodeState
 from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
@@ -259,36 +259,53 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
             memo = self.__dict__["_decode_memo"] = Memo()
         return memo.get(watch, make)
 
+    def _core_keys(self, key: Tensor) -> Tensor:
+        """The key heads' projection as :meth:`_core` takes it: the M components (B, G, M, S, D), or sMGK's one
+        unshifted key (B, G, S, D), which :func:`mgk.functional.mgk_attention` reads with the shifts (G = H but
+        for gMGK's key groups): nothing repeated for the components or the query heads."""
+        return self.mixture.project(key)
+
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
-        log_pi = self._log_weights_of(k.shape[3], key_positions)
+        G, R = self.kv_heads, self.num_heads // self.kv_heads
+        log_pi = MixtureKeysMixin._log_weights_of(self, k.shape[-2], key_positions)  # the key heads'
+        shifts = self.mixture.shifts() if self.keys == "shifted" else None
+        sigma2 = self.group_variances
         collect = self._collects_statistics(q)
+        if self.pi_mode == "soft_e":
+            # Each query head's components, whether or not this forward gathers the E-step's statistics (which read
+            # them): the output's arithmetic is then the same either way, so a checkpoint's replay is bitwise.
+            k = to_heads(k if shifts is None else self.mixture.shift(k), G, R)
+            v, log_pi, shifts, sigma2 = to_heads(v, G, R), to_heads(log_pi, G, R), None, self.sigma2
         if collect and bias is None and not need_weights and key_positions is None:
             # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
-            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self.sigma2, attn_mask=mask,
-                                         is_causal=is_causal, dropout_p=self.attn_dropout, query_mask=query_mask,
-                                         backend=self.backend)
+            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=sigma2, attn_mask=mask, is_causal=is_causal,
+                                         dropout_p=self.attn_dropout, query_mask=query_mask, backend=self.backend)
             if fused is not None:
                 return self._commit_on_backward(*fused), None
         mixture = "max" if self.pi_mode == "hard_e" else "sum"
-        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self.sigma2, mixture=mixture, attn_mask=mask,
-                               bias=bias, is_causal=is_causal, dropout_p=self.attn_dropout,
-                               return_weights=need_weights, backend=self.backend)
+        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=sigma2, mixture=mixture, attn_mask=mask, bias=bias,
+                               is_causal=is_causal, dropout_p=self.attn_dropout, return_weights=need_weights,
+                               backend=self.backend, shifts=shifts)
         out, weights = result if need_weights else (result, None)
         if collect:
-            rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
-            stats = None
-            for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
-                resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=self.sigma2,
-                                                   attn_mask=_rows(mask, row), is_causal=is_causal,
-                                                   query_mask=_rows(query_mask, row))
-                if key_positions is not None:
-                    at = key_positions[row][0]
-                    resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
-                        count.new_zeros(count.shape).index_add_(1, at, count)
-                stats = (resp, count) if stats is None else (stats[0] + resp, stats[1] + count)
-            if stats is not None:
-                out = self._commit_on_backward(out, *stats)
+            out = self._statistics(out, q, k, log_pi, mask, is_causal, query_mask, key_positions)
         return out, weights
+
+    def _statistics(self, out, q, k, log_pi, mask, is_causal, query_mask, key_positions):
+        """``out`` through the commit of this forward's E-step statistics (:func:`mgk.functional.mgk_responsibilities`
+        of each query head's components k (B, H, M, S, D)), each row's at its own key positions when given."""
+        rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
+        stats = None
+        for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
+            resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=self.sigma2,
+                                               attn_mask=_rows(mask, row), is_causal=is_causal,
+                                               query_mask=_rows(query_mask, row))
+            if key_positions is not None:
+                at = key_positions[row][0]
+                resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
+                    count.new_zeros(count.shape).index_add_(1, at, count)
+            stats = (resp, count) if stats is None else (stats[0] + resp, stats[1] + count)
+        return out if stats is None else self._commit_on_backward(out, *stats)
 
     # -- Soft-E: statistics in forward, committed in backward, applied by soft_e_step ---------------------------
     def _collects_statistics(self, q: Tensor) -> bool:

@@ -37,7 +37,7 @@ from . import _mixture_terms as mixture_terms
 from . import masks as _masks
 from ._dispatch import is_transformed, pick
 from ._mgk_backends import _chunks
-from ._mixture_terms import needs_qnorm, row_bias
+from ._mixture_terms import query_terms
 
 DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
 
@@ -57,15 +57,6 @@ def entries(key: Tensor, c: Tensor, terms, prior: Tensor | None) -> tuple[Tensor
     return mixture_terms.scaled_keys_inv(k, terms.inv_keys), mixture_terms.key_bias_inv(k, terms.inv, prior)
 
 
-def to_heads(t, groups: int, repeat: int, dim: int = 1):
-    """``t`` with its dimension ``dim`` of ``groups`` key groups repeated for the ``repeat`` query heads of each
-    (query head h reads group h // repeat); a dimension of another size (1: broadcast over the heads, as the weights
-    of pi_shape="layer"), None or anything but a tensor is left as it is."""
-    if repeat == 1 or not isinstance(t, Tensor) or t.dim() <= dim or t.shape[dim] != groups:
-        return t
-    return t.repeat_interleave(repeat, dim=dim)
-
-
 def fold_queries(query: Tensor, groups: int) -> Tensor:
     """(B, H, L, D) queries as (B, G, (H / G) L, D): the H / G query heads of each key group as more rows of the
     group (a view for a contiguous query), rows ordered head by head."""
@@ -82,25 +73,9 @@ def fold_mask(mask: Tensor | None, H: int, groups: int, L: int) -> Tensor | None
     return mask.expand(Bm, H, L, S).reshape(Bm, groups, (H // groups) * L, S)
 
 
-def query_terms(q, s2, shifts):
-    """(scale, rowbias) of the scores ``s_ijr = scale_r * (q~_i . keys_jr) + key_bias_jr + rowbias_ir`` for centred
-    queries q (B, G, L, D): scale (1, G', M, 1) for sMGK's unscaled keys (1 / sigma_r^2) or None; rowbias
-    (B, G, M, L), the shifts' per-query term and / or the -|q~|^2 / (2 sigma_r^2) term when it does not cancel, or
-    None."""
-    scale = rowbias = None
-    if shifts is not None:
-        scale = 1.0 / mixture_terms.per_component(s2, 1)  # (1, G', M, 1)
-        mu = shifts.to(q.dtype).transpose(0, 1)  # (G, M, D)
-        rowbias = -((mu @ q.transpose(-1, -2)) * scale
-                    + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * scale)  # (B, G, M, L)
-    if needs_qnorm(s2):
-        qnorm = row_bias(q, s2)
-        rowbias = qnorm if rowbias is None else rowbias + qnorm
-    return scale, rowbias
-
-
 def scores(q, keys, key_bias, scale, rowbias):
-    """s_ijr as (B, G, M, L, S) for centred queries q (B, G, L, D) against cached entries (:func:`query_terms`).
+    """s_ijr as (B, G, M, L, S) for centred queries q (B, G, L, D) against cached entries
+    (:func:`._mixture_terms.query_terms`).
     (query @ keys^T reads the cache as the transposed operand of one GEMM per head, several times faster on CPU than
     keys @ query.)"""
     if scale is None:

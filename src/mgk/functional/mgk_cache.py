@@ -21,9 +21,9 @@ from . import _mixture_terms as mixture_terms
 from ._centre import check_centre, choose_centre
 from ._checks import check_arguments, check_tensor, compute_dtype, full_precision
 from ._dispatch import pick
-from ._mgk_algebra import DECODE_BACKENDS, cached_output, entries, fold_mask, fold_queries, to_heads
+from ._mgk_algebra import DECODE_BACKENDS, cached_output, entries, fold_mask, fold_queries
 from ._mgk_checks import check_attention, check_backend, check_slots, check_step, refuse_graph
-from ._mixture_terms import check_components, check_log_pi, check_mixture_args, check_shifts, shifted_keys
+from ._mixture_terms import check_components, check_log_pi, check_mixture_args, check_shifts, shifted_keys, to_heads
 
 __all__ = ["DECODE_BACKENDS", "MGKStepTerms", "Memo", "mgk_attention_cached", "mgk_cache_centre",
            "mgk_cache_entries", "mgk_cache_step", "mgk_step_terms", "shifted_keys", "step_terms_for", "to_heads"]

@@ -17,8 +17,6 @@ from .mgk_cache import (
     mgk_cache_centre,
     mgk_cache_entries,
     mgk_step_terms,
-    shifted_keys,
-    to_heads,
 )
 
 __all__ = ["MGKDecodeState"]
@@ -202,16 +200,9 @@ class MGKDecodeState(KVCacheState):
 
     def _prefill(self, q, key, v, valid, log_pi, entry: dict, dropout_p: float, backend):
         """The first call's output: the uncached causal attention (:func:`mgk.functional.mgk_attention`) at the
-        state's centre, each key group's keys, values, prior and variances read by its query heads."""
-        G, R = key.shape[1], q.shape[1] // key.shape[1]
-        k = key if entry["shifts"] is None else shifted_keys(key, entry["shifts"])
-        k, v, c = (to_heads(t, G, R) for t in (k, v, self.centre))
-        sigma2 = entry["sigma2"]
-        if isinstance(sigma2, Tensor) and sigma2.dim() == 2:  # per key group: (G, M) to (H, M)
-            sigma2 = to_heads(sigma2, G, R, dim=0)
-        return mgk_attention(q, k, v, log_pi=to_heads(log_pi, G, R), sigma2=sigma2, mixture=entry["mixture"],
-                             attn_mask=None if valid is None else valid[:, None, None, :], is_causal=True,
-                             dropout_p=dropout_p, backend=backend, centre=c)
+        state's centre, of the compact keys (the kernel reads each group's keys, and sMGK's one key, in place)."""
+        return mgk_attention(q, key, v, log_pi=log_pi, attn_mask=None if valid is None else valid[:, None, None, :],
+                             is_causal=True, dropout_p=dropout_p, backend=backend, centre=self.centre, **entry)
 
     def settled_for(self, valid: Tensor | None) -> bool:
         """Whether a call whose new tokens are ``valid`` (B, L) bool (None: all real) leaves every centre and kept
