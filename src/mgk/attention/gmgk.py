@@ -30,12 +30,10 @@ from torch import Tensor, nn
 from ..fields import Label, spec
 from ..functional.mgk_cache import to_heads
 from .base import AttentionBase, _positive_int, factory_kwargs
-from .cache_spec import CacheSpec
-from .flops import total
 from .gqa import GQAOptions, GroupedQueryAttention
 from .mgk import MGKAttention, MGKOptions, mixture_flops
 from .mixture_keys import KEY_MODES, MixtureKeys, split_options
-from .registry import AttentionKind, option_labels, register
+from .registry import AttentionKind, CacheSpec, option_labels, register, total
 
 __all__ = ["GMGKOptions", "GroupedMGKAttention", "gmgk_flops"]
 
@@ -57,7 +55,7 @@ class GroupedMGKAttention(MGKAttention):
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`mgk.attention.base.AttentionBase`; num_heads is H, the query heads.
         options: a :class:`GMGKOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_kv_heads: G, the key/value groups (default None: G = H, which is :class:`MGKAttention` itself, the same
             parameters by name and shape).
@@ -171,9 +169,9 @@ class GroupedMGKAttention(MGKAttention):
 
 def gmgk_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
                backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one call (:mod:`mgk.attention.flops`): MGK's (:func:`mgk.attention.mgk.mixture_flops`, the core per
-    query head) with the key projections (M, or one for shifted keys) and the value projection of width G * D
-    instead of H * D."""
+    """FLOPs of one call (:func:`mgk.attention.registry.total`): MGK's (:func:`mgk.attention.mgk.mixture_flops`, the
+    core per query head) with the key projections (M, or one for shifted keys) and the value projection of width
+    G * D instead of H * D."""
     separate = options.keys == "separate"
     shape = dict(heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim, backward=backward)
     G = options.num_kv_heads or heads

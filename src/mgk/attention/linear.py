@@ -13,11 +13,8 @@ from ..functional.linear import EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE, linear_
 from ..functional.linear_cache import LinearCacheState
 from . import module_masks
 from .base import AttentionBase, factory_kwargs
-from .cache_spec import CacheSpec
-from .flops import total
 from .mixture_keys import PI_LABEL, PI_MODES, MixtureKeys, MixtureKeysMixin, MixtureOptions, split_options
-from .options import Options
-from .registry import AttentionKind, register
+from .registry import AttentionKind, CacheSpec, Options, register, total
 
 __all__ = ["LinearAttention", "LinearOptions", "MLKAttention", "MLKMixtureOptions", "MLKOptions", "linear_flops",
            "mlk_flops"]
@@ -109,7 +106,7 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         dropout: accepted so that one constructor call builds every attention kind, but unused: linear attention
             never forms attention weights, so there is nothing to drop (the output is deterministic in training).
         options: a :class:`LinearOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         normalize, feature_map, output_scale, eps, eps_mode: the form, as :func:`mgk.functional.linear_attention`:
             defaults "row", "elu", 1.0, 1e-6, "guard" (eq. 6 with an exact denominator). The authors' LRA form is
@@ -159,7 +156,7 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first, device, dtype: as :class:`AttentionBase`.
         dropout: accepted but unused, as in :class:`LinearAttention`.
         options: an :class:`MLKOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MLK: M key projections) or "shifted" (sMLK: one key projection and learned offsets
@@ -229,8 +226,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
 
 def linear_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
                  backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one linear-attention call (:mod:`mgk.attention.flops`): four projections and ``4 S D D + 4 N D D``
-    per head (key-value sums and their use, with denominators), whatever ``causal``."""
+    """FLOPs of one linear-attention call (:func:`mgk.attention.registry.total`): four projections and
+    ``4 S D D + 4 N D D`` per head (key-value sums and their use, with denominators), whatever ``causal``."""
     core = 4 * length * head_dim * head_dim * 2
     return total(core, 4, heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim,
                  backward=backward)

@@ -24,8 +24,6 @@ from ..functional.mgk_cache import Memo, to_heads
 from ..functional.mgk_state import MGKDecodeState
 from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
-from .cache_spec import CacheSpec
-from .flops import total
 from .mixture_keys import (
     KEY_MODES,
     PI_MODES,
@@ -36,7 +34,7 @@ from .mixture_keys import (
     MixtureOptions,
     split_options,
 )
-from .registry import AttentionKind, register
+from .registry import AttentionKind, CacheSpec, register, total
 
 __all__ = ["MGKAttention", "MGKOptions", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES", "mixture_flops",
            "soft_e_step"]
@@ -93,7 +91,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`AttentionBase`.
         options: an :class:`MGKOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MGK: M key projections) or "shifted" (sMGK: one key projection and learned offsets,
@@ -382,11 +380,11 @@ def soft_e_step(model: nn.Module) -> int:
 
 def mixture_flops(options, *, separate: bool, heads: int, length: int, batch: int, embed_dim: int, head_dim: int,
                   causal: bool, backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one MGK (``separate`` keys: M key projections) or sMGK (one) call (:mod:`mgk.attention.flops`). The
-    core per head: summed before the value product (our CPU kernel, ``mixture_kernel``, and always Hard-E, whose
-    max over components is taken on M distance matrices) ``2 N M S D + 2 N S D``; otherwise SDPA over M * S keys
-    with one column more, ``2 N M S (D + 1) + 2 N M S D``; Soft-E in training adds the E-step's distances,
-    ``2 N M S D`` (forward only)."""
+    """FLOPs of one MGK (``separate`` keys: M key projections) or sMGK (one) call
+    (:func:`mgk.attention.registry.total`). The core per head: summed before the value product (our CPU kernel,
+    ``mixture_kernel``, and always Hard-E, whose max over components is taken on M distance matrices)
+    ``2 N M S D + 2 N S D``; otherwise SDPA over M * S keys with one column more, ``2 N M S (D + 1) + 2 N M S D``;
+    Soft-E in training adds the E-step's distances, ``2 N M S D`` (forward only)."""
     N = S = length
     M, D = options.num_keys, head_dim
     if mixture_kernel or options.pi == "hard_e":

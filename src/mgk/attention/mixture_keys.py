@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..fields import Label, spec
 from ..functional.mgk_cache import shifted_keys
 from .base import AttentionBase, _positive_int, factory_kwargs
-from .options import Options
+from .registry import Options
 
 KEY_MODES = ("separate", "shifted")
 PI_MODES = ("learned", "soft_e", "hard_e")
