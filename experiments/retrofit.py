@@ -29,13 +29,16 @@ TARGETS = {  # label: mgk train flags
     "mgk-4-similar": ["--attention", "mgk", "--heads", "4", "--init-pairs", "similar"],
     "mgk-4-adjacent": ["--attention", "mgk", "--heads", "4", "--init-pairs", "adjacent"],
     "softmax-4": ["--attention", "softmax", "--heads", "4"],
+    "gmgk-8-kv2-shifted": ["--attention", "gmgk", "--heads", "8", "--set", "num_kv_heads=2", "--set", "keys=shifted"],
+    "gmgk-8-kv1": ["--attention", "gmgk", "--heads", "8", "--set", "num_kv_heads=1"],
 }
 FRACTIONS = (0.05, 0.10, 0.20)
 # The pre-registered comparisons (row, reference) at each budget.
 PAIRS = (("mgk-4-similar", "gqa-8-kv2"), ("mgk-4-similar", "mgk-4-adjacent"), ("mgk-4-adjacent", "gqa-8-kv2"),
-         ("softmax-4", "gqa-8-kv2"))
+         ("softmax-4", "gqa-8-kv2"), ("gmgk-8-kv2-shifted", "gqa-8-kv2"), ("gmgk-8-kv1", "gqa-8-kv2"))
 SCRATCH_ROWS = {"gqa-8-kv2": "gqa-8-kv2", "mgk-4-similar": "mgk-4", "mgk-4-adjacent": "mgk-4",
-                "softmax-4": "softmax-4", "softmax-8 (source)": "softmax-8"}
+                "softmax-4": "softmax-4", "softmax-8 (source)": "softmax-8",
+                "gmgk-8-kv2-shifted": "gmgk-8-kv2-shifted", "gmgk-8-kv1": "gmgk-8-kv1"}
 
 
 def _sources(folder: Path) -> list[tuple[int, Path]]:

@@ -63,6 +63,27 @@ def test_the_readme_is_a_front_page_with_the_set_up_lines_the_answer_and_its_fig
     assert (ROOT / "docs/kv-budget-cache.png").stat().st_size > 10_000
 
 
+def test_the_docs_home_page_shows_readme_s_verdict_and_the_terms_it_rests_on():
+    """docs/index.md had its own copy of the verdict table, which drifted (2 rows against README's 3), and neither
+    defined D-retrieval or lm-small: README's block (the table and a definition of each task it names) is the one
+    source, and the home page shows it verbatim."""
+    text = README.read_text()
+    block = text[text.index("| | the paper's claim |"):text.index("## Install")].strip()
+    assert block in (ROOT / "docs/index.md").read_text()
+    table = "\n".join(line for line in block.splitlines() if line.startswith("|"))
+    for term in ("D-retrieval", "lm-small"):
+        assert term in table and f"- **{term}**: " in block, term
+
+
+def test_the_install_prose_describes_the_block_s_lines_in_their_order():
+    """The prose called the block's second line "the first command"."""
+    text = README.read_text()
+    prose = re.search(r"## Install\n\n```bash\n.*?```\n\n(.*?)\n\n", text, re.S).group(1)
+    said = [prose.find(words) for words in ("The first line makes a virtual environment",
+                                            "second line, installs the package", "last line, installs the test")]
+    assert -1 not in said and said == sorted(said), prose
+
+
 def _figure_rows():
     with FIGURE_DATA.open() as f:
         return list(csv.DictReader(line for line in f if not line.startswith("#")))

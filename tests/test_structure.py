@@ -12,13 +12,15 @@ LAYERS = {
     # file writer, fields, names and numbers of the command line, the range of seeds torch takes
     "attention": 1,                          # nn.Modules over the functional core
     "figures": 1,                            # the style of every figure: a colour per kind from attention's registry
-    "integrations": 1,                       # those modules inside other libraries' models (a peer of attention:
-    # swap_attention hands a Hugging Face model to integrations.hf, which builds through attention's registry)
+    "convert": 2,                            # converting trained layers into other kinds: rules and head measures
     "models": 2,                             # model families built from attention modules
-    "config": 3, "data": 3,                  # the run configuration (built from model configs); datasets, caches
-    "tasks": 4,                              # a task = its data, its model and its metric
-    "train": 5,                              # the loop, checkpoints, evaluation
-    "analyze": 6, "bench": 6, "generate": 6, "reproduce": 6, "retrofit": 6, "cli": 6, "__main__": 6,  # entry points
+    "integrations": 3,                       # attention modules inside other libraries' models, converted by convert
+    "swap": 4,                               # swap_attention: torch models here, Hugging Face ones to integrations
+    "config": 4, "data": 4,                  # the run configuration (built from model configs); datasets, caches
+    "tasks": 5,                              # a task = its data, its model and its metric
+    "train": 6,                              # the loop, checkpoints, evaluation
+    "analyze": 7, "bench": 7, "generate": 7, "reproduce": 7, "retrofit": 7, "recovery": 7, "cli": 7,
+    "__main__": 7,                           # entry points (retrofit: --init-from; recovery: mgk convert)
 }
 MAX_FUNCTION_LINES = 80
 

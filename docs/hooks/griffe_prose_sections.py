@@ -6,7 +6,9 @@ Google-style parser reads them as ``name: description`` items and drops, with a 
 one, so the reference would lose what the docstring says. Such a section is renamed ("Inputs", "Errors raised"),
 which the parser renders as a note holding the text as written; well-formed sections keep their tables.
 Sphinx roles (":func:`mgk.build_attention`"), which Markdown would show with their role and backticks as text,
-become code spans.
+become code spans. An item naming several parameters ("kdim, vdim: widths of ...") becomes one item per name with
+the same text: the parser takes "kdim, vdim" for one name that the signature lacks, and the reference then showed
+"required" as its default where each has one.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ RENAMED = {"Args": "Inputs", "Arguments": "Inputs", "Parameters": "Inputs", "Rai
 # an item's first line: "name: ...", "a, b: ...", "name (type): ..." or "ValueError: ..."
 ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc|obj|py:\w+):`~?([^`]+)`")
 ITEM = re.compile(r"^[A-Za-z_*][\w.*]*(,\s*[A-Za-z_*][\w.*]*)*(\s*\([^)]*\))?\s*:(\s|$)")
+# an item's first line naming several parameters: "a, b: ..." or "a, b (type): ..."
+NAMES = re.compile(r"^(?P<indent>\s*)(?P<names>[A-Za-z_*][\w.*]*(?:,\s*[A-Za-z_*][\w.*]*)+)"
+                   r"(?P<rest>(?:\s*\([^)]*\))?\s*:(?:\s.*|$))$")
 
 
 def _indent(line: str) -> int:
@@ -48,7 +53,34 @@ def keep_prose_sections(text: str) -> str:
             block.append(body)
         if match["inline"].strip() or not _well_formed(block):
             lines[i] = f'{match["indent"]}{RENAMED[match["title"]]}:{match["inline"]}'
+        elif match["title"] != "Raises":
+            lines[i + 1:i + 1 + len(block)] = _one_name_each(block)
     return "\n".join(lines)
+
+
+def _one_name_each(block: list[str]) -> list[str]:
+    """The items of a well-formed Args block, an item naming several parameters ("a, b: ...") repeated for each."""
+    filled = [b for b in block if b.strip()]
+    if not filled:
+        return block
+    base = min(_indent(b) for b in filled)
+    items: list[list[str]] = []
+    for line in block:
+        if line.strip() and _indent(line) == base:
+            items.append([line])
+        elif items:
+            items[-1].append(line)
+        else:
+            items.append([line])
+    out = []
+    for item in items:
+        head = NAMES.match(item[0])
+        if head is None:
+            out += item
+            continue
+        for name in head["names"].split(","):
+            out += [f'{head["indent"]}{name.strip()}{head["rest"]}', *item[1:]]
+    return out
 
 
 class ProseSections(griffe.Extension):

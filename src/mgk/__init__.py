@@ -23,8 +23,8 @@ from .attention import (
     attention_kinds,
     build_attention,
     soft_e_step,
-    swap_attention,
 )
+from .swap import swap_attention
 
 __version__ = "0.2.0"
 __all__ = ["MGKAttention", "MultiheadAttention", "attention_kinds", "build_attention", "__version__"]

@@ -18,6 +18,7 @@ from .analyze import cli as analyze_cli
 from .bench import cli as bench_cli
 from .choices import require
 from .generate import cli as generate_cli
+from .recovery import cli as recovery_cli
 from .reproduce import cli as reproduce_cli
 from .tasks import TASKS, all_presets
 from .train.arguments import (
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _table_parser(sub)
     analyze_cli.add_parser(sub)
     reproduce_cli.add_parser(sub)
+    recovery_cli.add_parsers(sub)
     return parser
 
 
@@ -306,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         parser.exit(2, f"mgk {name}: unrecognized arguments: {' '.join(extra)} (see mgk {name} --help)\n")
     handlers = {"train": _run_train, "bench": bench_cli.run, "eval": _run_eval, "generate": generate_cli.run,
-                "data": _run_data, "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run}
+                "data": _run_data, "table": _run_table, "analyze": analyze_cli.run, "reproduce": reproduce_cli.run,
+                "convert": recovery_cli.run_convert, "score": recovery_cli.run_score}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and reports on its own)

@@ -4,18 +4,18 @@
 Everything but the attention layers (embeddings, feed-forward layers, norms, the task's head) is copied as it is;
 the two models must have the same shapes there (a run of the same task and sizes). Each attention layer of the
 source is read as a multi-head layer (:meth:`mgk.attention.AttentionBase.per_head_projections`) and converted by
-the rules :func:`mgk.swap_attention` applies (one code path: :mod:`mgk.attention.regroup` names the rule and
-chooses the heads, :func:`mgk.attention.convert.load_conversion` loads them), with each kind's default rule:
+the rules :func:`mgk.swap_attention` applies (one code path: :mod:`mgk.convert.regroup` names the rule and
+chooses the heads, :func:`mgk.convert.layers.load_conversion` loads them), with each kind's default rule:
 
 * **same** heads and head_dim: the new kind's own conversion rule (``load_projections``): softmax -> GQA
   mean-pools each group's key/value heads (Ainslie et al. 2023; exact for G = H), softmax -> MGK with the same heads
-  takes the key as component 1 plus perturbed copies.
+  takes the key for every component plus a spread summing to zero (the run config's key_scale: 1 unless set).
 * **merge** (mgk / mlk target with ``H_source / num_keys`` heads of the source's head_dim): groups of ``num_keys``
-  source heads become the key components of one head (:func:`mgk.attention.regroup.merge_heads`). Groups by
+  source heads become the key components of one head (:func:`mgk.convert.regroup.merge_heads`). Groups by
   ``pairs="similar"``: greedy matching on the mean Jensen-Shannon divergence of the heads' attention maps over
   validation examples (:mod:`mgk.analyze.similarity`), or ``"adjacent"``: heads (0, 1), (2, 3), ... (the control).
 * **pool** (gqa with fewer query heads of the source's head_dim, dividing its heads): groups of source heads, chosen
-  as for merging, mean-pooled (:func:`mgk.attention.regroup.pool_heads`), then GQA's own rule.
+  as for merging, mean-pooled (:func:`mgk.convert.regroup.pool_heads`), then GQA's own rule.
 * **prune** (any other target with fewer heads of the source's head_dim): the heads of largest importance
   ``E_x |dL/dxi_h|`` on validation examples (Michel et al., NeurIPS 2019; :func:`mgk.analyze.prune.importance`) are
   kept, in their order, then the new kind's rule applies.
@@ -34,8 +34,8 @@ from torch import nn
 from .analyze import prune
 from .analyze.similarity import head_divergence
 from .attention import AttentionBase
-from .attention.convert import load_conversion
-from .attention.regroup import PAIRINGS, choose_rule, plan_heads
+from .convert.layers import load_conversion
+from .convert.regroup import PAIRINGS, choose_rule, plan_heads
 from .train import rundir
 from .train.load import load_run
 
@@ -109,7 +109,7 @@ def _copy_rest(source: nn.Module, model: nn.Module, skip: list[str], run_dir: Pa
 
 
 def _rule(old: AttentionBase, new: AttentionBase) -> str:
-    """The rule converting ``old`` into ``new`` (:func:`mgk.attention.regroup.choose_rule`, each kind's default;
+    """The rule converting ``old`` into ``new`` (:func:`mgk.convert.regroup.choose_rule`, each kind's default;
     re-cutting the width into heads of another size is not one of --init-from's); ValueError in one line for other
     shapes."""
     try:
@@ -199,7 +199,7 @@ def initialise(init: InitFrom, model: nn.Module, task, seed: int) -> dict:
 
 def _convert(old: AttentionBase, new: AttentionBase, rule: str, plan: dict, path: str) -> None:
     """Set ``new``'s projections from ``old``'s by ``rule`` and ``plan`` (swap_attention's
-    :func:`mgk.attention.convert.load_conversion`); ValueError naming ``path`` when one does not fit."""
+    :func:`mgk.convert.layers.load_conversion`); ValueError naming ``path`` when one does not fit."""
     try:
         weights = {k: v.to(new.q_proj.weight.dtype) for k, v in old.per_head_projections().items()}
     except ValueError as e:

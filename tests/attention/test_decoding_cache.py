@@ -278,7 +278,9 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
     as ``generate`` from BOS does, then single tokens; and in a left-padded batch beside a longer prompt. The one
     token's centre is provisional: the second token's query replaces it and the first token's entries are remade,
     so every step is within 1e-5 of the float64 module's uncached forward (with the first query kept as the centre
-    the steps were off by about 3 eps 1000^2 / (2 sigma^2))."""
+    the steps were off by about 3 eps 1000^2 / (2 sigma^2)). At key_scale c != 1 (a converted layer, centred on 0)
+    the scores are dot-product attention's, whose rounding on the far key (eps |q| |k_far| / sigma^2) is not
+    negligible: there the steps are held to twice the uncached float32 forward's own error."""
     m = _module(kind, options)
     torch.manual_seed(3)
     T = 12
@@ -295,6 +297,11 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
     alone = [x[0:1].double(), x[1:2, 4:].double()]
     reference = [want(r, need_weights=False, is_causal=True)[0].float() for r in alone]
     m.float()
+    atol = [1e-5, 1e-5]
+    if options.get("key_scale", 1.0) != 1.0:
+        with torch.no_grad():
+            atol = [max(1e-5, 2 * (m(r.float(), need_weights=False, is_causal=True)[0] - ref).abs().max().item())
+                    for r, ref in zip(alone, reference)]
     for rows, mask, prefill in (([0], None, 1), ([0, 1], pad[:, :5], 5)):
         cache, outs = m.new_cache(), []
         with torch.no_grad():
@@ -305,7 +312,7 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
         got = torch.cat(outs, dim=1)
         for i, b in enumerate(rows):
             start = 0 if b == 0 else 4
-            torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=1e-5, rtol=1e-6,
+            torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=atol[b], rtol=1e-6,
                                        msg=lambda s, b=b: f"row {b}: {s}")
         assert cache.state.provisional is False and cache.state.raw_key is None  # nothing kept once final
 

@@ -3,6 +3,7 @@ reference written from the formula (query head h scores with group h // (H / G))
 causality; M = 1 against the grouped Gaussian formula (not GQA: the key-norm term differs); G = H loads MGK / sMGK
 checkpoints and gives their outputs; the decoding cache stores G groups and equals the uncached forward; labels,
 FLOPs and the cache's size from the registry."""
+import copy
 import math
 
 import pytest
@@ -259,12 +260,15 @@ def test_compiled_forward_and_traced_decoding_step_equal_eager(keys):
 
 def test_swap_from_torch_pools_each_groups_keys_and_values():
     """nn.TransformerEncoderLayer (4 heads) -> gmgk with 2 groups: queries and outputs copied, each group's value
-    projection and first key component the mean of its two heads' (Ainslie et al.), pi uniform."""
+    projection the mean of its two heads' (Ainslie et al.), pi uniform. The keys: with shifted keys the one key
+    projection is pooled too; with M = 2 separate keys a group's two heads are its two components, unpooled (a
+    multi-head layer is a grouped one with a group per head, M G = H of them: the groups kept as components)."""
     import mgk
 
     torch.manual_seed(4)
     layer = torch.nn.TransformerEncoderLayer(E, 4, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
     w = layer.self_attn.in_proj_weight.detach().clone()
+    shifted = mgk.swap_attention(copy.deepcopy(layer), "gmgk", num_kv_heads=2, keys="shifted").self_attn
     mgk.swap_attention(layer, "gmgk", num_kv_heads=2)
     new = layer.self_attn
     assert new.num_kv_heads == 2 and new.keys == "separate"
@@ -273,8 +277,11 @@ def test_swap_from_torch_pools_each_groups_keys_and_values():
         return t.reshape(2, 2, D, E).mean(dim=1).reshape(2 * D, E)
 
     torch.testing.assert_close(new.q_proj.weight, w[:E])
-    torch.testing.assert_close(new.k_proj.weight[:2 * D], pooled(w[E:2 * E]))
+    heads = w[E:2 * E].reshape(2, 2, D, E)  # (group, head in group, D, E)
+    torch.testing.assert_close(new.k_proj.weight, heads.transpose(0, 1).reshape(4 * D, E))  # component-major
     torch.testing.assert_close(new.v_proj.weight, pooled(w[2 * E:]))
+    torch.testing.assert_close(shifted.k_proj.weight, pooled(w[E:2 * E]))
+    torch.testing.assert_close(shifted.v_proj.weight, pooled(w[2 * E:]))
     with torch.no_grad():
         causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
         out = layer(torch.randn(2, 5, E), src_mask=causal, is_causal=True)
@@ -284,19 +291,20 @@ def test_swap_from_torch_pools_each_groups_keys_and_values():
 @pytest.mark.parametrize("keys", ["separate", "shifted"])
 def test_swap_from_gqa_keeps_its_grouped_keys_and_values_exactly(keys):
     """A GQA layer's key/value heads are copies per group, so the mean of each group is the GQA head itself: the
-    converted first key component (the one key of shifted keys) and the values equal the source's."""
+    converted components' mean key (the one key of shifted keys) and the values equal the source's."""
     import mgk
 
     torch.manual_seed(5)
     source = build_attention("gqa", E, 4, head_dim=D, num_kv_heads=2).eval()
     new = mgk.swap_attention(source, "gmgk", num_kv_heads=2, keys=keys)
     assert new.conversion["rule"] == "same"
-    torch.testing.assert_close(new.k_proj.weight[:2 * D], source.k_proj.weight)
-    torch.testing.assert_close(new.k_proj.bias[:2 * D], source.k_proj.bias)
+    parts = 2 if keys == "separate" else 1
+    torch.testing.assert_close(new.k_proj.weight.view(parts, 2 * D, E).mean(dim=0), source.k_proj.weight)
+    torch.testing.assert_close(new.k_proj.bias.view(parts, 2 * D).mean(dim=0), source.k_proj.bias)
     for name in ("q_proj", "v_proj", "out_proj"):
         torch.testing.assert_close(getattr(new, name).weight, getattr(source, name).weight)
     torch.testing.assert_close(torch.softmax(new.pi_logits, dim=1), torch.full((2, 2), 0.5))
-    # and back: gmgk reads as the multi-head layer it computes (each group's first key repeated), so -> gqa is exact
+    # and back: gmgk reads as a multi-head layer (each group's mean key repeated), so -> gqa is exact
     back = mgk.swap_attention(new, "gqa", num_kv_heads=2)
     torch.testing.assert_close(back.k_proj.weight, source.k_proj.weight)
     torch.testing.assert_close(back.v_proj.weight, source.v_proj.weight)
@@ -306,7 +314,7 @@ def test_swap_merging_heads_into_components_pools_each_component_over_the_group(
     """8 heads -> 4 heads of 2 components (the merge rule), in 2 groups: each component's key projection is the
     mean over the group's heads of the merged one (component-major rows)."""
     import mgk
-    from mgk.attention.regroup import merge_heads
+    from mgk.convert.regroup import merge_heads
 
     torch.manual_seed(6)
     layer = torch.nn.TransformerEncoderLayer(2 * E, 8, dim_feedforward=32, dropout=0.0, batch_first=True).eval()

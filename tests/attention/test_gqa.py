@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from mgk.attention import AttentionConfig, build_attention, get_kind, swap_attention
+from mgk import swap_attention
+from mgk.attention import AttentionConfig, build_attention, get_kind
 from mgk.attention.registry import display_label, make_options, run_label
 from mgk.models import LMConfig, TransformerLM
 

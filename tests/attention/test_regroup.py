@@ -1,4 +1,4 @@
-"""Changing the heads of a multi-head layer before conversion (mgk.attention.regroup): pruning keeps exactly the
+"""Changing the heads of a multi-head layer before conversion (mgk.convert.regroup): pruning keeps exactly the
 kept heads' outputs; merging pairs of heads into MGK components keeps each head's logits in its component and the
 group's value-output product, exactly where the group's queries and values allow it (float64)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mgk.attention import build_attention
-from mgk.attention.regroup import merge_heads, select_heads
+from mgk.convert.regroup import merge_heads, select_heads
 
 E, H, D = 12, 4, 3
 
@@ -76,7 +76,7 @@ def test_merged_components_score_as_their_heads_and_outputs_keep_the_group_produ
 
 def test_merged_keys_are_shorter_than_the_queries_by_the_shrink_factor_squared():
     """The key-norm term of MGK, which softmax lacks, is made small without changing a logit."""
-    from mgk.attention.regroup import MERGE_KEY_SHRINK
+    from mgk.convert.regroup import MERGE_KEY_SHRINK
 
     merged = merge_heads(_shared_within_groups([[0, 1], [2, 3]]), [[0, 1], [2, 3]], D)
     q, k = merged["q_proj.weight"].norm(), merged["k_proj.weight"].norm() / 2 ** 0.5

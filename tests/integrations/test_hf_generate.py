@@ -96,7 +96,10 @@ def test_the_cache_holds_the_kinds_tensors_of_the_registrys_size(hf_model, batch
               **{_cache_kw(model): cache})
     spec = get_kind(kind)
     B, H, D, T = 2, 4, 8, 10
-    expected = B * spec.cache.cache_bytes(spec.make_options(**options), num_heads=H, head_dim=D, length=T)
+    # the options the swap took: gqa and gmgk on the Llama (4 heads over 2 key/value heads) keep its 2 groups
+    taken = model.config.mgk_attention["options"]
+    assert taken.get("num_kv_heads") == (2 if arch == "llama" and "num_kv_heads" in taken else None)
+    expected = B * spec.cache.cache_bytes(spec.make_options(**taken), num_heads=H, head_dim=D, length=T)
     assert len(cache.layers) == 2 and cache.get_seq_length() == T
     for layer in cache.layers:
         assert isinstance(layer, MGKCacheLayer) and type(layer.mgk_cache) is LayerCache
@@ -104,6 +107,35 @@ def test_the_cache_holds_the_kinds_tensors_of_the_registrys_size(hf_model, batch
         assert layer.nbytes() == expected
     if kind == "mgk":
         assert cache.layers[0].mgk_cache._buffers["keys"].shape[:3] == (B, H, 3)
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "gpt2"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_filled_cache_with_another_batch_size_is_refused_naming_both(hf_model, batch, arch, kind):
+    """generate with a cache filled for 2 rows, then prompts of 1 or 3 rows longer than, as long as and shorter
+    than what it holds (6 tokens), and a one-token step: each refused in one line naming the cache and both batch
+    sizes, before any check on what the rows hold; after cache.reset() the new batch generates."""
+    ids, _ = batch
+    model = mgk.swap_attention(hf_model(arch), kind)
+    cache = transformers.DynamicCache(config=model.config)
+    kw = _cache_kw(model)
+    model.generate(ids[:, :5], max_new_tokens=2, do_sample=False, **{kw: cache})
+    assert cache.get_seq_length() == 6
+    g = torch.Generator().manual_seed(2)
+    # a prompt shorter than the cache reaches GPT-2's layers as no tokens, which GPT2Model itself fails on first
+    for rows, length in ((1, 9), (1, 6), (3, 7)) + (((3, 3),) if arch != "gpt2" else ()):
+        prompt = torch.randint(3, 40, (rows, length), generator=g)
+        with pytest.raises(ValueError, match=rf"^past_key_values: layer 0's cache was filled for a batch of 2 rows, "
+                                             rf"this call has batch size {rows};") as err:
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, do_sample=False,
+                           **{kw: cache})
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"batch of 2 rows, this call has batch size 1;"), torch.no_grad():
+        model(input_ids=ids[:1, :1], use_cache=True, **{kw: cache})
+    cache.reset()
+    prompt = ids[:1, :5]
+    expected = model.generate(prompt, max_new_tokens=2, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=2, do_sample=False, **{kw: cache}), expected)
 
 
 def test_a_cache_already_holding_hf_keys_is_refused_in_one_line(hf_model, batch):

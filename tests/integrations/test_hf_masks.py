@@ -224,10 +224,10 @@ def test_rotary_applies_to_peft_lora_adapters(hf_model, batch):
 
 
 # -- output_attentions ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ("llama", "bert"))
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "gpt2", "bert"))
 def test_output_attentions_returns_the_maps(hf_model, batch, arch):
-    """softmax: the original's maps (its eager attention) on the real queries; every kind: per-head maps.
-    (transformers 5.24's GPT-2 does not pass output_attentions on to its layers.)"""
+    """softmax: the original's maps (its eager attention) on the real queries; every kind: per-head maps. GPT-2
+    does not pass output_attentions on to its layers: the model tells mgk's modules itself."""
     ids, mask = batch
     model = hf_model(arch)
     model.config._attn_implementation = "eager"
@@ -241,11 +241,34 @@ def test_output_attentions_returns_the_maps(hf_model, batch, arch):
     for a, b in zip(got, ref):
         assert a.shape == b.shape == (2, 4, 9, 9)
         torch.testing.assert_close(a.permute(0, 2, 1, 3)[real], b.permute(0, 2, 1, 3)[real], atol=1e-5, rtol=0)
-    for kind in ("mgk", "mlk"):
+    for kind in KINDS:
         with torch.no_grad():
             maps = mgk.swap_attention(copy.deepcopy(model), kind)(input_ids=ids, attention_mask=mask,
                                                                   output_attentions=True).attentions
+        assert len(maps) == 2 and all(m.shape == (2, 4, 9, 9) for m in maps), kind
+
+
+@pytest.mark.parametrize("arch", ("llama", "gpt2", "bert"))
+def test_output_attentions_reaches_every_route_in(hf_model, batch, arch):
+    """A swapped base model (its class kept), config.output_attentions, generate's output_attentions: maps each
+    time, and a call that does not ask gets none (the model stops telling the modules)."""
+    ids, mask = batch
+    model = mgk.swap_attention(hf_model(arch), "mgk")
+    base = mgk.swap_attention(hf_model(arch).base_model, "mgk")
+    with torch.no_grad():
+        maps = base(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         assert len(maps) == 2 and all(m.shape == (2, 4, 9, 9) for m in maps)
+        assert model(input_ids=ids, attention_mask=mask).attentions is None
+        model.config._attn_implementation = "eager"  # transformers refuses config.output_attentions under sdpa
+        model.config.output_attentions = True
+        assert len(model(input_ids=ids, attention_mask=mask).attentions) == 2
+        model.config.output_attentions = False
+        assert model(input_ids=ids, attention_mask=mask).attentions is None
+        if arch != "bert":
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, use_cache=False,
+                                 output_attentions=True, return_dict_in_generate=True)
+            assert [len(step) for step in out.attentions] == [2, 2]
+            assert out.attentions[1][0].shape == (2, 4, 10, 10)
 
 
 def test_output_attentions_without_maps_is_refused_in_one_line(hf_model, batch, monkeypatch):

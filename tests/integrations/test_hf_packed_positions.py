@@ -1,9 +1,10 @@
 """Sequences packed into one row and told apart by ``position_ids`` alone (what ``DataCollatorWithFlattening()``
 returns by default: input_ids and position_ids restarting at 0). transformers builds the block mask from them only
 without a cache and without a 2D mask; with the cache the configs' ``use_cache=True`` makes (eval, and training as
-``Trainer`` runs it) the sequences would see each other. Each sequence must give what it gives alone; a cache filled
-by a packed forward holds several sequences in one row, so a later step is refused in one line rather than attending
-across them (TEST_CASES R30: equality or a one-line refusal, never a silent mix)."""
+``Trainer`` runs it), or with a padding mask, the sequences would see each other. Each sequence must give what it
+gives alone, whether or not a cache was asked for; a cache filled by a packed forward holds several sequences in one
+row, so a later step is refused in one line rather than attending across them (TEST_CASES R30: equality or a
+one-line refusal, never a silent mix)."""
 import copy
 
 import pytest
@@ -31,6 +32,29 @@ def test_each_sequence_packed_by_position_ids_gives_what_it_gives_alone(hf_model
         torch.testing.assert_close(model(**batch, use_cache=False).logits, alone, atol=1e-5, rtol=0)
     model.train()  # what Trainer runs with the collator (dropout is 0 in these configs)
     torch.testing.assert_close(model(**batch).logits, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", mgk.attention_kinds())
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "gpt2"))
+def test_packed_rows_with_a_padding_mask_give_each_sequence_alone_with_or_without_a_cache(hf_model, arch, kind):
+    """Two rows, each packing two sequences by position_ids restarting at 0, with a 2D attention_mask (row 1
+    left-padded): use_cache True or False, eval or training mode, each sequence gives what it gives alone."""
+    model = mgk.swap_attention(hf_model(arch), kind)
+    a, b, c = ps.sequences()
+    ids = torch.tensor([a + b, [0] + c + a])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [1, 0, 1, 2, 3, 0, 1, 2]])
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        rows = [ps.alone(model, [a, b])[0], ps.alone(model, [c, a])[0]]
+        alone = torch.stack([rows[0], torch.cat([rows[1][:1], rows[1]])])  # row 1's padding position: unused
+        for use_cache in (True, False):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache).logits
+            torch.testing.assert_close(out[real], alone[real], atol=1e-5, rtol=0, msg=f"use_cache={use_cache}")
+    model.train()  # dropout is 0 in these configs
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(out[real], alone[real], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ("softmax", "mgk"))

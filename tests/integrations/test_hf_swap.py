@@ -176,6 +176,16 @@ def test_the_integration_without_transformers_names_the_extra():
                           "(transformers>=4.56,<6)"
 
 
-def test_pyproject_declares_the_range_the_integration_checks():
-    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()  # (tomllib is 3.11+)
-    assert re.search(r"^hf = \[(.*)\]$", text, re.M).group(1) == f'"{REQUIREMENT}"'
+def _extra(text: str, name: str) -> list[str]:
+    """The requirements of optional dependency ``name`` in pyproject.toml's text (one line; tomllib is 3.11+)."""
+    return re.findall(r'"([^"]+)"', re.search(rf"^{name} = \[(.*)\]$", text, re.M).group(1))
+
+
+def test_pyproject_declares_the_range_the_integration_checks_and_what_trainer_needs():
+    """The hf extra is the range the integration checks, and accelerate: transformers.Trainer refuses to start
+    without it, and README's set-up lines install the hf extra only; peft (the LoRA tests) stays in hf-test."""
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    hf = _extra(text, "hf")
+    assert hf[0] == REQUIREMENT
+    assert [r for r in hf if re.match(r"accelerate\b", r)], hf
+    assert [r for r in _extra(text, "hf-test") if re.match(r"peft\b", r)]

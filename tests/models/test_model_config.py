@@ -36,11 +36,11 @@ def test_attention_options_only_for_kinds_that_take_them():
     assert encoder_config(soft).attention.options.as_kwargs() == {}
     mgk = encoder_config(replace(soft, attention="mgk", max_len=40)).attention
     assert mgk.options.as_kwargs() == {"num_keys": 2, "pi": "soft_e", "pi_shape": "head", "sigma2": (1.0, 2.0),
-                                       "pi_norm": "softmax", "max_len": 40}
+                                       "pi_norm": "softmax", "max_len": 40, "key_scale": 1.0}
     assert "sigma2" not in encoder_config(run_config(attention="mlk")).attention.options.as_kwargs()
     options = {name for name, path in flat_keys().items() if path.startswith("attention.options.")}
     assert options == {"num_keys", "pi", "pi_shape", "sigma2", "pi_norm", "normalize", "feature_map",
-                       "output_scale", "attn_eps", "eps_mode", "mix", "num_kv_heads", "keys"}
+                       "output_scale", "attn_eps", "eps_mode", "mix", "num_kv_heads", "keys", "key_scale"}
 
 
 def test_lm_config_covers_a_segment_and_keeps_cutoffs():

@@ -33,7 +33,8 @@ def _runs(out: Path, retrofit, split: str, metric: str, values: dict) -> list:
 
 @pytest.mark.parametrize("split,key,name", [("val", "ppl", "validation"), ("test", "nmse", "test")])
 def test_the_report_names_the_split_its_numbers_come_from(tmp_path, retrofit, split, key, name):
-    values = {"gqa-8-kv2": 400.0, "mgk-4-similar": 300.0, "mgk-4-adjacent": 301.0, "softmax-4": 500.0}
+    values = {"gqa-8-kv2": 400.0, "mgk-4-similar": 300.0, "mgk-4-adjacent": 301.0, "softmax-4": 500.0,
+              "gmgk-8-kv2-shifted": 410.0, "gmgk-8-kv1": 450.0}
     sources = _runs(tmp_path, retrofit, split, key, values)
     result = retrofit.collect(tmp_path, sources, retrofit.FRACTIONS, "lm")
     assert result["split"] == name and result["metric"] == key
@@ -56,7 +57,8 @@ def test_the_figure_draws_each_target_in_its_kinds_colour(tmp_path, retrofit):
 
     from mgk.figures import kind_colour
 
-    values = {"gqa-8-kv2": 400.0, "mgk-4-similar": 300.0, "mgk-4-adjacent": 301.0, "softmax-4": 500.0}
+    values = {"gqa-8-kv2": 400.0, "mgk-4-similar": 300.0, "mgk-4-adjacent": 301.0, "softmax-4": 500.0,
+              "gmgk-8-kv2-shifted": 410.0, "gmgk-8-kv1": 450.0}
     result = retrofit.collect(tmp_path, _runs(tmp_path, retrofit, "val", "ppl", values), retrofit.FRACTIONS, "lm")
     scratch = {row: {"mean": 350.0, "std": 1.0, "n": 3} for row in ("gqa-8-kv2", "mgk-4", "softmax-4", "softmax-8")}
     fig = retrofit.figure(result, scratch, "lm", 100, "validation ppl")

@@ -2,6 +2,8 @@
 once the new run has started; writing never follows a link out of the run directory, nor starts a log line with text
 taken from a path; the temporary files that a kill during an atomic write leaves go at the next start."""
 import json
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -79,6 +81,51 @@ def test_a_killed_overwrite_gets_the_earlier_run_back_at_the_next_start(tmp_path
     (out / ".mgk-discarded" / "checkpoints").mkdir(parents=True)  # a kill while a started run deleted the earlier
     rundir.claim(out, resume=True).release()
     assert _snapshot(out) == before and not (out / ".mgk-discarded").exists()
+
+
+# A short lm-small run: what `mgk generate` reads, and what eval, table and resume read too.
+LM = ["--preset", "lm-small", "--heads", "2", *(x for kv in ("batch_size=4", "segment_len=16", "max_len=16",
+      "d_model=16", "num_layers=1", "ffn_dim=32", "head_dim=8", "eval_every=2", "eval_batch_size=8", "warmup_steps=1",
+      "progress=false", "gen_train=80", "gen_val=12", "gen_test=12") for x in ("--set", kv))]
+# `mgk train --overwrite` SIGKILLed as soon as this function of mgk.train.rundir returns: the earlier run has been
+# moved into .mgk-previous (and, for write_config, the new run has written its config.yaml)
+KILLED = ("import os, signal, sys\nfrom mgk.train import rundir\nfrom mgk.cli import main\n"
+          "real = getattr(rundir, sys.argv[1])\n"
+          "def killed(*args, **kwargs):\n    real(*args, **kwargs)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+          "setattr(rundir, sys.argv[1], killed)\nmain(sys.argv[2:])\n")
+OPENERS = {"table": ["table", "{run}"], "eval": ["eval", "{run}", "--no-progress"],
+           "generate": ["generate", "{run}", "--prompt", "the", "--max-new-tokens", "2"],
+           "resume": ["train", "--resume", "{run}"]}
+
+
+def _run_files(folder):
+    """:func:`_snapshot` without the token caches under data/.mgk-cache, which reading the data (re)writes."""
+    return {k: v for k, v in _snapshot(folder).items() if ".mgk-cache" not in k}
+
+
+@pytest.mark.parametrize("moment", ["_set_aside", "write_config"])
+def test_a_killed_overwrite_is_put_back_by_the_next_command_that_opens_the_run(tmp_path, th, capsys, moment):
+    """Killed just after it set the finished run aside, `mgk train --overwrite` left a folder that train --resume,
+    eval and generate called "not a run directory (no config.yaml)" and that table did not list; only a new
+    `mgk train --out` put the run back. Each of them now puts it back first, byte for byte, then reads it."""
+    finished = tmp_path / "finished"
+    main(["train", "--steps", "2", "--out", str(finished), *LM])
+    before = _run_files(finished)
+    killed = tmp_path / "killed"
+    shutil.copytree(finished, killed, symlinks=True)
+    child = subprocess.run([sys.executable, "-c", KILLED, moment, "train", "--steps", "2", "--out", str(killed),
+                            "--overwrite", *LM], env=th.env(), capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert (killed / ".mgk-previous" / "config.yaml").is_file()
+    assert (killed / "config.yaml").is_file() == (moment == "write_config")
+    capsys.readouterr()
+    for name, argv in OPENERS.items():
+        run = tmp_path / name
+        shutil.copytree(killed, run, symlinks=True)
+        assert main([a.format(run=run) for a in argv]) in (0, None), name
+        assert _run_files(run) == before, name
+    out = capsys.readouterr()
+    assert "| mgk | 2 |" in out.out and f"mgk train --resume {tmp_path / 'resume'} --steps N" in out.err
 
 
 def test_a_resume_never_writes_through_a_link_out_of_the_run(tmp_path, th):

@@ -83,6 +83,7 @@ def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor] 
         share = part / part.sum(dim=3, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
         share = share * valid.view(1, 1, n, 1, n)
         return share.sum(dim=(0, 2, 4)), valid.sum().to(torch.float64).expand(q.shape[1]).clone()
+    q, k, centre = module._at_scale(q, k)  # the score's own queries and keys (key_scale), and its centre
     if module.pi_mode == "hard_e":
         g = gaussian_log_kernel(q.to(torch.float64), k.to(torch.float64), module.sigma2.to(torch.float64))
         winners = torch.nn.functional.one_hot(g.argmax(dim=3), module.num_keys)  # (1, H, n, n, M)
@@ -90,5 +91,6 @@ def component_sums(module, x: Tensor, is_causal: bool) -> tuple[Tensor, Tensor] 
         return winners.sum(dim=(0, 2, 3)).to(torch.float64), valid.sum().to(torch.float64).expand(q.shape[1]).clone()
     resp, count = mgk_responsibilities(q.to(torch.float64), k.to(torch.float64),
                                        log_pi=module.mixture_log_weights(n).to(torch.float64),
-                                       sigma2=module.sigma2.to(torch.float64), is_causal=is_causal)
+                                       sigma2=module.sigma2.to(torch.float64), is_causal=is_causal,
+                                       centre=centre)
     return resp.sum(dim=-1).to(torch.float64), count.sum(dim=-1).to(torch.float64)

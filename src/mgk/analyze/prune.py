@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention.base import AttentionBase
-from ..attention.heads import gate_importance, gated, has_components
+from ..convert.head_measures import gate_importance, gated, has_components
 from ..seeds import torch_seed
 from ..train.distributed import Dist
 from ..train.evaluate import evaluate

@@ -1,13 +1,13 @@
 """How alike the heads of each attention layer attend: the mean Jensen-Shannon divergence between every pair of
-heads' attention rows over examples of a split (:func:`mgk.attention.heads.js_matrix`), the measure ``mgk train
+heads' attention rows over examples of a split (:func:`mgk.convert.head_measures.js_matrix`), the measure ``mgk train
 --init-from`` pairs heads by before merging them into mixture components (results/cpu/kv-budget.md); the grouping
-itself is :func:`mgk.attention.heads.greedy_groups`, which swap_attention shares."""
+itself is :func:`mgk.convert.head_measures.greedy_groups`, which swap_attention shares."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from ..attention.heads import greedy_groups, js_matrix
+from ..convert.head_measures import greedy_groups, js_matrix
 from .analysis import _sequences
 from .weights import StopForward, WeightRecorder
 

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention.heads import js_divergence, js_matrix  # noqa: F401  (the measure swap_attention pairs heads by)
+from ..convert.head_measures import js_divergence, js_matrix  # noqa: F401  (the measure swap_attention pairs heads by)
 
 __all__ = ["numerical_rank", "numerical_ranks", "js_divergence", "pairwise_js", "pairwise_l2", "effective_heads",
            "summary", "RANK_MODES"]

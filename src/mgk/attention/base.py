@@ -33,7 +33,9 @@ _LAYOUTS = ("batch_first=True for (B, T, E) inputs, or batch_first=False for (T,
             "(torch.nn.MultiheadAttention's default)")
 
 
-def _positive_int(value, name: str) -> int:
+def positive_int(value, name: str) -> int:
+    """``value`` when it is an int >= 1 (not a bool); ValueError naming ``name`` otherwise (heads, head sizes, key
+    groups: every size an attention module or a conversion takes)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -115,19 +117,19 @@ class AttentionBase(nn.Module, abc.ABC):
         if not isinstance(batch_first, bool):
             raise ValueError(f"batch_first must be a bool, got {batch_first!r}")
         self.batch_first = batch_first
-        self.embed_dim = _positive_int(embed_dim, "embed_dim")
-        self.num_heads = _positive_int(num_heads, "num_heads")
+        self.embed_dim = positive_int(embed_dim, "embed_dim")
+        self.num_heads = positive_int(num_heads, "num_heads")
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); "
                                  "pass head_dim explicitly")
             head_dim = embed_dim // num_heads
-        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.head_dim = positive_int(head_dim, "head_dim")
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = float(dropout)
-        self.kdim = _positive_int(kdim if kdim is not None else embed_dim, "kdim")
-        self.vdim = _positive_int(vdim if vdim is not None else embed_dim, "vdim")
+        self.kdim = positive_int(kdim if kdim is not None else embed_dim, "kdim")
+        self.vdim = positive_int(vdim if vdim is not None else embed_dim, "vdim")
         width = self.num_heads * self.head_dim
         self.q_proj = nn.Linear(self.embed_dim, width, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, self.kv_heads * self.head_dim, bias=bias, **factory)
@@ -219,7 +221,8 @@ class AttentionBase(nn.Module, abc.ABC):
         return out
 
     def _key_projection(self) -> dict[str, Tensor]:
-        """``{"weight": (H*D, kdim), "bias": (H*D,)}``: the key projection as H heads (a mixture's first component)."""
+        """``{"weight": (H*D, kdim), "bias": (H*D,)}``: the key projection as H heads (a mixture's components' mean,
+        :class:`mgk.attention.mixture_keys.MixtureKeysMixin`)."""
         proj = getattr(self, "k_proj", None)
         if not isinstance(proj, nn.Linear):
             raise ValueError(f"{type(self).__name__} has no key projection k_proj to carry over")

@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
 from ..functional.mgk_cache import to_heads
-from .base import AttentionBase, _positive_int, factory_kwargs
+from .base import AttentionBase, factory_kwargs, positive_int
 from .gqa import GQAOptions, GroupedQueryAttention
 from .mgk import MGKAttention, MGKOptions, mixture_flops
 from .mixture_keys import KEY_MODES, MixtureKeys, split_options
@@ -79,7 +80,7 @@ class GroupedMGKAttention(MGKAttention):
         base, values = split_options(GMGKOptions, kwargs)
         options = GMGKOptions.merged(options, values)
         G = options.num_kv_heads
-        self._num_kv_heads = None if G is None else _positive_int(G, "num_kv_heads")
+        self._num_kv_heads = None if G is None else positive_int(G, "num_kv_heads")
         if G is not None and isinstance(num_heads, int) and num_heads % G:
             raise ValueError(f"num_kv_heads={G} must divide num_heads={num_heads} (each key group serves "
                              "num_heads / num_kv_heads query heads)")
@@ -126,13 +127,8 @@ class GroupedMGKAttention(MGKAttention):
                                            count.reshape(G, -1, count.shape[-1]).sum(dim=1))
 
     # -- conversion (mgk.swap_attention) -------------------------------------------------------------------------
-    def _key_projection(self) -> dict[str, Tensor]:
-        """The first component's key projection of the G groups (G * D rows)."""
-        width = self.kv_heads * self.head_dim
-        return {n: t[:width] for n, t in self.mixture.k_proj.named_parameters()}
-
     def per_head_projections(self) -> dict[str, Tensor]:
-        """The projections as a multi-head layer's: each group's key (first component) and value projections
+        """The projections as a multi-head layer's: each group's key (its components' mean) and value projections
         repeated for the H / G query heads it serves."""
         out = AttentionBase.per_head_projections(self)
         for name in [n for n in out if n.startswith(("k_proj.", "v_proj."))]:
@@ -145,10 +141,19 @@ class GroupedMGKAttention(MGKAttention):
         """The conversion of a multi-head layer: each group's key and value projections the mean of its H / G heads'
         (Ainslie et al. 2023; exact for a GQA source, whose heads of a group are copies, and for G = H), then MGK's
         mixture-keys rule with G groups (:meth:`mgk.attention.mixture_keys.MixtureKeysMixin.load_projections`); a
-        key projection of M components per head (merged heads) is pooled component by component."""
+        key projection of M components per head (merged heads) is pooled component by component.
+
+        Groups kept as components: a source that is itself grouped (its heads in runs of identical key and value
+        projections: a GQA layer read as multi-head, as Llama's num_key_value_heads) with M G groups, into separate
+        keys, gives each new group the keys of its M source groups as its components, unpooled, and their mean value
+        projection: the keys pooling would average away stay in the mixture (``sum_r pi_r exp(q . k_r)``), while the
+        cache holds M keys and one value per group."""
         H, G, D = self.num_heads, self.kv_heads, self.head_dim
         if G == H:
             return super().load_projections(weights)
+        kept = self._groups_as_components(weights)
+        if kept is not None:
+            return kept
         pooled = dict(weights)
         for name in [n for n in weights if n.startswith(("k_proj.", "v_proj."))]:
             t = weights[name]
@@ -163,8 +168,39 @@ class GroupedMGKAttention(MGKAttention):
         out.update({f"mixture.{n}": t for n, t in pooled.items() if n.startswith("k_proj.")})
         return out
 
+    def _groups_as_components(self, weights: dict[str, Tensor]) -> dict[str, Tensor] | None:
+        """:meth:`load_projections`' rule for a grouped source of M G groups into separate keys, or None when it does
+        not apply."""
+        H, G, D, M = self.num_heads, self.kv_heads, self.head_dim, self.num_keys
+        runs = _source_groups(weights, H, D)
+        if self.keys != "separate" or M < 2 or runs != M * G or weights["k_proj.weight"].shape[0] != H * D:
+            return None
+        first = torch.arange(runs) * (H // runs) * D  # the first row of each source group's first head
+        rows = (first[:, None] + torch.arange(D)).reshape(-1)  # (runs D,): the source groups' projections in order
+        out = AttentionBase.load_projections(self, {k: t for k, t in weights.items() if not k.startswith(
+            ("k_proj.", "v_proj."))})
+        for name in [n for n in weights if n.startswith("v_proj.")]:
+            out[name] = weights[name][rows].reshape(G, M, D, *weights[name].shape[1:]).mean(dim=1).flatten(0, 1)
+        for name in [n for n in weights if n.startswith("k_proj.")]:
+            # component-major rows (component r of group g: source group g M + r)
+            t = weights[name][rows].reshape(G, M, D, *weights[name].shape[1:])
+            out[f"mixture.{name}"] = t.transpose(0, 1).flatten(0, 2)
+        return out
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", num_kv_heads={self.kv_heads}"
+
+
+def _source_groups(weights: dict[str, Tensor], H: int, D: int) -> int | None:
+    """How many groups of consecutive heads with identical key and value projections (weights and biases) the
+    multi-head projections ``weights`` have, when they all have the same size; None otherwise."""
+    parts = [weights[n] for n in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias") if n in weights]
+    if any(t.shape[0] != H * D for t in parts):
+        return None
+    heads = torch.cat([t.reshape(H, -1) for t in parts], dim=1)
+    starts = [0] + [h for h in range(1, H) if not torch.equal(heads[h], heads[h - 1])]
+    sizes = {b - a for a, b in zip(starts, starts[1:] + [H])}
+    return len(starts) if len(sizes) == 1 else None
 
 
 def gmgk_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,

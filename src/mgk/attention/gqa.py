@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..fields import Label, spec
-from .base import _positive_int
+from .base import positive_int
 from .registry import AttentionKind, CacheSpec, Options, register, total
 from .softmax import MultiheadAttention
 
@@ -61,7 +61,7 @@ class GroupedQueryAttention(MultiheadAttention):
         # None is the keyword's default: only a number given with options can disagree with them
         options = GQAOptions.merged(options, {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads})
         G = options.num_kv_heads
-        self._num_kv_heads = None if G is None else _positive_int(G, "num_kv_heads")
+        self._num_kv_heads = None if G is None else positive_int(G, "num_kv_heads")
         if G is not None and isinstance(num_heads, int) and num_heads % G:
             raise ValueError(f"num_kv_heads={G} must divide num_heads={num_heads} (each key/value head serves "
                              "num_heads / num_kv_heads query heads)")

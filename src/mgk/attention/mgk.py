@@ -49,6 +49,11 @@ class MGKOptions(MixtureOptions):
         None, gt=0, choices=("learned",), label=Label({"learned": "learned variances"}),
         doc="per-component variances: None (sqrt(head_dim) each), one float for all, M floats (the authors' LM: "
             "(sqrt(D), sqrt(D) / 3)), or 'learned' (per head and component, trained, positive by construction)")
+    key_scale: float = spec(
+        1.0, gt=0, doc="c: keys are multiplied and queries divided by c before the Gaussian score, whose dot product "
+                       "is then unchanged and whose key-norm term shrinks by c^2; a value other than 1 (what "
+                       "swap_attention gives a converted dot-product layer, docs/retrofit.md) centres on 0 and needs "
+                       "equal, fixed variances")
 
 
 class _CommitStatistics(torch.autograd.Function):
@@ -77,6 +82,20 @@ class _CommitStatistics(torch.autograd.Function):
         """Commit the statistics into the accumulator (only a backward that runs commits), pass the gradient on."""
         ctx.acc[:, :, :ctx.stats.shape[-1]].add_(ctx.stats)
         return grad_out, None, None
+
+
+def _key_scale(options: MGKOptions) -> float:
+    """``options.key_scale`` as a float; ValueError naming it and ``sigma2`` when c != 1 meets variances that
+    differ between components or are learned: the ``|q|^2 / (2 sigma_r^2)`` term of each component then stays in
+    the score (:mod:`mgk.functional._mixture_terms`), and with queries 1/c times their size it cancels
+    catastrophically."""
+    c, s2 = float(options.key_scale), options.sigma2
+    unequal = s2 == "learned" or (isinstance(s2, (tuple, list)) and len(set(float(x) for x in s2)) > 1)
+    if c != 1.0 and unequal:
+        raise ValueError(f"key_scale={c} needs equal, fixed variances (sigma2 None or one float), got "
+                         f"sigma2={s2!r}: unequal or learned ones keep the |q|^2 / (2 sigma^2) term, which the "
+                         "scaled queries make cancel catastrophically")
+    return c
 
 
 def _rows(t: Tensor | None, row: slice) -> Tensor | None:
@@ -144,6 +163,11 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         self.mixture = MixtureKeys(self.kdim, self.num_heads, self.head_dim, options, keys=keys,
                                    bias=self.q_proj.bias is not None, **factory)
         self._set_variances(options.sigma2, self.mixture.num_keys, **factory)
+        self.key_scale = _key_scale(options)
+        if self.key_scale != 1.0:  # one variance (_key_scale checked they are equal and fixed), as a float
+            s2 = options.sigma2
+            self._one_variance = math.sqrt(self.head_dim) if s2 is None else float(
+                s2 if isinstance(s2, (int, float)) else s2[0])
         if not torch.cuda.is_available():
             # Build or load the CPU kernel now, outside any torch.compile trace (a trace cannot build it and would
             # fall back to the SDPA form). Without a compiler this warns once and MGK uses the SDPA form.
@@ -186,6 +210,32 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         """Whether the variances are trained (``sigma2="learned"``)."""
         return "log_sigma2" in self._parameters
 
+    @property
+    def _score_variances(self) -> Tensor | float:
+        """The variances the score reads: :attr:`sigma2`, or at key_scale c != 1 their one value as a float, equal for
+        every component by construction, so that no path keeps the ``|q|^2 / (2 sigma^2)`` row term, which the
+        scaled queries (1/c times their size) would make round every score away
+        (:func:`mgk.functional._mixture_terms.needs_qnorm`)."""
+        return self.sigma2 if self.key_scale == 1.0 else self._one_variance
+
+    @property
+    def _group_score_variances(self) -> Tensor | float:
+        """:attr:`_score_variances` of the key heads (gMGK's G key groups): :attr:`group_variances`, or at key_scale
+        c != 1 their one value as a float."""
+        return self.group_variances if self.key_scale == 1.0 else self._one_variance
+
+    def _at_scale(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(q / c, k c, centre) for :attr:`key_scale` c: the queries (B, H, L, D) and keys (B, G, M, S, D) (or sMGK's
+        unshifted (B, G, S, D); G the key heads) the Gaussian score reads, and the centre of every call, None (chosen
+        from the queries, :mod:`mgk.functional._centre`) for c = 1, else zeros (B, G, D). At c < 1 the queries are 1/c
+        times the keys' size: a centre among them would carry that size into every key and its rounding would grow
+        as 1/c, while at 0 the expansion's terms are those of dot-product attention (|q~| |k~| = |q| |k|,
+        |k~|^2 = c^2 |k|^2)."""
+        c = self.key_scale
+        if c == 1.0:
+            return q, k, None
+        return q / c, k * c, q.new_zeros(q.shape[0], k.shape[1], q.shape[3])
+
     def mixture_log_weights(self, S: int) -> Tensor | None:
         """log pi broadcastable to (B, H, M, S); None for Hard-E. Raises ValueError when S > max_len."""
         self.mixture.check_length(S, "MGKAttention")
@@ -222,11 +272,13 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         by_position = self.mixture.position_limit() is not None
         if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
+        # the key heads' keys at key_scale c (the queries at 1 / c), and a converted layer's fixed centre (0)
+        q, base, fixed = self._at_scale(q, self.mixture.project(x))
         sigma2, shifts, prior = self._decode_parameters(q, by_position)
-        return cache.state.step(q, self.mixture.project(x), v, valid, sigma2=sigma2, shifts=shifts, prior=prior,
+        return cache.state.step(q, base, v, valid, sigma2=sigma2, shifts=shifts, prior=prior,
                                 log_pi=self._decode_log_pi(cache, valid, L) if by_position else None,
-                                mixture="max" if self.pi_mode == "hard_e" else "sum", dropout_p=self.attn_dropout,
-                                backend=self.backend)
+                                mixture="max" if self.pi_mode == "hard_e" else "sum", centre=fixed,
+                                dropout_p=self.attn_dropout, backend=self.backend)
 
     def _decode_log_pi(self, cache: LayerCache, valid, L: int) -> Tensor | None:
         """log pi of this call's L new tokens at each row's positions (per-position weights), broadcastable to
@@ -249,7 +301,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         def make():
             """The parameters, made anew (when a watched tensor changed, or at the first call)."""
             fixed = self.pi_mode == "hard_e" or by_position
-            return (self.group_variances, mixture.shifts() if self.keys == "shifted" else None,
+            return (self._group_score_variances, mixture.shifts(self.key_scale) if self.keys == "shifted" else None,
                     None if fixed else mixture.log_weights(1))
 
         memo = self.__dict__.get("_decode_memo")
@@ -264,40 +316,44 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         return self.mixture.project(key)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
-        G, R = self.kv_heads, self.num_heads // self.kv_heads
+        G, R, c = self.kv_heads, self.num_heads // self.kv_heads, self.key_scale
         log_pi = MixtureKeysMixin._log_weights_of(self, k.shape[-2], key_positions)  # the key heads'
-        shifts = self.mixture.shifts() if self.keys == "shifted" else None
-        sigma2 = self.group_variances
+        q, k, centre = self._at_scale(q, k)
+        shifts = self.mixture.shifts(c) if self.keys == "shifted" else None
+        sigma2 = self._group_score_variances
         collect = self._collects_statistics(q)
         if self.pi_mode == "soft_e":
             # Each query head's components, whether or not this forward gathers the E-step's statistics (which read
             # them): the output's arithmetic is then the same either way, so a checkpoint's replay is bitwise.
-            k = to_heads(k if shifts is None else self.mixture.shift(k), G, R)
-            v, log_pi, shifts, sigma2 = to_heads(v, G, R), to_heads(log_pi, G, R), None, self.sigma2
+            k = to_heads(k if shifts is None else self.mixture.shift(k, c), G, R)
+            v, log_pi, centre = to_heads(v, G, R), to_heads(log_pi, G, R), to_heads(centre, G, R)
+            shifts, sigma2 = None, self._score_variances
         if collect and bias is None and not need_weights and key_positions is None:
             # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
             fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=sigma2, attn_mask=mask, is_causal=is_causal,
-                                         dropout_p=self.attn_dropout, query_mask=query_mask, backend=self.backend)
+                                         dropout_p=self.attn_dropout, query_mask=query_mask, backend=self.backend,
+                                         centre=centre)
             if fused is not None:
                 return self._commit_on_backward(*fused), None
         mixture = "max" if self.pi_mode == "hard_e" else "sum"
         result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=sigma2, mixture=mixture, attn_mask=mask, bias=bias,
                                is_causal=is_causal, dropout_p=self.attn_dropout, return_weights=need_weights,
-                               backend=self.backend, shifts=shifts)
+                               backend=self.backend, shifts=shifts, centre=centre)
         out, weights = result if need_weights else (result, None)
         if collect:
-            out = self._statistics(out, q, k, log_pi, mask, is_causal, query_mask, key_positions)
+            out = self._statistics(out, q, k, log_pi, sigma2, centre, mask, is_causal, query_mask, key_positions)
         return out, weights
 
-    def _statistics(self, out, q, k, log_pi, mask, is_causal, query_mask, key_positions):
+    def _statistics(self, out, q, k, log_pi, sigma2, centre, mask, is_causal, query_mask, key_positions):
         """``out`` through the commit of this forward's E-step statistics (:func:`mgk.functional.mgk_responsibilities`
-        of each query head's components k (B, H, M, S, D)), each row's at its own key positions when given."""
+        of each query head's components k (B, H, M, S, D), at the forward's variances and centre), each row's at its
+        own key positions when given."""
         rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
         stats = None
         for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
-            resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=self.sigma2,
+            resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=sigma2,
                                                attn_mask=_rows(mask, row), is_causal=is_causal,
-                                               query_mask=_rows(query_mask, row))
+                                               query_mask=_rows(query_mask, row), centre=_rows(centre, row))
             if key_positions is not None:
                 at = key_positions[row][0]
                 resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
@@ -404,7 +460,8 @@ _PI_VARIANTS = ({}, {"pi": "soft_e"}, {"pi": "hard_e"})  # the paper's Table 4 a
 register(AttentionKind("mgk", "mixture", "MGK", MGKOptions, partial(MGKAttention, keys="separate"),
                        partial(mixture_flops, separate=True),
                        CacheSpec(keys_per_token="num_keys", scalars_per_token="num_keys"),
-                       _PI_VARIANTS + ({"sigma2": "learned"},)))  # variances trained per head and component
+                       # variances trained per head and component; the scale of an exact conversion (swap_attention)
+                       _PI_VARIANTS + ({"sigma2": "learned"}, {"key_scale": 2.0 ** -12})))
 register(AttentionKind("smgk", "mixture", "sMGK", MGKOptions, partial(MGKAttention, keys="shifted"),
                        partial(mixture_flops, separate=False),
                        CacheSpec(keys_per_token=1, scalars_per_token="num_keys"), _PI_VARIANTS))

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..fields import Label, spec
 from ..functional.mgk_cache import shifted_keys
-from .base import AttentionBase, _positive_int, factory_kwargs
+from .base import AttentionBase, factory_kwargs, positive_int
 from .registry import Options
 
 KEY_MODES = ("separate", "shifted")
@@ -19,11 +19,13 @@ PI_MODES = ("learned", "soft_e", "hard_e")
 PI_SHAPES = ("head", "position", "layer")
 PI_NORMS = ("softmax", "none")
 
-# Standard deviation of the spread added to mixture components 2..M of the keys when a module is converted from one
-# with a single key projection (mgk.swap_attention), relative to the standard deviation of that projection's
-# entries: small, so that the first forward stays close to the original, and non-zero, so that the components can
-# separate in training.
-KEY_SPREAD = 0.1
+# The spread of the M separate keys around the one key projection K they are converted from (mgk.swap_attention),
+# relative to the standard deviation of K's entries: component r is K + KEY_SPREAD std(K) (N_r - mean_r N_r), N_r
+# standard normal. Identical components with uniform pi get identical gradients, and Adam (which divides each step
+# by its own size) keeps them identical through any training; a spread that sums to zero over the components costs
+# the score only at second order, log sum_r exp(a_r) / M ~ Var_r(a_r) / 2 for the components' score offsets a_r
+# (docs/retrofit.md), so it can be small enough to leave a conversion exact to float32's rounding.
+KEY_SPREAD = 1e-3
 
 PI_LABEL = Label({"soft_e": "Soft-E", "hard_e": "Hard-E"}, short="{value}")
 
@@ -113,7 +115,7 @@ class MixtureKeys(nn.Module):
         factory = factory_kwargs(device, dtype)
         num_keys, pi, pi_shape = options.num_keys, options.pi, options.pi_shape
         pi_norm, max_len = options.pi_norm, options.max_len
-        M = self.num_keys = _positive_int(num_keys, "num_keys")
+        M = self.num_keys = positive_int(num_keys, "num_keys")
         if keys not in KEY_MODES:
             raise ValueError(f"keys must be one of {KEY_MODES}, got {keys!r}")
         if pi not in PI_MODES:
@@ -125,7 +127,7 @@ class MixtureKeys(nn.Module):
         if pi_norm != "softmax" and pi != "learned":
             raise ValueError(f"pi_norm={pi_norm!r} applies to learned weights only (pi='learned'), got pi={pi!r}")
         self.keys, self.pi_mode, self.pi_shape, self.pi_norm = keys, pi, pi_shape, pi_norm
-        self.max_len = None if max_len is None else _positive_int(max_len, "max_len")
+        self.max_len = None if max_len is None else positive_int(max_len, "max_len")
         needs_len = pi == "soft_e" or (pi == "learned" and pi_shape == "position")
         if needs_len and self.max_len is None:
             raise ValueError(f"pi={pi!r} with per-position weights (pi_shape={pi_shape!r}) needs max_len "
@@ -158,14 +160,18 @@ class MixtureKeys(nn.Module):
             return self.k_proj(key).view(B, S, M, H, D).permute(0, 3, 2, 1, 4)
         return self.k_proj(key).view(B, S, H, D).transpose(1, 2)
 
-    def shifts(self) -> Tensor:
-        """(M, H, D): the offsets mu_r of shifted keys (``k_r = k - mu_r``), mu_1 = 0."""
+    def shifts(self, scale: float = 1.0) -> Tensor:
+        """(M, H, D): the offsets mu_r of shifted keys (``k_r = k - mu_r``), mu_1 = 0, times ``scale`` (the
+        attention's key_scale c, for keys already multiplied by c: the shifts live in the unscaled key space, so a
+        step on them moves the scores as a step on the key projection does)."""
         H, D = self.num_heads, self.head_dim
-        return torch.cat([self.key_shift.new_zeros(1, H, D), self.key_shift], dim=0)
+        mu = torch.cat([self.key_shift.new_zeros(1, H, D), self.key_shift], dim=0)
+        return mu if scale == 1.0 else mu * scale
 
-    def shift(self, k: Tensor) -> Tensor:
-        """The M components (B, H, M, S, D) of an unshifted key (B, H, S, D)."""
-        return shifted_keys(k, self.shifts())
+    def shift(self, k: Tensor, scale: float = 1.0) -> Tensor:
+        """The M components (B, H, M, S, D) of an unshifted key (B, H, S, D) (already multiplied by ``scale``, as
+        :meth:`shifts`)."""
+        return shifted_keys(k, self.shifts(scale))
 
     def position_limit(self) -> tuple[str, int] | None:
         """(option, max_len) when the weights are per key position (pi_shape="position" or pi="soft_e"), which
@@ -289,18 +295,26 @@ class MixtureKeysMixin:
         return self.mixture(key)
 
     def _key_projection(self) -> dict[str, Tensor]:
-        """The first component's key projection (``k_r = x W_r``, r = 1; sMGK's one projection, whose mu_1 = 0)."""
-        width = self.num_heads * self.head_dim
-        return {n: t[:width] for n, t in self.mixture.k_proj.named_parameters()}
+        """The one key projection of the mixture's heads (the key groups of gmgk) that a conversion into a kind with
+        one key per head reads: the mean of the M separate projections, the first-order summary of the mixture
+        (``log mean_r exp(q . k_r) = q . mean_r k_r + O(spread^2)``), which a conversion's components spread around;
+        shifted keys' one projection (mu_1 = 0)."""
+        mixture = self.mixture
+        width = mixture.num_heads * self.head_dim
+        if mixture.keys != "separate":
+            return dict(mixture.k_proj.named_parameters())
+        return {n: t.view(mixture.num_keys, width, *t.shape[1:]).mean(dim=0)
+                for n, t in mixture.k_proj.named_parameters()}
 
     def load_projections(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         """The conversion rule of mixture keys from a layer with one key projection K (:func:`mgk.swap_attention`):
-        queries, values and output copied; separate keys (MGK, MLK) take K as component 1 and K plus Gaussian noise
-        of standard deviation ``KEY_SPREAD * std(K)`` as components 2..M (biases copied); shifted keys (sMGK, sMLK)
-        take K itself, their shifts drawn as at construction. Mixture weights stay as initialised (uniform).
+        queries, values and output copied; separate keys (MGK, MLK) take K plus a spread that sums to zero over the
+        components, ``KEY_SPREAD * std(K)`` times centred Gaussian noise (biases copied: see :data:`KEY_SPREAD`);
+        shifted keys (sMGK, sMLK) take K itself with every shift 0, so every component is K. Mixture weights stay as
+        initialised (uniform). With the key-norm term removed (MGK's ``key_scale``) the layer is the source's.
 
         A key projection with M times the layer's width holds the M components themselves, component-major
-        (:func:`mgk.attention.regroup.merge_heads`): separate keys take them as they are; shifted keys have one key
+        (:func:`mgk.convert.regroup.merge_heads`): separate keys take them as they are; shifted keys have one key
         projection and refuse them (ValueError)."""
         out = AttentionBase.load_projections(self, {k: v for k, v in weights.items() if not k.startswith("k_proj.")})
         key_w, key_b = weights["k_proj.weight"], weights.get("k_proj.bias")
@@ -310,13 +324,15 @@ class MixtureKeysMixin:
                 raise ValueError(f"{type(self).__name__} has one key projection and shifts: it cannot take {M} key "
                                  "components (merging heads into components needs separate keys: mgk or mlk)")
         elif self.keys == "separate":
-            spread = KEY_SPREAD * key_w.float().std().item()
-            key_w = torch.cat([key_w] + [key_w + spread * torch.randn(key_w.shape, dtype=key_w.dtype)
-                                         for _ in range(M - 1)])
+            noise = torch.randn(M, *key_w.shape, dtype=key_w.dtype) if M > 1 else key_w.new_zeros(1, *key_w.shape)
+            noise = (noise - noise.mean(dim=0)) * (KEY_SPREAD * key_w.float().std().item())
+            key_w = (key_w + noise).flatten(0, 1)
             key_b = None if key_b is None else key_b.repeat(M)
         out["mixture.k_proj.weight"] = key_w
         if key_b is not None and self.mixture.k_proj.bias is not None:
             out["mixture.k_proj.bias"] = key_b
+        if self.keys == "shifted":
+            out["mixture.key_shift"] = torch.zeros_like(self.mixture.key_shift)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -87,14 +87,16 @@ def variances(sigma2, H: int, M: int, D: int, dtype, device) -> Tensor:
     Values are checked (positive, finite) for Python numbers and CPU tensors. Tensors on an accelerator are not:
     reading them back would synchronise the device on every call, and the modules check theirs at construction.
     ValueError naming ``sigma2`` otherwise."""
+    # One value for every component is expanded (stride 0 along M): equal by construction, which needs_qnorm reads
+    # from the strides, also where values cannot be read (a trace, an accelerator).
     if sigma2 is None:
-        return torch.full((1, M), math.sqrt(D), dtype=dtype, device=device)
+        return torch.full((1, 1), math.sqrt(D), dtype=dtype, device=device).expand(1, M)
     if isinstance(sigma2, (int, float)) and not isinstance(sigma2, bool):
         if isinstance(sigma2, int) and abs(sigma2) > 2 ** 1023:
             raise ValueError("sigma2 must be a positive finite variance, got an int too large for a float")
         if not sigma2 > 0 or not math.isfinite(sigma2):
             raise ValueError(f"sigma2 must be a positive finite variance, got {sigma2}")
-        return torch.full((1, M), float(sigma2), dtype=dtype, device=device)
+        return torch.full((1, 1), float(sigma2), dtype=dtype, device=device).expand(1, M)
     shape = tuple(sigma2.shape) if isinstance(sigma2, Tensor) else None
     if shape is None or not (sigma2.is_floating_point() and (sigma2.numel() == 1 or shape in ((M,), (1, M), (H, M)))):
         raise ValueError(f"sigma2 must be None, a positive float or a floating tensor of one value, shape (M,) = "
@@ -131,9 +133,12 @@ def needs_qnorm(s2: Tensor) -> bool:
     in the softmax (in the value, and in the gradient of a variance shared by the row's every score). With unequal
     or learned per-component variances it does not (a learned sigma_r^2 moves alone). Reading the values would
     synchronise an accelerator, so off the CPU (and inside a torch.compile trace, or under a torch.func transform,
-    whose tensors hold no values to read) the term is kept for M > 1 (exact either way)."""
+    whose tensors hold no values to read) the term is kept for M > 1, unless s2 holds one value per head by
+    construction (stride 0 along M: :func:`variances` of None, a float or one value). Keeping it is exact in exact
+    arithmetic only: with queries far larger than the scores (a converted layer's key_scale c makes them 1/c times
+    their size) its rounding reaches every score, so a caller of such a layer gives one variance."""
     M = s2.shape[-1]
-    if M == 1:
+    if M == 1 or s2.stride(-1) == 0:
         return False
     if (s2.requires_grad or torch.compiler.is_compiling() or s2.device.type != "cpu"
             or torch._C._functorch.is_functorch_wrapped_tensor(s2)):

@@ -13,19 +13,20 @@ from torch import Tensor
 
 from . import _mgk_backends, _mixture_flash
 from . import masks as _masks
-from ._centre import apply_centre, choose_centre
+from ._centre import apply_centre
 from ._checks import check_arguments, full_precision
 from ._mixture_terms import check_mixture, needs_qnorm, row_bias
-from .mgk import _choose, _inputs, responsibility_counts
+from .mgk import _centre_of, _choose, _inputs, responsibility_counts
 
 
 def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor | None = None,
                          sigma2=None, attn_mask: Tensor | None = None, is_causal: bool = False,
-                         dropout_p: float = 0.0, query_mask: Tensor | None = None, backend: str | None = None):
+                         dropout_p: float = 0.0, query_mask: Tensor | None = None, backend: str | None = None,
+                         centre: Tensor | None = None):
     """``mgk_attention(..., mixture="sum")`` and ``mgk_responsibilities(...)`` of the same inputs in one kernel pass.
 
-    Args: as :func:`mgk.functional.mgk_attention` (mixture "sum"); ``query_mask`` (B, L) bool, True = real query;
-        ``backend`` None or "kernel" (any other name: not served here).
+    Args: as :func:`mgk.functional.mgk_attention` (mixture "sum", ``centre`` included); ``query_mask`` (B, L) bool,
+        True = real query; ``backend`` None or "kernel" (any other name: not served here).
     Returns:
         ``(out (B, H, L, Dv), resp_sum (H, M, S), count (H, S))`` as those two functions return them (the statistics
         without gradient), or None when the kernel cannot serve the call (another backend, M = 1, masks that depend
@@ -47,13 +48,12 @@ def mgk_attention_soft_e(query: Tensor, key: Tensor, value: Tensor, *, log_pi: T
         q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, H, M, D)
         if _choose(None, q, k, v, s2, log_prior, mask, None, "sum", dropout_p, False) != "kernel":
             return None
-        q, k = apply_centre(q, k, choose_centre(q, mask, is_causal, S,
-                                                None if query_mask is None else query_mask.view(B, 1, L)))
+        query_ok = None if query_mask is None else query_mask.view(B, 1, L)
+        q, k = apply_centre(q, k, _centre_of(centre, q, mask, is_causal, S, query_ok))
         call = _mgk_backends.Call(bool(is_causal), "sum", float(dropout_p), False, 512)
         q, k, v, mask, empty = _mgk_backends._inert(q, k, v, mask, call, fused_causal=call.is_causal)
         bias = _mgk_backends._key_bias(k, s2, log_prior, mask, None, False, float("-inf"))
         rowbias = row_bias(q, s2) if needs_qnorm(s2) else None
-        query_ok = None if query_mask is None else query_mask.view(B, 1, L)
         out, resp = _mixture_flash.mixture_flash_with_responsibilities(
             q, _mgk_backends.scaled_keys(k, s2), bias, v, rowbias, query_ok, call.is_causal, call.dropout_p)
         out = _masks.zero_rows(out, empty).to(out_dtype)

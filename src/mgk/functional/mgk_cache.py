@@ -23,7 +23,15 @@ from ._checks import check_arguments, check_tensor, compute_dtype, full_precisio
 from ._dispatch import pick
 from ._mgk_algebra import DECODE_BACKENDS, cached_output, entries, fold_mask, fold_queries
 from ._mgk_checks import check_attention, check_backend, check_slots, check_step, refuse_graph
-from ._mixture_terms import check_components, check_log_pi, check_mixture_args, check_shifts, shifted_keys, to_heads
+from ._mixture_terms import (
+    check_components,
+    check_log_pi,
+    check_mixture_args,
+    check_shifts,
+    needs_qnorm,
+    shifted_keys,
+    to_heads,
+)
 
 __all__ = ["DECODE_BACKENDS", "MGKStepTerms", "Memo", "mgk_attention_cached", "mgk_cache_centre",
            "mgk_cache_entries", "mgk_cache_step", "mgk_step_terms", "shifted_keys", "step_terms_for", "to_heads"]
@@ -251,7 +259,7 @@ class MGKStepTerms:
     """
 
     __slots__ = ("dtype", "device", "heads", "components", "head_dim", "mixture", "s2", "shifts", "prior", "inv",
-                 "inv_keys", "mu", "_inv_flat", "_shifts_flat", "_empty", "_no_valid")
+                 "inv_keys", "mu", "_inv_flat", "_shifts_flat", "_empty", "_no_valid", "_qnorm")
 
     def __init__(self, s2: Tensor, shifts: Tensor | None, prior: Tensor | None, mixture: str, heads: int,
                  head_dim: int):
@@ -265,6 +273,10 @@ class MGKStepTerms:
         self._no_valid = torch.empty(0, dtype=torch.bool, device=self.device)
         self._shifts_flat = None if shifts is None else shifts.detach().to(self.dtype).contiguous()
         self.mu = None if shifts is None else self._shifts_flat.transpose(0, 1)
+        # Read once here (the terms outlive many steps). The row term cancels when the variances are equal, but
+        # adding it is exact only while |q~|^2 / sigma^2 is not far larger than the scores: a converted layer's
+        # queries (key_scale c, 1/c times their size) would round every score away.
+        self._qnorm = needs_qnorm(s2)
 
     def step(self, query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
              slot: int | Tensor, centre: Tensor, key_valid: Tensor | None = None, log_pi: Tensor | None = None,
@@ -370,15 +382,14 @@ class MGKStepTerms:
         """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by
         :func:`._mgk_algebra.entries`), the query with a group's heads folded into its rows,
         the centre and inverse variances for the query's own terms, the buffers. The |q|^2 row term is asked for
-        whenever M > 1: exact either way (it cancels when the variances are equal), and cheaper than reading the
-        variances."""
+        only where it does not cancel (:func:`._mixture_terms.needs_qnorm`, read when the terms were made)."""
         valid = self._no_valid if key_valid is None else \
             key_valid if key_valid.stride(-1) == 1 else key_valid.contiguous()
         q = query if query.is_contiguous() else query.contiguous()
         if self.mu is None:
-            return (q, new_keys, new_bias, value, c, self._inv_flat, self._empty, self.components > 1, keys, key_bias,
+            return (q, new_keys, new_bias, value, c, self._inv_flat, self._empty, self._qnorm, keys, key_bias,
                     values, valid)
-        return (q, new_keys.unsqueeze(2), new_bias, value, c, self._inv_flat, self._shifts_flat, self.components > 1,
+        return (q, new_keys.unsqueeze(2), new_bias, value, c, self._inv_flat, self._shifts_flat, self._qnorm,
                 keys.unsqueeze(2), key_bias, values, valid)
 
 

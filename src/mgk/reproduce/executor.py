@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .. import config as config_mod
 from ..atomic import write_text_atomic
-from ..train.rundir import RunFiles, load_config
+from ..train.rundir import RunFiles, load_config, recover
 from .grid import Run
 from .stopping import GridStop
 
@@ -59,6 +59,7 @@ def run_state(run: Run) -> str:
     """``finished``, ``evaluate`` (trained, LM evaluation missing), ``resume`` (checkpoint, no results),
     ``new``, or ``conflict`` (results of another config in this directory: left alone)."""
     d, files = run.run_dir, RunFiles(run.run_dir)
+    recover(d)  # a run that a killed --overwrite set aside is this directory's run again
     if files.results.is_file():
         if read_record(d).get("key") != run.key:
             return "conflict"

@@ -33,7 +33,7 @@ line break) never starts a line of its own. The temporary files that a kill duri
 ``--overwrite`` clears only a directory that holds the marker and nothing but run files, and not at once: the earlier
 run is moved into ``.mgk-previous/``, deleted once the new run has taken its first optimiser step
 (:func:`discard_previous`), and put back when the new run fails before that (:func:`abandon`) or was killed (the next
-:func:`claim`).
+:func:`claim`, or the first command that reads the directory: :func:`recover`).
 
 The lock is ``flock(2)`` on ``.mgk-lock``: the kernel releases it when its process ends, however it ends (SIGKILL
 included), so a crashed run never leaves a stale lock. Training holds it exclusively (rank 0 only under torchrun:
@@ -64,7 +64,7 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = ["LOCK_NAME", "MARKER_NAME", "PREVIOUS_NAME", "RUN_ENTRIES", "RunDirError", "RunDirLock", "RunFileError",
            "RunFiles", "append_line", "abandon", "claim", "discard_previous", "find_runs", "holder_pid",
            "load_config", "log_text", "read_config", "read_json", "read_metrics", "read_results", "read_run_results",
-           "write_config", "write_json"]
+           "recover", "write_config", "write_json"]
 
 LOCK_NAME = ".mgk-lock"
 MARKER_NAME = ".mgk-run"
@@ -317,6 +317,33 @@ def _restore_previous(run_dir: Path) -> bool:
     return True
 
 
+def recover(run_dir: str | os.PathLike) -> bool:
+    """Settle what a killed mgk process left half done in ``run_dir`` (:func:`_settle`), under the run's lock, before
+    anything reads it: above all, put back, byte for byte (renames), the run that a killed ``--overwrite`` had set
+    aside into :data:`PREVIOUS_NAME` (its new run never took a step, or the earlier run would be gone). Called by
+    every reader of a run directory (:func:`read_config`, :func:`read_results`, :func:`find_runs`), so ``mgk train
+    --resume``, ``mgk eval``, ``mgk generate`` and ``mgk table`` see the earlier run, not a folder without
+    config.yaml. Nothing is done while a live process holds the lock (an ``--overwrite`` that has not taken its first
+    step yet puts the run back or deletes it itself), nor where the directory cannot be written. Returns whether a
+    run was put back."""
+    run_dir = Path(run_dir)
+    previous = run_dir / PREVIOUS_NAME
+    if fcntl is None or not previous.is_dir() or previous.is_symlink() or not (previous / MARKER_NAME).is_file():
+        return False  # without a lock (Windows), a live --overwrite cannot be told from a killed one: its claim settles
+    lock = RunDirLock(run_dir)
+    try:
+        lock.acquire()
+    except (RunDirError, OSError):
+        return False
+    try:
+        _settle(run_dir, resume=False)
+    except OSError:
+        return False  # a folder it cannot change (read-only): read as it is, as before
+    finally:
+        lock.release()
+    return not previous.exists()
+
+
 def discard_previous(lock: RunDirLock) -> None:
     """Delete the run that ``claim(overwrite=True)`` set aside, once the new run has taken its first optimiser
     step (before, :func:`abandon` puts it back). Nothing to do when nothing was set aside; idempotent."""
@@ -411,6 +438,7 @@ def read_config(run_dir: str | os.PathLike) -> dict:
     a run directory); :class:`RunFileError` naming the file (and line) when it is not a YAML mapping or was cut
     short (its last line has no line end)."""
     run_dir = Path(run_dir)
+    recover(run_dir)
     path = RunFiles(run_dir).config
     if not path.is_file():
         what = "no such folder" if not run_dir.exists() else "a file" if not run_dir.is_dir() else f"no {path.name}"
@@ -475,6 +503,7 @@ def write_json(path: str | os.PathLike, value: dict) -> Path:
 
 def read_results(run_dir: str | os.PathLike) -> dict | None:
     """results.json of ``run_dir``, or None when the run has not finished; RunFileError when it is damaged."""
+    recover(run_dir)
     path = RunFiles(run_dir).results
     return read_json(path) if path.exists() else None
 
@@ -550,6 +579,8 @@ def find_runs(paths) -> tuple[list[Path], list[Path]]:
     unfinished: list[Path] = []
     for p in map(Path, paths):
         files = RunFiles(p)
+        for previous in [p / PREVIOUS_NAME, *(p.rglob(PREVIOUS_NAME) if p.is_dir() else ())]:
+            recover(previous.parent)  # a run set aside by a killed --overwrite is a run again before it is looked for
         if p.is_file() and p.name == results:
             done.append(p)
         elif files.results.is_file():

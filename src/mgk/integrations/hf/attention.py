@@ -11,11 +11,48 @@ from ...functional.masks import causal_mask
 from .cache import mgk_layer
 
 try:  # transformers 5.x records output_attentions=True by hooks it installs on its own attention classes only
-    from transformers.utils.output_capturing import install_output_capuring_hook as _record_hook
+    from transformers.utils.output_capturing import install_output_capuring_hook as _install_record_hook
 except ImportError:  # older versions read the maps from the attention's second output
-    _record_hook = None
+    _install_record_hook = None
 
-__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "with_cu_seq_lens", "with_packed_positions"]
+__all__ = ["HFAttention", "MaskLayout", "key_valid", "mask_layout", "record_maps", "with_cu_seq_lens",
+           "with_packed_positions"]
+
+
+class _Catch:
+    """Stands for a module in ``install_output_capuring_hook``: keeps the hook it is given instead of registering it."""
+
+    def __init__(self):
+        self.hooks: list = []
+
+    def register_forward_hook(self, hook, *args, **kwargs) -> None:
+        self.hooks.append(hook)
+
+
+def _caught_record_hook():
+    """transformers' hook that records an attention's maps (its second output) for ``output_attentions=True``, or
+    None before transformers 5. Caught rather than installed: it is a local closure, which a model holding it cannot
+    pickle (``torch.save(model)``, multiprocessing, ``copy.deepcopy``); mgk's modules hold :func:`record_maps`."""
+    if _install_record_hook is None:
+        return None
+    catch = _Catch()
+    _install_record_hook(catch, "attentions", 1)
+    if len(catch.hooks) != 1:
+        raise ImportError("mgk.integrations.hf: transformers' install_output_capuring_hook registered "
+                          f"{len(catch.hooks)} hooks, not one; use a transformers version in its supported range")
+    return catch.hooks[0]
+
+
+_RECORD_MAPS = _caught_record_hook()
+
+
+def record_maps(module: nn.Module, args, output) -> None:
+    """Forward hook of every :class:`HFAttention`: hands its maps (``output[1]``, (B, H, L, S) or None) to the
+    collector transformers 5 runs for ``output_attentions=True``, as the model's own attention's hook does. A
+    module-level function, so that a model holding it pickles by reference; nothing before transformers 5 (the
+    model reads the maps from the attention's output)."""
+    if _RECORD_MAPS is not None:
+        _RECORD_MAPS(module, args, output)
 
 # what the decoder layers of the supported transformers versions call the cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -159,12 +196,15 @@ def _position_starts(position_ids: Tensor) -> Tensor:
 
 
 def with_packed_positions(layout: MaskLayout, B: int, L: int, position_ids) -> MaskLayout:
-    """``layout`` with sequences packed into a row by ``position_ids`` alone read in, for a call with a cache: a
-    position that restarts at 0 after a real token of its row starts a new sequence (``DataCollatorWithFlattening()``
-    numbers each sequence from 0). transformers builds its block mask from restarting positions only without a cache
-    (and without a 2D mask); with the cache the configs' ``use_cache=True`` makes (eval, and training as ``Trainer``
-    runs it) the sequences would see each other. Positions that jump forward (PoSE-style gaps) are one sequence, as
-    positions decide angles, not boundaries; padding keeps its own rule (the mask's).
+    """``layout`` with sequences packed into a row by ``position_ids`` alone read in, for every call of a causal
+    model: a position that restarts at 0 after a real token of its row starts a new sequence
+    (``DataCollatorWithFlattening()`` numbers each sequence from 0). transformers builds its block mask from
+    restarting positions only without a cache and without a 2D ``attention_mask``; with either (the configs'
+    ``use_cache=True`` in eval and in training as ``Trainer`` runs it, or a padding mask) the sequences would see each
+    other, so one rule holds whatever the call: the output never depends on whether a cache was asked for. Positions
+    that jump forward (PoSE-style gaps) are one sequence, as positions decide angles, not boundaries; padding keeps
+    its own rule (the mask's: a left-padded row's first real token, position 0 after padding, starts no new
+    sequence).
 
     Args:
         layout: the call's :func:`mask_layout`; only a "plain" one (causality and key padding) is read further.
@@ -309,13 +349,14 @@ class HFAttention(nn.Module):
     sequences flattened into one row that flash attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     describe (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; read whatever the mask, also with a
     cache, where transformers builds no block mask; malformed ones are a ValueError, :func:`with_cu_seq_lens`), and
-    in a causal model called with a cache sequences told apart by ``position_ids`` restarting at 0
-    (``DataCollatorWithFlattening()``; :func:`with_packed_positions`); any
+    in a causal model sequences told apart by ``position_ids`` restarting at 0 (``DataCollatorWithFlattening()``;
+    :func:`with_packed_positions`: with or without a cache or a padding mask, one rule); any
     other 4D mask goes to the kind as ``attn_mask`` (the linear kinds refuse one that depends on the query, in one
     line).
 
-    Weights: with ``output_attentions=True`` (when the model passes it on to its attention: the Llama family and BERT;
-    transformers 5.24's GPT-2 drops it before its layers) they are the kind's per-head maps (B, H, L, S) float (the
+    Weights: with ``output_attentions=True`` (the keyword, which the Llama family and BERT pass their attention, or
+    :attr:`maps_asked`, which the model sets for the call: GPT-2 drops the keyword before its layers;
+    :func:`mgk.integrations.hf.maps.listen_for_maps`) they are the kind's per-head maps (B, H, L, S) float (the
     linear kinds' explicit ones), recorded where transformers collects the model's; a kind that returns none, or a
     call on a cache that already holds tokens, is a ValueError in one line. Otherwise None.
 
@@ -326,8 +367,12 @@ class HFAttention(nn.Module):
     tokens it is a ValueError. With gradients on in eval mode, the first call's output is the uncached forward's
     and the cache is filled without gradient besides. A cache takes plain masks after its first call; one whose
     first call was packed refuses any later call in one line (its sequences share a row: a step would see them all),
-    and a later chunk whose positions restart at 0 in a row the cache holds tokens of is refused alike.
+    and a later chunk whose positions restart at 0 in a row the cache holds tokens of is refused alike. A filled
+    cache called with another batch size is refused first, in one line naming the cache and both sizes.
     """
+
+    # set by the model for the length of a call that asks for the maps (output_attentions; .maps.listen_for_maps)
+    maps_asked = False
 
     def __init__(self, attn: nn.Module, *, layer_idx: int | None, causal: bool, rotary=None,
                  resid_dropout: nn.Module | None = None):
@@ -341,8 +386,8 @@ class HFAttention(nn.Module):
         self._hooked: list[nn.Module] = []  # the projections the hooks are on (re-read on each call)
         self.attn = attn
         self.set_module(attn)
-        if _record_hook is not None:  # the maps of output_attentions=True recorded as the model's own attention's
-            _record_hook(self, "attentions", 1)
+        if _RECORD_MAPS is not None:  # the maps of output_attentions=True recorded as the model's own attention's
+            self.register_forward_hook(record_maps)
 
     def set_module(self, attn: nn.Module) -> None:
         """Make ``attn`` the mgk module (rotating what its query and key projections return, for rotary models);
@@ -375,12 +420,15 @@ class HFAttention(nn.Module):
         self._hooks = [m.register_forward_hook(self._rotate) for m in current]
 
     def _rotate(self, module: nn.Module, inputs, out: Tensor) -> Tensor | None:
-        """A projection's output (B, L, n * D) rotated per D-wide head by the call's (cos, sin) (B, L, D)."""
+        """A projection's output (B, L, n * D) rotated per D-wide head by the call's (cos, sin) (B, L, D), in the
+        projection's dtype: under autocast the projections give bfloat16 while the model's cos / sin stay float32,
+        and the rotation must not promote the query and keys past the values (the kind's core computes its scores in
+        float32 whatever it is given, docs/implementation.md)."""
         if self._position is None:
             return None
         cos, sin = self._position
         heads = out.unflatten(-1, (-1, cos.shape[-1]))
-        return self._rotary(heads, heads[..., :0, :], cos, sin, unsqueeze_dim=2)[0].flatten(-2)
+        return self._rotary(heads, heads[..., :0, :], cos, sin, unsqueeze_dim=2)[0].flatten(-2).to(out.dtype)
 
     def forward(self, hidden_states: Tensor, *args, attention_mask=None, position_embeddings=None, **kwargs):
         """``(output (B, L, E), weights (B, H, L, S) float or None)`` of ``hidden_states`` (B, L, E), with the mask,
@@ -398,7 +446,7 @@ class HFAttention(nn.Module):
                 raise ValueError("this rotary model's layer was called without position_embeddings (cos, sin)")
             self._hook_projections()
             self._position = position_embeddings
-        want = bool(kwargs.get("output_attentions"))
+        want = bool(kwargs.get("output_attentions")) or self.maps_asked
         try:
             B, L = hidden_states.shape[:2]
             layout = with_cu_seq_lens(mask_layout(attention_mask, L, self.is_causal), B, L, hidden_states.device,
@@ -406,7 +454,7 @@ class HFAttention(nn.Module):
                                       cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
                                       position_ids=kwargs.get("position_ids"))
             positions = kwargs.get("position_ids")
-            if self.is_causal and cache is not None:  # without one, transformers' own rule builds the block mask
+            if self.is_causal:  # transformers reads the restarts only without a cache and a 2D mask: mgk always
                 layout = with_packed_positions(layout, B, L, positions)
             out, weights = self._attend(hidden_states, layout, cache, want, positions)
         finally:
@@ -459,9 +507,14 @@ class HFAttention(nn.Module):
         return _from_sequences(out, plan, B, L), None if weights is None else _weights_back(weights, plan)
 
     def _cached(self, x: Tensor, layout: MaskLayout, cache, want: bool, positions=None) -> tuple[Tensor, Tensor | None]:
-        L = x.shape[1]
+        B, L = x.shape[:2]
         layer = mgk_layer(cache, self.layer_idx, self.attn)
         first = layer.mgk_cache.length == 0
+        if not first and layer.mgk_cache.batch_size != B:  # before any check that reads the rows
+            raise ValueError(f"past_key_values: layer {self.layer_idx}'s cache was filled for a batch of "
+                             f"{layer.mgk_cache.batch_size} rows, this call has batch size {B}; a cache serves the "
+                             "rows it was filled with: for another batch pass a new DynamicCache, cache.reset() or "
+                             "none")
         if not first and layer.packed:
             raise ValueError(f"layer {self.layer_idx}'s cache was filled by a packed forward (several sequences in "
                              "one row, told apart by position_ids or cu_seq_lens): a step would attend across them; "

@@ -17,6 +17,8 @@ from typing import Callable
 import transformers
 from transformers import PreTrainedModel
 
+from .maps import listen_for_maps
+
 __all__ = ["MODEL_TYPES", "RECORD", "adopt", "base_model_type", "mgk_class", "record_of", "register"]
 
 RECORD = "mgk_attention"  # the config attribute: {"kind", "num_heads", "head_dim", "seed", "options"}
@@ -68,7 +70,9 @@ def adopt(model: PreTrainedModel, record: dict) -> None:
     ``save_pretrained`` writes the mgk model type and the swap), and every model with a head in it (a causal or
     masked LM, a classifier, ...) the mgk subclass of its class, where there is one. A base model (``LlamaModel``)
     and a class without an mgk subclass keep their class; their saved folder loads through the Auto classes all
-    the same (as the mgk class those map the mgk model type to)."""
+    the same (as the mgk class those map the mgk model type to). Its base models then tell its mgk modules when a
+    call asks for ``output_attentions`` (:func:`mgk.integrations.hf.maps.listen_for_maps`: GPT-2 does not pass the
+    flag on to its attention)."""
     config = model.config
     config.__class__ = _CONFIGS[MODEL_TYPES[base_model_type(config.model_type)]]
     setattr(config, RECORD, record)
@@ -78,6 +82,7 @@ def adopt(model: PreTrainedModel, record: dict) -> None:
         # forward records for output_attentions / output_hidden_states by the class it was built as
         if new is not None and type(module) is not new and module.base_model is not module:
             module.__class__ = new
+    listen_for_maps(model)
 
 
 def _config_class(model_type: str, base: type) -> type:

@@ -2,7 +2,7 @@
 same size: keep some of its heads (``"prune"``), merge groups of its heads into the key components of fewer mixture
 heads (``"merge"``), or mean-pool groups of heads (``"pool"``); ``"slice"`` instead keeps the projections whole and
 re-cuts the width into heads of another size. :func:`choose_rule` names the rule for a source and a target,
-:func:`plan_heads` chooses the groups or kept heads (by the measures of :mod:`mgk.attention.heads`), and
+:func:`plan_heads` chooses the groups or kept heads (by the measures of :mod:`mgk.convert.head_measures`), and
 :func:`apply_plan` makes the projections. The one code path of :func:`mgk.swap_attention` (torch and Hugging Face
 models) and ``mgk train --init-from`` (:mod:`mgk.retrofit`).
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .gqa import GroupedQueryAttention
-from .heads import adjacent_groups, bilinear_divergence, greedy_groups, output_importance
+from ..attention.gqa import GroupedQueryAttention
+from .head_measures import adjacent_groups, bilinear_divergence, greedy_groups, output_importance
 
 __all__ = ["RULES", "PAIRINGS", "MERGE_KEY_SHRINK", "select_heads", "merge_heads", "pool_heads", "check_heads",
            "choose_rule", "plan_heads", "apply_plan"]
@@ -204,7 +204,9 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
     grouped key/value heads (gqa) whose heads divide the source's, "prune" for the others (softmax, linear, smgk,
     smlk, ...). Raises ValueError in one line for shapes no rule converts (more heads of the same size, another
     width), a ``heads`` rule that does not fit, and separate keys whose heads cannot merge the source's (no
-    default: the groups would have to be of another size than num_keys)."""
+    default: the groups would have to be of another size than num_keys). The messages state what does not fit,
+    never another call: which call a caller can make instead depends on its own checks
+    (:func:`mgk.convert.layers.check_shape` names one it verified)."""
     H, D, width = new.num_heads, new.head_dim, source_heads * source_head_dim
     if heads is not None and heads not in RULES:
         raise ValueError(f"heads must be one of {', '.join(RULES)}, got {heads!r}")
@@ -213,14 +215,13 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
             raise ValueError(f"{H} heads of head_dim {D} keep neither the source's head size {source_head_dim} "
                              f"nor its attention width {width}")
         if heads not in (None, "slice"):
-            raise ValueError(f"heads={heads!r} keeps the head size {source_head_dim}; {H} heads of head_dim {D} "
-                             "re-cut the width (heads='slice')")
+            raise ValueError(f"heads={heads!r} keeps the head size {source_head_dim}, but {H} heads of head_dim {D} "
+                             "re-cut the width")
         return "same" if H == source_heads else "slice"
     if H == source_heads:
         return "same"
     if H > source_heads:
-        raise ValueError(f"{H} heads of head_dim {D} from {source_heads}: no weights for more heads of one size; "
-                         f"head_dim={width // H if width % H == 0 else '...'} (heads='slice') re-cuts the width")
+        raise ValueError(f"{H} heads of head_dim {D} from {source_heads}: no weights for more heads of one size")
     mix = getattr(new, "mixture", None)
     separate = mix is not None and mix.keys == "separate"
     merges = separate and H * mix.num_keys == source_heads
@@ -230,8 +231,7 @@ def choose_rule(source_heads: int, source_head_dim: int, new, heads: str | None 
     if rule is None or (rule == "merge" and not merges):
         keys = f"num_keys={mix.num_keys}" if mix is not None else "one key per head"
         raise ValueError(f"merging {source_heads} heads into {H} needs separate mixture keys with num_heads * "
-                         f"num_keys = {source_heads} ({type(new).__name__} has {keys}); heads='prune' keeps "
-                         f"{H} of them instead")
+                         f"num_keys = {source_heads} ({type(new).__name__} has {keys})")
     if rule == "pool" and not pools:
         raise ValueError(f"heads='pool' needs num_heads={H} to divide the source's {source_heads} heads")
     return rule
@@ -245,9 +245,9 @@ def plan_heads(rule: str, weights: dict[str, Tensor], new_heads: int, head_dim: 
     with ``"by"`` naming how, and the measures chosen by; ``{}`` for "same" and "slice".
 
     Groups: ``pairs="adjacent"`` takes heads (0, 1), (2, 3), ...; "similar" (default) is greedy matching
-    (:func:`mgk.attention.heads.greedy_groups`) on ``divergence`` (H, H), the heads' attention-map divergence on
-    data when given, else :func:`mgk.attention.heads.bilinear_divergence` of the weights. Kept heads: by
-    ``importance`` (H,) when given (E|dL/dxi_h| on data), else :func:`mgk.attention.heads.output_importance`.
+    (:func:`mgk.convert.head_measures.greedy_groups`) on ``divergence`` (H, H), the heads' attention-map divergence on
+    data when given, else :func:`mgk.convert.head_measures.bilinear_divergence` of the weights. Kept heads: by
+    ``importance`` (H,) when given (E|dL/dxi_h| on data), else :func:`mgk.convert.head_measures.output_importance`.
     ``weights`` are the source layer's per-head projections. ValueError for an unknown ``pairs``."""
     if pairs not in PAIRINGS:
         raise ValueError(f"pairs must be one of {', '.join(PAIRINGS)}, got {pairs!r}")

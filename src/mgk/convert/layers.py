@@ -1,24 +1,33 @@
 """Converting one attention module into another kind, weights carried over: what :func:`mgk.swap_attention` does
 at each place it replaces, and what :mod:`mgk.integrations.hf` calls for the attention modules of Hugging Face
 models. The source is read into an :class:`AttentionSource` (its configuration and its projections as a multi-head
-layer's); for fewer heads a rule of :mod:`mgk.attention.regroup` merges, pools or keeps heads, then the new kind's
+layer's); for fewer heads a rule of :mod:`mgk.convert.regroup` merges, pools or keeps heads, then the new kind's
 own conversion rule (its module's ``load_projections``, in the kind's file) makes the new parameters."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from ..attention.base import AttentionBase, positive_int
+from ..attention.registry import build_attention, check_options, get_kind
+from ..attention.softmax import from_torch_state_dict
 from ..seeds import check_seed
-from .base import AttentionBase, _positive_int
-from .heads import calibrate
-from .registry import build_attention, check_options
+from .head_measures import calibrate
 from .regroup import RULES, apply_plan, choose_rule, plan_heads
-from .softmax import from_torch_state_dict
 
-__all__ = ["AttentionSource", "convert_module", "convert_source", "load_conversion", "measure", "swap_plan"]
+__all__ = ["AttentionSource", "CONVERSION_KEY_SCALE", "check_shape", "convert_module", "convert_source",
+           "load_conversion", "measure", "refuse_adapters", "swap_plan", "with_key_scale"]
+
+# The key_scale c (MGKOptions) of a layer converted into an MGK-family kind from dot-product attention: the key-norm
+# term -c^2 |k|^2 / (2 sigma^2) that the conversion cannot carry shrinks by c^2 (2^-24 = 6e-8: 4e-6 at SmolLM2-135M's
+# largest keys, |k| = 25, sigma^2 = 8), and a power of two makes q / c and c k exact, so the dot product is the
+# source's bit for bit. Its cost: queries 4096 times their size, beyond float16's range (65504) for |q| > 16;
+# bfloat16 and float32 hold them (docs/retrofit.md).
+CONVERSION_KEY_SCALE = 2.0 ** -12
 
 
 @dataclass
@@ -40,6 +49,7 @@ class AttentionSource:
     dtype: torch.dtype
     training: bool
     trainable: bool = True  # whether any of the old module's parameters required grad (a frozen layer stays frozen)
+    rotary_dim: int | None = None  # the head size the model's rotary embeddings fix (Llama family), else None
 
 
 def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, head_dim: int | None = None,
@@ -51,7 +61,7 @@ def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, hea
     check_options(kind, options)
     for value, name in ((num_heads, "num_heads"), (head_dim, "head_dim")):
         if value is not None:
-            _positive_int(value, name)
+            positive_int(value, name)
     if heads is not None and heads not in RULES:
         raise ValueError(f"heads must be one of {', '.join(RULES)}, got {heads!r}")
     if loss_fn is not None and calibration is None:
@@ -67,34 +77,47 @@ def swap_plan(kind: str, num_heads: int | None, seed: int, options: dict, *, hea
             "options": options, "memo": {}, "measured": {}}
 
 
+def with_key_scale(kind: str, options: dict, sources) -> dict:
+    """``options`` with the key_scale of an exact conversion filled in when ``kind`` takes one and the caller gave
+    none: the scale of the MGK-family modules among ``sources`` (the attention modules to be replaced; a module
+    with a ``key_scale`` attribute is one, the first one's is taken), else :data:`CONVERSION_KEY_SCALE` for
+    dot-product layers. Variances a key_scale cannot take (learned, or unequal ones) keep the default 1."""
+    names = get_kind(kind).options.names()
+    if "key_scale" not in names or "key_scale" in options:
+        return options
+    s2 = options.get("sigma2")
+    if s2 == "learned" or (isinstance(s2, (tuple, list)) and len({float(x) for x in s2}) > 1):
+        return options
+    scales = [m.key_scale for m in sources if isinstance(getattr(m, "key_scale", None), float)]
+    return {**options, "key_scale": scales[0] if scales else CONVERSION_KEY_SCALE}
+
+
 def measure(build: dict, model: nn.Module, calibration, loss_fn=None) -> None:
     """Measure the heads of ``model``'s mgk attention modules on the ``calibration`` batch
-    (:func:`mgk.attention.heads.calibrate`) into ``build``, by module path: their maps' divergence unless the rule is
-    "prune", their importance when ``loss_fn`` is given."""
+    (:func:`mgk.convert.head_measures.calibrate`) into ``build``, by module path: their maps' divergence unless the
+    rule is "prune", their importance when ``loss_fn`` is given."""
     build["measured"] = calibrate(model, calibration, loss_fn, maps=build["heads"] != "prune")
 
 
-def convert_module(old: nn.Module, path: str, build: dict) -> AttentionBase:
+def convert_module(old: nn.Module, path: str, build: dict, *, rotary_dim: int | None = None) -> AttentionBase:
     """The new module of the plan ``build`` (:func:`swap_plan`) for the torch or mgk attention module ``old`` found at
-    ``path``; ValueError naming ``path`` for what cannot be carried."""
-    return convert_source(_read(old, path), path, build)
+    ``path`` (``rotary_dim``: the head size rotary embeddings applied around it fix); ValueError naming ``path`` for
+    what cannot be carried."""
+    return convert_source(dataclasses.replace(_read(old, path), rotary_dim=rotary_dim), path, build)
 
 
 def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBase:
     """The new module of ``build``'s kind for what was read from the module at ``path`` (also the entry point of
     :mod:`mgk.integrations.hf`, which reads Hugging Face attention modules into a :class:`AttentionSource`). Its
-    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.attention.regroup.plan_heads`)."""
-    heads = build["num_heads"] or src.num_heads
-    head_dim = _head_dim(src, heads, build, path)
+    attribute ``conversion`` records the rule and the heads chosen (:func:`mgk.convert.regroup.plan_heads`).
+    ValueError in one line for a shape no rule converts (:func:`check_shape`)."""
+    heads, head_dim = check_shape(src, build, path)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(build["seed"])
         new = build_attention(build["kind"], src.embed_dim, heads, head_dim=head_dim, dropout=src.dropout,
                               bias=src.bias, batch_first=src.batch_first, kdim=src.kdim, vdim=src.vdim,
                               **build["options"])
-        try:
-            rule = choose_rule(src.num_heads, src.head_dim, new, build["heads"])
-        except ValueError as e:
-            raise ValueError(f"swap_attention: {path}: {e}") from None
+        rule = choose_rule(src.num_heads, src.head_dim, new, build["heads"])  # accepted by check_shape
         measured = build["measured"].get(path, {})
         plan = plan_heads(rule, src.weights, heads, src.head_dim, divergence=measured.get("divergence"),
                           importance=measured.get("importance"))
@@ -107,6 +130,57 @@ def convert_source(src: AttentionSource, path: str, build: dict) -> AttentionBas
         new.to(src.dtype)
     new.conversion = {"rule": rule, "source_heads": src.num_heads, "source_head_dim": src.head_dim, **plan}
     return new.requires_grad_(src.trainable).train(src.training)
+
+
+def check_shape(src: AttentionSource, build: dict, path: str) -> tuple[int, int]:
+    """(heads, head_dim) of the new module of ``build`` for ``src``, the module at ``path``; ValueError in one line
+    when no rule converts that shape (:func:`mgk.convert.regroup.choose_rule`), the kind's options refuse it, or
+    it changes the head size that a model's rotary embeddings fix. The message ends with another call that these
+    same checks accept, when one of a few (another rule, the width re-cut, the model's head size or heads) is."""
+    try:
+        return _shape(src, build, path)
+    except ValueError as e:
+        for change in _alternatives(src, build):
+            try:
+                _shape(src, {**build, **change}, path)
+            except ValueError:
+                continue
+            raise ValueError(f"{e}; instead: {', '.join(f'{k}={v!r}' for k, v in change.items())}") from None
+        raise
+
+
+def _shape(src: AttentionSource, build: dict, path: str) -> tuple[int, int]:
+    """:func:`check_shape` without the alternative: the one set of checks every call and every hint goes through."""
+    heads = build["num_heads"] or src.num_heads
+    head_dim = _head_dim(src, heads, build, path)
+    # its sizes only: on the meta device (no memory), the global RNG untouched, whatever device a caller's context
+    # sets (from_pretrained builds under a meta context, where the options' own checks could not read values)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        new = build_attention(build["kind"], src.embed_dim, heads, head_dim=head_dim, kdim=src.kdim, vdim=src.vdim,
+                              device="meta", **build["options"])
+    try:
+        choose_rule(src.num_heads, src.head_dim, new, build["heads"])
+    except ValueError as e:
+        raise ValueError(f"swap_attention: {path}: {e}") from None
+    if src.rotary_dim is not None and head_dim != src.rotary_dim:
+        raise ValueError(f"swap_attention: num_heads={heads} gives head_dim {head_dim} in {path}, but the model's "
+                         f"rotary embeddings are {src.rotary_dim} wide")
+    return heads, head_dim
+
+
+def _alternatives(src: AttentionSource, build: dict) -> list[dict]:
+    """Calls near ``build``'s, as the keywords they change, most alike first: another rule for the heads, the width
+    re-cut into the heads asked for, the source's head size, its heads."""
+    heads, width = build["num_heads"] or src.num_heads, src.num_heads * src.head_dim
+    near = [{"heads": "prune"}, {"heads": None}, {"head_dim": None}, {"head_dim": None, "heads": None},
+            {"head_dim": width // heads, "heads": "slice"} if width % heads == 0 else {},
+            {"num_heads": src.num_heads, "head_dim": None, "heads": None}]
+    changes = []
+    for change in near:
+        change = {k: v for k, v in change.items() if build[k] != v}
+        if change and change not in changes:
+            changes.append(change)
+    return changes
 
 
 def _head_dim(src: AttentionSource, heads: int, build: dict, path: str) -> int:
@@ -124,7 +198,7 @@ def _head_dim(src: AttentionSource, heads: int, build: dict, path: str) -> int:
 def load_conversion(new: AttentionBase, weights: dict[str, Tensor], rule: str, plan: dict, head_dim: int,
                     own: dict[str, Tensor] | None = None) -> set[str]:
     """Set ``new``'s parameters from a source layer's per-head projections ``weights`` (heads of ``head_dim``) by
-    ``rule`` and ``plan`` (:func:`mgk.attention.regroup.plan_heads`), then the new kind's ``load_projections``;
+    ``rule`` and ``plan`` (:func:`mgk.convert.regroup.plan_heads`), then the new kind's ``load_projections``;
     ``own``: source parameters copied where ``new`` has one of the same name and shape. Returns the names set."""
     values = new.load_projections(apply_plan(weights, plan, rule, head_dim))
     params = dict(new.named_parameters())
@@ -134,6 +208,23 @@ def load_conversion(new: AttentionBase, weights: dict[str, Tensor], rule: str, p
             if value is not None:
                 params[name].copy_(value)
     return {n for n, v in values.items() if v is not None}
+
+
+def refuse_adapters(model: nn.Module, path: str) -> None:
+    """ValueError in one line when the attention module at ``path`` in ``model`` holds, or sits inside, a peft
+    adapter layer (LoRA, ...): the new module is built from the base weights, so the adapter would vanish without a
+    word. Told from the class's module name: mgk never imports peft."""
+    module = model.get_submodule(path)
+    parts = path.split(".") if path else []
+    around = [(".".join(parts[:i]), model.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts))]
+    inside = [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
+    for where, m in around + inside:
+        if type(m).__module__.split(".")[0] == "peft":
+            raise ValueError(f"swap_attention: {where or type(model).__name__} is peft's {type(m).__name__} (an "
+                             "adapter), which the new attention would drop: swap the model before get_peft_model "
+                             "(Hugging Face models: LoRA targets from mgk.integrations.hf.lora_target_modules), or "
+                             "save the adapter, swap the model without it (PeftModel.unload()) and convert the "
+                             "adapter (mgk.integrations.hf.convert_lora_adapter)")
 
 
 # The tensors nn.MultiheadAttention itself holds; anything else belongs to a subclass or wrapper whose use mgk cannot

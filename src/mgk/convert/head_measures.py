@@ -1,5 +1,5 @@
 """Measuring the heads of an attention layer, to choose which to merge or keep when a layer gets fewer heads
-(:mod:`mgk.attention.regroup`, used by :func:`mgk.swap_attention` and ``mgk train --init-from``).
+(:mod:`mgk.convert.regroup`, used by :func:`mgk.swap_attention` and ``mgk train --init-from``).
 
 From the weights alone (what :func:`mgk.swap_attention` has without data):
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .base import AttentionBase
+from ..attention.base import AttentionBase
 
 __all__ = ["js_divergence", "js_matrix", "greedy_groups", "adjacent_groups", "bilinear_divergence",
            "output_importance", "has_components", "gated", "gate_importance", "calibrate"]
@@ -272,13 +272,26 @@ def _inputs(model: nn.Module, calibration) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+@contextlib.contextmanager
+def _batch_fails(model: nn.Module, where: str):
+    """An error of ``model``'s forward (or the loss) on the calibration batch as a one-line ValueError naming the
+    batch: the wrong width, token ids out of the vocabulary, ... are the batch's fault, not the caller's code's."""
+    try:
+        yield
+    except Exception as e:
+        text = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"calibrate: the calibration batch fails in {type(model).__name__}'s {where}: "
+                         f"{type(e).__name__}{': ' + text if text else ''}") from e
+
+
 def calibrate(model: nn.Module, calibration, loss_fn: Callable | None = None, *, maps: bool = True) -> dict:
     """What one calibration batch says about the heads of every mgk attention module of ``model``: ``{path:
     {"divergence": (H, H) mean JS divergence (bits) of its heads' maps over every query row of the batch (when
     ``maps``), "importance": (H,) E_x |dL(x)/dxi_h| with L = ``loss_fn(model output)`` (when ``loss_fn`` is given)}}``,
     every path of a shared module listed. The model runs in eval mode (each module's mode restored after);
-    float64 results. Raises ValueError for a calibration of another type, a model without mgk attention, or a
-    layer the batch did not reach."""
+    float64 results. Raises ValueError for a calibration of another type, a model without mgk attention, a batch
+    the model's forward (or ``loss_fn``) fails on (one line, its error's first line), or a layer the batch did not
+    reach."""
     named = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if isinstance(m, AttentionBase)]
     layers = list(dict.fromkeys(m for _, m in named))
     if not layers:
@@ -289,13 +302,14 @@ def calibrate(model: nn.Module, calibration, loss_fn: Callable | None = None, *,
     found: dict[int, dict] = {id(m): {} for m in layers}
     try:
         if maps:
-            with torch.no_grad(), _maps(layers) as (sums, counts):
+            with torch.no_grad(), _maps(layers) as (sums, counts), _batch_fails(model, "forward"):
                 model(*args, **kwargs)
             for m, s, c in zip(layers, sums, counts):
                 found[id(m)]["divergence"] = None if s is None else s / c
         if loss_fn is not None:
             ones = [torch.ones(m.num_heads) for m in layers]
-            sums, examples = gate_importance(layers, ones, lambda: loss_fn(model(*args, **kwargs)))
+            with _batch_fails(model, "forward or loss_fn"):
+                sums, examples = gate_importance(layers, ones, lambda: loss_fn(model(*args, **kwargs)))
             for m, s in zip(layers, sums):
                 found[id(m)]["importance"] = s / max(examples, 1)
     finally:

@@ -2,7 +2,7 @@
 attention kind, carrying over the layout, the sizes and the weights.
 
 Fewer heads (``num_heads`` below the old module's) keep each head's size, as the paper's MGK-4 against softmax-8
-(0.625x the attention weights at one head_dim), and are converted by a named rule (:mod:`mgk.attention.regroup`,
+(0.625x the attention weights at one head_dim), and are converted by a named rule (:mod:`mgk.convert.regroup`,
 the code path of ``mgk train --init-from`` too):
 
 * "merge" (default for separate mixture keys, as mgk, mlk and gmgk have, with ``num_heads * num_keys`` = the old
@@ -21,7 +21,7 @@ Groups are of similar heads (greedy matching; adjacent heads merged worse in the
 results/cpu/kv-budget.md). Without data, similarity is the cosine of the heads' bilinear forms ``W_q,h^T W_k,h``
 (two heads with proportional forms give the same attention map up to a temperature on every input; comparing query
 or key projections alone would separate heads that differ by a rotation inside the head, which changes no logit),
-and importance the norm ``|W_o,h W_v,h|_F`` of what a head can write (:mod:`mgk.attention.heads`). With a
+and importance the norm ``|W_o,h W_v,h|_F`` of what a head can write (:mod:`mgk.convert.head_measures`). With a
 ``calibration`` batch, similarity is the mean Jensen-Shannon divergence of the heads' attention maps and, with a
 ``loss_fn``, importance is Michel et al.'s ``E_x |dL(x)/dxi_h|``: the measures ``--init-from`` takes on validation
 examples.
@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import AttentionBase
-from .convert import convert_module, measure, swap_plan
-from .mixture_keys import KEY_SPREAD
+from .attention.base import AttentionBase
+from .attention.mixture_keys import KEY_SPREAD
+from .convert.layers import convert_module, measure, refuse_adapters, swap_plan, with_key_scale
+from .convert.rollback import unchanged_on_error
 
 __all__ = ["swap_attention", "KEY_SPREAD"]
 
@@ -66,22 +67,24 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
     Carried over from each old module: embed_dim, num_heads and head_dim (unless given), dropout, bias, batch_first,
     kdim / vdim, device, dtype, train/eval mode, and whether it is frozen (a module none of whose parameters requires
     grad gives a new module none of whose parameters does; forward hooks on the old module are not carried).
-    Weights, with the old key projection K (for an mgk mixture source: its first component):
+    Weights, with the old key projection K (for an mgk mixture source: its components' mean):
 
     * softmax and linear: the query, key, value and output projections are copied exactly. ``nn.MultiheadAttention``
       -> "softmax" with the same heads then gives the same outputs (to rounding), masks included; its packed
       ``in_proj_weight`` is split as :func:`mgk.attention.softmax.from_torch_state_dict` does.
-    * mgk / mlk (separate keys): query, value and output projections copied; component 1 of the keys is K, and
-      components 2..M are K plus Gaussian noise of standard deviation ``KEY_SPREAD * std(K)`` (biases copied).
-      Mixture weights pi start uniform (learned logits equal; Soft-E buffer 1/M). With all components near K, MGK
-      starts near softmax attention with an extra per-key logit ``-|k_j|^2 / (2 sigma^2)`` (paper eq. 9-10), and
-      MLK near linear attention with key projection K; neither equals the softmax original exactly.
+    * mgk / mlk (separate keys): query, value and output projections copied; the components are K plus a spread
+      that sums to zero over them, ``KEY_SPREAD * std(K)`` times centred Gaussian noise (biases copied), so that
+      training can separate them at a cost of second order. Mixture weights pi start uniform (learned logits equal;
+      Soft-E buffer 1/M). An MGK-family target takes the conversion's ``key_scale`` (2^-12, unless given; an MGK
+      source's own; 1 for learned or unequal variances), which removes MGK's key-norm term: a conversion that keeps
+      every head and group is then exact (docs/convert.md). MLK starts at linear attention with key projection K.
     * gqa with ``num_kv_heads`` G: query and output projections copied; each group's key and value projections the
       mean of its H / G heads' (Ainslie et al. 2023, Section 2.1): exact for G = H. A gqa source is read as the
       multi-head layer it computes (each key/value head repeated), so gqa -> softmax is exact.
-    * gmgk: gqa's pooling into ``num_kv_heads`` groups, then mgk's or smgk's rule (``keys``) for each group's keys.
-    * smgk / smlk (shifted keys): the key projection is K; the shifts mu_2..mu_M are drawn as sMGK initialises them
-      (N(0, 0.5^2)), pi uniform.
+    * gmgk: gqa's pooling into ``num_kv_heads`` groups, then mgk's or smgk's rule (``keys``) for each group's keys;
+      from a grouped source of M times the new groups (separate keys), each new group keeps its M source groups'
+      keys as components and their mean value (:meth:`mgk.GroupedMGKAttention.load_projections`).
+    * smgk / smlk (shifted keys): the key projection is K with every shift 0, pi uniform.
     * an mgk source: after the above, every parameter of the old module whose name and shape the new one also has
       is copied (mgk -> mgk with Hard-E keeps all M key projections and the learned pi). Buffers (sigma2, the
       Soft-E pi) are the new module's.
@@ -100,14 +103,27 @@ def swap_attention(model: nn.Module, kind: str = "mgk", *, num_heads: int | None
         parameters or buffers, an ``out_proj`` that is not an ``nn.Linear`` (a parametrized projection is carried as
         its effective weight), an mgk module without a key projection, more heads of one size, a head size keeping
         neither the old one nor the width, a ``heads`` rule that does not fit (or none for mgk / mlk heads that
-        cannot merge); an unknown kind or option; ``calibration`` where no head is chosen, ``loss_fn`` without it;
-        when ``model`` holds no attention module.
+        cannot merge); an unknown kind or option; ``calibration`` where no head is chosen, ``loss_fn`` without it,
+        a ``calibration`` batch the model's forward (or ``loss_fn``) fails on; when ``model`` holds no attention
+        module. Every refusal leaves ``model`` exactly as it was (:mod:`mgk.convert.rollback`): its classes,
+        children, attributes, parameters and, for a Hugging Face model, its config.
     """
     conversion = dict(head_dim=head_dim, heads=heads, calibration=calibration, loss_fn=loss_fn)
     if _from_transformers(model):  # the import inside: mgk never imports transformers unless given its model
-        from ..integrations import hf
+        from .integrations import hf
         return hf.swap_attention(model, kind, num_heads=num_heads, seed=seed, **conversion, **options)
+    options = with_key_scale(kind, options, [m for m in model.modules() if _is_attention(m)])
     build = swap_plan(kind, num_heads, seed, options, **conversion)
+    with unchanged_on_error(model):  # a refusal at any step (a layer that cannot convert, a failing calibration
+        # batch) leaves the model as it was, not half converted
+        return _swap(model, build, calibration, loss_fn)
+
+
+def _swap(model: nn.Module, build: dict, calibration, loss_fn) -> nn.Module:
+    """swap_attention's work once its arguments are checked; leaves the model half swapped when it raises (the
+    caller puts it back)."""
+    if _is_attention(model):
+        refuse_adapters(model, "")
     if calibration is not None:
         model = _measured(model, build, calibration, loss_fn)
     if _is_attention(model):
@@ -159,6 +175,8 @@ def _swap_children(model: nn.Module, build: dict, only: type = nn.Module) -> int
     places = [(path, m) for path, m in model.named_modules(remove_duplicate=False) if path and _is_attention(m)]
     places = [(path, m) for path, m in places if not any(path.startswith(f"{p}.") for p, _ in places)
               and isinstance(m, only)]
+    for path, _ in places:
+        refuse_adapters(model, path)
     for path, old in places:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, _replacement(old, path, build))
