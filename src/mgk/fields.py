@@ -4,8 +4,8 @@ A field made with :func:`spec` carries in its metadata its documentation, allowe
 (``ge``/``gt``/``le``/``lt``, applied to every element of a tuple or list), ``only_if`` (the field applies only when
 another field of the same object has a given value) and ``label`` (how a non-default value names a run, see
 :class:`Label`). :func:`check` tests an instance against its annotations and these declarations, so every attention
-option (:mod:`mgk.attention.options`) and every run-config field (:mod:`mgk.config`) is validated by the same code,
-with a message that names the field and what it accepts.
+option (:class:`mgk.attention.registry.Options`) and every run-config field (:mod:`mgk.config`) is validated by the
+same code, with a message that names the field and what it accepts.
 """
 from __future__ import annotations
 

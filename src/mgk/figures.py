@@ -2,9 +2,10 @@
 tick labels never overlap.
 
 Colours come from the registry (:func:`mgk.attention.attention_kinds`, in registration order, the order of
-:mod:`mgk.attention.kinds`), so a kind added there gets its own colour everywhere without a second list; within one
-figure, several series of one kind (MGK with M = 2 and M = 4, softmax-8 and softmax-4) share its colour and differ
-by line style and marker (:func:`series_styles`). Series of no registered kind (a reference line) are black.
+:mod:`mgk.attention`, the index of the kinds), so a kind added there gets its own colour everywhere without a second
+list; within one figure, several series of one kind (MGK with M = 2 and M = 4, softmax-8 and softmax-4) share its
+colour and differ by line style and marker (:func:`series_styles`). Series of no registered kind (a reference line)
+are black.
 
 Axes: :func:`log2_axis` for counts that double (heads, keys, context, cache bytes): ticks at powers of two labelled
 as plain numbers; :func:`log10_axis` for sizes over decades (parameters, FLOPs): ticks at 1, 2, 5 times a power of

@@ -2,7 +2,7 @@
 more than one option, such as a key mode that stores M keys or one)."""
 from dataclasses import dataclass
 
-from mgk.attention.cache_spec import CacheSpec
+from mgk.attention.registry import CacheSpec
 
 
 @dataclass(frozen=True)

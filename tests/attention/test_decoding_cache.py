@@ -314,7 +314,7 @@ def test_a_far_first_token_decoded_from_a_one_token_prefill_stays_within_float32
             start = 0 if b == 0 else 4
             torch.testing.assert_close(got[i:i + 1, start:], reference[b], atol=atol[b], rtol=1e-6,
                                        msg=lambda s, b=b: f"row {b}: {s}")
-        assert cache.extra["provisional"] is False and "raw_key" not in cache.extra  # nothing kept once final
+        assert cache.state.provisional is False and cache.state.raw_key is None  # nothing kept once final
 
 
 @pytest.mark.parametrize("kind", ["mgk", "smgk"])
@@ -336,7 +336,7 @@ def test_a_row_that_stays_provisional_keeps_one_slot_of_keys_whatever_the_steps(
             outs.append(m(x[:, t:t + 1], past_key_values=cache, is_causal=True, need_weights=False,
                           key_padding_mask=empty)[0])
             kept.append(cache.extra_bytes())
-    assert cache.extra["provisional"] is True
+    assert cache.state.provisional is True
     assert kept[-1] == kept[0] <= 2 * cache.nbytes() / 30  # one slot per row, not one per step
     _close(torch.cat(outs, dim=1)[:1], _uncached(m, x[:1]), 1.0, "row 0")
 

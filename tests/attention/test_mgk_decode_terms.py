@@ -11,8 +11,7 @@ import torch
 
 from mgk import build_attention
 from mgk.attention.mgk import MGKAttention
-from mgk.functional import _mixture_terms
-from mgk.functional.mgk_cache import MGKDecodeState
+from mgk.functional import MGKDecodeState, _mixture_terms
 
 E, H = 16, 2  # head_dim 8, M = 2: tiny
 
@@ -112,8 +111,8 @@ def test_a_model_cast_between_steps_takes_terms_of_the_new_dtype():
 @pytest.mark.parametrize("kind", ["mgk", "smgk", "gmgk"])
 def test_every_mgk_kind_keeps_its_centre_in_one_state(kind, monkeypatch):
     """MGK, sMGK and grouped MGK take and keep their causal centres through the one decoding state
-    (:class:`mgk.functional.mgk_cache.MGKDecodeState`): a prefill of one token and a step both go through its
-    ``update``, and the centre it keeps is the cache's."""
+    (:class:`mgk.functional.MGKDecodeState`): a prefill of one token and a step both go through its ``update``, and
+    the centre it keeps is the cache's, one per key group."""
     calls = []
     update = MGKDecodeState.update
     monkeypatch.setattr(MGKDecodeState, "update", lambda self, *a: calls.append(1) or update(self, *a))
@@ -123,5 +122,6 @@ def test_every_mgk_kind_keeps_its_centre_in_one_state(kind, monkeypatch):
     with torch.no_grad():
         _step(layer, torch.randn(2, 1, E), cache)
         _step(layer, torch.randn(2, 1, E), cache)
-    assert len(calls) == 2 and MGKDecodeState(cache).centre is cache.extra["centre"]
-    assert layer.cache_ready_to_fix(cache) == MGKDecodeState(cache).ready_to_fix
+    assert len(calls) == 2 and type(cache.state) is MGKDecodeState
+    assert cache.state.centre.shape == (2, layer.kv_heads, 8) and cache.extra["centre"] is cache.state.centre
+    assert layer.cache_ready_to_fix(cache) == cache.state.ready_to_fix

@@ -8,10 +8,10 @@ import pytest
 from mgk import config
 from mgk.analyze.run import run_label as analyze_label
 from mgk.attention import MGKAttention, registry
-from mgk.attention.cache_spec import CacheSpec
 from mgk.attention.mgk import MGKOptions
 from mgk.attention.registry import (
     AttentionKind,
+    CacheSpec,
     attention_kinds,
     build_attention,
     display_label,

@@ -510,8 +510,8 @@ def test_the_private_kernel_refuses_sizes_that_do_not_agree(bad, message):
     def call(k, v, bias, rowbias, dtype_v=F64):
         rb = q.new_empty(0) if rowbias is None else torch.randn(*rowbias, dtype=F64)
         return _mixture_flash._load().forward(q, torch.randn(*k, dtype=F64), torch.randn(*bias, dtype=F64),
-                                              torch.randn(*v, dtype=dtype_v), rb, torch.empty(0, dtype=torch.bool),
-                                              False, False, 0.0, 0, 0, False)
+                                              torch.randn(*v, dtype=dtype_v), rb, q.new_empty(0),
+                                              torch.empty(0, dtype=torch.bool), False, False, 0.0, 0, 0, False)
 
     q = torch.randn(2, 3, 5, 4, dtype=F64)
     assert call(**good)[0].shape == (2, 3, 5, 3)

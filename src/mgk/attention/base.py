@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..functional import masks as _masks
+from ..functional.decoding_state import DecodingState
+from ..functional.kv_state import KVCacheState
 from . import module_masks
 from .cache import LayerCache
 
@@ -148,6 +150,10 @@ class AttentionBase(nn.Module, abc.ABC):
     def _keys(self, key: Tensor) -> Tensor:
         """Project key inputs (B, S, kdim) to (B, H, S, D) or (B, H, M, S, D)."""
 
+    def _core_keys(self, key: Tensor) -> Tensor:
+        """The keys as :meth:`_core` takes them: :meth:`_keys` here (MGK: each key head's compact projection)."""
+        return self._keys(key)
+
     @abc.abstractmethod
     def _core(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, need_weights: bool,
               query_mask: Tensor | None):
@@ -155,15 +161,16 @@ class AttentionBase(nn.Module, abc.ABC):
 
     def _cached_core(self, q: Tensor, x: Tensor, v: Tensor, valid: Tensor | None, cache: LayerCache) -> Tensor:
         """Attention of the new tokens (queries q (B, H, L, D), inputs x (B, L, E), values v (B, H', L, Dv); ``valid``
-        (B, L) bool True = real token, or None) over ``cache`` and themselves; adds them to ``cache``. A kind
-        without a decoding cache (a subclass outside mgk) raises ValueError."""
+        (B, L) bool True = real token, or None) over ``cache`` and themselves, adding them to it: one call into the
+        cache's state (:attr:`LayerCache.state`). A kind without a decoding cache (a subclass outside mgk) raises
+        ValueError."""
         raise ValueError(f"{type(self).__name__} has no decoding cache: call it without past_key_values")
 
     def cache_ready_to_fix(self, cache: LayerCache) -> bool:
         """Whether ``cache`` (this layer's) may now be fixed at a capacity (:meth:`LayerCache.fix_capacity`, the
-        static cache a compiled step runs over): once it has had its first call (the prefill). A kind whose state
-        settles later overrides it (MGK: once its centre is settled)."""
-        return cache.seen is not None
+        static cache a compiled step runs over): its state's ``ready_to_fix``, once it has had its first call (the
+        prefill), or once it is settled for a state that settles later (MGK: its centre)."""
+        return cache.ready_to_fix
 
     def _values(self, value: Tensor) -> Tensor:
         """Project value inputs (B, S, vdim) to (B, H', S, Dv), H' = :attr:`kv_heads`."""
@@ -193,10 +200,15 @@ class AttentionBase(nn.Module, abc.ABC):
         return type(self).__name__
 
     def new_cache(self, capacity: int | None = None) -> LayerCache:
-        """An empty decoding cache for this layer (:class:`mgk.attention.cache.LayerCache` with this kind's
-        :attr:`cache_slots`), room for ``capacity`` tokens allocated at its first call (default that call's length;
-        it grows by doubling). Pass it as ``past_key_values``."""
-        return LayerCache(self.cache_slots, capacity, layout=self.cache_layout)
+        """An empty decoding cache for this layer (:class:`mgk.attention.cache.LayerCache` holding this kind's
+        decoding state, :meth:`_decoding_state`, with its :attr:`cache_slots`), room for ``capacity`` tokens
+        allocated at its first call (default that call's length; it grows by doubling). Pass it as
+        ``past_key_values``."""
+        return LayerCache(self._decoding_state(capacity), layout=self.cache_layout)
+
+    def _decoding_state(self, capacity: int | None) -> DecodingState:
+        """The kind's empty decoding state: a :class:`mgk.functional.KVCacheState` of :attr:`cache_slots` here."""
+        return KVCacheState(self.cache_slots, capacity, layout=self.cache_layout)
 
     # -- conversion (mgk.swap_attention) -----------------------------------------------------------------------------
     def per_head_projections(self) -> dict[str, Tensor]:
@@ -276,7 +288,7 @@ class AttentionBase(nn.Module, abc.ABC):
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask, is_causal, bias, query_mask = self._masks(key_padding_mask, attn_mask, is_causal, B, L, S,
                                                         self_attention)
-        q, k, v = self._split(self.q_proj(query)), self._keys(key), self._values(value)
+        q, k, v = self._split(self.q_proj(query)), self._core_keys(key), self._values(value)
         extra = {} if bias is None else {"bias": bias}  # subclasses outside this package may not take a bias
         if key_padding_mask is not None and self._position_weighted and (
                 torch.compiler.is_compiling() or module_masks.shifts_positions(key_padding_mask)):

@@ -8,8 +8,7 @@ from torch import nn
 
 from .. import fields
 from ..fields import spec
-from .options import Options
-from .registry import get_kind
+from .registry import Options, get_kind
 
 __all__ = ["AttentionConfig"]
 
@@ -18,8 +17,8 @@ __all__ = ["AttentionConfig"]
 class AttentionConfig:
     """An attention layer: :meth:`build` gives the module of kind ``kind`` (:func:`mgk.attention.attention_kinds`)
     with ``num_heads`` heads of size ``head_dim``, attention-weight ``dropout``, projection ``bias`` and ``options``,
-    an instance of the kind's options dataclass (:mod:`mgk.attention.options`). ``options`` may be given as a dict of
-    option values, or omitted for the kind's defaults; either way it is held as the dataclass, checked.
+    an instance of the kind's options dataclass (:class:`mgk.attention.registry.Options`). ``options`` may be given
+    as a dict of option values, or omitted for the kind's defaults; either way it is held as the dataclass, checked.
 
     ValueError for an unknown kind or an option the kind does not take (naming both); the ranges of every field are
     checked by :meth:`check`.

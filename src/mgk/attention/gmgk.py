@@ -15,7 +15,10 @@ Gaussian score ``softmax((q.k - |k|^2 / 2) / sigma^2)``, which equals GQA only w
 
 A decoding cache stores the G groups' entries, never H expanded ones: separate keys the M component keys, shifted
 keys the one unshifted key, each with M per-key scalars and the values (:mod:`mgk.functional.mgk_cache`): per token
-and layer ``G (M D + D + M)`` or ``G (2 D + M)`` numbers.
+and layer ``G (M D + D + M)`` or ``G (2 D + M)`` numbers. Its cached call is MGK's, one call into
+:class:`mgk.functional.MGKDecodeState` with ``groups=G``: the H / G query heads of a group read its entries once
+(folded into its query rows), with one centre per (row, group) among the group's queries (the scores depend on
+q - k only, so one centre per group is exact for all its heads).
 """
 from __future__ import annotations
 
@@ -26,16 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
-from ..functional import mgk_attention_cached, mgk_cache_entries
-from ..functional.mgk_cache import MGKDecodeState
+from ..functional.mgk_cache import to_heads
 from .base import AttentionBase, factory_kwargs, positive_int
-from .cache import LayerCache
-from .cache_spec import CacheSpec
-from .flops import total
 from .gqa import GQAOptions, GroupedQueryAttention
 from .mgk import MGKAttention, MGKOptions, mixture_flops
 from .mixture_keys import KEY_MODES, MixtureKeys, split_options
-from .registry import AttentionKind, option_labels, register
+from .registry import AttentionKind, CacheSpec, option_labels, register, total
 
 __all__ = ["GMGKOptions", "GroupedMGKAttention", "gmgk_flops"]
 
@@ -50,15 +49,6 @@ class GMGKOptions(MGKOptions, GQAOptions):
                          "group and M learned shifts, as sMGK)")
 
 
-def _to_heads(t: Tensor | None, groups: int, repeat: int, dim: int = 1) -> Tensor | None:
-    """``t`` with its dimension ``dim`` of ``groups`` key groups repeated for the ``repeat`` query heads of each
-    (query head h reads group h // repeat); a dimension of another size (1: broadcast over the heads, as the weights
-    of pi_shape="layer") is left as it is."""
-    if t is None or repeat == 1 or t.shape[dim] != groups:
-        return t
-    return t.repeat_interleave(repeat, dim=dim)
-
-
 class GroupedMGKAttention(MGKAttention):
     """MGK attention whose H query heads share G groups of mixture keys and values (module docstring).
 
@@ -66,7 +56,7 @@ class GroupedMGKAttention(MGKAttention):
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`mgk.attention.base.AttentionBase`; num_heads is H, the query heads.
         options: a :class:`GMGKOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_kv_heads: G, the key/value groups (default None: G = H, which is :class:`MGKAttention` itself, the same
             parameters by name and shape).
@@ -118,88 +108,23 @@ class GroupedMGKAttention(MGKAttention):
             self.log_sigma2 = nn.Parameter(self.log_sigma2.detach()[:self.kv_heads].clone())  # all start equal
 
     @property
-    def group_variances(self) -> Tensor:
-        """The variances of the key groups: the fixed (M,) buffer, or ``exp(log_sigma2)`` (G, M) when learned (read
-        from the module's own tables, as MGK's ``sigma2``: torch.compile traces neither ``super()`` properties nor
-        ``property.fget``)."""
-        learned = self._parameters.get("log_sigma2")
-        return self._buffers["sigma2"] if learned is None else learned.exp()
-
-    @property
     def sigma2(self) -> Tensor:
         """The variances of each query head's keys: the fixed (M,) buffer, or the learned (G, M) repeated to (H, M)."""
         if "sigma2" not in self._buffers and "log_sigma2" not in self._parameters:
             raise AttributeError("sigma2")  # before __init__ registered it (hasattr must say False then)
         s2 = self.group_variances
-        return _to_heads(s2, self.kv_heads, self._repeat, dim=0) if s2.dim() == 2 else s2
+        return to_heads(s2, self.kv_heads, self._repeat, dim=0) if s2.dim() == 2 else s2
 
     def mixture_log_weights(self, S: int) -> Tensor | None:
         """log pi of each query head's keys, broadcastable to (B, H, M, S); None for Hard-E. ValueError when
         S > max_len."""
-        return _to_heads(super().mixture_log_weights(S), self.kv_heads, self._repeat)
-
-    def _log_weights_of(self, S: int, key_positions: Tensor | None) -> Tensor | None:
-        return _to_heads(super()._log_weights_of(S, key_positions), self.kv_heads, self._repeat)
-
-    def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
-        # the groups' keys (B, G, M, S, D) and values (B, G, S, Dv) read by each of their H / G query heads: MGK's
-        # own core (one implementation of the formula, its Soft-E statistics committed per group)
-        G, R = self.kv_heads, self._repeat
-        k, v = _to_heads(k, G, R), _to_heads(v, G, R)
-        return super()._core(q, k, v, mask, is_causal, need_weights, query_mask, bias=bias,
-                             key_positions=key_positions)
+        return to_heads(super().mixture_log_weights(S), self.kv_heads, self._repeat)
 
     def _commit_on_backward(self, out: Tensor, resp: Tensor, count: Tensor) -> Tensor:
         """MGK's commit of per-head statistics resp (H, M, S), count (H, S), summed over each group's heads first."""
         G = self.kv_heads
         return super()._commit_on_backward(out, resp.reshape(G, -1, *resp.shape[1:]).sum(dim=1),
                                            count.reshape(G, -1, count.shape[-1]).sum(dim=1))
-
-    # -- decoding ------------------------------------------------------------------------------------------------
-    def _fold(self, t: Tensor) -> Tensor:
-        """(B, H, L, D) -> (B, G, (H / G) L, D): each group's query heads as more queries of the group."""
-        B, _, L, D = t.shape
-        return t.reshape(B, self.kv_heads, self._repeat * L, D)
-
-    def _cached_core(self, q, x, v, valid, cache: LayerCache):
-        """The new tokens' entries for the G groups (:func:`mgk.functional.mgk_cache_entries`, per-position weights
-        at each row's positions) appended to the cache (or written at its slot once its capacity is fixed), then
-        each group's H / G query heads folded into its query axis and attended over the group's entries
-        (:func:`mgk.functional.mgk_attention_cached`). The centre per (row, group) follows MGK's causal protocol
-        (:class:`mgk.functional.mgk_cache.MGKDecodeState`) on the mean of the group's queries: the scores depend on
-        q - k only, so one centre per group is exact for all its heads, and one among their queries keeps the expanded
-        distances well conditioned (:mod:`mgk.functional._centre`). No Soft-E statistics."""
-        L = x.shape[1]
-        if self.mixture.position_limit() is not None and not torch.compiler.is_compiling():
-            self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
-        entry = dict(sigma2=self.group_variances if self.key_scale == 1.0 else self._one_variance,
-                     mixture="max" if self.pi_mode == "hard_e" else "sum",
-                     shifts=self.mixture.shifts(self.key_scale) if self.keys == "shifted" else None)
-        # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
-        cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        # (B, G, M, L, D), or the one unshifted key (B, G, L, D), at key_scale c (the queries at 1 / c)
-        q, base, fixed = self._at_scale(q, self.mixture.project(x))
-        centre, before, slot = MGKDecodeState(cache), cache.seen, cache.length
-        if fixed is not None and centre.centre is None:  # a converted layer's centre: 0 for good
-            centre.fix_centre(fixed[:, :self.kv_heads].to(torch.float64 if q.dtype == torch.float64
-                                                          else torch.float32))
-        if not cache.fixed:  # a fixed cache keeps its centre: entries made with any one centre are exact
-            centre.update(q.unflatten(1, (self.kv_heads, self._repeat)).mean(dim=2), valid, entry)
-        keys, key_bias = mgk_cache_entries(base, centre=centre.centre, log_pi=log_pi, **entry)
-        entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
-        if not cache.fixed:
-            centre.keep(before, slot, base, log_pi, valid)
-        mask = cache.attn_mask()
-        if L > 1:  # the folded query (r, i) sees the keys up to its own token, bottom-right aligned
-            T = entries["values"].shape[2]
-            causal = torch.arange(T, device=q.device) <= torch.arange(L, device=q.device)[:, None] + (T - L)
-            causal = causal.repeat(self._repeat, 1)[None, None]
-            mask = causal if mask is None else mask & causal
-        out = mgk_attention_cached(self._fold(q), entries["keys"], entries["key_bias"], entries["values"],
-                                   centre=centre.centre, attn_mask=mask, is_causal=False,
-                                   dropout_p=self.attn_dropout, **entry)
-        return out.reshape(q.shape[0], self.num_heads, L, -1).to(v.dtype)
 
     # -- conversion (mgk.swap_attention) -------------------------------------------------------------------------
     def per_head_projections(self) -> dict[str, Tensor]:
@@ -280,9 +205,9 @@ def _source_groups(weights: dict[str, Tensor], H: int, D: int) -> int | None:
 
 def gmgk_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
                backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one call (:mod:`mgk.attention.flops`): MGK's (:func:`mgk.attention.mgk.mixture_flops`, the core per
-    query head) with the key projections (M, or one for shifted keys) and the value projection of width G * D
-    instead of H * D."""
+    """FLOPs of one call (:func:`mgk.attention.registry.total`): MGK's (:func:`mgk.attention.mgk.mixture_flops`, the
+    core per query head) with the key projections (M, or one for shifted keys) and the value projection of width
+    G * D instead of H * D."""
     separate = options.keys == "separate"
     shape = dict(heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim, backward=backward)
     G = options.num_kv_heads or heads

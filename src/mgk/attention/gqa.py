@@ -16,10 +16,7 @@ from torch import Tensor
 
 from ..fields import Label, spec
 from .base import positive_int
-from .cache_spec import CacheSpec
-from .flops import total
-from .options import Options
-from .registry import AttentionKind, register
+from .registry import AttentionKind, CacheSpec, Options, register, total
 from .softmax import MultiheadAttention
 
 __all__ = ["GQAOptions", "GroupedQueryAttention", "gqa_flops"]
@@ -46,7 +43,7 @@ class GroupedQueryAttention(MultiheadAttention):
             same parameter names, so a softmax layer's state dict loads as is). Query head h reads key/value
             head h // (H / G).
         options: a :class:`GQAOptions` (its one field is ``num_kv_heads``) or None; keywords given with it must
-            agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a keyword that differs is a
+            agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a keyword that differs is a
             ValueError naming both values, options of another type a TypeError. ``num_kv_heads=None``, its
             default, counts as not given.
 
@@ -109,8 +106,8 @@ class GroupedQueryAttention(MultiheadAttention):
 
 def gqa_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
               backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one call (:mod:`mgk.attention.flops`): the query and output projections of width H * D, the key and
-    value projections of width G * D, and softmax's ``4 N S D`` per query head; ``mixture_kernel`` unused."""
+    """FLOPs of one call (:func:`mgk.attention.registry.total`): the query and output projections of width H * D, the
+    key and value projections of width G * D, and softmax's ``4 N S D`` per query head; ``mixture_kernel`` unused."""
     G = options.num_kv_heads or heads
     core = 4 * length * length * head_dim * (0.5 if causal else 1.0)
     return total(core, 2 + 2 * G / heads, heads=heads, length=length, batch=batch, embed_dim=embed_dim,

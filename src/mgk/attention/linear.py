@@ -10,14 +10,11 @@ from torch import Tensor, nn
 
 from ..fields import Label, spec
 from ..functional.linear import EPS_MODES, FEATURE_MAPS, MIX, NORMALIZE, linear_attention, linear_form, mlk_attention
+from ..functional.linear_cache import LinearCacheState
 from . import module_masks
 from .base import AttentionBase, factory_kwargs
-from .cache import LayerCache
-from .cache_spec import CacheSpec
-from .flops import total
 from .mixture_keys import PI_LABEL, PI_MODES, MixtureKeys, MixtureKeysMixin, MixtureOptions, split_options
-from .options import Options
-from .registry import AttentionKind, register
+from .registry import AttentionKind, CacheSpec, Options, register, total
 
 __all__ = ["LinearAttention", "LinearOptions", "MLKAttention", "MLKMixtureOptions", "MLKOptions", "linear_flops",
            "mlk_flops"]
@@ -88,15 +85,11 @@ class _FormOptions:
         it as ``feature_map=`` to :mod:`mgk.functional` (or pass :attr:`feature_map` itself)."""
         return linear_form(**self._form_kwargs()).feature_map
 
-    cache_slots: dict[str, int] = {}  # no per-token entries: a recurrent state of fixed size (LayerCache.state)
+    cache_slots: dict[str, int] = {}  # no per-token entries: a recurrent state of fixed size (LinearCacheState)
 
-    def _recurrent(self, attend, q, k, v, valid, cache: LayerCache, **extra):
-        """One cached call of linear / MLK attention ``attend``: the cache's state in, the next state kept."""
-        mask = None if valid is None else valid[:, None, None, :]
-        out, state = attend(q, k, v, attn_mask=mask, is_causal=True, initial_state=cache.state,
-                            output_final_state=True, **extra, **self._form_kwargs())
-        cache.set_state(valid, q.shape[2], state)
-        return out
+    def _decoding_state(self, capacity: int | None) -> LinearCacheState:
+        """A recurrent state of fixed size (:class:`mgk.functional.LinearCacheState`)."""
+        return LinearCacheState(capacity, layout=self.cache_layout)
 
     def _form_repr(self) -> str:
         fm = self.feature_map
@@ -113,7 +106,7 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         dropout: accepted so that one constructor call builds every attention kind, but unused: linear attention
             never forms attention weights, so there is nothing to drop (the output is deterministic in training).
         options: a :class:`LinearOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         normalize, feature_map, output_scale, eps, eps_mode: the form, as :func:`mgk.functional.linear_attention`:
             defaults "row", "elu", 1.0, 1e-6, "guard" (eq. 6 with an exact denominator). The authors' LRA form is
@@ -148,7 +141,7 @@ class LinearAttention(_FormOptions, _KeyMasksOnly, AttentionBase):
         return result if need_weights else (result, None)
 
     def _cached_core(self, q, x, v, valid, cache):
-        return self._recurrent(linear_attention, q, self._keys(x), v, valid, cache)
+        return cache.state.step(q, self._keys(x), v, valid, **self._form_kwargs())
 
     def extra_repr(self) -> str:
         return super().extra_repr() + self._form_repr() + " (dropout unused)"
@@ -163,7 +156,7 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         embed_dim, num_heads, head_dim, bias, kdim, vdim, batch_first, device, dtype: as :class:`AttentionBase`.
         dropout: accepted but unused, as in :class:`LinearAttention`.
         options: an :class:`MLKOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MLK: M key projections) or "shifted" (sMLK: one key projection and learned offsets
@@ -217,7 +210,7 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
         if not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
         log_pi = self.mixture.log_weights_at(cache.positions(valid, L))
-        return self._recurrent(mlk_attention, q, self._keys(x), v, valid, cache, log_pi=log_pi, mix=self.mix)
+        return cache.state.step(q, self._keys(x), v, valid, log_pi=log_pi, mix=self.mix, **self._form_kwargs())
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, key_positions=None):
         log_pi = self._log_weights_of(k.shape[3], key_positions)
@@ -233,8 +226,8 @@ class MLKAttention(MixtureKeysMixin, _FormOptions, _KeyMasksOnly, AttentionBase)
 
 def linear_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
                  backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one linear-attention call (:mod:`mgk.attention.flops`): four projections and ``4 S D D + 4 N D D``
-    per head (key-value sums and their use, with denominators), whatever ``causal``."""
+    """FLOPs of one linear-attention call (:func:`mgk.attention.registry.total`): four projections and
+    ``4 S D D + 4 N D D`` per head (key-value sums and their use, with denominators), whatever ``causal``."""
     core = 4 * length * head_dim * head_dim * 2
     return total(core, 4, heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim,
                  backward=backward)

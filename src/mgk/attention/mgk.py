@@ -1,6 +1,7 @@
 """The kinds "mgk" and "smgk": multi-head attention with a mixture of Gaussian keys (Nguyen et al., ICML 2022,
-Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (its causal-centre protocol and the choice of
-each cached call's path live in :class:`mgk.functional.mgk_cache.MGKDecodeState`) and registration."""
+Sections 3-4), the Soft-E step, their options, FLOPs, decoding cache (one call into
+:class:`mgk.functional.MGKDecodeState`, which keeps the causal-centre protocol and chooses each cached call's path)
+and registration."""
 from __future__ import annotations
 
 import math
@@ -19,11 +20,10 @@ from ..functional import (
     mgk_attention_soft_e,
     mgk_responsibilities,
 )
-from ..functional.mgk_cache import MGKDecodeState, mgk_step_terms, step_terms_for
+from ..functional.mgk_cache import Memo, to_heads
+from ..functional.mgk_state import MGKDecodeState
 from .base import AttentionBase, factory_kwargs
 from .cache import LayerCache
-from .cache_spec import CacheSpec
-from .flops import total
 from .mixture_keys import (
     KEY_MODES,
     PI_MODES,
@@ -34,7 +34,7 @@ from .mixture_keys import (
     MixtureOptions,
     split_options,
 )
-from .registry import AttentionKind, register
+from .registry import AttentionKind, CacheSpec, register, total
 
 __all__ = ["MGKAttention", "MGKOptions", "KEY_MODES", "PI_MODES", "PI_NORMS", "PI_SHAPES", "mixture_flops",
            "soft_e_step"]
@@ -110,7 +110,7 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         embed_dim, num_heads, head_dim, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             :class:`AttentionBase`.
         options: an :class:`MGKOptions` (the keyword options below, with their defaults, are its fields) or None;
-            keywords given with it must agree with it, as :meth:`mgk.attention.options.Options.merged` rules: a
+            keywords given with it must agree with it, as :meth:`mgk.attention.registry.Options.merged` rules: a
             keyword that differs is a ValueError naming both values, options of another type a TypeError.
         num_keys: M, mixture components per key (the paper uses 2).
         keys: "separate" (MGK: M key projections) or "shifted" (sMGK: one key projection and learned offsets,
@@ -218,16 +218,23 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         (:func:`mgk.functional._mixture_terms.needs_qnorm`)."""
         return self.sigma2 if self.key_scale == 1.0 else self._one_variance
 
+    @property
+    def _group_score_variances(self) -> Tensor | float:
+        """:attr:`_score_variances` of the key heads (gMGK's G key groups): :attr:`group_variances`, or at key_scale
+        c != 1 their one value as a float."""
+        return self.group_variances if self.key_scale == 1.0 else self._one_variance
+
     def _at_scale(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(q / c, k c, centre) for :attr:`key_scale` c: the queries (B, H, L, D) and keys (B, H, M, S, D) the
-        Gaussian score reads, and the centre of every call, None (chosen from the queries, :mod:`mgk.functional.
-        _centre`) for c = 1, else zeros (B, H, D). At c < 1 the queries are 1/c times the keys' size: a centre among
-        them would carry that size into every key and its rounding would grow as 1/c, while at 0 the expansion's
-        terms are those of dot-product attention (|q~| |k~| = |q| |k|, |k~|^2 = c^2 |k|^2)."""
+        """(q / c, k c, centre) for :attr:`key_scale` c: the queries (B, H, L, D) and keys (B, G, M, S, D) (or sMGK's
+        unshifted (B, G, S, D); G the key heads) the Gaussian score reads, and the centre of every call, None (chosen
+        from the queries, :mod:`mgk.functional._centre`) for c = 1, else zeros (B, G, D). At c < 1 the queries are 1/c
+        times the keys' size: a centre among them would carry that size into every key and its rounding would grow
+        as 1/c, while at 0 the expansion's terms are those of dot-product attention (|q~| |k~| = |q| |k|,
+        |k~|^2 = c^2 |k|^2)."""
         c = self.key_scale
         if c == 1.0:
             return q, k, None
-        return q / c, k * c, q.new_zeros(q.shape[0], q.shape[1], q.shape[3])
+        return q / c, k * c, q.new_zeros(q.shape[0], k.shape[1], q.shape[3])
 
     def mixture_log_weights(self, S: int) -> Tensor | None:
         """log pi broadcastable to (B, H, M, S); None for Hard-E. Raises ValueError when S > max_len."""
@@ -246,110 +253,113 @@ class MGKAttention(MixtureKeysMixin, AttentionBase):
         one is refused by the other."""
         return f"{type(self).__name__} ({self.keys} keys)"
 
-    def cache_ready_to_fix(self, cache: LayerCache) -> bool:
-        """MGK's cache may be fixed once its centre is settled: every row has seen two real tokens
-        (:attr:`mgk.functional.mgk_cache.MGKDecodeState.ready_to_fix`)."""
-        return MGKDecodeState(cache).ready_to_fix
+    def _decoding_state(self, capacity: int | None) -> MGKDecodeState:
+        """MGK's decoding state (:class:`mgk.functional.MGKDecodeState`) for the key heads' entries."""
+        return MGKDecodeState(self.cache_slots, capacity, groups=self.kv_heads, layout=self.cache_layout)
 
-    def cache_cropped(self, cache: LayerCache) -> None:
-        """The centre protocol after :meth:`LayerCache.crop` cut this layer's ``cache`` (which calls it):
-        :meth:`mgk.functional.mgk_cache.MGKDecodeState.cropped`."""
-        MGKDecodeState(cache).cropped()
+    @property
+    def group_variances(self) -> Tensor:
+        """The variances of the key heads (H here; gMGK's G key groups): the fixed (M,) buffer, or
+        ``exp(log_sigma2)`` (heads, M) when learned (read from the module's own tables, as :attr:`sigma2`)."""
+        learned = self._parameters.get("log_sigma2")
+        return self._buffers["sigma2"] if learned is None else learned.exp()
 
     def _cached_core(self, q, x, v, valid, cache: LayerCache):
-        """Prefill: the uncached attention with its causal centre, which the cache keeps; then steps over the
-        cache's entries: :meth:`mgk.functional.mgk_cache.MGKDecodeState.forward`, the one home of the centre
-        protocol and of the choice between the first call, the protocol's calls, the fused and the fixed-capacity
-        step. Per-position weights are read at each row's positions. No Soft-E statistics."""
+        """One call into the cache's :class:`mgk.functional.MGKDecodeState` (the prefill, its centre protocol, the
+        fused and the fixed-capacity steps), with the key heads' keys, values, variances, shifts and prior;
+        per-position weights are read at each row's positions. No Soft-E statistics."""
         L = x.shape[1]
         by_position = self.mixture.position_limit() is not None
         if by_position and not torch.compiler.is_compiling():  # a traced step reads no host count: checked ahead
             self.mixture.check_position(cache.last_position(valid, L), type(self).__name__)
-        # (B, H, M, L, D), or sMGK's unshifted (B, H, L, D), at key_scale c (the queries at 1 / c)
+        # the key heads' keys at key_scale c (the queries at 1 / c), and a converted layer's fixed centre (0)
         q, base, fixed = self._at_scale(q, self.mixture.project(x))
-        # the entries' compute dtype (mgk_cache_entries): a model cast between two calls casts the cache with it
-        cache.cast(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        sigma2, shifts, prior = self._decode_parameters(q, by_position)
+        return cache.state.step(q, base, v, valid, sigma2=sigma2, shifts=shifts, prior=prior,
+                                log_pi=self._decode_log_pi(cache, valid, L) if by_position else None,
+                                mixture="max" if self.pi_mode == "hard_e" else "sum", centre=fixed,
+                                dropout_p=self.attn_dropout, backend=self.backend)
 
-        mixture, c = ("max" if self.pi_mode == "hard_e" else "sum"), self.key_scale
-
-        def options() -> dict:
-            """The cache entries' options (variances, mixture, shifts at key_scale) as this call reads them."""
-            return dict(sigma2=self._score_variances, mixture=mixture,
-                        shifts=self.mixture.shifts(c) if self.keys == "shifted" else None)
-
-        def prefill(log_pi, mask, centre):
-            """The first call's output: the uncached causal attention at the cache's centre."""
-            k = base if self.keys != "shifted" else self.mixture.shift(base, c)
-            return mgk_attention(q, k, v, log_pi=log_pi, sigma2=self._score_variances, mixture=mixture,
-                                 attn_mask=mask, is_causal=True, dropout_p=self.attn_dropout, backend=self.backend,
-                                 centre=centre)
-
-        return MGKDecodeState(cache).forward(
-            q, base, v, valid, terms=lambda: self._decode_terms(cache, q, by_position),
-            log_pi=lambda: self._decode_log_pi(cache, valid, L, by_position), per_position=by_position,
-            options=options, prefill=prefill, dropout_p=self.attn_dropout, centre=fixed)
-
-    def _decode_log_pi(self, cache: LayerCache, valid, L: int, by_position: bool) -> Tensor | None:
-        """log pi of this call's L new tokens, broadcastable to (B, H, M, L) (None for Hard-E): per-position weights
-        at each row's positions, else the one prior of every token."""
-        if not by_position:
-            return self.mixture.log_weights(1)
+    def _decode_log_pi(self, cache: LayerCache, valid, L: int) -> Tensor | None:
+        """log pi of this call's L new tokens at each row's positions (per-position weights), broadcastable to
+        (B, heads, M, L); None for Hard-E."""
         if valid is None and not cache.padded and not cache.fixed:  # every row has seen cache.length: one slice
             return self.mixture.log_weights(L, start=cache.length)
         return self.mixture.log_weights_at(cache.positions(valid, L))
 
-    def _decode_terms(self, cache: LayerCache, q: Tensor, by_position: bool):
-        """The steps' terms (:func:`mgk.functional.mgk_cache.mgk_step_terms`: variances, shifts and, unless the
-        weights are per position, the prior), kept by the cache while the tensors they come from stay the same
-        (:func:`mgk.functional.mgk_cache.step_terms_for`): a step then makes none of them."""
-        shifted, hard = self.keys == "shifted", self.pi_mode == "hard_e"
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    def _decode_parameters(self, q: Tensor, by_position: bool) -> tuple:
+        """``(sigma2, shifts, prior)`` of a decoding call: the key heads' variances, sMGK's shifts (M, heads, D) and
+        the log prior of every token when it does not depend on the position (None for Hard-E and per-position
+        weights). The same tensors from call to call while the parameters they come from stay the same (a
+        :class:`mgk.functional.mgk_cache.Memo` watching them; the options are the mixture's, fixed when it was
+        built), so that the state keeps its step terms and a step makes none."""
         mixture = self.mixture
-        watch = (dtype, self.keys, self.pi_mode, by_position, self._parameters.get("log_sigma2"),
-                 self._buffers.get("sigma2"), mixture._parameters.get("key_shift") if shifted else None)
-        if not (hard or by_position):
-            watch += (mixture.pi_norm, mixture._parameters.get("pi_logits"), mixture.component_gate)
+        held = mixture._parameters
+        watch = (q.dtype, q.device, mixture, self._parameters.get("log_sigma2"), self._buffers.get("sigma2"),
+                 held.get("key_shift"), held.get("pi_logits"), mixture.component_gate)
 
         def make():
-            """The terms, made anew (when a watched tensor changed, or at the first step)."""
-            log_pi = None if hard or by_position else mixture.log_weights(1)
-            return mgk_step_terms(self.num_heads, mixture.num_keys, self.head_dim, sigma2=self._score_variances,
-                                  shifts=mixture.shifts(self.key_scale) if shifted else None, log_pi=log_pi,
-                                  mixture="max" if hard else "sum", dtype=dtype, device=q.device)
-        return step_terms_for(cache, watch, make)
+            """The parameters, made anew (when a watched tensor changed, or at the first call)."""
+            fixed = self.pi_mode == "hard_e" or by_position
+            return (self._group_score_variances, mixture.shifts(self.key_scale) if self.keys == "shifted" else None,
+                    None if fixed else mixture.log_weights(1))
+
+        memo = self.__dict__.get("_decode_memo")
+        if memo is None:
+            memo = self.__dict__["_decode_memo"] = Memo()
+        return memo.get(watch, make)
+
+    def _core_keys(self, key: Tensor) -> Tensor:
+        """The key heads' projection as :meth:`_core` takes it: the M components (B, G, M, S, D), or sMGK's one
+        unshifted key (B, G, S, D), which :func:`mgk.functional.mgk_attention` reads with the shifts (G = H but
+        for gMGK's key groups): nothing repeated for the components or the query heads."""
+        return self.mixture.project(key)
 
     def _core(self, q, k, v, mask, is_causal, need_weights, query_mask, bias=None, key_positions=None):
-        log_pi = self._log_weights_of(k.shape[3], key_positions)
+        G, R, c = self.kv_heads, self.num_heads // self.kv_heads, self.key_scale
+        log_pi = MixtureKeysMixin._log_weights_of(self, k.shape[-2], key_positions)  # the key heads'
         q, k, centre = self._at_scale(q, k)
+        shifts = self.mixture.shifts(c) if self.keys == "shifted" else None
+        sigma2 = self._group_score_variances
         collect = self._collects_statistics(q)
+        if self.pi_mode == "soft_e":
+            # Each query head's components, whether or not this forward gathers the E-step's statistics (which read
+            # them): the output's arithmetic is then the same either way, so a checkpoint's replay is bitwise.
+            k = to_heads(k if shifts is None else self.mixture.shift(k, c), G, R)
+            v, log_pi, centre = to_heads(v, G, R), to_heads(log_pi, G, R), to_heads(centre, G, R)
+            shifts, sigma2 = None, self._score_variances
         if collect and bias is None and not need_weights and key_positions is None:
             # The E-step's statistics from the forward's own score GEMMs (None: the kernel cannot serve the call).
-            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=self._score_variances, attn_mask=mask,
-                                         is_causal=is_causal, dropout_p=self.attn_dropout, query_mask=query_mask,
-                                         backend=self.backend, centre=centre)
+            fused = mgk_attention_soft_e(q, k, v, log_pi=log_pi, sigma2=sigma2, attn_mask=mask, is_causal=is_causal,
+                                         dropout_p=self.attn_dropout, query_mask=query_mask, backend=self.backend,
+                                         centre=centre)
             if fused is not None:
                 return self._commit_on_backward(*fused), None
         mixture = "max" if self.pi_mode == "hard_e" else "sum"
-        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=self._score_variances, mixture=mixture, attn_mask=mask,
-                               bias=bias, is_causal=is_causal, dropout_p=self.attn_dropout,
-                               return_weights=need_weights, backend=self.backend, centre=centre)
+        result = mgk_attention(q, k, v, log_pi=log_pi, sigma2=sigma2, mixture=mixture, attn_mask=mask, bias=bias,
+                               is_causal=is_causal, dropout_p=self.attn_dropout, return_weights=need_weights,
+                               backend=self.backend, shifts=shifts, centre=centre)
         out, weights = result if need_weights else (result, None)
         if collect:
-            rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
-            stats = None
-            for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
-                resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row),
-                                                   sigma2=self._score_variances,
-                                                   attn_mask=_rows(mask, row), is_causal=is_causal,
-                                                   query_mask=_rows(query_mask, row), centre=_rows(centre, row))
-                if key_positions is not None:
-                    at = key_positions[row][0]
-                    resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
-                        count.new_zeros(count.shape).index_add_(1, at, count)
-                stats = (resp, count) if stats is None else (stats[0] + resp, stats[1] + count)
-            if stats is not None:
-                out = self._commit_on_backward(out, *stats)
+            out = self._statistics(out, q, k, log_pi, sigma2, centre, mask, is_causal, query_mask, key_positions)
         return out, weights
+
+    def _statistics(self, out, q, k, log_pi, sigma2, centre, mask, is_causal, query_mask, key_positions):
+        """``out`` through the commit of this forward's E-step statistics (:func:`mgk.functional.mgk_responsibilities`
+        of each query head's components k (B, H, M, S, D), at the forward's variances and centre), each row's at its
+        own key positions when given."""
+        rows = [slice(None)] if key_positions is None else [slice(b, b + 1) for b in range(q.shape[0])]
+        stats = None
+        for row in rows:  # rows whose key positions are not their columns: each row's statistics at its own
+            resp, count = mgk_responsibilities(q[row], k[row], log_pi=_rows(log_pi, row), sigma2=sigma2,
+                                               attn_mask=_rows(mask, row), is_causal=is_causal,
+                                               query_mask=_rows(query_mask, row), centre=_rows(centre, row))
+            if key_positions is not None:
+                at = key_positions[row][0]
+                resp, count = resp.new_zeros(resp.shape).index_add_(2, at, resp), \
+                    count.new_zeros(count.shape).index_add_(1, at, count)
+            stats = (resp, count) if stats is None else (stats[0] + resp, stats[1] + count)
+        return out if stats is None else self._commit_on_backward(out, *stats)
 
     # -- Soft-E: statistics in forward, committed in backward, applied by soft_e_step ---------------------------
     def _collects_statistics(self, q: Tensor) -> bool:
@@ -426,11 +436,11 @@ def soft_e_step(model: nn.Module) -> int:
 
 def mixture_flops(options, *, separate: bool, heads: int, length: int, batch: int, embed_dim: int, head_dim: int,
                   causal: bool, backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one MGK (``separate`` keys: M key projections) or sMGK (one) call (:mod:`mgk.attention.flops`). The
-    core per head: summed before the value product (our CPU kernel, ``mixture_kernel``, and always Hard-E, whose
-    max over components is taken on M distance matrices) ``2 N M S D + 2 N S D``; otherwise SDPA over M * S keys
-    with one column more, ``2 N M S (D + 1) + 2 N M S D``; Soft-E in training adds the E-step's distances,
-    ``2 N M S D`` (forward only)."""
+    """FLOPs of one MGK (``separate`` keys: M key projections) or sMGK (one) call
+    (:func:`mgk.attention.registry.total`). The core per head: summed before the value product (our CPU kernel,
+    ``mixture_kernel``, and always Hard-E, whose max over components is taken on M distance matrices)
+    ``2 N M S D + 2 N S D``; otherwise SDPA over M * S keys with one column more, ``2 N M S (D + 1) + 2 N M S D``;
+    Soft-E in training adds the E-step's distances, ``2 N M S D`` (forward only)."""
     N = S = length
     M, D = options.num_keys, head_dim
     if mixture_kernel or options.pi == "hard_e":

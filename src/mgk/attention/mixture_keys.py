@@ -10,8 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from ..fields import Label, spec
+from ..functional.mgk_cache import shifted_keys
 from .base import AttentionBase, factory_kwargs, positive_int
-from .options import Options
+from .registry import Options
 
 KEY_MODES = ("separate", "shifted")
 PI_MODES = ("learned", "soft_e", "hard_e")
@@ -173,7 +174,7 @@ class MixtureKeys(nn.Module):
     def shift(self, k: Tensor, scale: float = 1.0) -> Tensor:
         """The M components (B, H, M, S, D) of an unshifted key (B, H, S, D) (already multiplied by ``scale``, as
         :meth:`shifts`)."""
-        return k.unsqueeze(2) - self.shifts(scale).transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
+        return shifted_keys(k, self.shifts(scale))
 
     def position_limit(self) -> tuple[str, int] | None:
         """(option, max_len) when the weights are per key position (pi_shape="position" or pi="soft_e"), which

@@ -1,13 +1,37 @@
 """Attention kinds by name: the one place a kind is declared, and that every model, table, report, benchmark and test
-reads.
+reads, with what a declaration is made of.
 
-:func:`register` declares a kind (:class:`AttentionKind`): its family, display label, options dataclass
-(:mod:`mgk.attention.options`), factory, FLOP formula (:mod:`mgk.attention.flops`), decoding-cache layout
-(:class:`mgk.attention.cache_spec.CacheSpec`) and the option variants worth testing and benchmarking. An option the
-kind does not take is an error naming the option and the kind, never silently dropped (a dropped ``pi="soft_e"``
-would train softmax attention while the run's records claimed Soft-E). Each kind is declared in its own file, which
-calls :func:`register` at its bottom (module, options, FLOPs, cache layout and conversion rule together, as
-fast-transformers does); :mod:`mgk.attention.kinds` is the index that imports them.
+:func:`register` declares a kind (:class:`AttentionKind`): its family, display label, options dataclass (a subclass
+of :class:`Options`), factory, FLOP formula (ending with :func:`total`), decoding-cache layout (:class:`CacheSpec`)
+and the option variants worth testing and benchmarking. An option the kind does not take is an error naming the
+option and the kind, never silently dropped (a dropped ``pi="soft_e"`` would train softmax attention while the run's
+records claimed Soft-E). Each kind is declared in its own file, which calls :func:`register` at its bottom (module,
+options, FLOPs, cache layout and conversion rule together, as fast-transformers does); :mod:`mgk.attention` (its
+``__init__``) is the index that imports them.
+
+Options: each field is declared with :func:`mgk.fields.spec`; :meth:`Options.check` validates an instance (types,
+choices, ranges, and options that apply only under another option's value, such as ``pi_shape`` under
+``pi="learned"``). Each kind declares its own dataclass in its own file (``SoftmaxOptions`` in
+:mod:`mgk.attention.softmax`, ``MGKOptions`` in :mod:`mgk.attention.mgk`, ...; the mixture keys' shared
+``MixtureOptions`` in :mod:`mgk.attention.mixture_keys`), with the module's own constants as choices, so a value the
+module accepts is a value the options accept.
+
+FLOPs (:func:`total`, the sum every kind's formula ends with): analytic counts of one call as our implementation
+computes it. Multiply-adds count 2; backward counts 2 x forward. For N queries and S = N keys, embed width E, H heads
+of size D: each projection of width H * D costs ``2 N E (H D)``; a causal mask halves the quadratic terms of the core.
+
+What a decoding cache holds for one layer (:class:`CacheSpec`), in two forms. A *key/value* cache grows with the
+sequence: per token and head it stores ``keys_per_token`` key vectors of size D (M for separate-key MGK, whose M
+projections must all be kept; 1 for softmax, and for sMGK, whose learned offsets are applied when the cache is read),
+``values_per_token`` value vectors of size Dv and ``scalars_per_token`` numbers (MGK and sMGK: one per component,
+``log pi_jr - |k_jr|^2 / (2 sigma_r^2)`` with the shifts folded in for sMGK, which saves a second pass over the keys
+at every step). A *recurrent* state (linear attention and MLK) has a fixed size per head whatever the length: the
+key-value sum ``sum_j phi(k_j) v_j^T`` (D x Dv) and the normaliser ``sum_j phi(k_j)`` (D). A kind whose keys and
+values have fewer heads than its queries (grouped-query attention) names the option that gives that number
+(``heads``): its cache stores those heads only. This is the formula; :meth:`mgk.attention.cache.LayerCache.nbytes`
+measures the buffers a layer actually filled, and the tests hold the two equal for every kind. Per token, layer and
+head dim D = Dv at b bytes an element: softmax with 2H heads stores ``4 H D b``; MGK with H heads and M = 2
+``H (3 D + 2) b``, i.e. ``0.75 + M / (4 D)`` of it; sMGK ``H (2 D + 2) b``, ``0.5 + M / (4 D)``.
 """
 from __future__ import annotations
 
@@ -19,14 +43,131 @@ from typing import Callable
 from torch import nn
 
 from .. import fields
-from .cache_spec import CacheSpec
-from .options import Options
 
-__all__ = ["FAMILIES", "AttentionKind", "register", "get_kind", "attention_kinds", "attention_options",
-           "make_options", "check_options", "build_attention", "kind_variants", "variant_name", "option_labels",
-           "run_label", "display_label"]
+__all__ = ["FAMILIES", "AttentionKind", "CacheSpec", "Options", "register", "get_kind", "attention_kinds",
+           "attention_options", "make_options", "check_options", "build_attention", "kind_variants", "variant_name",
+           "option_labels", "run_label", "display_label", "total"]
 
 FAMILIES = ("softmax", "mixture", "linear")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Base of every kind's options (softmax attention takes none). A list given for a tuple option is kept as a
+    tuple (options are frozen and hashable)."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+
+    def check(self, kind: str) -> "Options":
+        """``self`` when every field is valid; ValueError naming the first bad option and ``kind``."""
+        fields.check(self, name=lambda n: f"attention option {n!r} of kind {kind!r}")
+        return self
+
+    @classmethod
+    def merged(cls, options: "Options | None", values: dict) -> "Options":
+        """The options a module constructor runs with, from its ``options`` (an instance, or None) and its option
+        keywords ``values``: ``cls(**values)`` without ``options``; with it, ``options`` itself when every keyword
+        agrees with it (a list agrees with the equal tuple). ValueError naming both values of the first keyword that
+        differs: one of them would be silently ignored; TypeError naming ``options`` as :meth:`check_own`."""
+        if options is None:
+            return cls(**values)
+        cls.check_own(options)
+        given = dataclasses.replace(options, **values)  # normalised as options are (a list held as a tuple)
+        for name in values:
+            if getattr(given, name) != getattr(options, name):
+                raise ValueError(f"{name}={values[name]!r} conflicts with options.{name}="
+                                 f"{getattr(options, name)!r}; give one")
+        return options
+
+    @classmethod
+    def check_own(cls, options) -> None:
+        """TypeError in one line naming ``options`` unless it is an instance of ``cls`` with no fields of its own: a
+        dict, a string, or another kind's options subclassing ours (gmgk's GMGKOptions given to MGKAttention, MLK's
+        to LinearAttention), whose own fields (num_kv_heads, num_keys) a module of ``cls`` would silently leave
+        unread. A subclass that only changes defaults is ``cls``'s options and is taken."""
+        if not isinstance(options, cls):
+            raise TypeError(f"options must be a {cls.__name__} or None, got {type(options).__name__}")
+        unread = [name for name in options.names() if name not in cls.names()]
+        if unread:
+            raise TypeError(f"options is a {type(options).__name__}, whose {', '.join(unread)} a module taking "
+                            f"{cls.__name__} would not read: give a {cls.__name__}, or build the kind that takes "
+                            f"{type(options).__name__}")
+
+    def as_kwargs(self) -> dict:
+        """The options as keyword arguments of the kind's module constructor."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def reset_inapplicable(self, keep=()) -> "Options":
+        """A copy with every option whose ``only_if`` condition fails set back to its default, except those named
+        in ``keep`` (a user set them: :meth:`check` then reports them)."""
+        resets = {n: type(self).__dataclass_fields__[n].default for n in fields.inapplicable(self) if n not in keep}
+        return dataclasses.replace(self, **resets) if resets else self
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A layer's decoding cache per head.
+
+    ``keys_per_token``: key vectors stored per token: an int, the name of the kind's option that gives the count
+    (``"num_keys"``), or a function ``options -> int`` for a count that depends on more than one option (a kind whose
+    key mode decides whether it stores M keys or one). ``values_per_token``: value vectors per token.
+    ``scalars_per_token``: single numbers per token (an int, an option's name or such a function). ``recurrent``: a
+    fixed state of D * Dv + D numbers instead (then nothing is stored per token). ``heads``: the name of the option
+    that gives the number of cached heads (None: every head; so too when that option is None)."""
+
+    keys_per_token: int | str | Callable[..., int] = 1
+    values_per_token: int = 1
+    scalars_per_token: int | str | Callable[..., int] = 0
+    recurrent: bool = False
+    heads: str | None = None
+
+    def cached_heads(self, options, num_heads: int) -> int:
+        """Heads whose entries are cached under ``options``, for a layer of ``num_heads`` query heads."""
+        named = getattr(options, self.heads) if self.heads is not None else None
+        return num_heads if named is None else named
+
+    def stored_per_token(self, options) -> tuple[int, int, int]:
+        """(key vectors, value vectors, scalars) kept per token and head under ``options`` ((0, 0, 0) for a
+        recurrent state)."""
+        if self.recurrent:
+            return 0, 0, 0
+
+        def count(n):
+            """A count given as a number, as the name of the option that holds it, or as a function of the
+            options."""
+            if callable(n):
+                return n(options)
+            return getattr(options, n) if isinstance(n, str) else n
+
+        return count(self.keys_per_token), self.values_per_token, count(self.scalars_per_token)
+
+    def cache_bytes(self, options, *, num_heads: int, head_dim: int, length: int, element_size: int = 4,
+                    value_dim: int | None = None) -> int:
+        """Bytes of one layer's cache for one sequence after ``length`` tokens (``value_dim`` defaults to
+        ``head_dim``; ``element_size`` 4 for float32, 2 for bfloat16)."""
+        dv = head_dim if value_dim is None else value_dim
+        heads = self.cached_heads(options, num_heads)
+        if self.recurrent:
+            return heads * (head_dim * dv + head_dim) * element_size
+        keys, values, scalars = self.stored_per_token(options)
+        return heads * length * (keys * head_dim + values * dv + scalars) * element_size
+
+
+def total(core: float, projections: float, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int,
+          backward: bool) -> int:
+    """FLOPs of one call: ``projections`` linear maps of width H * D from the E inputs of each of N tokens (3 for
+    the query, value and output projections plus the key projections; fewer for kinds whose keys or values have
+    fewer heads, e.g. ``2 + 2 G / H`` for grouped-query attention) and the attention ``core`` of each head."""
+    projections = 2 * length * embed_dim * heads * head_dim * projections
+    return int(batch * (projections + heads * core) * (3 if backward else 1))
 
 _REGISTRY: dict[str, "AttentionKind"] = {}
 
@@ -38,11 +179,11 @@ class AttentionKind:
     name: what ``--attention`` and :func:`build_attention` take ("mgk").
     family: "softmax", "mixture" (Gaussian mixture keys) or "linear" (linear attention, with or without mixture keys).
     label: display name in tables and reports ("sMGK").
-    options: the frozen dataclass of the kind's options (an :class:`~mgk.attention.options.Options` subclass).
+    options: the frozen dataclass of the kind's options (an :class:`Options` subclass).
     factory: ``factory(embed_dim, num_heads, *, head_dim, dropout, bias, batch_first, **options) -> nn.Module``;
         also ``kdim``, ``vdim``, ``device`` and ``dtype`` when a caller gives them.
     flops: ``flops(options, *, heads, length, batch, embed_dim, head_dim, causal, backward, mixture_kernel) -> int``,
-        FLOPs of one call (:mod:`mgk.attention.flops`).
+        FLOPs of one call (:func:`total`).
     cache: what a decoding cache of one layer holds.
     variants: option values (dicts) that give distinct behaviour worth covering in tests, benchmarks and docs; the
         first is ``{}`` (the defaults).

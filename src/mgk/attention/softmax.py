@@ -8,10 +8,7 @@ from torch import Tensor, nn
 
 from ..functional.softmax import softmax_attention, softmax_attention_reference, softmax_cache_step
 from .base import AttentionBase, factory_kwargs
-from .cache_spec import CacheSpec
-from .flops import total
-from .options import Options
-from .registry import AttentionKind, register
+from .registry import AttentionKind, CacheSpec, Options, register, total
 
 __all__ = ["MultiheadAttention", "SoftmaxOptions", "from_torch_state_dict", "softmax_flops"]
 
@@ -75,7 +72,7 @@ class MultiheadAttention(AttentionBase):
                                 **factory_kwargs(kwargs.get("device"), kwargs.get("dtype")))
 
     def _cached_core(self, q, x, v, valid, cache):
-        return softmax_cache_step(q, self._keys(x), v, cache.kv, valid=valid, dropout_p=self.attn_dropout)
+        return softmax_cache_step(q, self._keys(x), v, cache.state, valid=valid, dropout_p=self.attn_dropout)
 
     def _keys(self, key: Tensor) -> Tensor:
         return self._split(self.k_proj(key), self.kv_heads)
@@ -98,8 +95,8 @@ class MultiheadAttention(AttentionBase):
 
 def softmax_flops(options, *, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, causal: bool,
                   backward: bool, mixture_kernel: bool = False) -> int:
-    """FLOPs of one call (:mod:`mgk.attention.flops`): four projections and ``4 N S D`` per head (scores and the
-    value product); ``mixture_kernel`` unused."""
+    """FLOPs of one call (:func:`mgk.attention.registry.total`): four projections and ``4 N S D`` per head (scores
+    and the value product); ``mixture_kernel`` unused."""
     core = 4 * length * length * head_dim * (0.5 if causal else 1.0)
     return total(core, 4, heads=heads, length=length, batch=batch, embed_dim=embed_dim, head_dim=head_dim,
                  backward=backward)

@@ -132,7 +132,7 @@ def label(kind: str, heads: int) -> str:
 def analytic_flops(kind: str, heads: int, length: int, batch: int, embed_dim: int, head_dim: int, *,
                    causal: bool, backward: bool, num_keys: int = 2, mixture_kernel: bool = False) -> int:
     """FLOPs of one call of the module benchmarked as ``kind``: the registry's formula of its kind
-    (:mod:`mgk.attention.flops`) with its options. ``mixture_kernel``: the call runs our MGK CPU kernel (the
+    (:func:`mgk.attention.registry.total`) with its options. ``mixture_kernel``: the call runs our MGK CPU kernel (the
     reference form always counts as summed before the value product; a pinned SDPA backend never does)."""
     v = variant(kind)
     options = bench_options(v, num_keys=num_keys)

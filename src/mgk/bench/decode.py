@@ -7,7 +7,7 @@ prefill run slower): for a model a step is the new token's next-token log-probab
 included) and its argmax, as one step of greedy generation. The cache's bytes are counted from the tensors it holds
 for the tokens seen (``cache_bytes``; ``cache_bytes_allocated`` also counts the slots reserved ahead) and set beside
 the registry's formula
-(:meth:`mgk.attention.cache_spec.CacheSpec.cache_bytes`, ``cache_bytes_formula``), which they must equal.
+(:meth:`mgk.attention.registry.CacheSpec.cache_bytes`, ``cache_bytes_formula``), which they must equal.
 
 Targets: ``layer`` (one attention module of width ``--embed-dim`` with heads of ``--head-dim``, as ``mgk bench
 attention``), a preset's LM shape (``lm-small``, ``wt103-paper``: the model ``mgk train`` builds, random weights,

@@ -31,7 +31,14 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _component_flash, _mixture_flash, _mixture_triton
 from . import masks as _masks
-from ._mixture_terms import gaussian_log_kernel, key_bias, needs_qnorm, per_component, row_bias, scaled_keys
+from ._mixture_terms import (
+    gaussian_log_kernel,
+    key_bias,
+    needs_qnorm,
+    per_component,
+    query_terms,
+    scaled_keys,
+)
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ def _inert(q, k, v, mask, call: Call, fused_causal: bool):
     With ``fused_causal`` the kernel applies causality itself (skipping the blocks above the diagonal; an explicit
     (L, S) mask would make it visit every block): ``mask`` stays at most key padding. Returns (q, k, v, mask,
     empty rows)."""
-    L, S = q.shape[2], k.shape[3]
+    L, S = q.shape[2], k.shape[-2]  # k: (B, G, M, S, D), or a shifted key (B, G, S, D)
     if fused_causal:
         _, k, v, _ = _masks.prepare(mask, k, v)
         # from the mask itself: prepare's mask has a batch row of padding only opened (NaN queries would get in)
@@ -160,11 +167,12 @@ def _inert(q, k, v, mask, call: Call, fused_causal: bool):
     return q, k, v, mask, empty
 
 
-def _key_bias(k, s2, log_prior, mask, bias, hard: bool, fill: float):
+def _key_bias(k, s2, log_prior, mask, bias, hard: bool, fill: float, shifts=None):
     """:func:`key_bias` plus ``bias_j`` (B, H, M, S), ``fill`` at keys a query-independent mask removes; ``bias`` is
-    None or a per-key bias (B?, H?, 1, S?). A finite ``fill`` also replaces -inf log priors."""
+    None or a per-key bias (B?, H?, 1, S?). A finite ``fill`` also replaces -inf log priors. With ``shifts``, k is
+    sMGK's unshifted key (:func:`key_bias`)."""
     prior = None if hard else (log_prior if fill == float("-inf") else log_prior.clamp_min(fill))
-    bias_jr = key_bias(k, s2, prior)
+    bias_jr = key_bias(k, s2, prior, shifts=shifts)
     if bias is not None:
         bias_jr = bias_jr + bias
     if mask is not None:
@@ -173,14 +181,25 @@ def _key_bias(k, s2, log_prior, mask, bias, hard: bool, fill: float):
     return bias_jr
 
 
-def kernel(q, k, v, log_prior, s2, mask, bias, call: Call):
-    """Our C++ CPU kernel (sum or max over components); masks and bias at most per key, plus ``is_causal``."""
+def kernel(q, k, v, log_prior, s2, mask, bias, call: Call, shifts=None):
+    """Our C++ CPU kernel (sum or max over components); masks and bias at most per key, plus ``is_causal``. It reads
+    compact keys in place too: k (B, G, M, S, D) of G key groups dividing H (gMGK; v (B, G, S, Dv), log_prior
+    broadcastable to (B, G, M, S), s2 (G', M), mask and bias of one head, broadcast over the groups), or with
+    ``shifts`` (M, G, D) sMGK's one unshifted key (B, G, S, D), whose M components the kernel scores with one
+    product (``s_ijr = (q_i . k_j) / sigma_r^2 + b_jr + rowbias_ir``, the shifts in the row term). Nothing is
+    repeated for the query heads or the components."""
     hard = call.mixture == "max"
+    R = q.shape[1] // max(k.shape[1], 1)  # (no head: nothing to repeat)
     q, k, v, mask, empty = _inert(q, k, v, mask, call, fused_causal=call.is_causal)
-    key_bias = _key_bias(k, s2, log_prior, mask, bias, hard, float("-inf"))
-    rowbias = row_bias(q, s2) if needs_qnorm(s2) else None
-    out = _mixture_flash.mixture_flash(q, scaled_keys(k, s2), key_bias, v, rowbias, call.is_causal, hard,
-                                       call.dropout_p)
+    key_bias = _key_bias(k, s2, log_prior, mask, bias, hard, float("-inf"), shifts=shifts)
+    heads = s2 if R == 1 or s2.shape[0] == 1 else s2.repeat_interleave(R, 0)  # the variances of each query head
+    _, rowbias = query_terms(q, heads, None if shifts is None else shifts.repeat_interleave(R, 1))
+    if shifts is None:
+        out = _mixture_flash.mixture_flash(q, scaled_keys(k, s2), key_bias, v, rowbias, call.is_causal, hard,
+                                           call.dropout_p)
+    else:
+        out = _mixture_flash.mixture_flash(q, k.unsqueeze(2), key_bias, v, rowbias, call.is_causal, hard,
+                                           call.dropout_p, scale=s2.reciprocal().unsqueeze(0))
     return _masks.zero_rows(out, empty), None
 
 

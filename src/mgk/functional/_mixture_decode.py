@@ -47,7 +47,8 @@ def unserved(query: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float
 
 
 def mixture_decode(q: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, scale: Tensor | None,
-                   rowbias: Tensor | None, mask: Tensor | None, is_causal: bool, hard: bool) -> Tensor:
+                   rowbias: Tensor | None, mask: Tensor | None, is_causal: bool, hard: bool,
+                   period: int | None = None) -> Tensor:
     """One decoding step: ``out_l = sum_j A_lj v_j / sum_j A_lj`` with ``s_lrj = scale_r (q_l . keys_jr) +
     key_bias_jr + rowbias_rl`` and ``A_lj = sum_r exp(s_lrj - m_l)`` (``hard``: ``exp(max_r s_lrj - m_l)``).
 
@@ -55,12 +56,15 @@ def mixture_decode(q: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, 
         key_bias (B, H, M, S); value (B, H, S, Dv): strided views of the cache's buffers are read in place; scale
         broadcastable to (1, H, M, 1) (sMGK's 1 / sigma_r^2) or None; rowbias broadcastable to (B, H, M, L) or None;
         mask bool broadcastable to (B, 1, 1, S), True = may attend, or None; is_causal bottom-right among the L new
-        queries; hard: Hard-E. One dtype, float32 or float64 (check :func:`unserved` first).
+        queries, or among each ``period`` of them (None: L) when q's rows are the query heads of a key group folded
+        together (:func:`._mgk_algebra.fold_queries`); hard: Hard-E. One dtype, float32 or float64 (check
+        :func:`unserved` first).
     Returns:
         (B, H, L, Dv); rows that see no key are 0.
     """
     B, H, L, _ = q.shape
     M, S = key_bias.shape[2], key_bias.shape[3]
+    period = L if period is None else period
     if keys.dim() == 4:
         keys = keys.unsqueeze(2)
     empty = q.new_empty(0)
@@ -69,4 +73,5 @@ def mixture_decode(q: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, 
     valid = q.new_empty(0, dtype=torch.bool) if mask is None else mask.expand(B, 1, 1, S)[:, 0, 0, :]
     rows = _last_dim_contiguous
     return _mixture_flash._module.decode(q.contiguous(), rows(keys), scale, rows(key_bias.expand(B, H, M, S)), rowbias,
-                                         rows(value), rows(valid), bool(is_causal and L > 1), bool(hard))
+                                         rows(value), rows(valid), bool(is_causal and period > 1), bool(hard),
+                                         period)

@@ -325,16 +325,17 @@ def dropout_mask(seed: int, offset: int, B: int, H: int, L: int, S: int, p: floa
 # The forward's third output is the Soft-E statistics (empty unless ``stats``); it has no gradient.
 @torch.library.custom_op("mgk::mixture_flash_forward", mutates_args=(), device_types="cpu")
 def _forward_op(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor, rowbias: torch.Tensor,
-                query_ok: torch.Tensor, causal: bool, hard: bool, dropout_p: float, seed: int, offset: int,
-                stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, resp = _load().forward(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats)
+                scale: torch.Tensor, query_ok: torch.Tensor, causal: bool, hard: bool, dropout_p: float, seed: int,
+                offset: int, stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, resp = _load().forward(q, k, bias, v, rowbias, scale, query_ok, causal, hard, dropout_p, seed, offset,
+                                     stats)
     return out, lse, resp
 
 
 @_forward_op.register_fake
-def _(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats):
-    BH, M, S = bias.shape
-    resp = q.new_empty((BH, M, S) if stats else (0,))
+def _(q, k, bias, v, rowbias, scale, query_ok, causal, hard, dropout_p, seed, offset, stats):
+    BH = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
+    resp = q.new_empty((BH, bias.shape[1], bias.shape[2]) if stats else (0,))
     return _rows_like(q, v.shape[-1]), q.new_empty((BH, q.shape[-2])), resp
 
 
@@ -356,17 +357,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("mgk::mixture_flash_backward", mutates_args=(), device_types="cpu")
 def _backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
-                 rowbias: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, hard: bool,
-                 dropout_p: float, seed: int,
-                 offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dbias, dv, drb = _load().backward(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard,
-                                              dropout_p, seed, offset)
-    return dq, dk, dbias, dv, drb
+                 rowbias: torch.Tensor, scale: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+                 hard: bool, dropout_p: float, seed: int, offset: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor, torch.Tensor]:
+    dq, dk, dbias, dv, drb, dscale = _load().backward(grad_out, q, k, bias, v, rowbias, scale, lse, delta, causal,
+                                                      hard, dropout_p, seed, offset)
+    return dq, dk, dbias, dv, drb, dscale
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, bias, v, rowbias, lse, delta, causal, hard, dropout_p, seed, offset):
-    return _grad_like(q), _grad_like(k), torch.empty_like(bias), _grad_like(v), torch.empty_like(rowbias)
+def _(grad_out, q, k, bias, v, rowbias, scale, lse, delta, causal, hard, dropout_p, seed, offset):
+    return (_grad_like(q), _grad_like(k), torch.empty_like(bias), _grad_like(v), torch.empty_like(rowbias),
+            torch.empty_like(scale))
 
 
 def _grad_like(t: torch.Tensor) -> torch.Tensor:
@@ -378,9 +381,9 @@ def _grad_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, bias, v, rowbias, _query_ok, *flags = inputs
+    q, k, bias, v, rowbias, scale, _query_ok, *flags = inputs
     out, lse, resp = output
-    ctx.save_for_backward(q, k, bias, v, rowbias, out, lse)
+    ctx.save_for_backward(q, k, bias, v, rowbias, scale, out, lse)
     ctx.mark_non_differentiable(lse, resp)
     ctx.flags = tuple(flags[:5])  # causal, hard, dropout_p, seed, offset: backward regenerates the same mask
 
@@ -389,11 +392,12 @@ def _gradients(ctx, grad_out, kernel_backward):
     """The forward's input gradients from ``kernel_backward`` (the custom backward op, or the bare C++ function in
     eager mode). lse is an auxiliary output for the backward pass and resp a statistic: nothing differentiates
     through them. With dropout, out is the dropped output and delta = rowsum(dO * out) = sum_j A_ij dA_ij holds."""
-    q, k, bias, v, rowbias, out, lse = ctx.saved_tensors
+    q, k, bias, v, rowbias, scale, out, lse = ctx.saved_tensors
     grad_out = _rows(grad_out)
     delta = (grad_out * out).sum(-1).reshape(lse.shape).contiguous()
-    dq, dk, dbias, dv, drb = kernel_backward(grad_out, q, k, bias, v, rowbias, lse, delta, *ctx.flags)
-    return dq, dk, dbias, dv, (drb if rowbias.numel() else None), None, None, None, None, None, None, None
+    dq, dk, dbias, dv, drb, dscale = kernel_backward(grad_out, q, k, bias, v, rowbias, scale, lse, delta, *ctx.flags)
+    return (dq, dk, dbias, dv, (drb if rowbias.numel() else None), (dscale if scale.numel() else None), None, None,
+            None, None, None, None, None)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_resp):
@@ -409,8 +413,9 @@ class _Eager(torch.autograd.Function):
     tokens is a visible share of the attention."""
 
     @staticmethod
-    def forward(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats):
-        return tuple(_module.forward(q, k, bias, v, rowbias, query_ok, causal, hard, dropout_p, seed, offset, stats))
+    def forward(q, k, bias, v, rowbias, scale, query_ok, causal, hard, dropout_p, seed, offset, stats):
+        return tuple(_module.forward(q, k, bias, v, rowbias, scale, query_ok, causal, hard, dropout_p, seed, offset,
+                                     stats))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -420,7 +425,7 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse, grad_resp):
-        """Gradients of (q, k, bias, v, rowbias), shaped like them; None for the flags. Once differentiable."""
+        """Gradients of (q, k, bias, v, rowbias, scale), shaped like them; None for the flags. Once differentiable."""
         return _gradients(ctx, grad_out, _module.backward)
 
 
@@ -447,27 +452,31 @@ def _run_forward(*args):
     """(out, lse, resp) of the kernel's forward, with autograd, through :class:`_Eager` or the custom op."""
     if not _eager_ok():
         return _forward_op(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:5]):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:6]):
         return _Eager.apply(*args)
     return tuple(_module.forward(*args))
 
 
 def mixture_flash(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
                   rowbias: torch.Tensor | None, is_causal: bool, hard: bool = False, dropout_p: float = 0.0,
-                  seed: tuple[int, int] | None = None):
+                  seed: tuple[int, int] | None = None, scale: torch.Tensor | None = None):
     """MGK through the C++ kernel (check :func:`usable` first).
 
-    Args: q (B, H, L, D); k (B, H, M, S, D), already divided by sigma_r^2; bias (B, H, M, S); v (B, H, S, Dv);
-        rowbias (B, H, M, L) or None; is_causal (bottom-right); hard (Hard-E); dropout_p in [0, 1): attention
-        dropout on the mixed weights; seed: (seed, offset) of the dropout stream, default drawn by
-        :func:`draw_dropout_seed` when ``dropout_p > 0``. One floating dtype, float32 or float64, on CPU.
+    Args: q (B, H, L, D); k (B, G, M, S, D), already divided by sigma_r^2, G = H or G key groups dividing H (query
+        head h reads group h // (H / G), in place); or with ``scale``, shifted keys' one unscaled key per position,
+        (B, G, 1, S, D); bias (B, G, M, S); v (B, G, S, Dv); rowbias (B, H, M, L) or None; is_causal
+        (bottom-right); hard (Hard-E); dropout_p in [0, 1): attention dropout on the mixed weights; seed: (seed,
+        offset) of the dropout stream, default drawn by :func:`draw_dropout_seed` when ``dropout_p > 0``; scale:
+        broadcastable to (B, G, M), the components' 1 / sigma_r^2 of one-component keys, or None. One floating
+        dtype, float32 or float64, on CPU.
     Returns:
-        (B, H, L, Dv). With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir``: ``out_i = sum_j A_ij Z_ij v_j`` where
-        ``A_ij = sum_r exp(s_ijr - LSE_i)`` (mixture "sum"; paper eq. 9), or with ``hard`` ``A_ij =
-        softmax_j(max_r s_ijr)``, and ``Z_ij = keep_ij / (1 - dropout_p)`` with ``keep`` = :func:`dropout_mask`
-        (Z = 1 without dropout). Rows that see no key are 0. Differentiable once (a second derivative raises).
+        (B, H, L, Dv). With ``s_ijr = q_i.k_jr + bias_jr + rowbias_ir`` (with ``scale``: ``scale_r q_i.k_j + ...``):
+        ``out_i = sum_j A_ij Z_ij v_j`` where ``A_ij = sum_r exp(s_ijr - LSE_i)`` (mixture "sum"; paper eq. 9), or
+        with ``hard`` ``A_ij = softmax_j(max_r s_ijr)``, and ``Z_ij = keep_ij / (1 - dropout_p)`` with ``keep`` =
+        :func:`dropout_mask` (Z = 1 without dropout). Rows that see no key are 0. Differentiable once (a second
+        derivative raises).
     """
-    return _call(q, k, bias, v, rowbias, None, is_causal, hard, dropout_p, seed, stats=False)[0]
+    return _call(q, k, bias, v, rowbias, None, is_causal, hard, dropout_p, seed, stats=False, scale=scale)[0]
 
 
 def mixture_flash_with_responsibilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, v: torch.Tensor,
@@ -486,20 +495,21 @@ def mixture_flash_with_responsibilities(q: torch.Tensor, k: torch.Tensor, bias: 
     return _call(q, k, bias, v, rowbias, query_ok, is_causal, False, dropout_p, seed, stats=True)
 
 
-def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, stats):
+def _call(q, k, bias, v, rowbias, query_ok, is_causal, hard, dropout_p, seed, stats, scale=None):
     B, H, L, D = q.shape
-    M, S = k.shape[2], k.shape[3]
+    G, M, S = k.shape[1], bias.shape[2], k.shape[3]
     dropout_p = float(dropout_p)
     if dropout_p > 0.0 and seed is None:
         seed = draw_dropout_seed()
     seed, offset = seed if dropout_p > 0.0 else (0, 0)
     # q, k and v are read in place (the projections' layout); the small per-key and per-row terms are flattened.
     qf, kf, vf = _rows(q), _rows(k), _rows(v)
-    bf = bias.expand(B, H, M, S).reshape(B * H, M, S).contiguous()
+    bf = bias.expand(B, G, M, S).reshape(B * G, M, S).contiguous()
     rf = rowbias.expand(B, H, M, L).reshape(B * H, M, L).contiguous() if rowbias is not None else q.new_empty(0)
+    sf = scale.expand(B, G, M).reshape(B * G, M).contiguous() if scale is not None else q.new_empty(0)
     okf = (query_ok.expand(B, H, L).reshape(B * H, L).contiguous() if query_ok is not None
            else q.new_empty(0, dtype=torch.bool))
-    out, _, resp = _run_forward(qf, kf, bf, vf, rf, okf, bool(is_causal), bool(hard), dropout_p, int(seed),
+    out, _, resp = _run_forward(qf, kf, bf, vf, rf, sf, okf, bool(is_causal), bool(hard), dropout_p, int(seed),
                                 int(offset), bool(stats))
     return out, (resp.view(B, H, M, S) if stats else None)
 

@@ -20,8 +20,8 @@ from ._checks import check_qkv
 from ._dispatch import is_transformed
 
 __all__ = ["MIXTURES", "check_components", "check_mixture", "check_mixture_args", "check_shifts",
-           "gaussian_log_kernel", "key_bias", "key_bias_inv", "log_prior", "needs_qnorm", "per_component", "row_bias",
-           "scaled_keys", "scaled_keys_inv", "variances"]
+           "gaussian_log_kernel", "key_bias", "key_bias_inv", "log_prior", "needs_qnorm", "per_component",
+           "query_terms", "row_bias", "scaled_keys", "scaled_keys_inv", "shifted_keys", "to_heads", "variances"]
 
 MIXTURES = ("sum", "max")
 
@@ -168,6 +168,39 @@ def key_bias_inv(k: Tensor, inv: Tensor, log_pi: Tensor | None = None, mu: Tenso
         kr = k.unsqueeze(2)  # (B, H, 1, S, D)
         squared = torch.linalg.vecdot(kr, torch.sub(kr, mu.unsqueeze(2), alpha=2.0))
     return squared * (inv * -0.5) if log_pi is None else torch.addcmul(log_pi, squared, inv, value=-0.5)
+
+
+def shifted_keys(k: Tensor, shifts: Tensor) -> Tensor:
+    """The M components ``k_jr = k_j - mu_r`` (B, H, M, S, D) of sMGK's unshifted key k (B, H, S, D), for shifts
+    (M, H, D) (in k's dtype)."""
+    return k.unsqueeze(2) - shifts.transpose(0, 1).unsqueeze(0).unsqueeze(3).to(k.dtype)
+
+
+def query_terms(q, s2, shifts):
+    """(scale, rowbias) of the scores ``s_ijr = scale_r * (q~_i . keys_jr) + key_bias_jr + rowbias_ir`` for centred
+    queries q (B, H, L, D) against keys of the same heads: scale (1, H', M, 1) for sMGK's unscaled keys
+    (1 / sigma_r^2) or None; rowbias (B, H, M, L), the shifts' per-query term
+    ``-(q~_i . mu_r) / sigma_r^2 - |mu_r|^2 / (2 sigma_r^2)`` (shifts (M, H, D), the part of ``|k_j - mu_r|^2`` that
+    :func:`key_bias` leaves out) and / or the -|q~|^2 / (2 sigma_r^2) term when it does not cancel, or None."""
+    scale = rowbias = None
+    if shifts is not None:
+        scale = 1.0 / per_component(s2, 1)  # (1, H', M, 1)
+        mu = shifts.to(q.dtype).transpose(0, 1)  # (H, M, D)
+        rowbias = -((mu @ q.transpose(-1, -2)) * scale
+                    + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * scale)  # (B, H, M, L)
+    if needs_qnorm(s2):
+        qnorm = row_bias(q, s2)
+        rowbias = qnorm if rowbias is None else rowbias + qnorm
+    return scale, rowbias
+
+
+def to_heads(t, groups: int, repeat: int, dim: int = 1):
+    """``t`` with its dimension ``dim`` of ``groups`` key groups repeated for the ``repeat`` query heads of each
+    (query head h reads group h // repeat); a dimension of another size (1: broadcast over the heads, as the weights
+    of pi_shape="layer"), None or anything but a tensor is left as it is."""
+    if repeat == 1 or not isinstance(t, Tensor) or t.dim() <= dim or t.shape[dim] != groups:
+        return t
+    return t.repeat_interleave(repeat, dim=dim)
 
 
 def row_bias(q: Tensor, s2: Tensor) -> Tensor:

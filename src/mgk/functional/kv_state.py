@@ -1,13 +1,14 @@
-"""The per-token decoding state of the attention kinds that keep every token's entries (softmax, GQA, MGK, sMGK,
-gMGK): :class:`KVCacheState`, beside the ops that read it (:func:`mgk.functional.softmax.softmax_cache_step`,
-:mod:`mgk.functional.mgk_cache`), as :class:`mgk.functional.LinearAttentionState` is beside linear attention.
+"""The per-token decoding state: :class:`KVCacheState`, softmax's and GQA's state
+(:func:`mgk.functional.softmax_cache_step`) and the base of every other kind's (:class:`mgk.functional.MGKDecodeState`
+adds MGK's entries and centre, :class:`mgk.functional.LinearCacheState` a recurrent state's sums to its counts).
 
 It holds named slot buffers along a slot dimension, the valid-slot mask (B, capacity), the per-row counts of real
 tokens and the capacity: grown geometrically, or fixed with the next slot held as a tensor so that a step has the same
-shapes every time (``torch.compile``; gpt-fast's static cache). The rows move together (beam search), the last tokens
-can be dropped (assisted decoding), the floating buffers follow a model's cast, and the tensors are saved as plain
-tensors and ints (``torch.load(..., weights_only=True)``). A layer's :class:`mgk.attention.cache.LayerCache` holds
-one, with the layer binding and the kind's bookkeeping; its module docstring tells the design.
+shapes every time (``torch.compile``; gpt-fast's static cache). It keeps the protocol of every decoding state
+(:mod:`.decoding_state`): the rows move together (beam search), the last tokens can be dropped (assisted decoding),
+the floating buffers follow a model's cast, and the tensors are saved as plain tensors and ints
+(``torch.load(..., weights_only=True)``). A layer's :class:`mgk.attention.cache.LayerCache` holds one; its module
+docstring tells the design.
 """
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ import operator
 import torch
 from torch import Tensor
 
+from .decoding_state import DecodingState, cast_floating, plain
+
 __all__ = ["KVCacheState", "check_capacity", "plain", "token_positions"]
 
-# The keys of KVCacheState.state_dict(), in their order.
-STATE_KEYS = ("slots", "capacity", "length", "max_seen", "padded", "seen", "valid", "slot", "buffers")
+# The keys of KVCacheState.state_dict(), in their order: the counts and slots, then a fixed-size state ("state", None
+# here) and the bookkeeping ("extra"). A state dict saved before the last two existed still loads.
+STATE_KEYS = ("slots", "capacity", "length", "max_seen", "padded", "seen", "valid", "slot", "buffers", "state", "extra")
+_BEFORE_HELD = STATE_KEYS[:-2]
 
 
 def token_positions(seen: Tensor, valid: Tensor | None, L: int) -> Tensor:
@@ -41,25 +46,7 @@ def check_capacity(capacity, *, optional: bool = True) -> None:
         raise ValueError(f"capacity must be {'None or ' if optional else ''}a positive int, got {capacity!r}")
 
 
-def plain(value, name: str):
-    """A value of a cache's state dict as what ``torch.load(weights_only=True)`` reads back (a tensor cloned);
-    TypeError naming it otherwise."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"the cache's {name} holds a {type(value).__name__}, which state_dict() cannot save")
-
-
-def cast_floating(held: dict, dtype: torch.dtype) -> None:
-    """Convert, in the dict ``held``, every floating tensor of another dtype than ``dtype`` (integer and bool
-    tensors kept; written only where a dtype differs, so a traced step writes nothing)."""
-    for name, t in list(held.items()):
-        if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype:
-            held[name] = t.to(dtype)
-
-
-class KVCacheState:
+class KVCacheState(DecodingState):
     """Per-token decoding state of a batch of B rows: named slot buffers, the valid-slot mask and per-row counts.
 
     Args:
@@ -93,14 +80,13 @@ class KVCacheState:
         self._max_seen = 0  # an upper bound of seen.max(), kept on the host (no device sync per step)
         self._slot: Tensor | None = None  # (1,) int64, the next slot, once the capacity is fixed
 
+    def empty(self) -> KVCacheState:
+        """A new state like this one (its slots and layout) before its first call."""
+        return type(self)(self.slots, layout=self.layout)
+
     def start(self, B: int, device) -> None:
         """Begin counting for B rows on ``device`` (``seen`` zeros): before the first call."""
         self.seen = torch.zeros(B, dtype=torch.int64, device=device)
-
-    @property
-    def batch_size(self) -> int | None:
-        """B, once the first call has been made."""
-        return None if self.seen is None else self.seen.shape[0]
 
     @property
     def buffers(self) -> dict[str, Tensor]:
@@ -358,6 +344,7 @@ class KVCacheState:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         cast_floating(self._buffers, dtype)
+        self._cast_bookkeeping(dtype)
 
     @property
     def padded(self) -> bool:
@@ -387,7 +374,9 @@ class KVCacheState:
         """The state as plain tensors, ints, bools and None in dicts (``torch.save`` /
         ``torch.load(..., weights_only=True)``), keys :data:`STATE_KEYS`: slot buffers over the slots that hold
         tokens (copies, not the whole allocation; the capacity is recorded), the valid-slot mask over them, the
-        per-row counts and a fixed capacity's slot. Restore with :meth:`load_state_dict` on a new state.
+        per-row counts, a fixed capacity's slot, a fixed-size state beside the slots ("state": a recurrent state's
+        sums, None here) and the bookkeeping ("extra", :attr:`BOOKKEEPING`). Restore with :meth:`load_state_dict`
+        on a new state.
 
         Returns:
             dict; its tensors are detached copies on the state's device.
@@ -398,8 +387,22 @@ class KVCacheState:
             "slots": dict(self.slots), "capacity": self.capacity, "length": self.length,
             "max_seen": self._max_seen, "padded": self._padded, "seen": plain(self.seen, "seen"),
             "valid": None if self._valid is None else self._valid[:, :held].clone(),
-            "slot": plain(self._slot, "slot"), "buffers": buffers,
+            "slot": plain(self._slot, "slot"), "buffers": buffers, "state": self._saved_state(),
+            "extra": self._saved_bookkeeping(),
         }
+
+    def _saved_state(self) -> dict | None:
+        """The fixed-size state beside the slots as plain tensors (a recurrent state's sums), None here."""
+        return None
+
+    def _check_saved_state(self, saved) -> None:
+        """ValueError naming ``state_dict`` unless ``saved`` is a fixed-size state this state can take (none)."""
+        if saved is not None:
+            raise ValueError(f"state_dict holds a fixed-size (recurrent) state, which a {type(self).__name__} does "
+                             "not keep")
+
+    def _restore_state(self, saved) -> None:
+        """Take the saved fixed-size state (checked by :meth:`_check_saved_state`): nothing here."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict` into this state, which must be new (no call yet) and of the same slots. Its
@@ -414,7 +417,7 @@ class KVCacheState:
 
     def check_load(self, state_dict) -> None:
         """The checks of :meth:`load_state_dict`, nothing loaded (a cache of several layers checks every one first)."""
-        if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_KEYS):
+        if not isinstance(state_dict, dict) or set(state_dict) not in (set(STATE_KEYS), set(_BEFORE_HELD)):
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"state_dict must be a KVCacheState.state_dict() with keys {sorted(STATE_KEYS)}, "
                              f"got {got}")
@@ -422,6 +425,8 @@ class KVCacheState:
             raise ValueError(f"state_dict holds slots {state_dict['slots']}; this state has slots {self.slots}")
         if self.seen is not None:
             raise ValueError("state_dict is loaded into a new state; this one has had a call")
+        self._check_saved_state(state_dict.get("state"))
+        self._check_bookkeeping(state_dict.get("extra", {}))
 
     def _restore(self, sd: dict) -> None:
         """:meth:`load_state_dict` after its checks: buffers made at the saved capacity, the held slots copied."""
@@ -429,6 +434,8 @@ class KVCacheState:
         # the slot tensor is advanced in place: a copy, so two states loaded from one dict do not share it
         self._padded, self.seen, self._slot = sd["padded"], sd["seen"], plain(sd["slot"], "slot")
         self._buffers, self._valid = {}, None
+        self._restore_state(sd.get("state"))
+        self._load_bookkeeping(dict(sd.get("extra", {})))
         if not sd["buffers"]:
             return
         for name, held in sd["buffers"].items():
@@ -453,64 +460,14 @@ class KVCacheState:
         return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
 
     # -- rows and lengths (beam search, assisted decoding) ---------------------------------------------------------
-    def select(self, index: Tensor) -> None:
-        """Keep the rows ``index`` of the batch, in that order: row i becomes row ``index[i]`` of the old state
-        (beam search's ``beam_idx``; a row may come several times or not at all, and B' may differ from B). The
-        slot buffers (dim 0), the valid-slot mask and :attr:`seen` move with their rows; before the first call there
-        is nothing to move. A fixed capacity's slot is the same for every row and stays; the host bound of
-        ``seen.max()`` is taken again from the rows kept (as :meth:`crop` does), so dropping the longest row does
-        not hold the others to its positions.
-
-        Args:
-            index: (B',) integer tensor (int64 as beam search gives it), values in [0, B), on any device.
-        Raises:
-            ValueError naming ``index`` for another type, dtype, rank, an empty index or a row out of range.
-        """
-        self.move_rows(self.check_rows(index))
-
-    def reorder(self, index: Tensor) -> None:
-        """:meth:`select` keeping the number of rows (``index`` (B,): beam search's ``beam_idx``, repeats allowed).
-        ValueError naming ``index`` for another length, or as :meth:`select`."""
-        self.move_rows(self.check_rows(index, same_size=True))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row ``repeats`` times in place, each copy next to its row (``torch.repeat_interleave`` on the
-        batch: B rows become B * repeats). ValueError naming ``repeats`` unless it is a positive int."""
-        rows = self.repeated_rows(repeats)
-        if rows is not None:
-            self.move_rows(self.check_rows(rows))
-
-    def repeated_rows(self, repeats: int) -> Tensor | None:
-        """The rows of :meth:`repeat_interleave` (None before the first call), ``repeats`` checked."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        if self.seen is None:
-            return None
-        return torch.arange(self.batch_size, device=self.seen.device).repeat_interleave(repeats)
-
-    def check_rows(self, index, *, same_size: bool = False) -> Tensor | None:
-        """``index`` as int64 on the state's device (None before the first call), checked (:meth:`select`)."""
-        if (not isinstance(index, Tensor) or index.dim() != 1 or index.numel() == 0 or index.dtype == torch.bool
-                or index.is_floating_point() or index.is_complex()):
-            got = (tuple(index.shape), index.dtype) if isinstance(index, Tensor) else type(index).__name__
-            raise ValueError(f"index must be a non-empty 1-D integer tensor of rows (B',), got {got}")
-        B = self.batch_size
-        if B is None:
-            return None
-        if same_size and index.shape[0] != B:
-            raise ValueError(f"index must have one entry per row ({B}) to reorder, got {index.shape[0]}; select() "
-                             "changes the number of rows")
-        index = index.to(device=self.seen.device, dtype=torch.int64)
-        lo, hi = torch.aminmax(index)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= B:
-            raise ValueError(f"index must hold rows in [0, {B}), got values from {lo} to {hi}")
-        return index
-
     def move_rows(self, index: Tensor | None) -> None:
-        """Every per-row tensor taken at the rows ``index`` (checked by :meth:`check_rows`; None: nothing held)."""
+        """Every per-row tensor taken at the rows ``index`` (checked by :meth:`check_rows`; None: nothing held): the
+        slot buffers (dim 0), the valid-slot mask, :attr:`seen` and the bookkeeping. A fixed capacity's slot is the
+        same for every row and stays; the host bound of ``seen.max()`` is taken again from the rows kept (as
+        :meth:`crop` does), so dropping the longest row does not hold the others to its positions."""
         if index is None:
             return
+        super().move_rows(index)
         self.seen = self.seen.index_select(0, index)  # new tensors: ones filled under inference mode stay usable
         # the dropped rows' bound would refuse the kept ones' positions (check_rows has synced already)
         self._max_seen = int(self.seen.max()) if self.seen.numel() else 0

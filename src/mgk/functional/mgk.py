@@ -28,9 +28,21 @@ from . import _mgk_backends, _mixture_flash, _mixture_triton
 from . import _mixture_terms as mixture_terms
 from . import masks as _masks
 from ._centre import apply_centre, check_centre, choose_centre
-from ._checks import check_arguments, compute_dtype, full_precision
+from ._checks import check_arguments, check_qkv, compute_dtype, full_precision
 from ._dispatch import BackendError, is_transformed, pick
-from ._mixture_terms import check_mixture, gaussian_log_kernel, key_bias, needs_qnorm, row_bias, scaled_keys
+from ._mixture_terms import (
+    check_log_pi,
+    check_mixture,
+    check_mixture_args,
+    check_shifts,
+    gaussian_log_kernel,
+    key_bias,
+    needs_qnorm,
+    row_bias,
+    scaled_keys,
+    shifted_keys,
+    to_heads,
+)
 
 __all__ = ["BACKENDS", "BackendError", "STATISTICS_BACKENDS", "gaussian_log_kernel", "mgk_attention", "mgk_centre",
            "mgk_responsibilities", "select_backend"]
@@ -153,12 +165,15 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
                   sigma2: float | Tensor | None = None, mixture: str = "sum", attn_mask: Tensor | None = None,
                   bias: Tensor | None = None, is_causal: bool = False, dropout_p: float = 0.0,
                   return_weights: bool = False, backend: str | None = None, chunk_size: int = 512,
-                  centre: Tensor | None = None):
+                  centre: Tensor | None = None, shifts: Tensor | None = None):
     """Mixture-of-Gaussian-keys attention (paper eq. 9-10; the Hard-E ablation for mixture="max").
 
     Args:
         query: (B, H, L, D) floating; key: (B, H, M, S, D), M mixture components per key position; value:
-            (B, H, S, Dv). One dtype for all three.
+            (B, H, S, Dv). One dtype for all three. Compact keys are taken too, and the C++ kernel reads them in
+            place (nothing repeated): G key groups dividing H (gMGK, GQA's grouping: key (B, G, M, S, D), value
+            (B, G, S, Dv), query head h reading group h // (H / G); ``log_pi`` then broadcastable to (B, G, M, S),
+            ``sigma2`` per group, ``centre`` (B, G, D)), and with ``shifts`` sMGK's one unshifted key.
         log_pi: log prior of each component, broadcastable to (B, H, M, S); default uniform ``-log M``. Should
             satisfy ``logsumexp_r log_pi = 0`` (not checked: un-normalised priors only rescale a key's mass). -inf
             switches a component off exactly (value and gradient); a key with every component off is a masked
@@ -176,8 +191,11 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         backend: None (:func:`select_backend` picks) or one of "kernel", "triton", "sdpa", "explicit".
         chunk_size: queries per chunk of "explicit", >= 1 (memory O(chunk * M * S) per head; one chunk inside a
             torch.compile trace, where a loop over a dynamic length would recompile per length).
-        centre: None (chosen from the queries, :func:`mgk_centre`), or the (B, H, D) vector to subtract from
-            queries and keys, e.g. the prefill's centre reused by every decoding step (:mod:`._centre`).
+        centre: None (chosen from the queries, :func:`mgk_centre`; with key groups, from the mean of each group's
+            query heads), or the (B, H, D) vector to subtract from queries and keys, e.g. the prefill's centre reused
+            by every decoding step (:mod:`._centre`).
+        shifts: None, or (M, G, D) the offsets mu_r of shifted keys (sMGK): key is then the one unshifted key
+            (B, G, S, D) and its components are ``key - shifts[r]`` (:func:`._mixture_terms.shifted_keys`).
     Returns:
         (B, H, L, Dv) in query's dtype, and the (B, H, L, S) weights when ``return_weights``. Rows that may attend
         to no key are exactly zero. 16-bit inputs or autocast are computed in float32.
@@ -188,6 +206,11 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
     """
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, return_weights=return_weights, chunk_size=chunk_size,
                     backend=backend, backends=BACKENDS)
+    if shifts is not None or (isinstance(key, Tensor) and isinstance(query, Tensor) and key.dim() == 5
+                              and query.dim() == 4 and key.shape[1] != query.shape[1]):
+        call = _mgk_backends.Call(is_causal, mixture, float(dropout_p), return_weights, chunk_size,
+                                  pi_given=log_pi is not None)
+        return _compact(query, key, value, log_pi, sigma2, attn_mask, bias, backend, centre, shifts, call)
     B, H, L, S, M, D, mask = check_mixture(query, key, value, log_pi, mixture, attn_mask)
     mask, bias = _bias(bias, mask, B, H, L, S)
     out_dtype = query.dtype
@@ -205,6 +228,49 @@ def mgk_attention(query: Tensor, key: Tensor, value: Tensor, *, log_pi: Tensor |
         out, weights = _mgk_backends.IMPLEMENTATIONS[name](q, k, v, log_prior, s2, mask, bias, call)
     out = out.to(out_dtype)
     return (out, weights.to(out_dtype)) if return_weights else out
+
+
+def _compact(query, key, value, log_pi, sigma2, attn_mask, bias, backend, centre, shifts, call):
+    """:func:`mgk_attention` of compact keys (key groups, shifted keys): the C++ kernel reads them as they are; every
+    other backend (and the kernel for masks or biases that differ per query head) takes them repeated for each query
+    head and component, the same numbers. The centre is one per (row, group), exact for every head of the group."""
+    B, H, G, L, S, M, D, shifts, mask = _check_compact(query, key, value, log_pi, call.mixture, attn_mask, shifts)
+    mask, bias = _bias(bias, mask, B, H, L, S)
+    R = H // G
+    with full_precision(query.device):
+        q, k, v, s2, log_prior = _inputs(query, key, value, log_pi, sigma2, G, M, D)
+        bias = None if bias is None else bias.to(q.dtype)
+        name = _choose(backend, q, k, v, s2, log_prior, mask, bias, call.mixture, call.dropout_p, call.return_weights)
+        grouped_mask = mask if mask is None or mask.shape[1] == 1 else mask.unflatten(1, (G, R)).any(dim=2)
+        c = _centre_of(centre, q if R == 1 else q.unflatten(1, (G, R)).mean(dim=2), grouped_mask, call.is_causal, S)
+        if L == 0 or S == 0:  # nothing to attend from, or nothing to attend to: rows with no key are zero
+            out = value.new_zeros(B, H, L, value.shape[-1], dtype=query.dtype)
+            return (out, value.new_zeros(B, H, L, S, dtype=query.dtype)) if call.return_weights else out
+        q = q - to_heads(c, G, R).unsqueeze(2)
+        k = k - (c.unsqueeze(2) if shifts is not None else c.unsqueeze(2).unsqueeze(2))
+        one_head = all(t is None or t.shape[1] == 1 for t in (mask, bias))
+        if name == "kernel" and one_head:
+            out, weights = _mgk_backends.kernel(q, k, v, log_prior, s2, mask, bias, call, shifts=shifts)
+        else:
+            k = k if shifts is None else shifted_keys(k, shifts)
+            s2 = s2 if s2.shape[0] == 1 else to_heads(s2, G, R, dim=0)
+            out, weights = _mgk_backends.IMPLEMENTATIONS[name](q, to_heads(k, G, R), to_heads(v, G, R),
+                                                               to_heads(log_prior, G, R), s2, mask, bias, call)
+    out = out.to(query.dtype)
+    return (out, weights.to(query.dtype)) if call.return_weights else out
+
+
+def _check_compact(query, key, value, log_pi, mixture, attn_mask, shifts):
+    """The checks of compact keys (:func:`_compact`); returns ``(B, H, G, L, S, M, D, shifts, mask)``."""
+    shifted = shifts is not None
+    B, H, L, S, M, D = check_qkv(query, key, value, mixture=not shifted, grouped=True)
+    G = key.shape[1]
+    if shifted:
+        shifts = check_shifts(shifts, None, G, D)
+        M = shifts.shape[0]
+    check_mixture_args(mixture, log_pi)
+    check_log_pi(log_pi, (B, G, M, S), "(B, G, M, S)")
+    return B, H, G, L, S, M, D, shifts, _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
 
 
 def mgk_centre(query: Tensor, key: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:

@@ -1,54 +1,41 @@
-"""MGK attention over a decoding cache: the keys stored in the form every step reads, and the step itself.
+"""MGK's ops over a decoding cache: the entries a cache stores (:func:`mgk_cache_entries`), the centre after new tokens
+(:func:`mgk_cache_centre`), attention of new queries over the entries (:func:`mgk_attention_cached`) and a whole
+step over preallocated buffers (:func:`mgk_cache_step`), with the step's terms made once (:class:`MGKStepTerms`).
 
-A step of MGK (Nguyen et al. 2022, eq. 9-10) scores a new query against every cached key position j and component r:
-
-    s_ijr = q~_i . k~_jr / sigma_r^2 + b_jr (- |q~_i|^2 / (2 sigma_r^2) when the variances differ)
-    b_jr  = log pi_jr - |k~_jr|^2 / (2 sigma_r^2)
-
-with ``q~ = q - c`` and ``k~ = k - c`` centred on the prefill's centre c (:mod:`._centre`: fixed at prefill, so a
-step never re-centres the cache). The cache therefore holds what does not depend on the query:
-
-* separate keys (MGK): ``k~_jr / sigma_r^2`` (M vectors of D per position and head) and ``b_jr`` (M scalars);
-* shifted keys (sMGK, ``k_jr = k_j - mu_r``): the one unshifted ``k~_j`` (D numbers) and
-  ``b_jr = log pi_jr - (|k~_j|^2 - 2 k~_j . mu_r) / (2 sigma_r^2)`` (M scalars); the shifts are applied when the
-  cache is read, through the per-query term ``-(q~_i . mu_r) / sigma_r^2 - |mu_r|^2 / (2 sigma_r^2)``, so a step
-  reads S * D key numbers instead of M * S * D;
-* the values (Dv per position and head).
-
-Storing ``b_jr`` costs M numbers per position and head and saves a second pass over the keys at every step (its
-|k~|^2 would otherwise be recomputed from them). The step (:func:`mgk_attention_cached`) equals
-:func:`mgk.functional.mgk_attention` of the uncached keys with the same centre, which is its reference in the tests;
-Hard-E (mixture="max") takes the best component instead of the log-sum-exp and stores ``b_jr`` without log pi.
+The formulas are :mod:`._mgk_algebra`'s (what the entries hold, and why); a layer's decoding state, which calls these
+ops and keeps the causal centre protocol, is :class:`mgk.functional.MGKDecodeState`. Every op equals
+:func:`mgk.functional.mgk_attention` of the uncached keys with the same centre, which is its reference in the tests.
+Grouped keys (gMGK): the entries and buffers have G heads (key groups) dividing the queries' H, query head h reading
+group h // (H / G); the centre, variances and shifts are then the groups'.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _mixture_decode, _mixture_flash
 from . import _mixture_terms as mixture_terms
-from . import masks as _masks
 from ._centre import check_centre, choose_centre
-from ._checks import check_arguments, check_same, check_tensor, compute_dtype, full_precision
-from ._dispatch import is_transformed, pick
-from ._mgk_backends import _chunks
+from ._checks import check_arguments, check_tensor, compute_dtype, full_precision
+from ._dispatch import pick
+from ._mgk_algebra import DECODE_BACKENDS, cached_output, entries, fold_mask, fold_queries
+from ._mgk_checks import check_attention, check_backend, check_slots, check_step, refuse_graph
 from ._mixture_terms import (
     check_components,
     check_log_pi,
     check_mixture_args,
     check_shifts,
     needs_qnorm,
-    row_bias,
+    shifted_keys,
+    to_heads,
 )
 
-__all__ = ["DECODE_BACKENDS", "MGKDecodeState", "MGKStepTerms", "mgk_attention_cached", "mgk_cache_centre",
-           "mgk_cache_entries", "mgk_cache_step", "mgk_step_terms", "step_terms_for"]
+__all__ = ["DECODE_BACKENDS", "MGKStepTerms", "Memo", "mgk_attention_cached", "mgk_cache_centre",
+           "mgk_cache_entries", "mgk_cache_step", "mgk_step_terms", "shifted_keys", "step_terms_for", "to_heads"]
 
-DECODE_BACKENDS = ("kernel", "explicit")  # the step's order of preference
 # Below this many bytes of cached keys a traced step at a slot tensor takes the explicit composition, which inductor
 # fuses with the rest of the graph, instead of the kernel's custom op, whose call costs more than such a step reads
 # (2-core AMD EPYC VM, 2026-12-02, MGK-4 / sMGK-4 compiled against eager: whole models at batch 1, 0.1-1 MiB of keys
@@ -60,11 +47,11 @@ TRACED_EXPLICIT_BYTES = 2 ** 20
 def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = None,
                       sigma2: float | Tensor | None = None, mixture: str = "sum",
                       shifts: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """What a decoding cache stores for S new key positions (module docstring).
+    """What a decoding cache stores for S new key positions (:mod:`._mgk_algebra`).
 
     Args:
         key: (B, H, M, S, D) the component keys (MGK); or, with ``shifts``, (B, H, S, D) the one unshifted key of
-            sMGK, whose components are ``key - shifts[r]``.
+            sMGK, whose components are ``key - shifts[r]``. H is the key heads (gMGK's key groups G).
         centre: (B, H, D) (or broadcastable), the prefill's :func:`mgk.functional.mgk_centre`.
         log_pi: log prior of each component broadcastable to (B, H, M, S) (default uniform); None for mixture="max".
         sigma2: variances as :func:`mgk.functional.mgk_attention`.
@@ -90,21 +77,7 @@ def mgk_cache_entries(key: Tensor, *, centre: Tensor, log_pi: Tensor | None = No
         c = check_centre(centre, B, H, D, dt, key.device)
         terms = mgk_step_terms(H, M, D, sigma2=sigma2, shifts=shifts, mixture=mixture, dtype=dt, device=key.device)
         prior = None if mixture == "max" else mixture_terms.log_prior(log_pi, M, dt, key.device).expand(B, H, M, S)
-        return _entries(key.detach().to(dt), c, terms, prior)
-
-
-def _entries(key: Tensor, c: Tensor, terms: MGKStepTerms, prior: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The entries' formula, the one place a cache's keys and ``b_jr`` are made (:func:`mgk_cache_entries` after its
-    checks, and every step, whose kernel only reads them): key (B, H, M, L, D), or sMGK's (B, H, L, D), centred on c
-    (B, H, D), then :func:`._mixture_terms.scaled_keys_inv` and :func:`._mixture_terms.key_bias_inv` with the
-    terms' inverse variances (and shifts) and log prior ``prior`` (None: Hard-E). Operands in the terms' dtype; the
-    caller holds no_grad. Few operators (four for MGK, five for sMGK): a step runs this at every token."""
-    B, H, D = c.shape
-    if terms.mu is not None:
-        k = key - c.view(B, H, 1, D)
-        return k, mixture_terms.key_bias_inv(k, terms.inv, prior, terms.mu)
-    k = key - c.view(B, H, 1, 1, D)
-    return mixture_terms.scaled_keys_inv(k, terms.inv_keys), mixture_terms.key_bias_inv(k, terms.inv, prior)
+        return entries(key.detach().to(dt), c, terms, prior)
 
 
 def mgk_cache_centre(query: Tensor, centre: Tensor | None, *, key_valid: Tensor,
@@ -149,96 +122,6 @@ def mgk_cache_centre(query: Tensor, centre: Tensor | None, *, key_valid: Tensor,
     return torch.where(changed[:, None, None], chosen, old), changed
 
 
-def _query_terms(q, s2, shifts):
-    """(scale, rowbias) of the scores ``s_ijr = scale_r * (q~_i . keys_jr) + key_bias_jr + rowbias_ir`` for centred
-    queries q (B, H, L, D): scale (1, H', M, 1) for sMGK's unscaled keys (1 / sigma_r^2) or None; rowbias
-    (B, H, M, L), the shifts' per-query term and / or the -|q~|^2 / (2 sigma_r^2) term when it does not cancel, or
-    None."""
-    scale = rowbias = None
-    if shifts is not None:
-        scale = 1.0 / mixture_terms.per_component(s2, 1)  # (1, H', M, 1)
-        mu = shifts.to(q.dtype).transpose(0, 1)  # (H, M, D)
-        rowbias = -((mu @ q.transpose(-1, -2)) * scale
-                    + ((mu * mu).sum(-1) * 0.5).unsqueeze(-1) * scale)  # (B, H, M, L)
-    if needs_qnorm(s2):
-        qnorm = row_bias(q, s2)
-        rowbias = qnorm if rowbias is None else rowbias + qnorm
-    return scale, rowbias
-
-
-def _scores(q, keys, key_bias, scale, rowbias):
-    """s_ijr as (B, H, M, L, S) for centred queries q (B, H, L, D) against cached entries (:func:`_query_terms`).
-    (query @ keys^T reads the cache as the transposed operand of one GEMM per head, several times faster on CPU than
-    keys @ query.)"""
-    if scale is None:
-        s = q.unsqueeze(2) @ keys.transpose(-1, -2)  # (B, H, 1, L, D) @ (B, H, M, D, S)
-    else:
-        s = (q @ keys.transpose(-1, -2)).unsqueeze(2) * scale.unsqueeze(-1)
-    s = s + key_bias.unsqueeze(3)
-    return s if rowbias is None else s + rowbias.unsqueeze(-1)
-
-
-def _attend(s, v, mask, mixture, dropout_p: float):
-    """The output (B, H, L, Dv) from scores s (B, H, M, L, S), values v (B, H, S, Dv) and a bool mask broadcastable
-    to (B, H, L, S)."""
-    B, H, M, L, S = s.shape
-    if mixture == "max":
-        s = s.amax(dim=2)
-        w = torch.softmax(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
-        return (F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w) @ v
-    if mask is not None:
-        s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    # softmax_j(logsumexp_r s_ijr) is one softmax over the M * S pairs, summed over r (a view for L = 1).
-    w = torch.softmax(s.permute(0, 1, 3, 2, 4).reshape(B, H, L, M * S), dim=-1)
-    if dropout_p > 0.0:  # on each key's mixed weight, as the other backends
-        return F.dropout(w.view(B, H, L, M, S).sum(dim=3), p=dropout_p) @ v
-    # the sum over r after the value product: one GEMM of M rows per query instead of a pass over the weights
-    return (w.view(B, H, L * M, S) @ v).view(B, H, L, M, v.shape[-1]).sum(dim=3)
-
-
-def _rows(t: Tensor | None, a: int, b: int) -> Tensor | None:
-    return t if t is None or t.shape[2] == 1 else t[:, :, a:b]
-
-
-def _inert(mask, kb, mixture, is_causal: bool, L: int, S: int):
-    """(mask, empty rows): causality folded into the mask, a key whose every component has log pi = -inf masked
-    (looked for first: a cache made from finite priors has none, and a step then builds no mask at all; under
-    torch.compile or a torch.func transform, whose tensors have no values to read, always), and the rows that see
-    no key marked (their mask opened so that the softmax stays finite; the caller zeroes them). Masked slots are
-    removed by the mask alone (their scores become -inf), so the step reads the cache in place."""
-    unread = torch.compiler.is_compiling() or is_transformed(kb)
-    if mixture == "sum" and kb.numel() and (unread or bool(kb.amin() == float("-inf"))):
-        live = (kb > float("-inf")).any(dim=2).unsqueeze(2)  # (B, H, 1, S)
-        mask = live if mask is None else mask & live
-    mask = _masks.combine(mask, is_causal and L > 1, L, S, kb.device)  # one query at the end sees every key
-    if mask is None:
-        return None, None
-    empty = ~mask.any(dim=-1, keepdim=True)  # (B, H, L, 1)
-    return mask | empty, empty
-
-
-def _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask):
-    check_tensor(query, "query", 4, "(B, H, L, D)")
-    shifted = shifts is not None
-    check_tensor(keys, "keys", 4 if shifted else 5, "(B, H, S, D) with shifts" if shifted else "(B, H, M, S, D)")
-    check_tensor(value, "value", 4, "(B, H, S, Dv)")
-    check_tensor(key_bias, "key_bias", 4, "(B, H, M, S)")
-    B, H, L, D = query.shape
-    S = keys.shape[-2]
-    for name, t in (("keys", keys), ("key_bias", key_bias), ("value", value)):
-        check_same("query", B, name, t.shape[0], "batch size")
-        check_same("query", H, name, t.shape[1], "number of heads")
-    check_same("query", D, "keys", keys.shape[-1], "head_dim")
-    check_same("keys", S, "value", value.shape[2], "key length S")
-    check_same("keys", S, "key_bias", key_bias.shape[-1], "key length S")
-    M = key_bias.shape[2]
-    check_components(M, "key_bias")
-    if not shifted:
-        check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
-    check_mixture_args(mixture, None)
-    return B, H, L, S, M, D, check_shifts(shifts, M, H, D), _masks.check_mask(attn_mask, "attn_mask", B, H, L, S)
-
-
 def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: Tensor, *, centre: Tensor,
                          sigma2: float | Tensor | None = None, shifts: Tensor | None = None, mixture: str = "sum",
                          attn_mask: Tensor | None = None, is_causal: bool = True, dropout_p: float = 0.0,
@@ -248,11 +131,12 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
     Args:
         query: (B, H, L, D), the L new queries (L = 1 for one generated token).
         keys, key_bias: the cache's entries for its S positions (the new ones included), as
-            :func:`mgk_cache_entries` returns them: keys (B, H, M, S, D) (or (B, H, S, D) with ``shifts``), key_bias
-            (B, H, M, S).
-        value: (B, H, S, Dv).
-        centre: the centre the entries were made with, (B, H, D).
-        sigma2, shifts, mixture: those the entries were made with.
+            :func:`mgk_cache_entries` returns them: keys (B, G, M, S, D) (or (B, G, S, D) with ``shifts``), key_bias
+            (B, G, M, S); G = H, or G key groups dividing H (gMGK: query head h reads group h // (H / G), the H / G
+            heads of a group reading its entries once).
+        value: (B, G, S, Dv).
+        centre: the centre the entries were made with, (B, G, D).
+        sigma2, shifts, mixture: those the entries were made with (per key group: sigma2 (G, M), shifts (M, G, D)).
         attn_mask: bool broadcastable to (B, H, L, S), True = may attend (empty cache slots and padding False).
             Values at slots no query may attend to must be finite (a cache stores zeros there): the step reads the
             cache in place, and a weight of exactly 0 times NaN would still be NaN.
@@ -272,43 +156,16 @@ def mgk_attention_cached(query: Tensor, keys: Tensor, key_bias: Tensor, value: T
     """
     check_arguments(is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size, backend=backend,
                     backends=DECODE_BACKENDS)
-    B, H, L, S, M, D, shifts, mask = _check_step(query, keys, key_bias, value, shifts, mixture, attn_mask)
+    B, H, G, L, S, M, D, shifts, mask = check_attention(query, keys, key_bias, value, shifts, mixture, attn_mask)
     dt = compute_dtype(query, keys, value)
     with full_precision(query.device):
-        c = check_centre(centre, B, H, D, dt, query.device)
-        s2 = mixture_terms.variances(sigma2, H, M, D, dt, query.device)
-        out = _cached_output(query.to(dt) - c.unsqueeze(2), keys.to(dt), key_bias.to(dt), value.to(dt), s2, shifts,
-                             mask, mixture, is_causal=is_causal, dropout_p=dropout_p, chunk_size=chunk_size,
-                             backend=backend)
-    return out.to(query.dtype)
-
-
-def _cached_output(q, kc, kb, v, s2, shifts, mask, mixture, *, is_causal: bool, dropout_p: float = 0.0,
-                   chunk_size: int = 512, backend: str | None = None) -> Tensor:
-    """:func:`mgk_attention_cached` after its checks: centred queries q (B, H, L, D) over cached entries kc, kb and
-    values v (one compute dtype) with variances s2 (H', M); the C++ kernel where it serves, else the explicit GEMMs.
-    Returns (B, H, L, Dv) in q's dtype."""
-    B, H, L, _ = q.shape
-    S = kb.shape[-1]
-    scale, rowbias = _query_terms(q, s2, shifts)
-    # the kernel has no backward: any operand in a graph (sigma2 and shifts reach it through scale and rowbias)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, kc, kb, v, scale, rowbias))
-    kernel_unserved = _mixture_decode.unserved(q, v, mask, dropout_p, needs_grad)
-    name = pick(backend, DECODE_BACKENDS, lambda b, _: kernel_unserved if b == "kernel" else None)
-    if name == "kernel":
-        return _mixture_decode.mixture_decode(q, kc, kb, v, scale=scale, rowbias=rowbias, mask=mask,
-                                              is_causal=is_causal, hard=mixture == "max")
-    mask, empty = _inert(mask, kb, mixture, is_causal, L, S)
-    outs = []
-    for a, b in _chunks(L, chunk_size):
-        rows = _rows(mask, a, b)
-        terms = None if rowbias is None else rowbias[..., a:b]
-        out = _attend(_scores(q[:, :, a:b], kc, kb, scale, terms), v, rows, mixture, dropout_p)
-        outs.append(_masks.zero_rows(out, _rows(empty, a, b)))
-    if not outs:  # no new query (an empty chunk): nothing to attend from
-        return q.new_zeros(B, H, 0, v.shape[-1])
-    return torch.cat(outs, dim=2)
+        c = check_centre(centre, B, G, D, dt, query.device)
+        s2 = mixture_terms.variances(sigma2, G, M, D, dt, query.device)
+        q = fold_queries(query.to(dt), G) - c.unsqueeze(2)
+        out = cached_output(q, keys.to(dt), key_bias.to(dt), value.to(dt), s2, shifts, fold_mask(mask, H, G, L),
+                            mixture, is_causal=is_causal, period=L, dropout_p=dropout_p, chunk_size=chunk_size,
+                            backend=backend)
+    return out.reshape(B, H, L, value.shape[-1]).to(query.dtype)
 
 
 def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, key_bias: Tensor, values: Tensor,
@@ -328,20 +185,20 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
 
     Args:
         query: (B, H, L, D) the new queries (uncentred).
-        key: the new tokens' raw key projections: (B, H, M, L, D) (MGK), or with ``shifts`` the one unshifted key
-            (B, H, L, D) (sMGK).
-        value: (B, H, L, Dv) the new values.
-        keys, key_bias, values: the cache's buffers, (B, H, M, T, D) (or (B, H, T, D) with shifts),
-            (B, H, M, T) and (B, H, T, Dv), with T >= slot + L; written in place at the new slots.
+        key: the new tokens' raw key projections: (B, G, M, L, D) (MGK), or with ``shifts`` the one unshifted key
+            (B, G, L, D) (sMGK); G = H, or G key groups dividing H (gMGK, as :func:`mgk_attention_cached`).
+        value: (B, G, L, Dv) the new values.
+        keys, key_bias, values: the cache's buffers, (B, G, M, T, D) (or (B, G, T, D) with shifts),
+            (B, G, M, T) and (B, G, T, Dv), with T >= slot + L; written in place at the new slots.
         slot: the first slot of the new tokens (the slots before it hold earlier entries made with ``centre``); or
             a (1,) int64 tensor holding it (a cache of fixed capacity,
             :meth:`mgk.attention.cache.LayerCache.fix_capacity`, whose step torch.compile traces): then
             ``key_valid`` (B, T) covers every slot (False past the new ones) and is required, L must be 1, and the
             kernel runs as the custom op ``mgk::cache_step_at``, which reads the slot on the host inside the op
             and attends to slots ``[0, slot + L)`` only (torch.compile keeps it in its graph).
-        centre: (B, H, D), the cache's fixed centre (:func:`mgk_cache_centre`).
+        centre: (B, G, D), the cache's fixed centre (:func:`mgk_cache_centre`).
         key_valid: (B, slot + L) bool, True = a real token (padding in the cache), or None (every slot real).
-        log_pi: log prior of the new tokens broadcastable to (B, H, M, L), or None (uniform; None for "max").
+        log_pi: log prior of the new tokens broadcastable to (B, G, M, L), or None (uniform; None for "max").
         sigma2, shifts, mixture: as :func:`mgk_cache_entries`.
         backend: None (the kernel where it serves: CPU float32 / float64 buffers of the query's dtype, at most a
             few queries, outside autograd, torch.compile and torch.func; with a slot tensor inside torch.compile
@@ -358,16 +215,15 @@ def mgk_cache_step(query: Tensor, key: Tensor, value: Tensor, *, keys: Tensor, k
         (a ValueError) naming why a backend asked for cannot serve.
     """
     check_mixture_args(mixture, log_pi)
-    _check_backend(backend)
+    check_backend(backend, DECODE_BACKENDS)
     if _usual(query, key, value, keys, key_bias, values):  # the rest is checked by the step against the terms
         M, dt = key_bias.shape[2], keys.dtype
     else:
-        M, dt = _check_step_call(query, key, value, keys, key_bias, values, shifts), compute_dtype(query, key, value,
-                                                                                                     keys)
-    H, D = query.shape[1], query.shape[3]
+        M, dt = check_step(query, key, value, keys, key_bias, values, shifts), compute_dtype(query, key, value, keys)
+    G, D = keys.shape[1], query.shape[3]
     # kept per key buffer (a decoding session) while sigma2 and shifts stay the same: a step then makes no terms
-    terms = step_terms_for(keys, (dt, query.device, mixture, H, M, D, sigma2, shifts), lambda: mgk_step_terms(
-        H, M, D, sigma2=sigma2, shifts=shifts, mixture=mixture, dtype=dt, device=query.device))
+    terms = step_terms_for(keys, (dt, query.device, mixture, G, M, D, sigma2, shifts), lambda: mgk_step_terms(
+        G, M, D, sigma2=sigma2, shifts=shifts, mixture=mixture, dtype=dt, device=query.device))
     return terms.step(query, key, value, keys=keys, key_bias=key_bias, values=values, slot=slot, centre=centre,
                       key_valid=key_valid, log_pi=log_pi, backend=backend)
 
@@ -379,12 +235,7 @@ def _usual(query, key, value, keys, key_bias, values) -> bool:
     return (dt in (torch.float32, torch.float64) and type(query) is Tensor and type(key) is Tensor
             and type(value) is Tensor and type(key_bias) is Tensor and type(values) is Tensor
             and query.dtype is dt and key.dtype is dt and value.dtype is dt and query.dim() == 4
-            and key_bias.dim() == 4 and key_bias.shape[2] >= 1)
-
-
-def _check_backend(backend) -> None:
-    if backend is not None and backend not in DECODE_BACKENDS:
-        raise ValueError(f"backend must be None or one of {DECODE_BACKENDS}, got {backend!r}")
+            and key_bias.dim() == 4 and key_bias.shape[2] >= 1 and keys.dim() >= 2 and keys.shape[1] >= 1)
 
 
 class MGKStepTerms:
@@ -399,7 +250,7 @@ class MGKStepTerms:
 
     Attributes:
         dtype, device: of every tensor here and of the steps' compute.
-        heads, components, head_dim: H, M and D.
+        heads, components, head_dim: the cache's heads (H, or gMGK's key groups G), M and D.
         mixture: "sum" or "max" (Hard-E).
         s2: (H', M) the variances (as :func:`mgk.functional.mgk_attention` reads ``sigma2``; H' = 1 or H).
         shifts: (M, H, D) sMGK's offsets as given (gradient kept), or None for separate keys.
@@ -443,40 +294,40 @@ class MGKStepTerms:
             enabled and the terms' variances, shifts or log prior require grad, as for ``key`` and ``value``);
             BackendError naming why a backend asked for cannot serve.
         """
-        _check_backend(backend)
+        check_backend(backend, DECODE_BACKENDS)
         if log_pi is not None:
             check_mixture_args(self.mixture, log_pi)
         if not self._fits(query, key, value, keys, key_bias, values):
             self._check_operands(query, key, value, keys, key_bias, values)
-        B, L, T = query.shape[0], query.shape[2], values.shape[2]
-        at_slot = isinstance(slot, Tensor)
-        S, mask = _check_slot_args(slot, key_valid, B, L, T)
+        B, H, L = query.shape[:3]
+        G, T, Dv, at_slot = self.heads, values.shape[2], values.shape[3], isinstance(slot, Tensor)
+        S, mask = check_slots(slot, key_valid, B, L, T)
         c = self._centre(centre, B)
         prior = self._prior(log_pi, B, L)
         if torch.is_grad_enabled():  # before any write: a refused step leaves the buffers as they were
-            _refuse_graph(key, value, prior, self, keys, key_bias, values)
+            refuse_graph(key, value, prior, self, keys, key_bias, values)
+        q = fold_queries(query, G)  # a group's query heads as its rows (none for MGK: G = H)
         with full_precision(query.device):
-            kernel = _step_kernel(query, key, value, keys, key_bias, values, mask, self.s2, self.shifts, backend,
-                                  at_slot)
+            kernel = _step_kernel(q, key, value, keys, key_bias, values, mask, self.s2, self.shifts, backend, at_slot)
             if torch.is_grad_enabled():
                 with torch.no_grad():  # the entries hold no graph (a cache is for inference)
-                    new_keys, new_bias = _entries(_as(key.detach(), self.dtype), c, self, prior)
+                    new_keys, new_bias = entries(_as(key.detach(), self.dtype), c, self, prior)
             else:
-                new_keys, new_bias = _entries(_as(key, self.dtype), c, self, prior)
+                new_keys, new_bias = entries(_as(key, self.dtype), c, self, prior)
             if kernel:
-                args = self._kernel_args(query, new_keys, new_bias, value, keys, key_bias, values, c, key_valid)
+                args = self._kernel_args(q, new_keys, new_bias, value, keys, key_bias, values, c, key_valid)
                 if at_slot:
-                    return _step_at_op(*args, slot, self.mixture == "max")
+                    return _step_at_op(*args, slot, self.mixture == "max").view(B, H, L, Dv)
                 try:
-                    return _mixture_flash._module.decode_step(*args, slot, self.mixture == "max")
+                    return _mixture_flash._module.decode_step(*args, slot, self.mixture == "max").view(B, H, L, Dv)
                 except (RuntimeError, TypeError) as exc:  # the kernel's own bounds checks, in one line
                     raise ValueError(str(exc).splitlines()[0]) from None
             _write(new_keys, new_bias, value, keys, key_bias, values, slot)
-            dt, H, D = self.dtype, self.heads, self.head_dim
-            out = _cached_output(_as(query, dt) - c.view(B, H, 1, D), _as(keys.narrow(-2, 0, S), dt),
-                                 _as(key_bias.narrow(-1, 0, S), dt), _as(values.narrow(2, 0, S), dt), self.s2,
-                                 self.shifts, mask, self.mixture, is_causal=True, backend="explicit")
-        return _as(out, keys.dtype)
+            dt = self.dtype
+            out = cached_output(_as(q, dt) - c.unsqueeze(2), _as(keys.narrow(-2, 0, S), dt),
+                                _as(key_bias.narrow(-1, 0, S), dt), _as(values.narrow(2, 0, S), dt), self.s2,
+                                self.shifts, mask, self.mixture, is_causal=True, period=L, backend="explicit")
+        return _as(out.reshape(B, H, L, Dv), keys.dtype)
 
     def _fits(self, query, key, value, keys, key_bias, values) -> bool:
         """Whether the operands have the usual form, in a few comparisons: tensors of the terms' dtype and sizes,
@@ -488,10 +339,10 @@ class MGKStepTerms:
         if not (query.dtype is dt and key.dtype is dt and value.dtype is dt and keys.dtype is dt
                 and key_bias.dtype is dt and values.dtype is dt and query.dim() == 4 and values.dim() == 4):
             return False
-        B, H, L, D = query.shape
-        M, T, Dv = self.components, values.shape[2], values.shape[3]
+        B, Hq, L, D = query.shape
+        H, M, T, Dv = self.heads, self.components, values.shape[2], values.shape[3]
         shifted = self.mu is not None
-        return (H == self.heads and D == self.head_dim and value.shape == (B, H, L, Dv)
+        return (Hq % H == 0 and D == self.head_dim and value.shape == (B, H, L, Dv)
                 and key.shape == ((B, H, L, D) if shifted else (B, H, M, L, D))
                 and keys.shape == ((B, H, T, D) if shifted else (B, H, M, T, D)) and key_bias.shape == (B, H, M, T)
                 and keys.is_contiguous() and key_bias.is_contiguous() and values.is_contiguous())
@@ -499,8 +350,8 @@ class MGKStepTerms:
     def _check_operands(self, query, key, value, keys, key_bias, values) -> None:
         """The full checks of a step's operands (ValueError naming the argument), then their fit to the terms
         (ValueError naming ``terms``)."""
-        M = _check_step_call(query, key, value, keys, key_bias, values, self.shifts)
-        got = (query.shape[1], M, query.shape[3], compute_dtype(query, key, value, keys))
+        M = check_step(query, key, value, keys, key_bias, values, self.shifts)
+        got = (keys.shape[1], M, query.shape[3], compute_dtype(query, key, value, keys))
         want = (self.heads, self.components, self.head_dim, self.dtype)
         if got != want:
             raise ValueError(f"terms were made for (heads, components, head_dim, dtype) = {want}; this step's "
@@ -528,7 +379,8 @@ class MGKStepTerms:
         return self.prior
 
     def _kernel_args(self, query, new_keys, new_bias, value, keys, key_bias, values, c, key_valid) -> tuple:
-        """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by :func:`_entries`),
+        """The C++ ``decode_step``'s arguments but the slot and ``hard``: the new entries (made by
+        :func:`._mgk_algebra.entries`), the query with a group's heads folded into its rows,
         the centre and inverse variances for the query's own terms, the buffers. The |q|^2 row term is asked for
         only where it does not cancel (:func:`._mixture_terms.needs_qnorm`, read when the terms were made)."""
         valid = self._no_valid if key_valid is None else \
@@ -572,39 +424,73 @@ def mgk_step_terms(num_heads: int, num_keys: int, head_dim: int, *, sigma2: floa
     return MGKStepTerms(s2, shifts, prior, mixture, num_heads, head_dim)
 
 
-# Step terms per decoding session: per cache for a layer, per key buffer for mgk_cache_step (a new cache or buffer
-# starts anew; a deleted one takes its terms along). Keyed by identity (a tensor's == is elementwise).
+class Memo:
+    """One value kept while what it is made from stays the same: a decoding state's step terms
+    (:class:`mgk.functional.MGKDecodeState`), a layer's decoding parameters, :func:`mgk_cache_step`'s terms per key
+    buffer.
+
+    :meth:`get` takes ``watch``, what the value is made from: tensors (the same objects at the same version, so that
+    a parameter replaced, moved, cast, or changed in place by an optimiser or ``load_state_dict`` makes it anew)
+    and plain values compared by equality (dtype, options, numbers). Kept tensors stay alive with the value, so a
+    new tensor never takes a kept one's address. Changes the version counter does not see (writes through ``.data``)
+    are not seen: a cache is one decoding session. Nothing is kept inside torch.compile, torch.func transforms,
+    forward-mode AD or dispatch modes (their tensors are not plain), for inference tensors (whose in-place changes
+    are not counted), nor while a watched tensor would record a gradient (the value would hold a graph that the next
+    step's backward could not reuse)."""
+
+    __slots__ = ("_kept",)
+
+    def __init__(self):
+        self._kept = None
+
+    def get(self, watch: tuple, make: Callable):
+        """The value kept when ``watch`` is as it was when it was made, else ``make()``'s, kept in its place."""
+        if not _mixture_flash.plain_eager():
+            return make()
+        kept = self._kept
+        if kept is not None and _same(kept[0], kept[1], watch):
+            return kept[2]
+        grad, versions = torch.is_grad_enabled(), []
+        for t in watch:
+            if isinstance(t, Tensor):
+                if t.is_inference() or (grad and t.requires_grad):
+                    return make()
+                versions.append(t._version)
+        value = make()
+        self._kept = (watch, versions, value)
+        return value
+
+
+def _same(old: tuple, versions: list, watch: tuple) -> bool:
+    """Whether ``watch`` is ``old`` (kept with the tensors' ``versions``): the same tensors at the same versions, not
+    recording a gradient now, and equal plain values. A few comparisons a step: written out, no generator."""
+    if len(old) != len(watch):
+        return False
+    grad, n = torch.is_grad_enabled(), 0
+    for a, b in zip(old, watch):
+        if isinstance(b, Tensor):
+            if a is not b or b._version != versions[n] or (grad and b.requires_grad):
+                return False
+            n += 1
+        elif isinstance(a, Tensor) or a != b:
+            return False
+    return True
+
+
+# mgk_cache_step's terms per key buffer (a direct caller's decoding session has no state object to keep them): a new
+# buffer starts anew, a deleted one takes its terms along. Keyed by identity (a tensor's == is elementwise).
 _TERMS_OF = WeakIdKeyDictionary()
 
 
 def step_terms_for(owner, watch: tuple, make: Callable[[], MGKStepTerms]) -> MGKStepTerms:
-    """The :class:`MGKStepTerms` kept for ``owner`` (a decoding cache, or a cache's key buffer) when ``watch`` is as
-    it was when they were made, else ``make()``'s, kept in their place.
-
-    ``watch`` lists what the terms are made from: tensors (the layer's parameters and buffers: the same objects at
-    the same version, so that a parameter replaced, moved, cast, or changed in place by an optimiser or
-    ``load_state_dict`` makes them anew) and plain values compared by equality (dtype, options, numbers). Kept
-    tensors stay alive with the terms, so a new tensor never takes a kept one's address. Changes the version counter
-    does not see (writes through ``.data``) are not seen: a cache is one decoding session. Nothing is kept inside
-    torch.compile, torch.func transforms, forward-mode AD or dispatch modes (their tensors are not plain), for
-    inference tensors (whose in-place changes are not counted), nor while a watched tensor would record a gradient
-    (the terms would hold a graph that the next step's backward could not reuse)."""
-    if not _mixture_flash.plain_eager():
+    """The :class:`MGKStepTerms` kept for ``owner`` (a cache's key buffer, by identity) when ``watch`` is as it was
+    when they were made, else ``make()``'s, kept in their place (:class:`Memo`'s rules)."""
+    if not _mixture_flash.plain_eager():  # before the dictionary, which torch.compile does not trace
         return make()
-    grad, versions = torch.is_grad_enabled(), []
-    for t in watch:
-        if isinstance(t, Tensor):
-            if t.is_inference() or (grad and t.requires_grad):
-                return make()
-            versions.append(t._version)
-    kept = _TERMS_OF.get(owner)
-    if kept is not None and kept[1] == versions and len(kept[0]) == len(watch) and all(
-            a is b or not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
-            for a, b in zip(kept[0], watch)):
-        return kept[2]
-    terms = make()
-    _TERMS_OF[owner] = (watch, versions, terms)
-    return terms
+    memo = _TERMS_OF.get(owner)
+    if memo is None:
+        memo = _TERMS_OF[owner] = Memo()
+    return memo.get(watch, make)
 
 
 @torch.no_grad()
@@ -622,99 +508,9 @@ def _write(new_keys, new_bias, value, keys, key_bias, values, slot) -> None:
     values.narrow(2, slot, L).copy_(value)
 
 
-def _check_slot_args(slot, key_valid, B: int, L: int, T: int) -> tuple[int, Tensor | None]:
-    """The slot and key_valid of a step (ValueError naming them); returns the slots the step reads, S, and the
-    key-padding mask (B, 1, 1, S) or None: ``[0, slot + L)`` for an int slot, every slot for a slot tensor."""
-    if isinstance(slot, Tensor):
-        _check_slot_tensor(slot, L, T, key_valid, B)
-        return T, key_valid[:, None, None, :]
-    _check_slot(slot, L, T)
-    S = slot + L
-    if key_valid is not None and (not isinstance(key_valid, Tensor) or key_valid.dtype != torch.bool
-                                  or tuple(key_valid.shape) != (B, S)):
-        what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
-        raise ValueError(f"key_valid must be a bool tensor (B, slot + L) = ({B}, {S}), got {what}")
-    return S, None if key_valid is None else key_valid[:, None, None, :]
-
-
-def _refuse_graph(key, value, prior, terms: MGKStepTerms, keys, key_bias, values) -> None:
-    """ValueError naming the first of a step's stored operands that requires grad (called with grad enabled): the
-    entries are made and written without a graph and the queries attend over the buffers, so a backward would reach
-    the query alone and silently drop the rest. A few flag reads: this runs at every step."""
-    for name, t in (("key", key), ("value", value), ("log_pi", prior), ("sigma2", terms.s2),
-                    ("shifts", terms.shifts), ("keys", keys), ("key_bias", key_bias), ("values", values)):
-        if t is not None and t.requires_grad:
-            raise ValueError(f"{name} requires grad: a cached MGK step stores its entries without a graph, so "
-                             "gradients through them would be lost; decode under torch.no_grad() or "
-                             f"torch.inference_mode(), detach {name}, or call mgk_attention (exact gradients)")
-
-
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     """t in ``dtype`` (itself when it is already: a step skips the call, whose overhead counts at every token)."""
     return t if t.dtype is dtype else t.to(dtype)
-
-
-def _check_step_call(query, key, value, keys, key_bias, values, shifts) -> int:
-    """:func:`mgk_cache_step`'s operands: ranks, sizes against each other, the shifts, buffers that own their memory
-    (written in place). ValueError naming the argument; returns M."""
-    shifted = shifts is not None
-    check_tensor(query, "query", 4, "(B, H, L, D)")
-    check_tensor(key, "key", 4 if shifted else 5, "(B, H, L, D) with shifts" if shifted else "(B, H, M, L, D)")
-    check_tensor(value, "value", 4, "(B, H, L, Dv)")
-    check_tensor(keys, "keys", 4 if shifted else 5, "(B, H, T, D) with shifts" if shifted else "(B, H, M, T, D)")
-    check_tensor(key_bias, "key_bias", 4, "(B, H, M, T)")
-    check_tensor(values, "values", 4, "(B, H, T, Dv)")
-    M = _check_step_sizes(query, key, value, keys, key_bias, values, shifted)
-    check_shifts(shifts, M, query.shape[1], query.shape[3])
-    for name, buf in (("keys", keys), ("key_bias", key_bias), ("values", values)):
-        if any(st == 0 and n > 1 for st, n in zip(buf.stride(), buf.shape)):
-            raise ValueError(f"{name} must be a buffer that owns its memory (written in place), not an expanded "
-                             f"view (stride 0 in {tuple(buf.stride())})")
-    return M
-
-
-def _check_slot(slot, L: int, T: int) -> None:
-    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0 or slot + L > T:
-        raise ValueError(f"slot must be an int with 0 <= slot and slot + L <= T (the buffers' {T} slots) for L = {L} "
-                         f"new tokens, got {slot!r}")
-
-
-def _check_slot_tensor(slot: Tensor, L: int, T: int, key_valid, B: int) -> None:
-    """A slot tensor's rules (a cache of fixed capacity): (1,) int64, one new token, in range (read on the host
-    outside a trace), key_valid (B, T) over every slot."""
-    if not (slot.dtype == torch.int64 and tuple(slot.shape) == (1,)):
-        raise ValueError(f"slot must be an int or a (1,) int64 tensor, got {slot.dtype} {tuple(slot.shape)}")
-    if L != 1:
-        raise ValueError(f"a slot tensor takes one new token a step, got L = {L}")
-    if not torch.compiler.is_compiling() and not 0 <= int(slot) <= T - L:
-        raise ValueError(f"slot must be in [0, T - L] = [0, {T - L}] (the buffers' {T} slots, L = {L}), got "
-                         f"{int(slot)}")
-    if not (isinstance(key_valid, Tensor) and key_valid.dtype == torch.bool and tuple(key_valid.shape) == (B, T)):
-        what = (tuple(key_valid.shape), key_valid.dtype) if isinstance(key_valid, Tensor) else type(key_valid)
-        raise ValueError(f"key_valid must be a bool tensor (B, T) = ({B}, {T}) over every slot when slot is a "
-                         f"tensor, got {what}")
-
-
-def _check_step_sizes(query, key, value, keys, key_bias, values, shifted: bool) -> int:
-    """The sizes of :func:`mgk_cache_step`'s operands against each other (ValueError naming the two that differ);
-    returns M."""
-    B, H, L, D = query.shape
-    M = key_bias.shape[2]
-    for name, t in (("key", key), ("value", value), ("keys", keys), ("key_bias", key_bias), ("values", values)):
-        check_same("query", B, name, t.shape[0], "batch size")
-        check_same("query", H, name, t.shape[1], "number of heads")
-    check_same("query", L, "key", key.shape[-2], "new tokens L")
-    check_same("query", L, "value", value.shape[2], "new tokens L")
-    check_same("query", D, "key", key.shape[-1], "head_dim")
-    check_same("query", D, "keys", keys.shape[-1], "head_dim")
-    check_same("value", value.shape[-1], "values", values.shape[-1], "value size Dv")
-    check_same("keys", keys.shape[-2], "key_bias", key_bias.shape[-1], "slots T")
-    check_same("keys", keys.shape[-2], "values", values.shape[2], "slots T")
-    if not shifted:
-        check_same("key", key.shape[2], "key_bias", M, "mixture components M")
-        check_same("keys", keys.shape[2], "key_bias", M, "mixture components M")
-    check_components(M, "key_bias")
-    return M
 
 
 def _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, backend, at_slot: bool) -> bool:
@@ -741,215 +537,6 @@ def _step_kernel(query, key, value, keys, key_bias, values, mask, s2, shifts, ba
     return why is None
 
 
-class MGKDecodeState:
-    """MGK's decoding state over one layer's cache, and the choice of each call's path: the one home of the causal
-    centre protocol (state in ``cache.extra``, which the cache saves, moves with :meth:`select` and crops through
-    the layer's ``cache_cropped``).
-
-    ``cache`` is duck-typed (:class:`mgk.attention.cache.LayerCache`): ``extra``, ``seen``, ``length``, ``fixed``,
-    ``padded``, ``key_valid()``, ``attn_mask()``, ``append``, ``claim``, ``write_slot``, ``check_fixed_call``.
-
-    The scores depend on q - k only, and every fast path subtracts one centre per (row, head) first
-    (:mod:`._centre`). Under causality the centre is the query of the first token that sees two keys
-    (:func:`mgk_cache_centre`), so a row's centre is provisional until it has seen two real tokens, and a new
-    centre must remake the entries already cached for that row: at most one real token, whose uncentred key and log
-    prior are kept (one slot per row, ``(B, H, M, 1, D)``, whatever the number of steps; never the keys of a row
-    that stays empty). Once every row has seen two real tokens nothing is kept, and :attr:`ready_to_fix`."""
-
-    _KEPT = ("raw_key", "raw_log_pi", "raw_slot", "raw_has")
-
-    def __init__(self, cache):
-        self.cache, self.state = cache, cache.extra
-
-    @property
-    def centre(self) -> Tensor | None:
-        """(B, H, D) the centre of every row, None before the first call."""
-        return self.state.get("centre")
-
-    @property
-    def ready_to_fix(self) -> bool:
-        """Whether every centre is settled, so the cache may take a fixed capacity (a step over one cannot remake a
-        provisional row's entries)."""
-        return self.state.get("provisional") is False
-
-    def fix_centre(self, centre: Tensor) -> None:
-        """Take ``centre`` (broadcastable to (B, H, D)) as every row's centre for good, before the first call: the
-        protocol is then settled (nothing provisional, nothing kept) and every call takes the fused or fixed step. A
-        caller whose scores need a centre the queries must not choose (a converted layer's 0) gives it here."""
-        if self.centre is not None:
-            raise ValueError("fix_centre: the cache already has a centre (give it before the first call)")
-        self.state["centre"] = centre.detach()
-        self.state["provisional"] = False
-
-    def forward(self, q: Tensor, base: Tensor, v: Tensor, valid: Tensor | None, *,
-                terms: Callable[[], MGKStepTerms], log_pi: Callable[[], Tensor | None], per_position: bool,
-                options: Callable[[], dict], prefill: Callable[..., Tensor], dropout_p: float,
-                centre: Tensor | None = None) -> Tensor:
-        """One cached call of an MGK layer: the fixed-capacity step, the fused step (every centre this call could
-        change is settled, :meth:`settled_for`), or the centre protocol's path (the first call's uncached attention,
-        or entries appended and attended explicitly).
-
-        Args:
-            q: (B, H, L, D) queries; base: the new keys (B, H, M, L, D), or sMGK's unshifted (B, H, L, D); v
-                (B, H, L, Dv); valid: (B, L) bool, True = a real token, or None.
-            terms: the layer's step terms (:func:`step_terms_for`); log_pi: this call's log prior, broadcastable to
-                (B, H, M, L), None for Hard-E (called before any slot is claimed); per_position: whether it
-                depends on the position (else the terms hold it); options: ``sigma2``, ``mixture``, ``shifts`` for
-                :func:`mgk_cache_entries`; prefill(log_pi, attn_mask, centre): the first call's uncached attention;
-                dropout_p: the explicit path's; centre: None (the causal protocol chooses it), or the (B, H, D)
-                centre of every call, fixed at the first (:meth:`fix_centre`).
-        Returns:
-            (B, H, L, Dv) in v's dtype.
-        Raises:
-            ValueError for a fixed capacity before the centre is settled, or as the steps raise.
-        """
-        if centre is not None and self.centre is None:  # the first call: the prefill at that centre
-            self.fix_centre(centre.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
-            return self._protocol_step(q, base, v, valid, log_pi(), options(), prefill, dropout_p, first=True)
-        if self.cache.fixed:
-            return self._fixed_step(q, base, v, valid, terms(), log_pi() if per_position else None)
-        if self.settled_for(valid):
-            return self._fused_step(q, base, v, valid, terms(), log_pi() if per_position else None)
-        return self._protocol_step(q, base, v, valid, log_pi(), options(), prefill, dropout_p)
-
-    def _fused_step(self, q, base, v, valid, terms: MGKStepTerms, log_pi):
-        """The steady state: one fused write-and-attend call (:meth:`MGKStepTerms.step`), padding among the new
-        tokens included. A padded token's entries are made from a zero key and value: finite (its inputs may be
-        anything, NaN included, and a masked slot must hold finite numbers) and never attended (the valid-slot
-        mask)."""
-        cache = self.cache
-        if valid is not None:
-            B, L = valid.shape
-            zero = torch.zeros((), dtype=v.dtype, device=v.device)
-            base = torch.where(valid.view(B, *[1] * (base.dim() - 3), L, 1), base, zero.to(base.dtype))
-            v = torch.where(valid.view(B, 1, L, 1), v, zero)
-        buffers, slot = cache.claim(q.shape[2], valid)
-        return terms.step(q, base, v, keys=buffers["keys"], key_bias=buffers["key_bias"], values=buffers["values"],
-                          slot=slot, centre=self.centre, key_valid=cache.key_valid() if cache.padded else None,
-                          log_pi=log_pi).to(v.dtype)
-
-    def _fixed_step(self, q, base, v, valid, terms: MGKStepTerms, log_pi):
-        """A step over a cache of fixed capacity: the fused step at the slot tensor (under torch.compile the C++
-        kernel as a custom op, else the explicit composition over the whole capacity with the valid-slot mask)."""
-        cache = self.cache
-        if not self.ready_to_fix:
-            raise ValueError("a cache of fixed capacity needs MGK's settled centre: fix it once every row has seen "
-                             "two real tokens")
-        if valid is not None:
-            cache.check_fixed_call(valid, q.shape[2])  # the padding named (claim checks the rest)
-        buffers, slot = cache.claim(q.shape[2])
-        return terms.step(q, base, v.to(buffers["values"].dtype), keys=buffers["keys"], key_bias=buffers["key_bias"],
-                          values=buffers["values"], slot=slot, centre=self.centre, key_valid=cache.key_valid(),
-                          log_pi=log_pi).to(v.dtype)
-
-    def _protocol_step(self, q, base, v, valid, log_pi, options: dict, prefill, dropout_p: float,
-                       first: bool = False):
-        """A call that may change a centre: take it (:meth:`update`), then the first call's uncached attention, or
-        the new entries appended and attended; keep what a provisional row needs (:meth:`keep`). ``first``: the
-        first call of a cache whose centre was fixed before it (:meth:`fix_centre`)."""
-        cache = self.cache
-        first, before = first or self.centre is None, cache.seen
-        self.update(q, valid, options)
-        if first:
-            out = prefill(log_pi, None if valid is None else valid[:, None, None, :], self.centre)
-        keys, key_bias = mgk_cache_entries(base, centre=self.centre, log_pi=log_pi, **options)
-        slot = cache.length
-        entries = cache.append(valid, keys=keys, key_bias=key_bias, values=v.to(keys.dtype))
-        self.keep(before, slot, base, log_pi, valid)
-        if first:
-            return out
-        return mgk_attention_cached(q, entries["keys"], entries["key_bias"], entries["values"], centre=self.centre,
-                                    attn_mask=cache.attn_mask(), is_causal=True, dropout_p=dropout_p,
-                                    **options).to(v.dtype)
-
-    def settled_for(self, valid: Tensor | None) -> bool:
-        """Whether a call whose new tokens are ``valid`` (B, L) bool (None: all real) leaves every centre and kept
-        key as they are, so that it may take the fused step: every row has seen two real tokens, or the rows that
-        have not (an empty slot of a batch, a row of one token) get only padding now. A provisional row thus costs
-        the batch nothing until its own tokens come."""
-        provisional = self.state.get("provisional")
-        if provisional is False:
-            return True
-        if self.centre is None or valid is None:  # the first call; or every provisional row gets a real token
-            return False
-        return not bool(((self.cache.seen < 2) & valid.any(dim=1)).any())
-
-    def update(self, q: Tensor, valid: Tensor | None, entry_options: dict) -> None:
-        """Take the centre after this call's queries q (B, H, L, D) and, for rows whose centre changed, remake the
-        entry of the one real token they had cached (``entry_options``: :func:`mgk_cache_entries`' sigma2, mixture,
-        shifts)."""
-        if not self.state.setdefault("provisional", True):
-            return
-        first = self.centre is None
-        centre, changed = mgk_cache_centre(q, self.centre, key_valid=self.cache.key_valid(), valid=valid)
-        self.state["centre"] = centre
-        if first or "raw_key" not in self.state:
-            return
-        rows = changed & self.state["raw_has"]
-        if bool(rows.any()):
-            keys, key_bias = mgk_cache_entries(self.state["raw_key"], centre=centre,
-                                               log_pi=self.state.get("raw_log_pi"), **entry_options)
-            self.cache.write_slot(rows, self.state["raw_slot"], keys=keys, key_bias=key_bias)
-
-    def cropped(self) -> None:
-        """Put the protocol in line with a cache just cropped (its counts already cut).
-
-        Any fixed centre is exact (it only conditions the floats), so every row keeps its centre and entries; what
-        must stay consistent is which rows are provisional, each holding the raw key of its one real token. A row
-        left with no real token becomes provisional with nothing kept (its next tokens choose its centre, as a new
-        row's). A row left with one real token whose raw key is not kept (it had two or more) cannot be provisional,
-        and a cache of fixed capacity steps with a settled centre only: then the protocol is settled as it stands
-        (every centre fixed, nothing kept), exactly as if the centre had been chosen so. Re-feeding the cropped
-        tokens thus rebuilds the uncropped entries."""
-        if self.centre is None:
-            return
-        seen, state = self.cache.seen, self.state
-        kept = state.get("raw_has")
-        kept = None if kept is None else kept & (seen == 1)  # a kept token cropped away leaves its row empty
-        lone = (seen == 1) if kept is None else (seen == 1) & ~kept
-        if self.cache.fixed or bool(lone.any()):
-            for name in self._KEPT:
-                state.pop(name, None)
-            state["provisional"] = False
-        elif bool((seen < 2).any()):
-            state["provisional"] = True
-            if kept is not None:
-                state["raw_has"] = kept
-
-    def keep(self, before: Tensor, slot: int, base: Tensor, log_pi: Tensor | None, valid: Tensor | None) -> None:
-        """After this call's entries were appended at slots ``slot`` on (``before``: the rows' real tokens before
-        the call): keep the raw key (and log prior) of every row whose first real token came in this call and that
-        has seen one real token only; forget everything once no row is provisional."""
-        if not self.state.get("provisional", True):
-            return
-        seen = self.cache.seen
-        if not bool((seen < 2).any()):
-            for name in self._KEPT:
-                self.state.pop(name, None)
-            self.state["provisional"] = False
-            return
-        B, L = base.shape[0], base.shape[-2]
-        dim = base.dim() - 2  # the slot dimension of the raw keys
-        index = torch.arange(B, device=base.device)
-        pos = torch.zeros(B, dtype=torch.int64, device=base.device) if valid is None else \
-            valid.to(torch.int64).argmax(dim=1)  # the first real token of the call
-        new = (before == 0) & (seen == 1)
-        key = base.detach().movedim(dim, 1)[index, pos].unsqueeze(dim)
-        prior = None if log_pi is None else \
-            log_pi.detach().expand(B, base.shape[1], -1, L).movedim(3, 1)[index, pos].unsqueeze(3)
-        if "raw_key" not in self.state:
-            self.state.update(raw_key=torch.zeros_like(key), raw_slot=torch.zeros_like(pos),
-                              raw_has=torch.zeros_like(new))
-            if prior is not None:
-                self.state["raw_log_pi"] = torch.zeros_like(prior)
-        state = self.state
-        state["raw_key"] = torch.where(new.view(-1, *[1] * (key.dim() - 1)), key, state["raw_key"])
-        if prior is not None:
-            state["raw_log_pi"] = torch.where(new.view(-1, 1, 1, 1), prior, state["raw_log_pi"])
-        state["raw_slot"] = torch.where(new, slot + pos, state["raw_slot"])
-        state["raw_has"] = (state["raw_has"] | new) & (seen < 2)
-
-
 # The C++ step at a slot held in a tensor, as a custom op that mutates the cache's buffers: torch.compile keeps it in
 # its graph as one opaque call (the bare C++ function cannot be traced), and the slot is read on the host inside it,
 # so the traced step reads no host count and attends to the slots in use only.
@@ -958,7 +545,7 @@ def _step_at_op(query: Tensor, key: Tensor, bias: Tensor, value: Tensor, centre:
                 shifts: Tensor, qnorm: bool, keys: Tensor, key_bias: Tensor, values: Tensor, valid: Tensor,
                 slot: Tensor, hard: bool) -> Tensor:
     t = int(slot.reshape(-1)[0])
-    used = valid if valid.numel() == 0 else valid[:, :t + query.shape[2]]
+    used = valid if valid.numel() == 0 else valid[:, :t + key.shape[-2]]
     return _mixture_flash._module.decode_step(query, key, bias, value, centre, inv, shifts, qnorm, keys, key_bias,
                                               values, used, t, hard)
 

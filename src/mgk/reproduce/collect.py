@@ -85,7 +85,7 @@ def _sequence(cfg) -> tuple[int, bool]:
 def attention_flops(cfg) -> int:
     """Analytic FLOPs of the attention layers in one forward pass of one sequence (``max_len`` tokens; the LM's
     ``segment_len``; a generated synthetic task's own length), all layers, of the RunConfig ``cfg``: the registry's
-    formula of its kind and options (:mod:`mgk.attention.flops`; CPU-kernel form for MGK)."""
+    formula of its kind and options (:func:`mgk.attention.registry.total`; CPU-kernel form for MGK)."""
     from ..attention import get_kind
 
     a = cfg.attention
@@ -99,7 +99,7 @@ def attention_flops(cfg) -> int:
 
 def attention_cache_bytes(cfg) -> int:
     """Bytes a decoding cache holds per token and attention layer in float32 for the RunConfig ``cfg``: the
-    registry's formula of its kind (:class:`mgk.attention.cache_spec.CacheSpec`; GQA counts its key/value heads
+    registry's formula of its kind (:class:`mgk.attention.registry.CacheSpec`; GQA counts its key/value heads
     only), held against the buffers by the tests; for linear attention and MLK, the fixed state of a layer."""
     from ..attention import get_kind
 

@@ -13,6 +13,10 @@
 // exp(max_r s_lrj - m_l) (Hard-E), m_l the largest score of row l. Masked keys (valid_bj false, or j > l + S - L
 // under causal masking, aligned bottom-right) score -inf; a row with no visible key is 0.
 //
+// Grouped keys (gMGK: H query heads share G key groups): the caller folds the H / G query heads of a group into its
+// rows, (B, G, (H / G) L, D), so that a slice reads its group's keys and values once for all of them. The causal
+// alignment then repeats with period L: folded row f is query f % L of one head.
+//
 // Why a kernel of its own: a decoding step is memory-bound (each cached number is read once per step), and the
 // GEMM form (one score GEMM over M * S keys, bias add, softmax, value GEMM) makes several passes over the
 // (M, S) scores besides. Here the keys and values are streamed once, straight from the cache's buffers (strided
@@ -137,6 +141,7 @@ inline T nanmax(T a, T b) { return (a > b || std::isnan(a)) ? a : b; }
 template <typename T>
 struct Step {
   int64_t B, H, L, S, D, Dv, M, Mk;
+  int64_t period;  // the new tokens of a query head: folded row l is query l % period (L when nothing is folded)
   const T* q;  // (B, H, L, D) contiguous
   const T* k; int64_t k_b, k_h, k_r, k_j;  // (B, H, Mk, S, D), last dim contiguous
   const T* scale;  // (H, M) or nullptr (1)
@@ -164,7 +169,8 @@ void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* r
     for (int64_t r = 0; r < p.Mk; ++r) dots(q + l * p.D, keys + r * p.k_r, p.k_j, S, p.D, sc + (l * M + r) * S);
   for (int64_t l = 0; l < L; ++l) {
     T* row = sc + l * M * S;
-    const int64_t visible = p.causal ? std::min<int64_t>(S, std::max<int64_t>(0, l + S - L + 1)) : S;
+    const int64_t lq = l % p.period;
+    const int64_t visible = p.causal ? std::min<int64_t>(S, std::max<int64_t>(0, lq + S - p.period + 1)) : S;
     for (int64_t r = M - 1; r >= 0; --r) {  // from the last component: sMGK's raw dots sit in component 0
       const T* raw = row + (p.Mk == 1 ? 0 : r * S);
       T* s = row + r * S;
@@ -234,9 +240,11 @@ void check_rows(const torch::Tensor& t, const char* name, int64_t dim) {
 
 // q (B, H, L, D) contiguous; keys (B, H, Mk, S, D) with Mk = M or 1; scale (H, M) contiguous or empty; bias
 // (B, H, M, S); rowbias (B, H, M, L) contiguous or empty; v (B, H, S, Dv); valid (B, S) bool or empty. keys, bias,
-// v and valid may be strided views (last dimension contiguous). -> (B, H, L, Dv).
+// v and valid may be strided views (last dimension contiguous). period: the causal alignment's period along the L
+// rows (L, or the new tokens of each folded query head; divides L). -> (B, H, L, Dv).
 torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor scale, torch::Tensor bias,
-                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard) {
+                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard,
+                             int64_t period) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be a contiguous (B, H, L, D) tensor");
   check_rows(keys, "keys", 5);
   check_rows(bias, "bias", 4);
@@ -244,6 +252,7 @@ torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor 
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t M = bias.size(2), Mk = keys.size(2), S = keys.size(3), Dv = v.size(3);
   TORCH_CHECK(Mk == M || Mk == 1, "keys must hold M or 1 keys per position");
+  TORCH_CHECK(L == 0 || (period >= 1 && L % period == 0), "period must divide the query rows L");
   TORCH_CHECK(keys.size(0) == B && keys.size(1) == H && keys.size(4) == D, "keys do not match q");
   TORCH_CHECK(bias.size(0) == B && bias.size(1) == H && bias.size(3) == S, "bias does not match keys");
   TORCH_CHECK(v.size(0) == B && v.size(1) == H && v.size(2) == S, "v does not match keys");
@@ -266,7 +275,7 @@ torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor 
   if (out.numel() == 0) return out;
   if (S == 0) return out.zero_();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_decode", [&] {
-    Step<scalar_t> p{B, H, L, S, D, Dv, M, Mk,
+    Step<scalar_t> p{B, H, L, S, D, Dv, M, Mk, period,
                      q.data_ptr<scalar_t>(),
                      keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
                      has_scale ? scale.data_ptr<scalar_t>() : nullptr,
@@ -325,8 +334,8 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
   const T* c = w.c + (b * p.H + h) * D;
   const T* invh = w.inv + h * w.inv_h;
   auto inv = [&](int64_t r) { return invh[r * w.inv_r]; };
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t r = 0; r < p.Mk; ++r) {  // the new token's entries, copied
+  for (int64_t l = 0; l < p.period; ++l) {  // the new tokens' entries, copied (once per group: rows are folded)
+    for (int64_t r = 0; r < p.Mk; ++r) {
       const T* k = w.k + b * w.k_b + h * w.k_h + r * w.k_r + l * w.k_l;
       T* dst = w.kb + b * w.kb_b + h * w.kb_h + r * w.kb_r + (w.t + l) * w.kb_j;
       for (int64_t d = 0; d < D; ++d) dst[d] = k[d];
@@ -336,7 +345,8 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
     const T* vn = w.vn + b * w.vn_b + h * w.vn_h + l * w.vn_l;
     T* vd = w.vb + b * w.vb_b + h * w.vb_h + (w.t + l) * w.vb_j;
     for (int64_t d = 0; d < p.Dv; ++d) vd[d] = vn[d];
-    // the query and its row terms
+  }
+  for (int64_t l = 0; l < L; ++l) {  // every (folded) query row and its row terms
     const T* q = p.q + ((b * p.H + h) * L + l) * D;
     T qq = 0;
     for (int64_t d = 0; d < D; ++d) {
@@ -367,9 +377,10 @@ void write_and_terms(const Step<T>& p, const Write<T>& w, int64_t b, int64_t h, 
 // (mgk_cache.py's _entries) and value_new (B, H, L, Dv), last dims contiguous; centre (B, H, D) contiguous; inv_s2
 // the inverse variances, one value, (M,) or (H, M), contiguous; shifts (M, H, D) contiguous or empty (MGK); the
 // cache's buffers keys (B, H, Mk, T, D), bias (B, H, M, T), values (B, H, T, Dv) (last dims contiguous) with room
-// for slots [t, t + L); valid (B, t + L) bool or empty; one dtype. The caller (mgk_cache_step) has checked every
-// operand and names a wrong one; the checks here only keep the kernel's memory accesses in bounds.
-// -> (B, H, L, Dv).
+// for slots [t, t + L); valid (B, t + L) bool or empty; one dtype. Grouped keys: H is the key groups G and q holds
+// the R = rows / L query heads of each group folded into its rows, (B, G, R L, D), L = key_new's new tokens. The
+// caller (mgk_cache_step) has checked every operand and names a wrong one; the checks here only keep the kernel's
+// memory accesses in bounds. -> (B, H, rows, Dv).
 torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor bias_new,
                                   torch::Tensor value_new, torch::Tensor centre, torch::Tensor inv_s2,
                                   torch::Tensor shifts, bool qnorm, torch::Tensor keys_buf, torch::Tensor bias_buf,
@@ -382,8 +393,9 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
   check_rows(keys_buf, "keys", 5);
   check_rows(bias_buf, "key_bias", 4);
   check_rows(values_buf, "values", 4);
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), rows = q.size(2), D = q.size(3), L = key_new.size(3);
   const int64_t M = bias_buf.size(2), Mk = keys_buf.size(2), cap = keys_buf.size(3), Dv = values_buf.size(3);
+  TORCH_CHECK(L == 0 ? rows == 0 : rows % L == 0, "the query rows must be the new tokens of whole query heads");
   for (const auto* x : {&key_new, &bias_new, &value_new, &keys_buf, &bias_buf, &values_buf})
     TORCH_CHECK(x->size(0) == B && x->size(1) == H && x->scalar_type() == q.scalar_type(),
                 "every operand of the step must have query's batch size, heads and dtype");
@@ -410,13 +422,13 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
     TORCH_CHECK(valid.scalar_type() == at::kBool && valid.size(0) == B && valid.size(1) == S,
                 "key_valid must be a bool tensor (B, slot + L)");
   }
-  auto out = torch::empty({B, H, L, Dv}, q.options());
-  if (B * H * L == 0) return out;
+  auto out = torch::empty({B, H, rows, Dv}, q.options());
+  if (B * H * rows == 0) return out;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_decode_step", [&] {
     using T = scalar_t;
     const T* inv = inv_s2.data_ptr<T>();
     auto kb = keys_buf.narrow(3, 0, S), bb = bias_buf.narrow(3, 0, S), vb = values_buf.narrow(2, 0, S);
-    Step<T> p{B, H, L, S, D, Dv, M, Mk,
+    Step<T> p{B, H, rows, S, D, Dv, M, Mk, L,
               q.data_ptr<T>(),
               kb.data_ptr<T>(), kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3),
               nullptr,  // MGK's keys are scaled when made; sMGK's scale comes below
@@ -443,11 +455,11 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
                bb.data_ptr<T>(), bb.stride(0), bb.stride(1), bb.stride(2),
                vb.data_ptr<T>(), vb.stride(0), vb.stride(1), vb.stride(2), t};
     const bool terms = shifted || qnorm;
-    const int64_t grain = B * H * L * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
+    const int64_t grain = B * H * rows * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      T* sc = scratch<T>(static_cast<size_t>(L * M * S + L * D + L * M));
-      T* qc = sc + L * M * S;
-      T* rb = terms ? qc + L * D : nullptr;
+      T* sc = scratch<T>(static_cast<size_t>(rows * M * S + rows * D + rows * M));
+      T* qc = sc + rows * M * S;
+      T* rb = terms ? qc + rows * D : nullptr;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / H, h = i % H;
         write_and_terms(p, w, b, h, qc, rb);

@@ -18,6 +18,13 @@
 // GEMMs; its backward sends each score's gradient to the maximising components, split evenly between ties.
 // Attention dropout (see struct Dropout) multiplies A_ij by keep_ij / (1 - p) before the value GEMM; LSE_i is the
 // un-dropped statistic, so out_i = sum_j A_ij keep_ij / (1 - p) v_j, as dropout on softmax weights.
+//
+// Grouped keys (gMGK, GQA's grouping): the keys, values and per-key bias have G heads (key groups), the queries H, a
+// multiple of G; query head h reads group h / (H / G) in place, nothing expanded. Shifted keys (sMGK, k_jr = k_j -
+// mu_r): the keys hold one unscaled component (Mk = 1) and scale_r = 1 / sigma_r^2 per group, and the score is
+// s_ijr = scale_r (q_i . k_j) + bias_jr + rowbias_ir (the shifts' per-query term rides in rowbias), so a block takes
+// ONE score GEMM for the M components, and backward one dK and one dQ GEMM on sum_r scale_r dS_r (plus the scale's
+// gradient, sum_ij dS_ijr (q_i . k_j)): 5 GEMMs a block instead of 3M + 2.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -110,7 +117,7 @@ inline T mul_colsum_rowsum(T* ds, const T* t, T* colsum, int n) {
 // come from mmap and page-fault on every call.
 template <typename T>
 T* scratch(int slot, size_t n) {
-  thread_local std::vector<T> buffers[6];
+  thread_local std::vector<T> buffers[8];
   auto& b = buffers[slot];
   if (b.size() < n) b.resize(n);
   return b.data();
@@ -120,6 +127,12 @@ template <typename T>
 struct Shapes {
   int64_t BH, M, L, S, D, Dv;
   bool causal, hard;
+  int64_t H = 1, R = 1;  // query heads of a slice's batch row (1 for (BH, ...) layouts), and per key group
+  int64_t Mk = 0;        // key components held: M, or 1 with scale (shifted keys); 0 read as M
+  const T* scale = nullptr;  // (BG, M): scale_r of each key group's slice, or nullptr (keys already scaled)
+  // The key group slice (of keys, values and the per-key bias) that query slice bh reads.
+  int64_t kv(int64_t bh) const { return R == 1 ? bh : (bh / H) * (H / R) + (bh % H) / R; }
+  int64_t comps() const { return Mk == 0 ? M : Mk; }
 };
 
 // The rows of a (B, H, rows, cols) or (BH, rows, cols) tensor, and of keys (B, H, M, rows, cols) or
@@ -290,14 +303,17 @@ inline void tie_shares(T* src, int64_t M, size_t blk, const T* mx, int bq, int b
 }
 
 // Adds bias (and row bias) to the raw scores of one (query block, key block, component), masks the causal
-// triangle with -inf, and, when rowmax is given, raises it to the maximum of each row.
+// triangle with -inf, and, when rowmax is given, raises it to the maximum of each row. With ``raw`` the raw scores
+// are read from there and multiplied by ``scale`` first (shifted keys: one score GEMM for every component).
 template <typename T>
 inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias, int64_t q0, int64_t k0,
-                          int64_t offset, bool causal, T* rowmax) {
+                          int64_t offset, bool causal, T* rowmax, const T* raw = nullptr, T scale = T(1)) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const int W = V<T>::size();
+  const V<T> vscale(scale);
   for (int i = 0; i < bq; ++i) {
     T* row = sc + static_cast<int64_t>(i) * kBlockK;
+    const T* src = raw ? raw + static_cast<int64_t>(i) * kBlockK : row;
     const T rb = rowbias ? rowbias[i] : T(0);
     int visible = bk;
     if (causal) {
@@ -307,17 +323,36 @@ inline void finish_scores(T* sc, int bq, int bk, const T* bias, const T* rowbias
     V<T> vmax(ninf), vrb(rb);
     int j = 0;
     for (; j + W <= visible; j += W) {
-      V<T> s = V<T>::loadu(row + j) + V<T>::loadu(bias + j) + vrb;
+      V<T> s = at::vec::fmadd(V<T>::loadu(src + j), vscale, V<T>::loadu(bias + j) + vrb);
       s.store(row + j);
       vmax = at::vec::maximum(vmax, s);
     }
     T mx = at::vec::vec_reduce_all<T>([](const V<T>& a, const V<T>& b) { return at::vec::maximum(a, b); }, vmax);
     for (; j < visible; ++j) {
-      row[j] += bias[j] + rb;
+      row[j] = src[j] * scale + bias[j] + rb;
       mx = nanmax(mx, row[j]);
     }
     for (j = visible; j < bk; ++j) row[j] = ninf;
     if (rowmax) rowmax[i] = nanmax(rowmax[i], mx);
+  }
+}
+
+// The finished scores (finish_scores) of every component of one (query block, key block) into sc (component r at
+// sc + r * blk): one score GEMM per component, or for shifted keys (sh.scale) one GEMM into raw, scaled per
+// component. qb: the block's queries (row stride qld) of query slice bh; kvs: the key group slice it reads.
+template <typename T>
+inline void block_scores(const Shapes<T>& sh, const T* qb, int64_t qld, const Rows<T>& k, const T* bias,
+                         const T* rowbias, int64_t bh, int64_t kvs, int64_t q0, int64_t k0, int bq, int bk,
+                         int64_t offset, bool causal, T* sc, size_t blk, T* raw, T* rowmax) {
+  const bool shifted = sh.scale != nullptr;
+  if (shifted)
+    gemm(false, true, bq, bk, sh.D, T(1), qb, qld, k.at(kvs, k0, 0), k.ld, T(0), raw, kBlockK);
+  for (int64_t r = 0; r < sh.M; ++r) {
+    T* s = sc + r * blk;
+    if (!shifted) gemm(false, true, bq, bk, sh.D, T(1), qb, qld, k.at(kvs, k0, r), k.ld, T(0), s, kBlockK);
+    const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
+    finish_scores<T>(s, bq, bk, bias + (kvs * sh.M + r) * sh.S + k0, rb, q0, k0, offset, causal, rowmax,
+                     shifted ? raw : nullptr, shifted ? sh.scale[kvs * sh.M + r] : T(1));
   }
 }
 
@@ -389,9 +424,10 @@ void forward_impl(const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<
     T* m = scratch<T>(3, kBlockQ);
     T* l = scratch<T>(4, kBlockQ);
     T* mnew = scratch<T>(5, kBlockQ);
+    T* raw = sh.scale ? scratch<T>(6, static_cast<size_t>(kBlockQ) * kBlockK) : nullptr;
     const T ninf = -std::numeric_limits<T>::infinity();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nqb, q0 = (task % nqb) * qblock;
+      const int64_t bh = task / nqb, q0 = (task % nqb) * qblock, kvs = sh.kv(bh);
       const int bq = static_cast<int>(std::min<int64_t>(qblock, sh.L - q0));
       const T* qb = q.at(bh, q0);
       std::fill(acc, acc + static_cast<int64_t>(kBlockQ) * sh.Dv, T(0));
@@ -402,14 +438,8 @@ void forward_impl(const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<
       for (int64_t k0 = 0; k0 < kend; k0 += kBlockK) {
         const int bk = static_cast<int>(std::min<int64_t>(kBlockK, sh.S - k0));
         std::copy(m, m + bq, mnew);
-        for (int64_t r = 0; r < sh.M; ++r) {
-          T* s = sc + r * kBlockQ * kBlockK;
-          const T* kb = k.at(bh, k0, r);
-          gemm(false, true, bq, bk, sh.D, T(1), qb, q.ld, kb, k.ld, T(0), s, kBlockK);
-          const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
-          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal,
-                           mnew);
-        }
+        block_scores<T>(sh, qb, q.ld, k, bias, rowbias, bh, kvs, q0, k0, bq, bk, offset, sh.causal, sc,
+                        static_cast<size_t>(kBlockQ) * kBlockK, raw, mnew);
         if (part)
           add_responsibilities<T>(sc, sh.M, static_cast<size_t>(kBlockQ) * kBlockK, bq, bk,
                                   query_ok ? query_ok + bh * sh.L + q0 : nullptr,
@@ -436,7 +466,7 @@ void forward_impl(const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<
             for (int64_t d = 0; d < sh.Dv; ++d) ai[d] *= alpha;
           m[i] = mi;
         }
-        gemm(false, false, bq, sh.Dv, bk, T(1), p, kBlockK, v.at(bh, k0), v.ld, T(1), acc, sh.Dv);
+        gemm(false, false, bq, sh.Dv, bk, T(1), p, kBlockK, v.at(kvs, k0), v.ld, T(1), acc, sh.Dv);
       }
       for (int i = 0; i < bq; ++i) {
         T* oi = out.at(bh, q0 + i);
@@ -474,135 +504,186 @@ inline void probs_from_scores(T* s, const T* lse, int bq, int bk) {
   }
 }
 
+// dS_r = P_r * (dP - delta) (Hard-E: w_r * P * (dP - delta)) in place over the M score blocks, their column sums
+// added to the per-key bias gradient and row sums to the row bias gradient (drb, or nullptr); t: the rows' dP - delta.
+template <typename T>
+inline void score_gradients(const Shapes<T>& sh, T* pr, size_t blk, const T* t, T* dbias, int64_t kvs, int64_t k0,
+                            T* drb, int bq, int bk) {
+  for (int64_t r = 0; r < sh.M; ++r) {
+    T* ds = pr + r * blk;
+    T* dbias_r = dbias + (kvs * sh.M + r) * sh.S + k0;
+    for (int i = 0; i < bq; ++i) {
+      const T rs = mul_colsum_rowsum<T>(ds + static_cast<int64_t>(i) * kBlockK, t + static_cast<int64_t>(i) * kBlockK,
+                                        dbias_r, bk);
+      if (drb) drb[r * sh.L + i] += rs;
+    }
+  }
+}
+
+// Shifted keys: cmb = sum_r scale_r dS_r (the gradient of the one score GEMM) and dscale_r += sum_ij dS_ijr raw_ij.
+template <typename T>
+inline void combine_components(const Shapes<T>& sh, const T* pr, size_t blk, const T* raw, int64_t kvs, T* cmb,
+                               T* dscale, int bq, int bk) {
+  for (int i = 0; i < bq; ++i) {
+    const int64_t o = static_cast<int64_t>(i) * kBlockK;
+    for (int j = 0; j < bk; ++j) cmb[o + j] = T(0);
+    for (int64_t r = 0; r < sh.M; ++r) {
+      const T sr = sh.scale[kvs * sh.M + r];
+      const T* ds = pr + r * blk + o;
+      T acc = 0;
+      for (int j = 0; j < bk; ++j) {
+        cmb[o + j] += sr * ds[j];
+        acc += ds[j] * raw[o + j];
+      }
+      dscale[r] += acc;
+    }
+  }
+}
+
+// The gradients one key block (k0, bk of key group slice kvs) takes from the queries of slice bh: dK, dV and the
+// per-key bias gradient of the block in place (the task owns them), dQ, the row bias and scale gradients into the
+// task's partial buffers dqp (L, D), drbp (M, L) and dscp (M) (nullptr when not wanted).
+template <typename T>
+void backward_block(const Rows<T>& dout, const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<T>& v,
+                    const T* rowbias, const T* lse, const T* delta, const Rows<T>& dk, T* dbias, const Rows<T>& dv,
+                    const Shapes<T>& sh, const Dropout& drop, int64_t bh, int64_t kvs, int64_t k0, int bk,
+                    int64_t offset, size_t blk, T* pr, T* a, T* dp, T* z, T* raw, T* cmb, T* dqp, T* drbp, T* dscp) {
+  const T* vb = v.at(kvs, k0);
+  T* dvb = dv.at(kvs, k0);
+  int64_t qstart = 0;
+  if (sh.causal) qstart = std::max<int64_t>(0, k0 - offset) / kBlockQ * kBlockQ;
+  for (int64_t q0 = qstart; q0 < sh.L; q0 += kBlockQ) {
+    const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
+    const T* qb = q.at(bh, q0);
+    const T* dob = dout.at(bh, q0);
+    const T* lseb = lse + bh * sh.L + q0;
+    const T* delb = delta + bh * sh.L + q0;
+    block_scores<T>(sh, qb, q.ld, k, bias, rowbias, bh, kvs, q0, k0, bq, bk, offset, sh.causal, pr, blk, raw,
+                    nullptr);
+    if (!sh.hard) {
+      // P_r = exp(s_r - LSE) in place; A = sum_r P_r. dS_r = P_r * (dP - delta) below.
+      for (int64_t r = 0; r < sh.M; ++r) probs_from_scores<T>(pr + r * blk, lseb, bq, bk);
+      for (int i = 0; i < bq; ++i) {
+        T* ai = a + static_cast<int64_t>(i) * kBlockK;
+        std::copy(pr + static_cast<int64_t>(i) * kBlockK, pr + static_cast<int64_t>(i) * kBlockK + bk, ai);
+        for (int64_t r = 1; r < sh.M; ++r) {
+          const T* x = pr + r * blk + static_cast<int64_t>(i) * kBlockK;
+          for (int j = 0; j < bk; ++j) ai[j] += x[j];
+        }
+      }
+    } else {
+      // A = P = exp(max_r s_r - LSE); the gradient of the max goes to the maximising components, split evenly
+      // between ties (as torch.amax's backward does): pr[r] becomes that share w_r, and dS_r = w_r * dS below.
+      max_over_components<T>(pr, sh.M, blk, bq, bk, a);
+      tie_shares<T>(pr, sh.M, blk, a, bq, bk);
+      probs_from_scores<T>(a, lseb, bq, bk);
+    }
+    // dV += A^T dO;  dP = dO V^T;  T = dP - delta (times P for Hard-E). With dropout (keep factors Z): the
+    // output is (A * Z) V, so dV uses A * Z and dA = dP * Z; delta = rowsum(dO * O) with the dropped O still
+    // equals sum_j A_ij dA_ij, so dS keeps its form.
+    const T* aw = a;
+    if (drop.on()) {
+      for (int i = 0; i < bq; ++i) {
+        const int64_t o = static_cast<int64_t>(i) * kBlockK;
+        dropout_row<T>(dropout_row_key(drop, bh, sh.L, q0 + i), k0, bk, drop, static_cast<T*>(nullptr), z + o);
+        for (int j = 0; j < bk; ++j) dp[o + j] = a[o + j] * z[o + j];
+      }
+      aw = dp;  // A * Z, consumed by the dV GEMM before dp is overwritten
+    }
+    gemm(true, false, bk, sh.Dv, bq, T(1), aw, kBlockK, dob, dout.ld, T(1), dvb, dv.ld);
+    gemm(false, true, bq, bk, sh.Dv, T(1), dob, dout.ld, vb, v.ld, T(0), dp, kBlockK);
+    for (int i = 0; i < bq; ++i) {
+      T* row = dp + static_cast<int64_t>(i) * kBlockK;
+      const T di = delb[i];
+      if (z) {
+        const T* zi = z + static_cast<int64_t>(i) * kBlockK;
+        for (int j = 0; j < bk; ++j) row[j] = row[j] * zi[j] - di;
+      } else {
+        for (int j = 0; j < bk; ++j) row[j] -= di;
+      }
+      if (sh.hard) {
+        const T* pi = a + static_cast<int64_t>(i) * kBlockK;
+        for (int j = 0; j < bk; ++j) row[j] *= pi[j];
+      }
+    }
+    score_gradients<T>(sh, pr, blk, dp, dbias, kvs, k0, drbp ? drbp + q0 : nullptr, bq, bk);
+    T* dqb = dqp + q0 * sh.D;
+    if (sh.scale) {  // one score GEMM: its gradient sum_r scale_r dS_r, two GEMMs
+      combine_components<T>(sh, pr, blk, raw, kvs, cmb, dscp, bq, bk);
+      gemm(true, false, bk, sh.D, bq, T(1), cmb, kBlockK, qb, q.ld, T(1), dk.at(kvs, k0, 0), dk.ld);
+      gemm(false, false, bq, sh.D, bk, T(1), cmb, kBlockK, k.at(kvs, k0, 0), k.ld, T(1), dqb, sh.D);
+      continue;
+    }
+    for (int64_t r = 0; r < sh.M; ++r) {
+      const T* ds = pr + r * blk;  // dS_r
+      gemm(true, false, bk, sh.D, bq, T(1), ds, kBlockK, qb, q.ld, T(1), dk.at(kvs, k0, r), dk.ld);
+      gemm(false, false, bq, sh.D, bk, T(1), ds, kBlockK, k.at(kvs, k0, r), k.ld, T(1), dqb, sh.D);
+    }
+  }
+}
+
 template <typename T>
 void backward_impl(const Rows<T>& dout, const Rows<T>& q, const Rows<T>& k, const T* bias, const Rows<T>& v,
                    const T* rowbias, const T* lse, const T* delta, const Rows<T>& dq, const Rows<T>& dk, T* dbias,
-                   const Rows<T>& dv, T* drowbias, const Shapes<T>& sh, const Dropout& drop) {
-  const int64_t kblock = task_block(kBlockK, 64, sh.BH, sh.S);
+                   const Rows<T>& dv, T* drowbias, T* dscale, const Shapes<T>& sh, const Dropout& drop) {
+  // Tasks own (key group slice, key block): the R query heads of a group add to its dK, dV and bias gradient one
+  // after the other, in one task. dQ (and the row-bias and scale gradients) of a query receives contributions from
+  // every key block; each thread accumulates into its own buffer covering the slices of its task range, added in
+  // task order afterwards, so the result does not depend on thread timing.
+  const int64_t BG = sh.BH / sh.R;
+  const int64_t kblock = task_block(kBlockK, 64, BG, sh.S);
   const int64_t nkb = (sh.S + kblock - 1) / kblock;
   const int64_t offset = sh.S - sh.L;
-  // dQ (and the row-bias gradient) of a query receives contributions from every key block, and tasks own key
-  // blocks. Each thread accumulates into its own buffer covering the (batch*head) slices of its task range; the
-  // buffers are then added in task order, so the result does not depend on thread timing.
   struct Partial {
-    int64_t begin, bh_lo, nbh;
-    std::vector<T> dq, drb;
+    int64_t begin, kv_lo, nkv;
+    std::vector<T> dq, drb, dsc;
   };
   std::vector<std::unique_ptr<Partial>> partials;
   std::mutex partials_lock;
-  at::parallel_for(0, sh.BH * nkb, grain_for(sh, sh.BH * nkb), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BG * nkb, grain_for(sh, BG * nkb), [&](int64_t begin, int64_t end) {
     SerialBlas serial;
     const size_t blk = static_cast<size_t>(kBlockQ) * kBlockK;
     T* pr = scratch<T>(0, static_cast<size_t>(sh.M) * blk);
     T* a = scratch<T>(1, blk);
     T* dp = scratch<T>(2, blk);
     T* z = drop.on() ? scratch<T>(3, blk) : nullptr;
+    T* raw = sh.scale ? scratch<T>(4, blk) : nullptr;
+    T* cmb = sh.scale ? scratch<T>(5, blk) : nullptr;
     auto part = std::make_unique<Partial>();
     part->begin = begin;
-    part->bh_lo = begin / nkb;
-    part->nbh = (end - 1) / nkb - part->bh_lo + 1;
-    part->dq.assign(static_cast<size_t>(part->nbh * sh.L * sh.D), T(0));
-    if (drowbias) part->drb.assign(static_cast<size_t>(part->nbh * sh.M * sh.L), T(0));
-    const T ninf = -std::numeric_limits<T>::infinity();
+    part->kv_lo = begin / nkb;
+    part->nkv = (end - 1) / nkb - part->kv_lo + 1;
+    part->dq.assign(static_cast<size_t>(part->nkv * sh.R * sh.L * sh.D), T(0));
+    if (drowbias) part->drb.assign(static_cast<size_t>(part->nkv * sh.R * sh.M * sh.L), T(0));
+    if (dscale) part->dsc.assign(static_cast<size_t>(part->nkv * sh.M), T(0));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nkb, k0 = (task % nkb) * kblock;
+      const int64_t kvs = task / nkb, k0 = (task % nkb) * kblock;
       const int bk = static_cast<int>(std::min<int64_t>(kblock, sh.S - k0));
-      const T* vb = v.at(bh, k0);
-      T* dvb = dv.at(bh, k0);
-      int64_t qstart = 0;
-      if (sh.causal) qstart = std::max<int64_t>(0, k0 - offset) / kBlockQ * kBlockQ;
-      for (int64_t q0 = qstart; q0 < sh.L; q0 += kBlockQ) {
-        const int bq = static_cast<int>(std::min<int64_t>(kBlockQ, sh.L - q0));
-        const T* qb = q.at(bh, q0);
-        const T* dob = dout.at(bh, q0);
-        const T* lseb = lse + bh * sh.L + q0;
-        const T* delb = delta + bh * sh.L + q0;
-        // Scores s_r of every component.
-        for (int64_t r = 0; r < sh.M; ++r) {
-          T* s = pr + r * blk;
-          const T* kb = k.at(bh, k0, r);
-          gemm(false, true, bq, bk, sh.D, T(1), qb, q.ld, kb, k.ld, T(0), s, kBlockK);
-          const T* rb = rowbias ? rowbias + (bh * sh.M + r) * sh.L + q0 : nullptr;
-          finish_scores<T>(s, bq, bk, bias + (bh * sh.M + r) * sh.S + k0, rb, q0, k0, offset, sh.causal, nullptr);
-        }
-        if (!sh.hard) {
-          // P_r = exp(s_r - LSE) in place; A = sum_r P_r. dS_r = P_r * (dP - delta) below.
-          for (int64_t r = 0; r < sh.M; ++r) probs_from_scores<T>(pr + r * blk, lseb, bq, bk);
-          for (int i = 0; i < bq; ++i) {
-            T* ai = a + static_cast<int64_t>(i) * kBlockK;
-            std::copy(pr + static_cast<int64_t>(i) * kBlockK, pr + static_cast<int64_t>(i) * kBlockK + bk, ai);
-            for (int64_t r = 1; r < sh.M; ++r) {
-              const T* x = pr + r * blk + static_cast<int64_t>(i) * kBlockK;
-              for (int j = 0; j < bk; ++j) ai[j] += x[j];
-            }
-          }
-        } else {
-          // A = P = exp(max_r s_r - LSE); the gradient of the max goes to the maximising components, split evenly
-          // between ties (as torch.amax's backward does): pr[r] becomes that share w_r, and dS_r = w_r * dS below.
-          max_over_components<T>(pr, sh.M, blk, bq, bk, a);
-          tie_shares<T>(pr, sh.M, blk, a, bq, bk);
-          probs_from_scores<T>(a, lseb, bq, bk);
-        }
-        // dV += A^T dO;  dP = dO V^T;  T = dP - delta (times P for Hard-E). With dropout (keep factors Z): the
-        // output is (A * Z) V, so dV uses A * Z and dA = dP * Z; delta = rowsum(dO * O) with the dropped O still
-        // equals sum_j A_ij dA_ij, so dS keeps its form.
-        const T* aw = a;
-        if (drop.on()) {
-          for (int i = 0; i < bq; ++i) {
-            const int64_t o = static_cast<int64_t>(i) * kBlockK;
-            dropout_row<T>(dropout_row_key(drop, bh, sh.L, q0 + i), k0, bk, drop, static_cast<T*>(nullptr), z + o);
-            for (int j = 0; j < bk; ++j) dp[o + j] = a[o + j] * z[o + j];
-          }
-          aw = dp;  // A * Z, consumed by the dV GEMM before dp is overwritten
-        }
-        gemm(true, false, bk, sh.Dv, bq, T(1), aw, kBlockK, dob, dout.ld, T(1), dvb, dv.ld);
-        gemm(false, true, bq, bk, sh.Dv, T(1), dob, dout.ld, vb, v.ld, T(0), dp, kBlockK);
-        for (int i = 0; i < bq; ++i) {
-          T* row = dp + static_cast<int64_t>(i) * kBlockK;
-          const T di = delb[i];
-          if (z) {
-            const T* zi = z + static_cast<int64_t>(i) * kBlockK;
-            for (int j = 0; j < bk; ++j) row[j] = row[j] * zi[j] - di;
-          } else {
-            for (int j = 0; j < bk; ++j) row[j] -= di;
-          }
-          if (sh.hard) {
-            const T* pi = a + static_cast<int64_t>(i) * kBlockK;
-            for (int j = 0; j < bk; ++j) row[j] *= pi[j];
-          }
-        }
-        for (int64_t r = 0; r < sh.M; ++r) {
-          T* ds = pr + r * blk;  // becomes dS_r = P_r * (dP - delta) (Hard-E: w_r * P * (dP - delta)), in place
-          T* dbias_r = dbias + (bh * sh.M + r) * sh.S + k0;
-          T* drb = drowbias ? part->drb.data() + ((bh - part->bh_lo) * sh.M + r) * sh.L + q0 : nullptr;
-          for (int i = 0; i < bq; ++i) {
-            T* row = ds + static_cast<int64_t>(i) * kBlockK;
-            const T* t = dp + static_cast<int64_t>(i) * kBlockK;
-            const T rs = mul_colsum_rowsum<T>(row, t, dbias_r, bk);
-            if (drb) drb[i] += rs;
-          }
-          const T* kb = k.at(bh, k0, r);
-          T* dkb = dk.at(bh, k0, r);
-          gemm(true, false, bk, sh.D, bq, T(1), ds, kBlockK, qb, q.ld, T(1), dkb, dk.ld);
-          gemm(false, false, bq, sh.D, bk, T(1), ds, kBlockK, kb, k.ld, T(1),
-               part->dq.data() + ((bh - part->bh_lo) * sh.L + q0) * sh.D, sh.D);
-        }
-      }
+      for (int64_t bh = kvs * sh.R; bh < (kvs + 1) * sh.R; ++bh)
+        backward_block<T>(dout, q, k, bias, v, rowbias, lse, delta, dk, dbias, dv, sh, drop, bh, kvs, k0, bk,
+                          offset, blk, pr, a, dp, z, raw, cmb, part->dq.data() + (bh - part->kv_lo * sh.R) * sh.L * sh.D,
+                          drowbias ? part->drb.data() + (bh - part->kv_lo * sh.R) * sh.M * sh.L : nullptr,
+                          dscale ? part->dsc.data() + (kvs - part->kv_lo) * sh.M : nullptr);
     }
     std::lock_guard<std::mutex> guard(partials_lock);
     partials.push_back(std::move(part));
   });
   std::sort(partials.begin(), partials.end(), [](const auto& x, const auto& y) { return x->begin < y->begin; });
   for (const auto& part : partials) {
-    for (int64_t b = 0; b < part->nbh; ++b)
+    const int64_t bh_lo = part->kv_lo * sh.R;
+    for (int64_t b = 0; b < part->nkv * sh.R; ++b)
       for (int64_t i = 0; i < sh.L; ++i) {
-        T* d = dq.at(part->bh_lo + b, i);
+        T* d = dq.at(bh_lo + b, i);
         const T* x = part->dq.data() + (b * sh.L + i) * sh.D;
         for (int64_t c = 0; c < sh.D; ++c) d[c] += x[c];
       }
     if (drowbias) {
-      T* e = drowbias + part->bh_lo * sh.M * sh.L;
+      T* e = drowbias + bh_lo * sh.M * sh.L;
       for (size_t x = 0; x < part->drb.size(); ++x) e[x] += part->drb[x];
+    }
+    if (dscale) {
+      T* e = dscale + part->kv_lo * sh.M;
+      for (size_t x = 0; x < part->dsc.size(); ++x) e[x] += part->dsc[x];
     }
   }
 }
@@ -691,21 +772,44 @@ int64_t check_rows(const torch::Tensor& t, const char* name, int64_t extra) {
   return t.dim() == 4 + extra ? t.size(0) * t.size(1) : t.size(0);
 }
 
-// The sizes and dtype the kernel assumes of the other inputs, given q's and k's (a direct caller of the private
-// functions gets an error instead of reads past a tensor's end): k (.., M, S, D), v (.., S, Dv), bias (BH, M, S),
-// rowbias empty or (BH, M, L), one dtype.
-void check_sizes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& bias, const torch::Tensor& v,
-                 const torch::Tensor& rowbias, int64_t BH, int64_t M, int64_t L, int64_t S, int64_t D) {
+// The slices and sizes the kernel assumes of its inputs, given q's and k's (a direct caller of the private
+// functions gets an error instead of reads past a tensor's end): q (BH slices), k (.., Mk, S, D) and v (.., S, Dv) of
+// BG key group slices dividing BH (4-dim q for BG < BH: its heads a multiple of the groups), bias (BG, M, S), Mk = M
+// or 1 with scale (BG, M) (shifted keys), rowbias empty or (BH, M, L), one dtype. Returns the sizes of a Shapes.
+template <typename T>
+Shapes<T> check_sizes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& bias,
+                      const torch::Tensor& v, const torch::Tensor& rowbias, const torch::Tensor& scale, bool causal,
+                      bool hard) {
+  const int64_t BH = check_rows(q, "q", 0), BG = check_rows(k, "k", 1);
+  TORCH_CHECK(check_rows(v, "v", 0) == BG, "k and v must hold the same slices");
+  check(bias, "bias", 3);
   const auto dt = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && bias.scalar_type() == dt &&
-              (rowbias.numel() == 0 || rowbias.scalar_type() == dt), "q, k, bias, v and rowbias must share one dtype");
+              (rowbias.numel() == 0 || rowbias.scalar_type() == dt) && (scale.numel() == 0 || scale.scalar_type() == dt),
+              "q, k, bias, v, rowbias and scale must share one dtype");
+  const int64_t M = bias.size(1), Mk = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
+  const int64_t H = q.dim() == 4 ? q.size(1) : 1;
+  TORCH_CHECK(BG == BH || (BG > 0 && BH % BG == 0 && q.dim() == 4 && k.dim() == 5 && H % (BH / BG) == 0),
+              "k's slices (key groups) must divide q's, as (B, G, ...) against (B, H, ...)");
+  TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
   TORCH_CHECK(k.size(-1) == D, "k's head size (", k.size(-1), ") must equal q's (", D, ")");
   TORCH_CHECK(v.size(-2) == S, "v must hold one row per key position (", S, "), got ", v.size(-2));
-  TORCH_CHECK(bias.size(0) == BH && bias.size(1) == M && bias.size(2) == S, "bias must be (BH, M, S) = (", BH, ", ",
-              M, ", ", S, ")");
+  TORCH_CHECK(bias.size(0) == BG && bias.size(2) == S && M >= 1 && (Mk == M || scale.numel() > 0),
+              "bias must be (BG, M, S) = (", BG, ", ", Mk, ", ", S, ") for k's components (or M of them for one "
+              "shifted key with scale)");
+  TORCH_CHECK(scale.numel() == 0 || (Mk == 1 && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == BG &&
+                                     scale.size(1) == M),
+              "scale must be empty or, with one key component, contiguous (BG, M) = (", BG, ", ", M, ")");
   TORCH_CHECK(rowbias.numel() == 0 || (rowbias.dim() == 3 && rowbias.size(0) == BH && rowbias.size(1) == M &&
                                        rowbias.size(2) == L),
               "rowbias must be empty or (BH, M, L) = (", BH, ", ", M, ", ", L, ")");
+  if (rowbias.numel() > 0) check(rowbias, "rowbias", 3);
+  Shapes<T> sh{BH, M, L, S, D, Dv, causal, hard};
+  sh.H = H;
+  sh.R = BG == 0 ? 1 : BH / BG;
+  sh.Mk = Mk;
+  sh.scale = scale.numel() > 0 ? scale.data_ptr<T>() : nullptr;
+  return sh;
 }
 
 // out (or a gradient) shaped like q's rows with `cols` columns: for (B, H, L, D) queries laid out as (B, L, H, D),
@@ -727,34 +831,29 @@ torch::Tensor grad_like(const torch::Tensor& t) {
 
 }  // namespace
 
-// q (B, H, L, D), k (B, H, M, S, D), v (B, H, S, Dv) (or each with one (BH) leading dimension; any strides of
-// check_rows), bias (BH, M, S), rowbias (BH, M, L) or empty -> out (B, H, L, Dv) laid out as (B, L, H, Dv), lse
-// (BH, L), and with stats the Soft-E statistics resp (BH, M, S) of the real queries (query_ok (BH, L) bool, or
-// empty: all); resp is empty without stats.
+// q (B, H, L, D), k (B, G, Mk, S, D), v (B, G, S, Dv) (or each with one (BH) leading dimension when G = H; any
+// strides of check_rows), bias (BG, M, S), rowbias (BH, M, L) or empty, scale (BG, M) with Mk = 1 (shifted keys)
+// or empty -> out (B, H, L, Dv) laid out as (B, L, H, Dv), lse (BH, L), and with stats (G = H) the Soft-E
+// statistics resp (BH, M, S) of the real queries (query_ok (BH, L) bool, or empty: all); resp is empty without
+// stats.
 std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor bias,
-                                                 torch::Tensor v, torch::Tensor rowbias, torch::Tensor query_ok,
-                                                 bool causal, bool hard, double dropout_p, int64_t seed,
-                                                 int64_t offset, bool stats) {
+                                                 torch::Tensor v, torch::Tensor rowbias, torch::Tensor scale,
+                                                 torch::Tensor query_ok, bool causal, bool hard, double dropout_p,
+                                                 int64_t seed, int64_t offset, bool stats) {
   const Dropout drop = make_dropout(dropout_p, seed, offset);
-  const int64_t BH = check_rows(q, "q", 0);
-  TORCH_CHECK(check_rows(k, "k", 1) == BH && check_rows(v, "v", 0) == BH, "q, k and v must hold the same slices");
-  check(bias, "bias", 3);
-  const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
-  TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
-  check_sizes(q, k, bias, v, rowbias, BH, M, L, S, D);
+  const int64_t BH = check_rows(q, "q", 0), L = q.size(-2), Dv = v.size(-1);
   TORCH_CHECK(!(stats && hard), "Soft-E statistics are defined for the sum mixture only");
+  TORCH_CHECK(!stats || check_rows(k, "k", 1) == BH, "Soft-E statistics need one key slice per query slice");
   TORCH_CHECK(query_ok.numel() == 0 || (query_ok.scalar_type() == at::kBool && query_ok.is_contiguous() &&
                                         query_ok.dim() == 2 && query_ok.size(0) == BH && query_ok.size(1) == L),
               "query_ok must be contiguous bool (BH, L)");
-  const bool has_rb = rowbias.numel() > 0;
-  if (has_rb) check(rowbias, "rowbias", 3);
   auto out = rows_like(q, Dv);
   auto lse = torch::empty({BH, L}, q.options());
-  auto resp = stats ? torch::zeros({BH, M, S}, q.options()) : torch::empty({0}, q.options());
+  auto resp = stats ? torch::zeros({BH, bias.size(1), k.size(-2)}, q.options()) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_forward", [&] {
-    Shapes<scalar_t> sh{BH, M, L, S, D, Dv, causal, hard};
+    const Shapes<scalar_t> sh = check_sizes<scalar_t>(q, k, bias, v, rowbias, scale, causal, hard);
     forward_impl<scalar_t>(rows_of<scalar_t>(q, false), rows_of<scalar_t>(k, true), bias.data_ptr<scalar_t>(),
-                           rows_of<scalar_t>(v, false), has_rb ? rowbias.data_ptr<scalar_t>() : nullptr,
+                           rows_of<scalar_t>(v, false), rowbias.numel() ? rowbias.data_ptr<scalar_t>() : nullptr,
                            rows_of<scalar_t>(out, false), lse.data_ptr<scalar_t>(), sh, drop,
                            query_ok.numel() ? reinterpret_cast<const uint8_t*>(query_ok.data_ptr<bool>()) : nullptr,
                            stats ? resp.data_ptr<scalar_t>() : nullptr);
@@ -762,38 +861,38 @@ std::vector<torch::Tensor> mixture_flash_forward(torch::Tensor q, torch::Tensor 
   return {out, lse, resp};
 }
 
-// Gradients of the forward above given dout and the forward's out/lse (delta = rowsum(dout * out)).
+// Gradients of the forward above given dout and the forward's out/lse (delta = rowsum(dout * out)): dq, dk, dbias,
+// dv, drowbias (empty without rowbias), dscale (empty without scale).
 std::vector<torch::Tensor> mixture_flash_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                   torch::Tensor bias, torch::Tensor v, torch::Tensor rowbias,
-                                                  torch::Tensor lse, torch::Tensor delta, bool causal, bool hard,
-                                                  double dropout_p, int64_t seed, int64_t offset) {
+                                                  torch::Tensor scale, torch::Tensor lse, torch::Tensor delta,
+                                                  bool causal, bool hard, double dropout_p, int64_t seed,
+                                                  int64_t offset) {
   const Dropout drop = make_dropout(dropout_p, seed, offset);
-  const int64_t BH = check_rows(q, "q", 0);
-  TORCH_CHECK(check_rows(k, "k", 1) == BH && check_rows(v, "v", 0) == BH && check_rows(dout, "dout", 0) == BH,
-              "dout, q, k and v must hold the same slices");
-  check(bias, "bias", 3); check(lse, "lse", 2); check(delta, "delta", 2);
-  const int64_t M = k.size(-3), L = q.size(-2), S = k.size(-2), D = q.size(-1), Dv = v.size(-1);
-  TORCH_CHECK(D > 0 && Dv > 0, "head sizes must be positive (BLAS needs leading dimensions >= 1)");
-  check_sizes(q, k, bias, v, rowbias, BH, M, L, S, D);
+  const int64_t BH = check_rows(q, "q", 0), L = q.size(-2), Dv = v.size(-1);
+  TORCH_CHECK(check_rows(dout, "dout", 0) == BH, "dout and q must hold the same slices");
+  check(lse, "lse", 2); check(delta, "delta", 2);
   TORCH_CHECK(dout.size(-2) == L && dout.size(-1) == Dv && dout.scalar_type() == q.scalar_type() &&
               lse.size(0) == BH && lse.size(1) == L && delta.sizes() == lse.sizes() &&
               lse.scalar_type() == q.scalar_type() && delta.scalar_type() == q.scalar_type(),
               "dout (.., L, Dv), lse and delta (BH, L) must match the forward's sizes and dtype");
-  const bool has_rb = rowbias.numel() > 0;
+  const bool has_rb = rowbias.numel() > 0, has_scale = scale.numel() > 0;
   // Gradients in their inputs' layouts where those are dense (grad_like): no copies on the way back to the
   // projections.
   auto dq = grad_like(q), dk = grad_like(k), dbias = torch::zeros_like(bias), dv = grad_like(v);
   auto drb = has_rb ? torch::zeros_like(rowbias) : torch::empty({0}, q.options());
+  auto dscale = has_scale ? torch::zeros_like(scale) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mixture_flash_backward", [&] {
-    Shapes<scalar_t> sh{BH, M, L, S, D, Dv, causal, hard};
+    const Shapes<scalar_t> sh = check_sizes<scalar_t>(q, k, bias, v, rowbias, scale, causal, hard);
     backward_impl<scalar_t>(rows_of<scalar_t>(dout, false), rows_of<scalar_t>(q, false), rows_of<scalar_t>(k, true),
                             bias.data_ptr<scalar_t>(), rows_of<scalar_t>(v, false),
                             has_rb ? rowbias.data_ptr<scalar_t>() : nullptr, lse.data_ptr<scalar_t>(),
                             delta.data_ptr<scalar_t>(), rows_of<scalar_t>(dq, false), rows_of<scalar_t>(dk, true),
                             dbias.data_ptr<scalar_t>(), rows_of<scalar_t>(dv, false),
-                            has_rb ? drb.data_ptr<scalar_t>() : nullptr, sh, drop);
+                            has_rb ? drb.data_ptr<scalar_t>() : nullptr,
+                            has_scale ? dscale.data_ptr<scalar_t>() : nullptr, sh, drop);
   });
-  return {dq, dk, dbias, dv, drb};
+  return {dq, dk, dbias, dv, drb, dscale};
 }
 
 // Soft-E statistics: q (BH, L, D), k (BH, M, S, D), bias (BH, M, S), rowbias (BH, M, L) or empty, query_ok
@@ -836,7 +935,8 @@ torch::Tensor mixture_dropout_mask(int64_t BH, int64_t L, int64_t S, double drop
 
 // mixture_decode.cpp
 torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor scale, torch::Tensor bias,
-                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard);
+                             torch::Tensor rowbias, torch::Tensor v, torch::Tensor valid, bool causal, bool hard,
+                             int64_t period);
 
 torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch::Tensor bias_new,
                                   torch::Tensor value_new, torch::Tensor centre, torch::Tensor inv_s2,

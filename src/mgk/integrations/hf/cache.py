@@ -84,11 +84,11 @@ class MGKCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        """Empty the cache: a new mgk cache of the same kind (its layer's ``new_cache()``; the same slots and layout
-        when the layer is gone), filled by the next call as at the start."""
+        """Empty the cache: a new mgk cache of the same kind (its layer's ``new_cache()``; an empty one of the same
+        state and layout when the layer is gone), filled by the next call as at the start."""
         factory = None if self._new_cache is None else self._new_cache()
         old = self.mgk_cache
-        self.mgk_cache = factory() if factory is not None else LayerCache(old.slots, layout=old.layout)
+        self.mgk_cache = factory() if factory is not None else old.emptied()
         self.packed = False
 
     def offload(self):
