@@ -81,13 +81,13 @@ def with_key_scale(kind: str, options: dict, sources) -> dict:
     """``options`` with the key_scale of an exact conversion filled in when ``kind`` takes one and the caller gave
     none: the scale of the MGK-family modules among ``sources`` (the attention modules to be replaced; a module
     with a ``key_scale`` attribute is one, the first one's is taken), else :data:`CONVERSION_KEY_SCALE` for
-    dot-product layers. Variances a key_scale cannot take (learned, or unequal ones) keep the default 1."""
+    dot-product layers. Variances a key_scale cannot take (learned, or unequal ones) keep 1."""
     names = get_kind(kind).options.names()
     if "key_scale" not in names or "key_scale" in options:
         return options
     s2 = options.get("sigma2")
     if s2 == "learned" or (isinstance(s2, (tuple, list)) and len({float(x) for x in s2}) > 1):
-        return options
+        return {**options, "key_scale": 1.0}  # written out, so that a saved config reloads to the same record
     scales = [m.key_scale for m in sources if isinstance(getattr(m, "key_scale", None), float)]
     return {**options, "key_scale": scales[0] if scales else CONVERSION_KEY_SCALE}
 
