@@ -105,13 +105,19 @@ def _smollm2():
 
 def test_smollm2_converts_into_grouped_mixture_keys_exactly():
     """The real checkpoint (30 layers, 9 query heads over 3 groups, keys of norm up to 25): gmgk with its 3 groups
-    within 5e-4 of its logits on 128 tokens (transformers' eager and sdpa paths differ by 7e-5 there)."""
+    within 5e-4 of its logits on 128 tokens (transformers' eager and sdpa paths differ by 7e-5 there), and greedy
+    generation of 32 tokens unchanged."""
     model = _smollm2()
     ids = torch.randint(3, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    prompt = ids[:, :16]
     with torch.no_grad():
         ref = model(ids).logits
-        got = mgk.swap_attention(model, "gmgk", num_kv_heads=3)(ids).logits
+        want = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        swapped = mgk.swap_attention(model, "gmgk", num_kv_heads=3)
+        got = swapped(ids).logits
+        greedy = swapped.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     torch.testing.assert_close(got, ref, atol=5e-4, rtol=0)
+    assert torch.equal(greedy, want)
 
 
 def test_grouped_source_keeps_its_groups_as_the_components_of_fewer_groups(hf_model):
