@@ -120,10 +120,10 @@ class LayerCache(_SavedByStateDict):
         state: the kind's decoding state; the attributes and methods below are its (through the protocol).
         length: tokens (padding included) this layer has been called with since it was created.
         seen: (B,) int64, real tokens per row (None before the first call).
-        slots, capacity, batch_size, fixed, padded, ready_to_fix: the state's.
-        positions, last_position, reserve, append, claim, entries, write_slot, key_valid, attn_mask,
-            check_fixed_call, fix_capacity, room, advance, cast, nbytes, allocated_bytes, extra_bytes, select,
-            reorder, repeat_interleave, crop: the state's methods (documented there).
+        slots, capacity, batch_size, fixed, padded, ready_to_fix: the state's. Its methods are answered here too
+            (documented there): positions, last_position, reserve, append, claim, entries, write_slot, key_valid,
+            attn_mask, check_fixed_call, fix_capacity, room, advance, cast, nbytes, allocated_bytes, extra_bytes,
+            select, reorder, repeat_interleave, crop.
     Raises:
         ValueError naming ``capacity`` unless it is None or a positive int (given with slots only).
     """
