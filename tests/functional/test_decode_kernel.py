@@ -59,11 +59,13 @@ def _cast(step, dtype):
 @pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
 @pytest.mark.parametrize("L", [1, 16])
 @pytest.mark.parametrize("D,Dv", [(3, 3), (13, 69), (40, 8)])
-def test_kernel_step_is_the_formula(D, Dv, L, shifted, mixture, dtype, kernel_calls):
+@pytest.mark.parametrize("S", [37, 2100], ids=["dot-loop", "gemm"])
+def test_kernel_step_is_the_formula(S, D, Dv, L, shifted, mixture, dtype, kernel_calls):
     """Every tail of the vector loops (D, Dv below, between and above multiples of 4, 8 and 16 lanes; Dv = 69 takes
     the 8-vector chunks and a remainder), one query and the most the kernel takes (causal among them), per-head
-    unequal variances, per-key priors and a padded row."""
-    q, keys, key_bias, v, step, want = _case(2, 3, L, 37, 2, D, Dv, shifted, mixture, seed=D + Dv + L)
+    unequal variances, per-key priors and a padded row; with few keys (dot products in the slice's loop) and with
+    2,100 (L M S >= 2,048: one batched GEMM of every slice's dot products first)."""
+    q, keys, key_bias, v, step, want = _case(2, 3, L, S, 2, D, Dv, shifted, mixture, seed=D + Dv + L)
     got = mgk_attention_cached(q.to(dtype), keys.to(dtype), key_bias.to(dtype), v.to(dtype), **_cast(step, dtype))
     assert kernel_calls and got.dtype == dtype
     tol = 1e-12 if dtype == F64 else 2e-5
@@ -107,10 +109,11 @@ def test_the_kernel_reads_strided_views_of_a_larger_buffer(shifted, kernel_calls
     assert len(kernel_calls) == 2 and torch.equal(got, want)
 
 
-def test_dead_keys_empty_rows_and_nan_in_the_kernel(kernel_calls):
+@pytest.mark.parametrize("S", [6, 2100], ids=["dot-loop", "gemm"])
+def test_dead_keys_empty_rows_and_nan_in_the_kernel(S, kernel_calls):
     """A key with every component switched off (log pi = -inf) gets no weight, a row whose every key is padding is
     zero, and a NaN in a live key makes its row NaN (never a silently finite number)."""
-    B, H, L, S, M, D = 3, 1, 1, 6, 2, 4
+    B, H, L, M, D = 3, 1, 1, 2, 4
     q, k, v = make_inputs(B=B, H=H, L=L, S=S, M=M, D=D, Dv=3, dtype=F64, seed=11)
     log_pi = torch.full((B, H, M, S), -math.log(2), dtype=F64)
     log_pi[..., 1] = float("-inf")  # key 1 off in every row

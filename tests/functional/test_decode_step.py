@@ -75,12 +75,15 @@ def _run(q, key, value, buffers, step, dtype, backend):
 @pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
 @pytest.mark.parametrize("L", [1, 3, 16])
 @pytest.mark.parametrize("D,Dv", [(3, 5), (13, 69), (32, 32)])
-def test_the_fused_step_is_the_formula_and_writes_what_the_composition_writes(D, Dv, L, shifted, mixture, dtype,
-                                                                              kernel):
+@pytest.mark.parametrize("old", [11, 2100], ids=["dot-loop", "gemm"])
+def test_the_fused_step_is_the_formula_and_writes_what_the_composition_writes(old, D, Dv, L, shifted, mixture,
+                                                                              dtype, kernel):
     """Output against the float64 formula of the uncached keys; every buffer, the new slots and the untouched ones
-    (still 7.0 after slot + L), against the explicit composition of mgk_cache_entries, copy and the cached step."""
-    q, key, value, buffers, step, want = _case(D=D, Dv=Dv, L=L, shifted=shifted, mixture=mixture, T=11 + L + 4,
-                                               seed=D + Dv + L)
+    (still 7.0 after slot + L), against the explicit composition of mgk_cache_entries, copy and the cached step;
+    with few cached tokens (dot products in the slice's loop) and with 2,100 (one batched GEMM of them first, which
+    must read the keys this step writes)."""
+    q, key, value, buffers, step, want = _case(D=D, Dv=Dv, L=L, old=old, shifted=shifted, mixture=mixture,
+                                               T=old + L + 4, seed=D + Dv + L)
     got, bufs = _run(q, key, value, buffers, step, dtype, "kernel")
     ref, ref_bufs = _run(q, key, value, buffers, step, dtype, "explicit")
     tol = 1e-12 if dtype == F64 else 3e-5
@@ -89,7 +92,7 @@ def test_the_fused_step_is_the_formula_and_writes_what_the_composition_writes(D,
     torch.testing.assert_close(ref.to(F64), want, atol=tol, rtol=tol)
     for name in bufs:
         torch.testing.assert_close(bufs[name], ref_bufs[name], atol=tol, rtol=tol)
-        assert bool((bufs[name].narrow(-1 if name == "key_bias" else -2, 11 + L, 4) == 7.0).all()), name
+        assert bool((bufs[name].narrow(-1 if name == "key_bias" else -2, old + L, 4) == 7.0).all()), name
 
 
 @pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])

@@ -56,8 +56,11 @@ def _grouped(*, B=2, H=6, G=2, M=2, D=8, Dv=5, old=9, L=1, T=16, shifted=False, 
 @pytest.mark.parametrize("backend", ["kernel", "explicit"])
 @pytest.mark.parametrize("shifted", [False, True], ids=["separate", "shifted"])
 @pytest.mark.parametrize("L", [1, 3])
-def test_a_grouped_step_is_the_formula_of_the_repeated_keys(L, shifted, backend, kernel):
-    q, key, value, buffers, step, want = _grouped(L=L, shifted=shifted)
+@pytest.mark.parametrize("old", [9, 2100], ids=["dot-loop", "gemm"])
+def test_a_grouped_step_is_the_formula_of_the_repeated_keys(old, L, shifted, backend, kernel):
+    """Each group's query heads folded into its rows (causal period L), with few cached tokens and with enough for
+    the kernel's batched GEMM of the dot products."""
+    q, key, value, buffers, step, want = _grouped(L=L, old=old, T=old + L + 6, shifted=shifted)
     bufs = {n: b.clone() for n, b in buffers.items()}
     got = mgk_cache_step(q, key, value, **bufs, **step, backend=backend)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)

@@ -21,7 +21,11 @@
 // GEMM form (one score GEMM over M * S keys, bias add, softmax, value GEMM) makes several passes over the
 // (M, S) scores besides. Here the keys and values are streamed once, straight from the cache's buffers (strided
 // views: slots beyond the ones in use are never read, nothing is copied), and the scores of one slice
-// (L * M * S numbers) stay in a per-thread buffer in cache. Slices run in parallel; no BLAS.
+// (L * M * S numbers) stay in a per-thread buffer in cache. Slices run in parallel. Only the raw dot products of a
+// large call are one batched GEMM over every slice first (at::matmul on the same strided views): a dot product per
+// key ends in a horizontal sum, which costs more than the product itself at D = 32 and made a step at 4,096 tokens
+// compute-bound; a GEMM has none. The value sum takes up to four rows of a slice per pass over the values (gMGK
+// folds its query heads into rows), so each value is read once per four rows, in four times the independent FMAs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -127,6 +131,45 @@ void weighted_sum(const T* v, int64_t vs, const T* w, int64_t S, int64_t Dv, T* 
   }
 }
 
+// out_i (NV vectors each, i < R) = sum_j w_i[j] v_j: R rows of weights (at stride ws) against one pass over v.
+template <typename T, int NV, int R>
+inline void weighted_rows_multi(const T* v, int64_t vs, const T* w, int64_t ws, int64_t S, T* out, int64_t os) {
+  const int64_t W = Vec<T>::size();
+  Vec<T> acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = Vec<T>(T(0));
+  for (int64_t j = 0; j < S; ++j) {
+    const T* row = v + j * vs;
+    Vec<T> x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = Vec<T>::loadu(row + c * W);
+    for (int i = 0; i < R; ++i) {
+      const Vec<T> wij(w[i * ws + j]);
+      for (int c = 0; c < NV; ++c) acc[i][c] = at::vec::fmadd(wij, x[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c].store(out + i * os + c * W);
+}
+
+// out_i[0:Dv] = sum_j w_i[j] v_j for R <= 4 rows (weights at stride ws, outputs at stride os): columns in chunks of
+// two vectors over all R rows at once, the rest (and any R < 4 remainder of columns) by weighted_sum per row.
+template <typename T, int R>
+void weighted_sum_rows(const T* v, int64_t vs, const T* w, int64_t ws, int64_t S, int64_t Dv, T* out, int64_t os) {
+  const int64_t W = Vec<T>::size();
+  int64_t c0 = 0;
+  for (; c0 + 2 * W <= Dv; c0 += 2 * W) weighted_rows_multi<T, 2, R>(v + c0, vs, w, ws, S, out + c0, os);
+  if (c0 + W <= Dv) {
+    weighted_rows_multi<T, 1, R>(v + c0, vs, w, ws, S, out + c0, os);
+    c0 += W;
+  }
+  for (int64_t c = c0; c < Dv; ++c)
+    for (int i = 0; i < R; ++i) {
+      T acc = 0;
+      for (int64_t j = 0; j < S; ++j) acc += w[i * ws + j] * v[j * vs + c];
+      out[i * os + c] = acc;
+    }
+}
+
 template <typename T>
 T* scratch(size_t n) {
   thread_local std::vector<T> buffer;
@@ -151,6 +194,7 @@ struct Step {
   const uint8_t* valid; int64_t valid_b;  // (B, S), last dim contiguous, or nullptr
   bool causal, hard;
   T* out;  // (B, H, L, Dv) contiguous
+  const T* raw = nullptr;  // (B, H, Mk, L, S) contiguous: the dot products made ahead by one GEMM, or nullptr
 };
 
 // One slice (b, h): scores of its L queries (L x M x S) into sc, then the weights and the value sum.
@@ -164,35 +208,58 @@ void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* r
   const T* v = p.v + b * p.v_b + h * p.v_h;
   const uint8_t* valid = p.valid ? p.valid + b * p.valid_b : nullptr;
   T* out = p.out + (b * p.H + h) * L * p.Dv;
-  // raw dot products: (L, Mk, S) at the front of sc, then finished in place into (L, M, S) (Mk = M or 1)
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t r = 0; r < p.Mk; ++r) dots(q + l * p.D, keys + r * p.k_r, p.k_j, S, p.D, sc + (l * M + r) * S);
+  const T* raw_slice = p.raw ? p.raw + (b * p.H + h) * p.Mk * L * S : nullptr;
+  // raw dot products: made ahead (raw_slice), or (L, Mk, S) at the front of sc, finished in place into (L, M, S)
+  if (!raw_slice)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t r = 0; r < p.Mk; ++r) dots(q + l * p.D, keys + r * p.k_r, p.k_j, S, p.D, sc + (l * M + r) * S);
+  std::vector<T> totals(static_cast<size_t>(L));  // each row's sum of weights; 0 marks a row with no visible key
   for (int64_t l = 0; l < L; ++l) {
     T* row = sc + l * M * S;
     const int64_t lq = l % p.period;
     const int64_t visible = p.causal ? std::min<int64_t>(S, std::max<int64_t>(0, lq + S - p.period + 1)) : S;
+    Vec<T> vmax(ninf);
+    T mx = ninf;
     for (int64_t r = M - 1; r >= 0; --r) {  // from the last component: sMGK's raw dots sit in component 0
-      const T* raw = row + (p.Mk == 1 ? 0 : r * S);
+      const int64_t rk = p.Mk == 1 ? 0 : r;
+      const T* raw = raw_slice ? raw_slice + (rk * L + l) * S : row + rk * S;
       T* s = row + r * S;
       const Vec<T> vscale(p.scale ? p.scale[h * M + r] : T(1)), vrb(rb ? rb[r * L + l] : T(0));
       const T* br = bias + r * p.b_r;
       int64_t j = 0;
-      for (; j + W <= visible; j += W)
-        at::vec::fmadd(Vec<T>::loadu(raw + j), vscale, Vec<T>::loadu(br + j) + vrb).store(s + j);
+      if (!valid) {  // the scores and their running maximum (at::vec::maximum keeps a NaN, as nanmax)
+        for (; j + W <= visible; j += W) {
+          const Vec<T> x = at::vec::fmadd(Vec<T>::loadu(raw + j), vscale, Vec<T>::loadu(br + j) + vrb);
+          x.store(s + j);
+          vmax = at::vec::maximum(vmax, x);
+        }
+      } else {
+        for (; j + W <= visible; j += W)
+          at::vec::fmadd(Vec<T>::loadu(raw + j), vscale, Vec<T>::loadu(br + j) + vrb).store(s + j);
+      }
       const T sc1 = p.scale ? p.scale[h * M + r] : T(1), rb1 = rb ? rb[r * L + l] : T(0);
       for (; j < visible; ++j) s[j] = raw[j] * sc1 + br[j] + rb1;
       for (j = visible; j < S; ++j) s[j] = ninf;
-      if (valid)
-        for (j = 0; j < visible; ++j)
+      if (valid) {
+        for (j = 0; j < visible; ++j) {
           if (!valid[j]) s[j] = ninf;
+          mx = nanmax(mx, s[j]);
+        }
+      } else {
+        for (j = (visible / W) * W; j < visible; ++j) mx = nanmax(mx, s[j]);
+      }
     }
-    // the weights A_lj (unnormalised) into the row's first S numbers
-    T mx = ninf;
-    for (int64_t i = 0; i < M * S; ++i) mx = nanmax(mx, row[i]);
-    if (mx == ninf) {  // no visible key: a zero row
-      for (int64_t c = 0; c < p.Dv; ++c) out[l * p.Dv + c] = T(0);
+    if (!valid) {
+      T lanes[Vec<T>::size()];
+      vmax.store(lanes);
+      for (int64_t i = 0; i < W; ++i) mx = nanmax(mx, lanes[i]);
+    }
+    if (mx == ninf) {  // no visible key: a zero row (its weights 0 for the value sum)
+      for (int64_t j = 0; j < S; ++j) row[j] = T(0);
+      totals[l] = T(0);
       continue;
     }
+    // the weights A_lj (unnormalised) into the row's first S numbers
     const Vec<T> vmx(mx);
     T total = 0;
     Vec<T> vtotal(T(0));
@@ -224,11 +291,37 @@ void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* r
       row[j] = w;
       total += w;
     }
-    T* o = out + l * p.Dv;
-    weighted_sum(v, p.v_j, row, S, p.Dv, o);
-    const T inv = T(1) / total;
-    for (int64_t c = 0; c < p.Dv; ++c) o[c] *= inv;
+    totals[l] = total;
   }
+  // the value sums, up to four rows per pass over the values (rows at stride M S in sc)
+  const int64_t ws = M * S, Dv = p.Dv;
+  int64_t l = 0;
+  for (; l + 4 <= L; l += 4) weighted_sum_rows<T, 4>(v, p.v_j, sc + l * ws, ws, S, Dv, out + l * Dv, Dv);
+  switch (L - l) {
+    case 3: weighted_sum_rows<T, 3>(v, p.v_j, sc + l * ws, ws, S, Dv, out + l * Dv, Dv); break;
+    case 2: weighted_sum_rows<T, 2>(v, p.v_j, sc + l * ws, ws, S, Dv, out + l * Dv, Dv); break;
+    case 1: weighted_sum(v, p.v_j, sc + l * ws, S, Dv, out + l * Dv); break;
+    default: break;
+  }
+  for (l = 0; l < L; ++l) {
+    T* o = out + l * Dv;
+    if (totals[l] == T(0)) {
+      for (int64_t c = 0; c < Dv; ++c) o[c] = T(0);
+      continue;
+    }
+    const T inv = T(1) / totals[l];
+    for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
+  }
+}
+
+// The raw dot products of every slice in one batched GEMM, when the call is large enough for it to pay and has
+// several query rows a slice (a GEMM's fixed cost is a few microseconds; with one row it is a batched GEMV, which
+// measured 1.3-1.5x slower than the dot loop for MGK-4's step at batch 1 and 1,024-4,096 tokens):
+// q (B, H, L, D) against keys (B, H, Mk, S, D) -> (B, H, Mk, L, S) contiguous, or an undefined tensor.
+torch::Tensor raw_dots(const torch::Tensor& q, const torch::Tensor& keys) {
+  const int64_t L = q.size(2), Mk = keys.size(2), S = keys.size(3);
+  if (L < 2 || L * Mk * S < 2048) return torch::Tensor();
+  return at::matmul(q.unsqueeze(2), keys.transpose(-1, -2)).contiguous();
 }
 
 void check_rows(const torch::Tensor& t, const char* name, int64_t dim) {
@@ -285,6 +378,8 @@ torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor 
                      has_valid ? reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>()) : nullptr,
                      has_valid ? valid.stride(0) : 0,
                      causal, hard, out.data_ptr<scalar_t>()};
+    const torch::Tensor raw = raw_dots(q, keys);
+    if (raw.defined()) p.raw = raw.data_ptr<scalar_t>();
     // small steps on the calling thread: waking the pool costs more than they do
     const int64_t grain = B * H * L * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
@@ -456,15 +551,21 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
                vb.data_ptr<T>(), vb.stride(0), vb.stride(1), vb.stride(2), t};
     const bool terms = shifted || qnorm;
     const int64_t grain = B * H * rows * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
+    // first every slice's writes, centred queries and row terms (the GEMM of the dot products reads the new keys)
+    auto qc = torch::empty({B, H, rows, D}, q.options());
+    auto rb = terms ? torch::empty({B, H, M, rows}, q.options()) : torch::Tensor();
+    T* qc_all = qc.data_ptr<T>();
+    T* rb_all = terms ? rb.data_ptr<T>() : nullptr;
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      T* sc = scratch<T>(static_cast<size_t>(rows * M * S + rows * D + rows * M));
-      T* qc = sc + rows * M * S;
-      T* rb = terms ? qc + rows * D : nullptr;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / H, h = i % H;
-        write_and_terms(p, w, b, h, qc, rb);
-        slice(p, b, h, sc, qc, rb);
-      }
+      for (int64_t i = begin; i < end; ++i)
+        write_and_terms(p, w, i / H, i % H, qc_all + i * rows * D, rb_all ? rb_all + i * M * rows : nullptr);
+    });
+    const torch::Tensor raw = raw_dots(qc, kb);
+    if (raw.defined()) p.raw = raw.data_ptr<T>();
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+      T* sc = scratch<T>(static_cast<size_t>(rows * M * S));
+      for (int64_t i = begin; i < end; ++i)
+        slice(p, i / H, i % H, sc, qc_all + i * rows * D, rb_all ? rb_all + i * M * rows : nullptr);
     });
   });
   return out;
