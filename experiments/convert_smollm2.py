@@ -80,8 +80,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/convert-smollm2", help="run folders, scores and logs")
     p.add_argument("--record", default="results/cpu/convert-smollm2", help="finished cells (committed)")
     p.add_argument("--only", help="run only this row (and the source)")
+    p.add_argument("--report", action="store_true", help="run nothing: the table, verdicts and figure of the record")
+    p.add_argument("--figure", default="results/cpu/convert-smollm2.png", help="where the figure goes")
     args = p.parse_args(argv)
     runs, record = Path(args.out), Path(args.record)
+    if args.report:
+        print(table(record))
+        print()
+        print(verdicts(record))
+        figure(record, Path(args.figure))
+        return 0
     os.environ.setdefault("MGK_TRACEBACK", "1")
     _cell(record, "source", None, None, args)
     rows = {label: row for label, row in ROWS.items() if not args.only or label == args.only}
@@ -123,6 +131,101 @@ def table(record: Path) -> str:
                      f"{TOKENS + E2E_TOKENS if recovered else 0} | "
                      f"{'-' if not seconds else f'{statistics.mean(seconds):.0f}'} |")
     return "\n".join(lines)
+
+
+def _cells(record: Path, label: str) -> tuple[float | None, list[float]]:
+    """(step-0 perplexity or None, recovered perplexities of the seeds recorded) of a row."""
+    def ppl(name):
+        path = record / f"{name}.json"
+        return json.loads(path.read_text())["score"]["perplexity"] if path.is_file() else None
+    seeds = [ppl(f"{label}-s{s}") for s in SEEDS]
+    return ppl(f"{label}-step0" if label != "source" else "source"), [x for x in seeds if x is not None]
+
+
+def _summary(values: list[float]) -> tuple[float, float, int]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)
+
+
+def verdicts(record: Path) -> str:
+    """The pre-registered rule (results/cpu/convert-smollm2.md, "Decision rule") applied to the record: the checks,
+    rule 1 (gmgk-1-shifted against gqa-1, kv-budget.md's compare) and rule 2 (gmgk-1-groups against the straight
+    line between gqa-1 recovered and the source at its cache). A rule whose rows lack n = 3 says so and decides
+    nothing."""
+    from mgk.reproduce.report import compare
+
+    lines = []
+    source, _ = _cells(record, "source")
+    exact, _ = _cells(record, "gmgk-3-exact")
+    gqa0, gqa = _cells(record, "gqa-1")
+    if source is not None and exact is not None:
+        lines.append(f"check 0a: gmgk-3-exact at step 0 {exact:.6f} against the source's {source:.6f} "
+                     f"(|d| = {abs(exact - source):.1e}): {'holds' if abs(exact - source) <= 0.01 else 'FAILS'}")
+    if gqa0 is not None and len(gqa) >= 2:
+        m, sd, n = _summary(gqa)
+        lines.append(f"check 0b: gqa-1 recovered {m:.2f} ± {sd:.2f} (n = {n}) against {gqa0:.1f} at step 0: "
+                     f"{'holds' if gqa0 - m > sd else 'FAILS (no claim about recovery)'}")
+    cells = []
+    for label in ("gqa-1", "gmgk-1-shifted", "gmgk-1-groups"):
+        values = _cells(record, label)[1]
+        if len(values) >= 2:
+            m, sd, n = _summary(values)
+            cells.append({"row": label, "task": "wt103-valid", "mean": m, "std": sd, "n": n, "better": "lower",
+                          "metric": "perplexity"})
+    final = {label: len(_cells(record, label)[1]) == len(SEEDS) for label in ROWS}
+    for c in compare(cells, [("gmgk-1-shifted", "gqa-1")]):
+        lines.append(f"rule 1: gmgk-1-shifted {c['mean']:.2f} ± {c['std']:.2f} against gqa-1 {c['ref_mean']:.2f} ± "
+                     f"{c['ref_std']:.2f}: difference {c['difference']:+.2f}, larger std {c['larger_std']:.2f} -> "
+                     f"{c['verdict']}" + ("" if final["gmgk-1-shifted"] and final["gqa-1"] else
+                                          " (not final: n < 3)"))
+    groups = _cells(record, "gmgk-1-groups")[1]
+    if source is not None and len(gqa) >= 2 and len(groups) >= 2:
+        p1, s1, _ = _summary(gqa)
+        pg, sg, _ = _summary(groups)
+        cache = ROWS["gmgk-1-groups"][2]
+        low = ROWS["gqa-1"][2]
+        frontier = p1 + (cache - low) / (SOURCE_CACHE - low) * (source - p1)
+        margin = max(sg, s1)
+        verdict = ("mixture keys convert better than GQA" if pg < frontier - margin else
+                   "worse than GQA's frontier" if pg > frontier + margin else "on the frontier")
+        lines.append(f"rule 2: gmgk-1-groups {pg:.2f} ± {sg:.2f} against the frontier p* = {frontier:.2f} at "
+                     f"{cache} (margin {margin:.2f}) -> {verdict}" + ("" if final["gmgk-1-groups"] and
+                                                                      final["gqa-1"] else " (not final: n < 3)"))
+        lines.append(f"  beside it: gmgk-1-groups - gqa-1 = {pg - p1:+.2f}; gmgk-1-groups / source = "
+                     f"{pg / source:.2f}")
+    return "\n".join(lines) or "(nothing to judge yet)"
+
+
+def figure(record: Path, path: Path) -> None:
+    """Perplexity (log scale) against the decoding cache per token and layer: every row at step 0 (open) and
+    recovered (filled, mean with the seeds' std)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    source, _ = _cells(record, "source")
+    if source is not None:
+        ax.scatter([SOURCE_CACHE], [source], marker="*", s=120, color="black", label="source (SmolLM2-135M)")
+    for i, (label, (_, _, cache, _)) in enumerate(ROWS.items()):
+        colour = f"C{i}"
+        step0, values = _cells(record, label)
+        if step0 is not None:
+            ax.scatter([cache], [step0], facecolors="none", edgecolors=colour, s=50, label=f"{label} step 0")
+        if values:
+            m, sd, n = _summary(values)
+            ax.errorbar([cache], [m], yerr=[sd], fmt="o", color=colour, capsize=3,
+                        label=f"{label} recovered (n = {n})")
+    ax.set_xscale("linear")
+    ax.set_yscale("log")
+    ax.set_xlabel("decoding cache (elements per token and layer)")
+    ax.set_ylabel("perplexity, WikiText-103 validation (65,536 tokens)")
+    ax.set_title("SmolLM2-135M converted, 98,304 tokens of recovery")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
