@@ -216,6 +216,12 @@ def figure(record: Path, path: Path) -> None:
             m, sd, n = _summary(values)
             ax.errorbar([cache], [m], yerr=[sd], fmt="o", color=colour, capsize=3,
                         label=f"{label} recovered (n = {n})")
+    gqa = _cells(record, "gqa-1")[1]
+    if source is not None and gqa:  # rule 2's reference: the straight line between GQA-1 recovered and the source
+        low, p1 = ROWS["gqa-1"][2], statistics.mean(gqa)
+        xs = [low + i * (SOURCE_CACHE - low) / 64 for i in range(65)]  # straight in perplexity, curved on the log axis
+        ax.plot(xs, [p1 + (x - low) / (SOURCE_CACHE - low) * (source - p1) for x in xs], "--", color="grey", lw=1,
+                label="GQA frontier (rule 2)")
     ax.set_xscale("linear")
     ax.set_yscale("log")
     ax.set_xlabel("decoding cache (elements per token and layer)")
