@@ -1,7 +1,8 @@
 """Shared pytest fixtures: one thread for tiny tensors, the MGK backends available here, one closeness check;
 ``th``, the end-to-end training helpers (a tiny config ``th.TINY``, ``th.sets``, subprocess runners ``th.run``,
 ``th.run_torchrun``, ``th.mgk_cmd``, ``th.env``, ``th.kill_after``, run-directory readers ``th.metrics``,
-``th.series``, ``th.last_state``); ``run_v0_1_0``, a copy of the 0.1.0 run-directory fixture."""
+``th.series``, ``th.last_state``, the experiment drivers ``th.experiment``); ``run_v0_1_0``, a copy of the 0.1.0
+run-directory fixture."""
 import importlib.util
 import json
 import os
@@ -156,12 +157,20 @@ def kill_after(args, out, min_step):
     return int(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["loop_state"]["step"])
 
 
+def experiment(name: str) -> types.ModuleType:
+    """The driver ``experiments/<name>.py`` loaded as a module (experiments/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"experiment_{name}", REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def th():
     """The helpers above as one namespace (tests take them as a fixture instead of importing this file)."""
     return types.SimpleNamespace(TINY=list(TINY), sets=sets, env=env, mgk_cmd=mgk_cmd, run=run,
                                  run_torchrun=run_torchrun, kill_after=kill_after, metrics=metrics, series=series,
-                                 last_state=last_state)
+                                 last_state=last_state, experiment=experiment)
 
 
 @pytest.fixture

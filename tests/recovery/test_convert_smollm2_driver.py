@@ -1,21 +1,15 @@
 """experiments/convert_smollm2.py's verdicts are its pre-registered rule (results/cpu/convert-smollm2.md): the
 checks, rule 1 by kv-budget.md's compare and rule 2 against the straight line between GQA-1 recovered and the
 source at the groups row's cache, with the larger of the two stds as the margin; a rule lacking n = 3 says so."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-DRIVER = Path(__file__).resolve().parents[2] / "experiments" / "convert_smollm2.py"
-
 
 @pytest.fixture(scope="module")
-def driver():
-    spec = importlib.util.spec_from_file_location("convert_smollm2_driver", DRIVER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def driver(th):
+    return th.experiment("convert_smollm2")
 
 
 def _record(folder: Path, cells: dict) -> Path:

@@ -1,20 +1,14 @@
 """experiments/retrofit.py's report: the split it names is the one its numbers come from (a WikiText-103 copy
 without a test split reports validation perplexity, and must not call it test), and its verdicts are the rule's."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-DRIVER = Path(__file__).resolve().parents[2] / "experiments" / "retrofit.py"
-
 
 @pytest.fixture(scope="module")
-def retrofit():
-    spec = importlib.util.spec_from_file_location("retrofit_driver", DRIVER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def retrofit(th):
+    return th.experiment("retrofit")
 
 
 def _runs(out: Path, retrofit, split: str, metric: str, values: dict) -> list:

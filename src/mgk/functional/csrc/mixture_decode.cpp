@@ -197,7 +197,8 @@ struct Step {
   const T* raw = nullptr;  // (B, H, Mk, L, S) contiguous: the dot products made ahead by one GEMM, or nullptr
 };
 
-// One slice (b, h): scores of its L queries (L x M x S) into sc, then the weights and the value sum.
+// One slice (b, h): scores of its L queries (L x M x S) into sc, then the weights and the value sum; sc holds
+// L * M * S + L numbers (the last L: each row's sum of weights).
 // q: the slice's L queries (L, D); rb: its row terms (M, L) or nullptr.
 template <typename T>
 void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* rb) {
@@ -213,7 +214,7 @@ void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* r
   if (!raw_slice)
     for (int64_t l = 0; l < L; ++l)
       for (int64_t r = 0; r < p.Mk; ++r) dots(q + l * p.D, keys + r * p.k_r, p.k_j, S, p.D, sc + (l * M + r) * S);
-  std::vector<T> totals(static_cast<size_t>(L));  // each row's sum of weights; 0 marks a row with no visible key
+  T* totals = sc + L * M * S;  // each row's sum of weights; 0 marks a row with no visible key
   for (int64_t l = 0; l < L; ++l) {
     T* row = sc + l * M * S;
     const int64_t lq = l % p.period;
@@ -254,8 +255,7 @@ void slice(const Step<T>& p, int64_t b, int64_t h, T* sc, const T* q, const T* r
       vmax.store(lanes);
       for (int64_t i = 0; i < W; ++i) mx = nanmax(mx, lanes[i]);
     }
-    if (mx == ninf) {  // no visible key: a zero row (its weights 0 for the value sum)
-      for (int64_t j = 0; j < S; ++j) row[j] = T(0);
+    if (mx == ninf) {  // no visible key: a zero row (its value sum, read from its own scores, is overwritten below)
       totals[l] = T(0);
       continue;
     }
@@ -383,7 +383,7 @@ torch::Tensor mixture_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor 
     // small steps on the calling thread: waking the pool costs more than they do
     const int64_t grain = B * H * L * M * S * (D + Dv) < (int64_t(1) << 16) ? B * H : 1;
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      scalar_t* sc = scratch<scalar_t>(static_cast<size_t>(L * M * S));
+      scalar_t* sc = scratch<scalar_t>(static_cast<size_t>(L * M * S + L));
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / H, h = i % H;
         slice(p, b, h, sc, p.q + i * L * D, p.rowbias ? p.rowbias + i * M * L : nullptr);
@@ -563,7 +563,7 @@ torch::Tensor mixture_decode_step(torch::Tensor q, torch::Tensor key_new, torch:
     const torch::Tensor raw = raw_dots(qc, kb);
     if (raw.defined()) p.raw = raw.data_ptr<T>();
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      T* sc = scratch<T>(static_cast<size_t>(rows * M * S));
+      T* sc = scratch<T>(static_cast<size_t>(rows * M * S + rows));
       for (int64_t i = begin; i < end; ++i)
         slice(p, i / H, i % H, sc, qc_all + i * rows * D, rb_all ? rb_all + i * M * rows : nullptr);
     });
