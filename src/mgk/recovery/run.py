@@ -286,6 +286,8 @@ class _Recovery:
         self.spread_start = component_spread(self.students)
 
     def run(self) -> dict:
+        """Train from the checkpoint in the run folder if there is one (else from step 0), both phases to the end;
+        returns the results, which _finish writes to results.json."""
         ckpt_path = self.out / CHECKPOINT_NAME
         if ckpt_path.is_file():
             self._load(checkpoint.load(ckpt_path))

@@ -26,6 +26,7 @@ class _Catch:
         self.hooks: list = []
 
     def register_forward_hook(self, hook, *args, **kwargs) -> None:
+        """Keep ``hook`` (nn.Module's signature; the other arguments are ignored), registering nothing."""
         self.hooks.append(hook)
 
 
