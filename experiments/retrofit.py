@@ -217,6 +217,23 @@ def _scratch(path: Path | None, task: str) -> dict:
     return {c["row"]: c for c in data["rows"] if c["task"] == task and c["n"]}
 
 
+def _targets(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise SystemExit(f"retrofit: --targets: unknown target(s) {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(TARGETS)}")
+    return names
+
+
+def plan(sources, total: int, out: Path, targets) -> list[tuple[list[str], Path]]:
+    """(command, run folder) of every continued run: each budget of ``FRACTIONS`` of the source's ``total`` steps,
+    for each of ``targets`` and each (seed, source run), in that order (the shortest budgets first)."""
+    return [(_command(src, t, max(1, round(f * total)), out / t / f"f{f:.2f}" / f"seed{seed}"),
+             out / t / f"f{f:.2f}" / f"seed{seed}")
+            for f in FRACTIONS for t in targets for seed, src in sources]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sources", required=True, type=Path, help="folder of the softmax-8 runs, one per seed")
@@ -225,6 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--task", default="dretrieval-d8", help="task name of the rows in --scratch")
     p.add_argument("--task-label", default=None, help="title of the report (default: --task)")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help=f"comma-separated targets to run (default: all of {', '.join(TARGETS)}); the report "
+                        "covers every target with finished runs")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     sources = _sources(args.sources)
@@ -232,9 +252,7 @@ def main(argv=None) -> int:
     if len(steps) != 1:
         raise SystemExit(f"retrofit: the sources were trained for different steps: {sorted(steps)}")
     total = steps.pop()
-    jobs = [(_command(src, t, max(1, round(f * total)), args.out / t / f"f{f:.2f}" / f"seed{seed}"),
-             args.out / t / f"f{f:.2f}" / f"seed{seed}")
-            for f in FRACTIONS for t in TARGETS for seed, src in sources]
+    jobs = plan(sources, total, args.out, _targets(args.targets))
     if not args.report_only:
         with ThreadPoolExecutor(args.jobs) as pool:
             for line in pool.map(_run, jobs):

@@ -66,3 +66,24 @@ def test_the_figure_draws_each_target_in_its_kinds_colour(tmp_path, retrofit):
         label: to_hex(kind_colour(kind)) for label, kind in want.items()}
     similar, adjacent = lines["mgk-4-similar (converted)"], lines["mgk-4-adjacent (converted)"]
     assert (similar.get_linestyle(), similar.get_marker()) != (adjacent.get_linestyle(), adjacent.get_marker())
+
+
+def test_targets_restrict_the_runs_and_keep_the_budget_order(tmp_path, retrofit):
+    sources = [(0, tmp_path / "s0"), (1, tmp_path / "s1")]
+    jobs = retrofit.plan(sources, 200, tmp_path, retrofit._targets("gmgk-8-kv1, gqa-8-kv2"))
+    runs = [str(run.relative_to(tmp_path)) for _, run in jobs]
+    assert runs[:4] == ["gmgk-8-kv1/f0.05/seed0", "gmgk-8-kv1/f0.05/seed1", "gqa-8-kv2/f0.05/seed0",
+                        "gqa-8-kv2/f0.05/seed1"]
+    assert len(runs) == 2 * 2 * len(retrofit.FRACTIONS)
+    steps = {run.parent.name: cmd[cmd.index("--steps") + 1] for cmd, run in jobs}
+    assert steps == {"f0.05": "10", "f0.10": "20", "f0.20": "40"}
+    assert len(retrofit.plan(sources, 200, tmp_path, retrofit._targets(",".join(retrofit.TARGETS)))) == \
+        2 * len(retrofit.TARGETS) * len(retrofit.FRACTIONS)
+
+
+@pytest.mark.parametrize("text", ["gqa-8-kv3", "", "gqa-8-kv2,mgk-8"])
+def test_an_unknown_target_is_refused_in_one_line_naming_the_option(retrofit, text):
+    with pytest.raises(SystemExit) as err:
+        retrofit._targets(text)
+    message = str(err.value)
+    assert message.startswith("retrofit: --targets:") and "\n" not in message and "gqa-8-kv2" in message
