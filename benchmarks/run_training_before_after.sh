@@ -17,4 +17,4 @@ for run in 1 2; do
         --head-dim 16 --causal --kinds softmax:8,mgk:4,smgk:4 --backward --json "$out/attention_wt103_layer_bwd_same_process_run$run.json"
 done
 python -m mgk bench model --preset wt103-paper --kinds softmax:8,mgk:4 --set grad_accum=4 --steps 2 \
-    --json "$out/model_wt103_paper_accum4_issue34.json"
+    --json "$out/model_wt103_paper_accum4_fused.json"

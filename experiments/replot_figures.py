@@ -1,7 +1,7 @@
 """Redraw the shipped figures whose data the repository holds, with the plot functions of today (one colour per
 attention kind, readable ticks: mgk.figures), without re-running anything:
 
-- docs/decode-ms-per-token.png from benchmarks/results/decode_issue34_paired_A2.json (`mgk bench decode --plot`,
+- docs/decode-ms-per-token.png from benchmarks/results/decode_fused_paired_A2.json (`mgk bench decode --plot`,
   the second batch-1 whole-model run of BENCHMARKS.md);
 - results/cpu/analyze-listops/*.png from its analysis.json (`mgk analyze --compare`), and docs/analyze-compare.png,
   which is its rank.png;
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    decode = json.loads((ROOT / "benchmarks/results/decode_issue34_paired_A2.json").read_text())
+    decode = json.loads((ROOT / "benchmarks/results/decode_fused_paired_A2.json").read_text())
     print(plot_decode(decode, ROOT / "docs/decode-ms-per-token.png"))
     analysis = ROOT / "results/cpu/analyze-listops"
     figures = write_figures(json.loads((analysis / "analysis.json").read_text())["runs"], analysis)
