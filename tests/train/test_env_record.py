@@ -48,3 +48,27 @@ def test_env_json_records_git_dirty_and_null_without_git(tmp_path, monkeypatch):
     records.write_env(tmp_path, seed=0, world_size=1, device="cpu")
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["git_commit"] is None and env["git_dirty"] is None
+
+
+def test_env_json_records_the_cpu_and_torchs_vector_kernels(tmp_path):
+    """Another CPU family changes floating-point sums under the same seed, code and torch (a run re-trained on an
+    AMD EPYC VM did not match its Intel Xeon original), so env.json names the CPU and torch's kernel set."""
+    import torch
+
+    records.write_env(tmp_path, seed=0, world_size=1, device="cpu")
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and env["cpu_capability"]
+    assert env["cpu"] == records.cpu_model()
+
+
+def test_cpu_model_reads_the_first_model_name_and_falls_back(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\n\n"
+                    "processor\t: 1\nmodel name\t: other\n")
+    assert records.cpu_model(info) == "AMD EPYC 9B14"
+    monkeypatch.setattr(records.platform, "processor", lambda: "arm")
+    assert records.cpu_model(tmp_path / "absent") == "arm"
+    info.write_text("processor\t: 0\nmodel name\t:\n")
+    assert records.cpu_model(info) == "arm"
+    monkeypatch.setattr(records.platform, "processor", lambda: "")
+    assert records.cpu_model(tmp_path / "absent") is None

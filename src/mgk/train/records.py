@@ -80,12 +80,29 @@ def attention_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for m in model.modules() if isinstance(m, AttentionBase) for p in m.parameters())
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The processor's name ("AMD EPYC", "Intel(R) Xeon(R) ..."): the first ``model name`` of ``cpuinfo`` on Linux,
+    else :func:`platform.processor`, else None. Recorded because the same seed, code and torch give other floating-
+    point sums on another CPU family (torch picks its vectorised kernels by the CPU), so a run that does not
+    reproduce bitwise can be traced to the machine."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def write_env(run_dir: Path, *, seed: int, world_size: int, device: str) -> None:
     """Write env.json with versions, the git commit and ``git_dirty`` (:func:`git_dirty`: whether that commit is
-    all of the code that ran; None outside a git checkout)."""
+    all of the code that ran; None outside a git checkout), the CPU (:func:`cpu_model`) and the vector instruction
+    set torch's CPU kernels use (``cpu_capability``, e.g. "AVX512")."""
     env = {"seed": seed, "world_size": world_size, "device": device, "mgk": __version__, "torch": torch.__version__,
            "python": sys.version.split()[0], "platform": platform.platform(), "git_commit": git_commit(),
-           "git_dirty": git_dirty(), "threads": torch.get_num_threads()}
+           "git_dirty": git_dirty(), "threads": torch.get_num_threads(), "cpu": cpu_model(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     rundir.write_json(rundir.RunFiles(run_dir).env, env)
 
 

@@ -5,7 +5,7 @@ naming it), and who may write it (an OS file lock).
 Layout (the run-directory format; checkpoints themselves are :mod:`mgk.train.checkpoint`'s)::
 
     config.yaml      the resolved RunConfig (``mgk.config.to_dict``)
-    env.json         seed, world size, package/torch/python versions, git commit when known
+    env.json         seed, world size, package/torch/python versions, git commit when known, CPU
     metrics.jsonl    one JSON object per logged step, appended as training goes
     train.log        the lines the run printed, appended
     tb/              TensorBoard events
